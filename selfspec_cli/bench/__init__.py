@@ -1,0 +1,1 @@
+"""Side-by-side benchmarking of selfspec methods and outside peers."""

@@ -1,0 +1,1 @@
+"""The command-line interface: the only place typer and rich are imported."""

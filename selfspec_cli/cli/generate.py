@@ -1,0 +1,63 @@
+"""``selfspec generate``: decode every prompt of a file with one method; JSONL out."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+from ..config import GenerationConfig, SamplingConfig
+from ..engine import Engine
+from ..errors import ConfigError
+from ..loading import load_model
+from ..methods import METHODS
+from ..prompts import read_prompts
+from ..runtime import check_prompt_fits, context_length, run_prompt
+from .common import log, output_stream, progress, write_record
+
+
+def generate(
+    prompt_file: str = typer.Option(..., "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    method: str = typer.Option("ar", "--method", help=f"Decoding method: {', '.join(METHODS)}."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling (reproducible)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); the output keeps it."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
+) -> None:
+    """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates before any loading
+    prompts = read_prompts(prompt_file)
+
+    mdl, tok = load_model(model, dtype=dtype, device=device)
+    eos = mdl.generation_config.eos_token_id if mdl.generation_config.eos_token_id is not None else tok.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop), eos_token_ids=eos_ids)
+    ctx = context_length(mdl)
+    for p in prompts:
+        check_prompt_fits(p, tok, cfg, ctx, chat_template)
+
+    engine = Engine(mdl)
+    meth = METHODS[method](engine, tok)
+    dev = torch.device(engine.device)
+    log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "
+        f"method {method}; {len(prompts)} prompts[/dim]")
+    total_tokens, total_time = 0, 0.0
+    with output_stream(output) as out, progress() as bar:
+        task = bar.add_task("generate", total=len(prompts), info="")
+        for p in prompts:
+            rec = run_prompt(meth.generate, tok, p, cfg, dev, method, chat_template, meth.lossless)
+            write_record(out, rec)
+            total_tokens += rec["new_tokens"]
+            total_time += rec["wall_time_s"]
+            bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")

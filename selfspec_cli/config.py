@@ -1,0 +1,48 @@
+"""Frozen configuration dataclasses. No I/O here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How the next token is chosen from the target's logits.
+
+    temperature == 0 means greedy (argmax). Otherwise the processed distribution is
+    softmax(logits / temperature) restricted by top-k then top-p, in the same order
+    and with the same tie rules as Hugging Face's logits warpers.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """What to generate: length limit, stopping rules, sampling."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ConfigError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens}")

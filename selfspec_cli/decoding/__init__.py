@@ -1,0 +1,1 @@
+"""Token selection, verification rules and the shared decoding bookkeeping."""

@@ -1,0 +1,97 @@
+"""Bookkeeping shared by every decoding method: stopping rules and statistics.
+
+Methods produce tokens in bursts (one per step for plain decoding, several per
+verification for speculative methods). :class:`TokenSink` takes each burst and
+keeps exactly the tokens up to the first stopping event, so ``max_new_tokens`` is
+never exceeded and nothing after EOS or a stop string is kept, whatever method
+produced the burst.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import GenerationConfig
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """Per-prompt counters. One *step* is one full-depth target forward (prefill included);
+    ``accept_lengths[i]`` is the number of tokens step ``i`` added to the output."""
+
+    target_forwards: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    draft_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        n = len(self.accept_lengths)
+        out: dict[str, Any] = {
+            "target_forwards": self.target_forwards,
+            "accept_lengths": self.accept_lengths,
+            "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0,
+        }
+        if self.drafted_tokens:
+            out["draft_forwards"] = self.draft_forwards
+            out["drafted_tokens"] = self.drafted_tokens
+            out["accepted_draft_tokens"] = self.accepted_draft_tokens
+            out["acceptance_rate"] = self.accepted_draft_tokens / self.drafted_tokens
+        out.update(self.extra)
+        return out
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    token_ids: list[int]
+    finish_reason: str  # "length" | "eos" | "stop_string"
+    stats: DecodeStats
+
+
+class TokenSink:
+    """Accumulates generated tokens and decides when generation ends."""
+
+    def __init__(self, cfg: GenerationConfig, tokenizer: Any = None) -> None:
+        self.cfg = cfg
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
+        self._stops = cfg.stop_strings
+        if self._stops and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self._tok = tokenizer
+        # a token decodes to at least one character, so this many tokens cover any stop string
+        self._stop_window = max((len(s) for s in self._stops), default=0) + 2
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.cfg.max_new_tokens - len(self.tokens)
+
+    def push(self, tokens: Iterable[int]) -> int:
+        """Append a burst; returns how many of its tokens were kept."""
+        kept = 0
+        for t in tokens:
+            if self.done:
+                break
+            self.tokens.append(int(t))
+            kept += 1
+            if t in self._eos:
+                self.finish_reason = "eos"
+            elif self._stops and self._hit_stop():
+                self.finish_reason = "stop_string"
+            elif len(self.tokens) >= self.cfg.max_new_tokens:
+                self.finish_reason = "length"
+        return kept
+
+    def _hit_stop(self) -> bool:
+        tail = self._tok.decode(self.tokens[-self._stop_window :], skip_special_tokens=False)
+        return any(s in tail for s in self._stops)
+
+    def result(self, stats: DecodeStats) -> DecodeResult:
+        return DecodeResult(self.tokens, self.finish_reason or "length", stats)

@@ -1,0 +1,144 @@
+"""Per-architecture access to a Hugging Face causal LM's weights.
+
+This is the only module that touches transformers internals. It reads the
+embeddings, per-layer norms and projections, the final norm, the LM head and the
+rotary table, and fuses q/k/v and gate/up into single matrices *in place*: the
+original ``nn.Linear`` parameters become views into the fused tensors, so no
+weight is held twice and the Hugging Face forward keeps working on the same
+storage (the ``hf`` peers in ``selfspec bench`` run on the very same weights).
+
+Supported: Llama, Mistral, Qwen2, Qwen3 (model_type in SUPPORTED_MODEL_TYPES). The
+differences between them are handled by data, not subclasses: optional q/k/v
+biases (Qwen2), per-head q/k RMSNorm (Qwen3), per-layer sliding windows
+(Mistral; Qwen2/Qwen3 ``layer_types``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # (H,)
+    w_qkv: torch.Tensor  # ((Hq + 2 Hkv) D, H)
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor  # (H, Hq D)
+    b_o: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # (Hq + Hkv, D): q_norm rows then k_norm rows (Qwen3)
+    mlp_norm: torch.Tensor  # (H,)
+    w_gate_up: torch.Tensor  # (2 I, H)
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor  # (H, I)
+    b_down: torch.Tensor | None
+    sliding_window: int | None
+
+
+def _fuse_into(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output dim and
+    rebind each module's parameters to views of the fused tensor."""
+    w = torch.cat([m.weight.data for m in linears], dim=0).contiguous()
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        raise UnsupportedModelError("mixed biased and unbiased projections are not supported")
+    b = torch.cat([m.bias.data for m in linears], dim=0).contiguous() if all(has_bias) else None
+    off = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = w[off : off + n]
+        if b is not None:
+            m.bias.data = b[off : off + n]
+        off += n
+    return w, b
+
+
+class ModelAdapter:
+    """Reads a supported ``*ForCausalLM`` model into plain tensors for the engine."""
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.config
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported architecture '{model_type}'; selfspec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.model = model
+        self.config = cfg
+        self.model_type = model_type
+        inner = model.model
+        self.num_layers: int = cfg.num_hidden_layers
+        self.hidden_size: int = cfg.hidden_size
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size: int = cfg.vocab_size
+        self.max_positions: int = getattr(cfg, "max_position_embeddings", 2048)
+        self.rms_eps: float = float(cfg.rms_norm_eps)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act '{act}' is not supported (only silu)")
+
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type in ("dynamic", "longrope"):
+            raise UnsupportedModelError(
+                f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
+                "supported: default, linear, llama3, yarn"
+            )
+        self.embed: torch.Tensor = inner.embed_tokens.weight
+        self.final_norm: torch.Tensor = inner.norm.weight
+        self.lm_head: torch.Tensor = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+        layer_types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        self.layers: list[LayerWeights] = []
+        for idx, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            w_qkv, b_qkv = _fuse_into([attn.q_proj, attn.k_proj, attn.v_proj])
+            w_gu, b_gu = _fuse_into([mlp.gate_proj, mlp.up_proj])
+            qk_norm = None
+            if hasattr(attn, "q_norm"):
+                qk_norm = torch.cat(
+                    [attn.q_norm.weight.data.expand(self.num_heads, -1), attn.k_norm.weight.data.expand(self.num_kv_heads, -1)]
+                ).contiguous()
+            if model_type == "mistral":
+                lw = window
+            elif layer_types is not None and window is not None:
+                lw = window if layer_types[idx] == "sliding_attention" else None
+            else:
+                lw = None
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=layer.input_layernorm.weight,
+                    w_qkv=w_qkv,
+                    b_qkv=b_qkv,
+                    w_o=attn.o_proj.weight,
+                    b_o=attn.o_proj.bias,
+                    qk_norm=qk_norm,
+                    mlp_norm=layer.post_attention_layernorm.weight,
+                    w_gate_up=w_gu,
+                    b_gate_up=b_gu,
+                    w_down=mlp.down_proj.weight,
+                    b_down=mlp.down_proj.bias,
+                    sliding_window=lw,
+                )
+            )
+
+    @torch.no_grad()
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (length, D) exactly as the model's rotary module computes
+        them (rope scaling types with a fixed inverse frequency: default, linear,
+        llama3, yarn, ...)."""
+        pos = torch.arange(length, device=self.device)[None]
+        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(dummy, pos)
+        return cos[0], sin[0]

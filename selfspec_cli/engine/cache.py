@@ -1,0 +1,79 @@
+"""A preallocated KV cache with per-layer lengths.
+
+Invariant: for every layer ``l``, slots ``[0, lengths[l])`` of ``k[l]``/``v[l]`` hold
+the keys/values of sequence positions ``0 .. lengths[l]-1`` in order (after any
+rollback or tree compaction). Layers may have different lengths: a drafting round
+with a skip set writes only the layers it runs, and AdaDecode fills deep layers
+later. Nothing here copies the whole cache: ``crop`` only moves lengths, and
+``compact`` copies just the accepted slots, for all layers in one indexing op.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths: list[int] = [0] * num_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow (by doubling) so that ``needed`` slots fit; rare, so a copy is fine."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``T`` rows (``k_new``, ``v_new``: (Hkv, T, D)) at layer ``layer``'s end and
+        return views of that layer's keys/values including them: (1, Hkv, len, D)."""
+        start = self.lengths[layer]
+        end = start + k_new.shape[1]
+        assert end <= self.capacity, (end, self.capacity)
+        self.k[layer, :, start:end] = k_new
+        self.v[layer, :, start:end] = v_new
+        self.lengths[layer] = end
+        return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
+
+    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
+        """Roll back to at most ``length`` positions (in ``layers``, default all)."""
+        assert length >= 0, length
+        for l in range(self.num_layers) if layers is None else layers:
+            if self.lengths[l] > length:
+                self.lengths[l] = length
+
+    def compact(self, src_slots: Sequence[int] | torch.Tensor, dst_start: int) -> None:
+        """Move the K/V at ``src_slots`` (e.g. an accepted tree path) to contiguous slots
+        ``[dst_start, dst_start + n)`` in every layer, and set every layer's length to
+        ``dst_start + n``. All layers must already hold the source slots."""
+        src = torch.as_tensor(src_slots, dtype=torch.long, device=self.k.device)
+        n = src.numel()
+        assert all(length >= int(src.max()) + 1 for length in self.lengths) if n else True, (self.lengths, src)
+        if n:
+            self.k[:, :, dst_start : dst_start + n] = self.k.index_select(2, src)
+            self.v[:, :, dst_start : dst_start + n] = self.v.index_select(2, src)
+        self.lengths = [dst_start + n] * self.num_layers

@@ -1,0 +1,200 @@
+"""Run a model's decoder layers directly, sublayer by sublayer.
+
+Why not call the Hugging Face modules: at batch 1 a small model's decode step is
+dominated by per-operation overhead, not arithmetic. This loop does about 15
+tensor ops per layer (fused q/k/v and gate/up projections, one rotary pass for q
+and k together, a preallocated cache, scaled-dot-product attention called
+directly) where the Hugging Face stack does several times more.
+
+One call of :meth:`Engine.forward` processes ``T`` new rows through a contiguous
+range of layers ``[start, end)``:
+
+* inputs are token ids (embedded here) or residual-stream rows from a previous
+  call that stopped at ``start`` (AdaDecode's deferred layers);
+* ``skip_attn``/``skip_mlp`` remove sublayers: a skipped sublayer adds nothing to
+  the residual stream and a skipped attention writes no K/V;
+* each layer ``l`` appends its K/V at its own cache length ``cache.lengths[l]``
+  and attends to everything before it plus the new rows, causally for a chain or
+  through ``tree_mask`` for a token tree;
+* ``positions`` are the rotary positions of the new rows: an int ``p`` means the
+  chain ``p, p+1, ...``; a tensor gives explicit ids (trees);
+* hidden states (residual stream after layer ``l``) are returned for the layers in
+  ``output_hidden`` and logits only for the rows in ``logits_rows``.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .adapter import ModelAdapter
+from .cache import KVCache
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor | None  # (R, V) for the requested rows, float32
+    hidden: torch.Tensor  # (T, H) residual stream after the last layer run (before the final norm)
+    hidden_at: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (T, H)
+
+
+ALL_ROWS = slice(None)
+LAST_ROW = slice(-1, None)
+
+
+class Engine:
+    """The shared execution engine. Batch size 1; rows are the sequence axis."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.adapter = ModelAdapter(model)
+        a = self.adapter
+        self.model = model
+        self.config = model.config
+        self.num_layers = a.num_layers
+        self.dtype = a.dtype
+        self.device = a.device
+        self.vocab_size = a.vocab_size
+        self._hq, self._hkv, self._d = a.num_heads, a.num_kv_heads, a.head_dim
+        self._qk_width = (self._hq + self._hkv) * self._d
+        self._gqa = self._hq != self._hkv
+        self._neg = torch.finfo(self.dtype).min
+        self._rope_len = 0
+        self._grow_rope(max(256, min(a.max_positions, 4096)))
+
+    # -- setup -------------------------------------------------------------
+    def _grow_rope(self, length: int) -> None:
+        cos, sin = self.adapter.rope_table(length)
+        half = self._d // 2
+        # rotate_half(x) * sin == flip_halves(x) * sin_signed, with sin_signed = [-sin1, sin2]
+        self._cos = cos
+        self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self._rope_len = length
+
+    def new_cache(self, capacity: int) -> KVCache:
+        a = self.adapter
+        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.dtype, self.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.adapter.embed)
+
+    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V)."""
+        a = self.adapter
+        x = F.rms_norm(hidden, (hidden.shape[-1],), a.final_norm, a.rms_eps)
+        return F.linear(x, a.lm_head).float()
+
+    # -- masks -------------------------------------------------------------
+    def _mask(
+        self,
+        past: int,
+        q_pos: torch.Tensor | None,
+        t: int,
+        tree_mask: torch.Tensor | None,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Additive mask (1, 1, T, past + T), or None when plain causal attention over
+        everything cached is right (single row, no window cut)."""
+        total = past + t
+        if tree_mask is None and (window is None or total <= window):
+            if t == 1:
+                return None
+        allowed = torch.ones(t, total, dtype=torch.bool, device=self.device)
+        if tree_mask is None:
+            allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        else:
+            allowed[:, past:] = tree_mask
+        if window is not None and total > window:
+            # key positions: cached slots hold positions 0..past-1; new rows hold q_pos
+            k_pos = torch.cat([torch.arange(past, device=self.device), q_pos])
+            allowed &= (q_pos[:, None] - k_pos[None, :]) < window
+        mask = torch.zeros(t, total, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, self._neg)
+        return mask[None, None]
+
+    # -- forward -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor | None = None,
+        *,
+        positions: int | torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        start: int = 0,
+        end: int | None = None,
+        skip_attn: Collection[int] = (),
+        skip_mlp: Collection[int] = (),
+        tree_mask: torch.Tensor | None = None,
+        output_hidden: Collection[int] = (),
+        logits_rows: slice | torch.Tensor | None = LAST_ROW,
+    ) -> ForwardOutput:
+        a = self.adapter
+        end = self.num_layers if end is None else end
+        assert 0 <= start <= end <= self.num_layers, (start, end)
+        if hidden is None:
+            assert input_ids is not None and input_ids.dim() == 1, "input_ids must be 1-D (T,)"
+            h = self.embed(input_ids)  # (T, H)
+        else:
+            h = hidden
+        t = h.shape[0]
+
+        # rotary rows for the new tokens
+        if isinstance(positions, int):
+            if positions + t > self._rope_len:
+                self._grow_rope(max(2 * self._rope_len, positions + t))
+            cos = self._cos[positions : positions + t]
+            sin = self._sin_signed[positions : positions + t]
+            q_pos = None
+        else:
+            q_pos = positions
+            need = int(positions.max()) + 1
+            if need > self._rope_len:
+                self._grow_rope(max(2 * self._rope_len, need))
+            cos = self._cos[positions]
+            sin = self._sin_signed[positions]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D)
+
+        hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
+        eps = a.rms_eps
+        hidden_at: dict[int, torch.Tensor] = {}
+        masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+        cache.ensure_capacity(max(cache.lengths[start:end], default=0) + t)
+
+        for l in range(start, end):
+            w = a.layers[l]
+            if l not in skip_attn:
+                # 1) attention sublayer
+                x = F.rms_norm(h, (h.shape[-1],), w.attn_norm, eps)
+                qkv = F.linear(x, w.w_qkv, w.b_qkv)  # (T, (Hq + 2Hkv) D)
+                qk = qkv[:, :qkw].view(t, hq + hkv, d)
+                v = qkv[:, qkw:].view(t, hkv, d)
+                if w.qk_norm is not None:
+                    qk = F.rms_norm(qk, (d,), None, eps) * w.qk_norm
+                qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
+                q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+                past = cache.lengths[l]
+                keys, values = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1))
+                if q_pos is None and past == 0 and tree_mask is None and (w.sliding_window is None or t <= w.sliding_window):
+                    o = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, enable_gqa=self._gqa)
+                else:
+                    key = (past, w.sliding_window)
+                    if key not in masks:
+                        qp = q_pos if q_pos is not None else torch.arange(past, past + t, device=self.device)
+                        masks[key] = self._mask(past, qp, t, tree_mask, w.sliding_window)
+                    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[key], enable_gqa=self._gqa)
+                o = o[0].transpose(0, 1).reshape(t, hq * d)
+                h = h + F.linear(o, w.w_o, w.b_o)
+            if l not in skip_mlp:
+                # 2) MLP sublayer
+                x = F.rms_norm(h, (h.shape[-1],), w.mlp_norm, eps)
+                gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+                h = h + F.linear(F.silu(gate) * up, w.w_down, w.b_down)
+            if l in output_hidden:
+                hidden_at[l] = h
+
+        logits = None
+        if logits_rows is not None and end == self.num_layers:
+            logits = self.final_logits(h[logits_rows])
+        return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at)

@@ -1,0 +1,76 @@
+"""Read prompt files: plain text (one prompt per line) or JSONL (``prompt`` or
+Spec-Bench-style ``turns``), from a path or ``-`` for stdin."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import PromptFileError
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    id: str | int
+    turns: tuple[str, ...]
+    category: str | None = None
+
+
+def _read_text(source: str) -> tuple[str, str]:
+    if source == "-":
+        return sys.stdin.read(), "stdin"
+    path = Path(source)
+    if not path.exists():
+        raise PromptFileError(f"prompt file '{source}' does not exist; pass --prompt-file an existing file or - for stdin")
+    if path.is_dir():
+        raise PromptFileError(f"prompt file '{source}' is a directory; pass a file")
+    try:
+        return path.read_text(encoding="utf-8"), source
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PromptFileError(f"cannot read prompt file '{source}' ({exc.__class__.__name__}); check permissions and UTF-8 encoding") from None
+
+
+def _is_jsonl(source: str, text: str) -> bool:
+    if source.endswith((".jsonl", ".json")):
+        return True
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    return first.lstrip().startswith("{")
+
+
+def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None) -> list[Prompt]:
+    jsonl = _is_jsonl(name, text) if jsonl is None else jsonl
+    prompts: list[Prompt] = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            prompts.append(Prompt(id=line_no, turns=(line,)))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptFileError(f"{name}: line {line_no} is not valid JSON ({exc.msg}); fix or remove that line") from None
+        if not isinstance(obj, dict):
+            raise PromptFileError(f"{name}: line {line_no} is not a JSON object; each line needs a 'prompt' or 'turns' field")
+        if "turns" in obj:
+            turns = obj["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise PromptFileError(f"{name}: line {line_no}: 'turns' must be a non-empty list of strings")
+        elif "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise PromptFileError(f"{name}: line {line_no}: 'prompt' must be a string")
+            turns = [obj["prompt"]]
+        else:
+            raise PromptFileError(f"{name}: line {line_no} has neither a 'prompt' nor a 'turns' field; add one")
+        pid = obj.get("id", obj.get("question_id", line_no))
+        cat = obj.get("category")
+        prompts.append(Prompt(id=pid, turns=tuple(turns), category=cat if isinstance(cat, str) else None))
+    if not prompts:
+        raise PromptFileError(f"prompt file '{name}' is empty; give at least one prompt")
+    return prompts
+
+
+def read_prompts(source: str) -> list[Prompt]:
+    text, name = _read_text(source)
+    return parse_prompts(text, name if source != "-" else "stdin")

@@ -1,0 +1,126 @@
+"""Turn prompts into token ids, run a method on each, and build output records.
+
+Shared by ``generate`` and ``bench`` so both count tokens and time the same way:
+token counts come from generated ids, and ``wall_time_s`` spans prefill plus
+decoding of one prompt (tokenization and model loading excluded), with a device
+synchronize on each side when running on CUDA.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import GenerationConfig
+from .decoding.loop import DecodeResult
+from .errors import ConfigError
+from .prompts import Prompt
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    prompt: Prompt
+    turn_texts: tuple[str, ...]
+
+
+def context_length(model: Any) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+
+
+def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template: bool) -> list[int]:
+    """Token ids of a conversation so far (ending with a user turn), ready to continue."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "\n\n".join(m["content"] for m in history)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx: int, use_chat_template: bool) -> None:
+    """Refuse up front a prompt whose first turn cannot fit the model's context."""
+    if not ctx:
+        return
+    n = len(encode_turn(tokenizer, [{"role": "user", "content": prompt.turns[0]}], use_chat_template))
+    if n >= ctx:
+        raise ConfigError(f"prompt {prompt.id!r} has {n} tokens, longer than the model's context of {ctx}; shorten it")
+    if n + cfg.max_new_tokens > ctx:
+        raise ConfigError(
+            f"prompt {prompt.id!r} ({n} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceeds the model's "
+            f"context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten the prompt"
+        )
+
+
+def timed(fn: Callable[[], DecodeResult], device: torch.device) -> tuple[DecodeResult, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    res = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return res, time.perf_counter() - t0
+
+
+def run_prompt(
+    generate: Callable[[list[int], GenerationConfig], DecodeResult],
+    tokenizer: Any,
+    prompt: Prompt,
+    cfg: GenerationConfig,
+    device: torch.device,
+    method_name: str,
+    use_chat_template: bool = True,
+    lossless: bool = True,
+) -> dict[str, Any]:
+    """Decode every turn of ``prompt`` and return its output record."""
+    history: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
+    for turn in prompt.turns:
+        history.append({"role": "user", "content": turn})
+        ids = encode_turn(tokenizer, history, use_chat_template)
+        res, wall = timed(lambda: generate(ids, cfg), device)
+        text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        history.append({"role": "assistant", "content": text})
+        turns.append({
+            "text": text,
+            "token_ids": res.token_ids,
+            "new_tokens": len(res.token_ids),
+            "prompt_tokens": len(ids),
+            "wall_time_s": wall,
+            "finish_reason": res.finish_reason,
+            "stats": res.stats.as_dict(),
+        })
+    last = turns[-1]
+    new_tokens = sum(t["new_tokens"] for t in turns)
+    wall = sum(t["wall_time_s"] for t in turns)
+    record: dict[str, Any] = {
+        "id": prompt.id,
+        "method": method_name,
+        "lossless": lossless,
+        "text": last["text"],
+        "token_ids": last["token_ids"],
+        "new_tokens": new_tokens,
+        "wall_time_s": round(wall, 6),
+        "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
+        "finish_reason": last["finish_reason"],
+        "stats": last["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
+    }
+    if prompt.category is not None:
+        record["category"] = prompt.category
+    if len(turns) > 1:
+        for t in turns:
+            t["wall_time_s"] = round(t["wall_time_s"], 6)
+        record["turns"] = turns
+    return record
+
+
+def _merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    lengths = [x for p in parts for x in p["accept_lengths"]]
+    return {
+        "target_forwards": sum(p["target_forwards"] for p in parts),
+        "accept_lengths": lengths,
+        "mean_accepted_length": sum(lengths) / len(lengths) if lengths else 0.0,
+    }
