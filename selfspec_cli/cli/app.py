@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
     try:
         rv = command.main(args=argv, prog_name="selfspec", standalone_mode=False)
+        if rv == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns it silently
+            print("selfspec: interrupted; finished prompts were written", file=sys.stderr)
         return rv if isinstance(rv, int) else 0
     except SelfSpecError as exc:
         print(f"selfspec: error: {exc}", file=sys.stderr)

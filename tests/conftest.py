@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny real transformers models of each supported architecture,
+a tiny byte-level BPE tokenizer trained in-process, and saved model directories."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "2")))
+
+from selfspec_cli.loading import DEFAULT_MODEL_DIR  # noqa: E402
+
+VOCAB = 320
+
+# name -> (config class name, model class name, config overrides)
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "llama-tied-rope3": ("LlamaConfig", "LlamaForCausalLM", {
+        "num_key_value_heads": 4, "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32}}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": 12}),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": False}),
+}
+
+
+def make_tiny_model(arch: str = "llama-gqa", seed: int = 0, vocab: int = VOCAB, layers: int = 4, **overrides):
+    import transformers
+
+    cfg_name, model_name, extra = ARCHS[arch]
+    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    # random init is nearly uniform; sharpen so greedy decoding has structure and sampling is non-trivial
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0) if not cfg.tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import selfspec_cli.runtime as src
+
+    text = Path(src.__file__).read_text() * 3
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    assert fast.eos_token_id == 1 and len(fast) <= VOCAB
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A saved tiny Llama + tokenizer: a real Hugging Face model directory."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama-gqa").save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+shipped_model_available = (DEFAULT_MODEL_DIR / "config.json").is_file()
+needs_shipped_model = pytest.mark.skipif(not shipped_model_available, reason="shipped model not present")

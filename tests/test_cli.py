@@ -1,0 +1,461 @@
+"""The ``selfspec`` command line, in process: ``main([...])`` returns the exit status.
+
+Uses the session fixture ``tiny_model_dir`` (a real saved tiny Llama + tokenizer).
+Every run is pinned to ``--device cpu`` so float32 results compare exactly with
+Hugging Face on the same machine, whether or not CUDA is present.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfspec_cli.cli.app import main
+
+PROMPTS = [
+    "def run_prompt(tokenizer, prompt):",
+    "import torch",
+    "return the record for every turn",
+    "class PreparedPrompt:",
+]
+
+MODEL_FIELDS = {"id", "method", "text", "token_ids", "new_tokens", "wall_time_s", "tokens_per_s", "stats"}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def write_jsonl(path: Path, objs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def prompt_file(tmp_path) -> Path:
+    return write_lines(tmp_path / "prompts.txt", PROMPTS)
+
+
+def gen_args(model: Path, prompts: Path | str, *extra: str) -> list[str]:
+    return ["generate", "-m", str(model), "-p", str(prompts), "--device", "cpu", *extra]
+
+
+def run_generate(capsys, model: Path, prompts: Path | str, *extra: str) -> list[dict]:
+    """Run generate to stdout; returns the parsed records (asserts success)."""
+    capsys.readouterr()
+    rc = main(gen_args(model, prompts, *extra))
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Traceback" not in err
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def assert_user_error(capsys, argv: list[str], *fragments: str, only_line: bool = True) -> str:
+    """Exit status 2, one 'selfspec: error:' line (the last thing on stderr), no traceback."""
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err
+    assert "Traceback" not in out
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("selfspec: error:")]
+    assert len(errors) == 1, err
+    assert lines[-1] == errors[0], err  # the message is one line, and nothing follows it
+    if only_line:
+        assert lines == errors, err
+    for frag in fragments:
+        assert frag in errors[0], (frag, errors[0])
+    assert out == "", out
+    return errors[0]
+
+
+# ---------------------------------------------------------------- generate: output format
+
+
+def check_record(rec: dict, max_new: int, method: str = "ar") -> None:
+    assert MODEL_FIELDS <= set(rec)
+    assert rec["method"] == method
+    assert isinstance(rec["text"], str)
+    assert isinstance(rec["token_ids"], list) and all(isinstance(t, int) for t in rec["token_ids"])
+    assert rec["new_tokens"] == len(rec["token_ids"])
+    assert 1 <= rec["new_tokens"] <= max_new
+    assert rec["wall_time_s"] > 0
+    assert rec["tokens_per_s"] == pytest.approx(rec["new_tokens"] / rec["wall_time_s"], rel=1e-2)
+    st = rec["stats"]
+    assert st["target_forwards"] >= 1
+    assert isinstance(st["accept_lengths"], list) and sum(st["accept_lengths"]) == rec["new_tokens"]
+    assert rec["finish_reason"] in ("length", "eos", "stop_string")
+    if rec["finish_reason"] == "length":
+        assert rec["new_tokens"] == max_new
+
+
+def test_generate_jsonl_to_stdout(capsys, tiny_model_dir, prompt_file):
+    recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "12")
+    assert [r["id"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        check_record(r, 12)
+        assert r["stats"]["target_forwards"] == r["new_tokens"]  # plain decoding: one forward per token
+        assert r["stats"]["accept_lengths"] == [1] * r["new_tokens"]
+
+
+def test_generate_ids_follow_line_numbers_and_input_ids(capsys, tiny_model_dir, tmp_path):
+    txt = tmp_path / "gaps.txt"
+    txt.write_text("import torch\n\n\nclass Engine:\n", encoding="utf-8")
+    assert [r["id"] for r in run_generate(capsys, tiny_model_dir, txt, "-n", "3")] == [1, 4]
+    js = write_jsonl(tmp_path / "ids.jsonl", [{"id": "alpha", "prompt": "import torch"}, {"id": 7, "prompt": "def f():"}])
+    assert [r["id"] for r in run_generate(capsys, tiny_model_dir, js, "-n", "3")] == ["alpha", 7]
+
+
+def test_generate_to_output_file(capsys, tiny_model_dir, prompt_file, tmp_path):
+    out_file = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "5", "--output", str(out_file)))
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out == ""  # records go to the file, not stdout
+    recs = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(recs) == len(PROMPTS)
+    for r in recs:
+        check_record(r, 5)
+    # the same records as on stdout (apart from timings)
+    again = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "5")
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in recs]
+
+
+def test_generate_output_into_missing_directory(capsys, tiny_model_dir, prompt_file, tmp_path):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "-n", "2", "-o", str(tmp_path / "nope" / "o.jsonl")),
+                      "does not exist", only_line=False)
+
+
+def test_generate_turns_jsonl(capsys, tiny_model_dir, tmp_path):
+    f = write_jsonl(tmp_path / "question.jsonl", [
+        {"question_id": 81, "category": "coding", "turns": ["def f(x):", "import torch"]},
+        {"question_id": 82, "turns": ["class Engine:"]},
+    ])
+    recs = run_generate(capsys, tiny_model_dir, f, "-n", "6")
+    assert [r["id"] for r in recs] == [81, 82]
+    multi, single = recs
+    assert multi["category"] == "coding"
+    assert isinstance(multi["turns"], list) and len(multi["turns"]) == 2
+    for t in multi["turns"]:
+        assert {"text", "token_ids", "new_tokens", "prompt_tokens", "wall_time_s", "finish_reason", "stats"} <= set(t)
+        assert t["new_tokens"] == len(t["token_ids"]) <= 6
+    # the second turn sees the first turn, its answer and the new question
+    assert multi["turns"][1]["prompt_tokens"] > multi["turns"][0]["prompt_tokens"]
+    assert multi["new_tokens"] == sum(t["new_tokens"] for t in multi["turns"])
+    assert multi["text"] == multi["turns"][-1]["text"]
+    assert multi["token_ids"] == multi["turns"][-1]["token_ids"]
+    assert multi["stats"]["target_forwards"] == sum(t["stats"]["target_forwards"] for t in multi["turns"])
+    assert "turns" not in single and "category" not in single
+    check_record(single, 6)
+
+
+def test_generate_prompt_from_stdin(capsys, monkeypatch, tiny_model_dir, prompt_file):
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(PROMPTS[:2]) + "\n"))
+    recs = run_generate(capsys, tiny_model_dir, "-", "-n", "6")
+    assert [r["id"] for r in recs] == [1, 2]
+    from_file = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "6")
+    assert [r["token_ids"] for r in recs] == [r["token_ids"] for r in from_file[:2]]
+
+
+# ---------------------------------------------------------------- generate: correctness
+
+
+def test_greedy_ar_matches_hf_generate(capsys, tiny_model_dir, prompt_file):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recs = run_generate(capsys, tiny_model_dir, prompt_file, "--method", "ar", "-n", "12")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert not getattr(tok, "chat_template", None)
+    for text, rec in zip(PROMPTS, recs, strict=True):
+        ids = tok(text)["input_ids"]
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=12, eos_token_id=1, pad_token_id=1)
+        expected = out[0, len(ids):].tolist()
+        assert rec["token_ids"] == expected, text
+        assert rec["text"] == tok.decode(expected, skip_special_tokens=True)
+        assert rec["finish_reason"] == ("eos" if expected[-1] == 1 else "length")
+
+
+def test_seeded_sampling_is_reproducible(capsys, tiny_model_dir, prompt_file):
+    args = ("-n", "12", "--temperature", "0.8", "--top-p", "0.9")
+    a = run_generate(capsys, tiny_model_dir, prompt_file, *args, "--seed", "3")
+    b = run_generate(capsys, tiny_model_dir, prompt_file, *args, "--seed", "3")
+    c = run_generate(capsys, tiny_model_dir, prompt_file, *args, "--seed", "4")
+    greedy = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "12")
+    ids = lambda recs: [r["token_ids"] for r in recs]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert [r["text"] for r in a] == [r["text"] for r in b]
+    assert ids(a) != ids(c)
+    assert ids(a) != ids(greedy)
+    for r in a + c:
+        check_record(r, 12)
+
+
+def _stop_candidate(tok, recs):
+    """A 2-3 character printable substring from the middle of a greedy answer, and the
+    number of tokens after which it first appears (strictly before the end)."""
+    for rec in recs:
+        ids, text = rec["token_ids"], rec["text"]
+        for width in (3, 2):
+            for start in range(len(text) // 3, len(text) - width):
+                s = text[start:start + width]
+                if not (s.isascii() and s.isprintable() and s.strip() == s and s):
+                    continue
+                k = next(k for k in range(1, len(ids) + 1) if s in tok.decode(ids[:k], skip_special_tokens=True))
+                if 2 <= k < len(ids):
+                    return rec, s, k
+    return None
+
+
+def test_stop_string(capsys, tiny_model_dir, prompt_file, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    full = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "24")
+    found = _stop_candidate(tok, full)
+    assert found is not None, [r["text"] for r in full]
+    rec, stop, k = found
+    one = write_lines(tmp_path / "one.txt", [PROMPTS[rec["id"] - 1]])
+    (out,) = run_generate(capsys, tiny_model_dir, one, "-n", "24", "--stop", stop)
+    assert out["finish_reason"] == "stop_string"
+    assert stop in out["text"]
+    assert out["token_ids"] == rec["token_ids"][:k]  # stopped on the token that completed the stop string
+    assert stop not in tok.decode(out["token_ids"][:-1], skip_special_tokens=True)
+    assert out["new_tokens"] == k < rec["new_tokens"]
+    # a stop string that never appears changes nothing
+    (same,) = run_generate(capsys, tiny_model_dir, one, "-n", "24", "--stop", "\u2603never\u2603")
+    assert same["token_ids"] == rec["token_ids"]
+
+
+# ---------------------------------------------------------------- bad input: exit 2, one line
+
+
+def test_missing_model_directory(capsys, tmp_path, prompt_file):
+    assert_user_error(capsys, gen_args(tmp_path / "no-such-model", prompt_file), "does not exist", "no-such-model")
+
+
+def test_model_directory_without_config(capsys, tmp_path, prompt_file):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    assert_user_error(capsys, gen_args(empty, prompt_file), "config.json")
+
+
+def test_unsupported_architecture(capsys, tmp_path, prompt_file):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(d)
+    assert_user_error(capsys, gen_args(d, prompt_file), "unsupported architecture 'gpt2'", "llama")
+
+
+def test_missing_prompt_file(capsys, tiny_model_dir, tmp_path):
+    assert_user_error(capsys, gen_args(tiny_model_dir, tmp_path / "nope.txt"), "does not exist", "nope.txt")
+
+
+def test_prompt_file_is_directory(capsys, tiny_model_dir, tmp_path):
+    assert_user_error(capsys, gen_args(tiny_model_dir, tmp_path), "is a directory")
+
+
+def test_empty_prompt_file(capsys, tiny_model_dir, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("\n  \n")
+    assert_user_error(capsys, gen_args(tiny_model_dir, f), "empty")
+
+
+def test_malformed_jsonl_names_line(capsys, tiny_model_dir, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "import torch"}\n\n{"prompt": "x",,}\n')
+    assert_user_error(capsys, gen_args(tiny_model_dir, f), "bad.jsonl", "line 3", "not valid JSON")
+
+
+def test_jsonl_missing_field(capsys, tiny_model_dir, tmp_path):
+    f = write_jsonl(tmp_path / "nofield.jsonl", [{"text": "import torch"}])
+    assert_user_error(capsys, gen_args(tiny_model_dir, f), "line 1", "'prompt'")
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_bad_max_new_tokens(capsys, tiny_model_dir, prompt_file, value):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--max-new-tokens", value),
+                      "--max-new-tokens", value)
+
+
+def test_negative_temperature(capsys, tiny_model_dir, prompt_file):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--temperature", "-1"), "--temperature")
+
+
+@pytest.mark.parametrize("value", ["0", "1.5"])
+def test_bad_top_p(capsys, tiny_model_dir, prompt_file, value):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--top-p", value), "--top-p")
+
+
+def test_negative_top_k(capsys, tiny_model_dir, prompt_file):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--top-k", "-2"), "--top-k")
+
+
+def test_unknown_method(capsys, tiny_model_dir, prompt_file):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "medusa"), "--method", "medusa", "ar")
+
+
+def test_bad_device_and_dtype(capsys, tiny_model_dir, prompt_file):
+    assert_user_error(capsys, ["generate", "-m", str(tiny_model_dir), "-p", str(prompt_file), "--device", "tpu9"],
+                      "--device")
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--dtype", "int3"), "--dtype")
+
+
+def _long_text(tok, n_tokens: int) -> str:
+    words = "def run_prompt tokenizer history encode_turn import torch return record".split()
+    text, i = "", 0
+    while len(tok(text)["input_ids"]) <= n_tokens:
+        text += words[i % len(words)] + " "
+        i += 1
+    return text
+
+
+def test_prompt_longer_than_context(capsys, tiny_model_dir, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    ctx = AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
+    assert ctx == 256
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = _long_text(tok, ctx + 10)
+    assert len(tok(text)["input_ids"]) > ctx
+    f = write_lines(tmp_path / "long.txt", ["import torch", text])
+    msg = assert_user_error(capsys, gen_args(tiny_model_dir, f, "-n", "4"), "prompt 2", "context of 256",
+                            only_line=False)
+    assert "shorten" in msg
+
+
+def test_prompt_plus_max_new_tokens_exceeds_context(capsys, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = _long_text(tok, 200)
+    n = len(tok(text)["input_ids"])
+    assert n < 256
+    f = write_lines(tmp_path / "long.txt", [text])
+    assert_user_error(capsys, gen_args(tiny_model_dir, f, "-n", "100"), "--max-new-tokens 100",
+                      f"at most {256 - n}", only_line=False)
+
+
+def test_bench_unknown_methods(capsys, tiny_model_dir, prompt_file):
+    assert_user_error(capsys, ["bench", "--methods", "ar,eagle", "-m", str(tiny_model_dir), "-p", str(prompt_file)],
+                      "eagle", "--methods")
+    assert_user_error(capsys, ["bench", "--methods", " , ", "-m", str(tiny_model_dir), "-p", str(prompt_file)],
+                      "--methods")
+
+
+# ---------------------------------------------------------------- interrupt
+
+
+def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, prompt_file, tmp_path):
+    gen_mod = importlib.import_module("selfspec_cli.cli.generate")
+    real = gen_mod.run_prompt
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen_mod, "run_prompt", flaky)
+    out_file = tmp_path / "partial.jsonl"
+    capsys.readouterr()
+    rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "5", "-o", str(out_file)))
+    _, err = capsys.readouterr()
+    assert rc == 130
+    assert "Traceback" not in err
+    assert "selfspec: interrupted" in err
+    raw = out_file.read_text()
+    assert raw.endswith("\n")
+    lines = raw.splitlines()
+    assert len(lines) == 2
+    recs = [json.loads(line) for line in lines]
+    assert [r["id"] for r in recs] == [1, 2]
+    for r in recs:
+        check_record(r, 5)
+
+
+# ---------------------------------------------------------------- bench
+
+
+def test_bench_ar_vs_hf(capsys, tiny_model_dir, prompt_file, tmp_path):
+    out_dir = tmp_path / "bench-out"
+    capsys.readouterr()
+    rc = main(["bench", "--methods", "ar,hf", "--model", str(tiny_model_dir), "-n", "8", "--warmup", "0",
+               "--repeats", "1", "-p", str(prompt_file), "--device", "cpu", "--output-dir", str(out_dir)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Traceback" not in err
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["prompts"] == len(PROMPTS) and doc["max_new_tokens"] == 8
+    assert doc["reference"] == "ar" and doc["baseline"] == "hf"
+    ar, hf = doc["methods"]["ar"], doc["methods"]["hf"]
+    assert ar["parity"] == 1.0 and ar["differing_prompts"] == []
+    assert hf["parity"] == 1.0  # HF generate on the same model: identical greedy ids
+    for key in ("speedup_vs_ar", "speedup_vs_hf", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max"):
+        assert key in hf and key in ar
+    assert ar["speedup_vs_ar"] == 1.0 and hf["speedup_vs_hf"] == 1.0
+    assert hf["tokens_per_s"] > 0 and 0 < ar["new_tokens"] <= 8 * len(PROMPTS)
+    assert ar["new_tokens"] == hf["new_tokens"]
+
+    assert json.loads((out_dir / "results.json").read_text()) == doc
+    per = {}
+    for name in ("ar", "hf"):
+        recs = [json.loads(line) for line in (out_dir / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in recs] == [1, 2, 3, 4]
+        assert all(r["method"] == name and r["new_tokens"] <= 8 for r in recs)
+        per[name] = [r["token_ids"] for r in recs]
+    assert per["ar"] == per["hf"]
+
+
+# ---------------------------------------------------------------- help
+
+
+def test_help(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "generate" in out and "bench" in out
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--prompt-file" in out and "--max-new-tokens" in out
+    assert main(["bench", "--help"]) == 0
+    assert "--methods" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the installed console script
+
+
+def test_console_script_bad_input_exits_2(tmp_path, tiny_model_dir):
+    exe = shutil.which("selfspec")
+    if exe is None:
+        candidate = Path(sys.executable).with_name("selfspec")
+        exe = str(candidate) if candidate.exists() else None
+    if exe is None:
+        pytest.skip("the selfspec console script is not installed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([exe, "generate", "-m", str(tiny_model_dir), "-p", str(tmp_path / "missing.txt")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("selfspec: error:"), proc.stderr
+    assert "missing.txt" in lines[0]
+    assert proc.stdout == ""
