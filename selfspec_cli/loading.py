@@ -82,7 +82,9 @@ def check_supported(config: Any) -> None:
 def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto") -> tuple[torch.nn.Module, Any]:
     """Load (model, tokenizer) in eval mode. Errors are SelfSpecError with a fix."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # stderr is for selfspec's own progress
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     where = resolve_model_path(spec)
