@@ -25,8 +25,10 @@ class KVCache:
         device: torch.device | str,
     ) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # inference tensors: every update happens under inference mode (engine forward, compact)
+        with torch.inference_mode():
+            self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S, D)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths: list[int] = [0] * num_layers
 
     @property
@@ -37,6 +39,7 @@ class KVCache:
     def num_layers(self) -> int:
         return self.k.shape[0]
 
+    @torch.inference_mode()
     def ensure_capacity(self, needed: int) -> None:
         """Grow (by doubling) so that ``needed`` slots fit; rare, so a copy is fine."""
         if needed <= self.capacity:
@@ -66,6 +69,7 @@ class KVCache:
             if self.lengths[l] > length:
                 self.lengths[l] = length
 
+    @torch.inference_mode()
     def compact(self, src_slots: Sequence[int] | torch.Tensor, dst_start: int) -> None:
         """Move the K/V at ``src_slots`` (e.g. an accepted tree path) to contiguous slots
         ``[dst_start, dst_start + n)`` in every layer, and set every layer's length to

@@ -1,0 +1,50 @@
+"""Self-SD: Draft & Verify (Zhang et al., ACL 2024), arXiv:2309.08168.
+
+Drafts with a fixed set of skipped attention and MLP sublayers (found offline by
+Bayesian optimization, ``selfspec calibrate --method self-sd``, or given inline),
+stops drafting adaptively on draft confidence, and verifies with the full model.
+Lossless: greedy output equals plain greedy decoding; sampling uses standard
+speculative sampling with drafts sampled from the draft's processed distribution.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..config import GenerationConfig
+from ..decoding.loop import DecodeResult, TokenSink
+from ..decoding.speculative import DraftConfig, SelfSpeculative
+from ..engine import Engine
+from ..errors import ConfigError
+from .base import Method
+
+
+def check_skip_sets(num_layers: int, skip_attn: Iterable[int], skip_mlp: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
+    a, m = frozenset(int(i) for i in skip_attn), frozenset(int(i) for i in skip_mlp)
+    bad = sorted(i for i in a | m if not 0 <= i < num_layers)
+    if bad:
+        raise ConfigError(f"skip-set layer ids {bad} are out of range for a {num_layers}-layer model (valid: 0..{num_layers - 1})")
+    return a, m
+
+
+class SelfSD(Method, SelfSpeculative):
+    name = "self-sd"
+    lossless = True
+    description = "Self-SD / Draft & Verify: offline-calibrated skip set, adaptive draft exit"
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, *, skip_attn: Iterable[int] = (),
+                 skip_mlp: Iterable[int] = (), draft: DraftConfig | None = None) -> None:
+        Method.__init__(self, engine, tokenizer)
+        SelfSpeculative.__init__(self, engine, draft or DraftConfig(max_draft=12, threshold=0.6, adaptive=True))
+        self._skip = check_skip_sets(engine.num_layers, skip_attn, skip_mlp)
+
+    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
+        return self._skip
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
+        sink = TokenSink(cfg, self.tokenizer)
+        stats = self.decode(prompt_ids, cfg, sink)
+        stats.extra["skip_attn"] = sorted(self._skip[0])
+        stats.extra["skip_mlp"] = sorted(self._skip[1])
+        stats.extra["draft_threshold"] = round(self.threshold.value, 4)
+        return sink.result(stats)
