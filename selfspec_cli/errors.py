@@ -20,3 +20,7 @@ class PromptFileError(SelfSpecError):
 
 class ConfigError(SelfSpecError):
     pass
+
+
+class ArtifactError(SelfSpecError):
+    """A saved artifact (skip set, trained heads, ...) is missing, corrupt, or made for another model."""

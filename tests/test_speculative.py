@@ -152,3 +152,115 @@ def test_sampling_test_catches_a_broken_acceptance_rule(small_vocab_setup, monke
     sd = SelfSD(Engine(model), skip_attn=[1, 2], skip_mlp=[2], draft=DraftConfig(max_draft=4, threshold=0.0))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
+
+
+# --- ASD ----------------------------------------------------------------------------------
+
+def test_admg_rules():
+    from selfspec_cli.methods.asd import admg
+
+    cos = [0.90, 0.99, 0.97, 0.995, 0.99, 0.999, 0.98, 0.999]  # L = 8
+    attn, mlp = admg(cos, alpha=0.985, m=3, n=2)
+    # 1-based: CS rule {2, 4, 5, 6} (8 excluded by n=2, 8 > 6); MLP every 3rd: {3, 6}; attn |= mlp
+    assert mlp == {2, 5}
+    assert attn == {1, 3, 4, 5, 2}
+
+
+def test_engine_attention_cosine_matches_hooks():
+    model = make_tiny_model("llama-gqa", layers=4)
+    ids = torch.tensor(_prompt(9, 0))
+    # reference: cos between residual before attention and after adding its output
+    with torch.no_grad():
+        hs = []
+        h = model.model.embed_tokens(ids[None])
+        pos = torch.arange(len(ids))[None]
+        pe = model.model.rotary_emb(h, pos)
+        mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+        for layer in model.model.layers:
+            a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=pe, attention_mask=mask)
+            hs.append(torch.nn.functional.cosine_similarity(h, h + a, dim=-1).mean().item())
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+    eng = Engine(model)
+    out = eng.forward(eng.new_cache(16), ids, positions=0, attn_cosine=True)
+    assert out.attn_cosine.tolist() == pytest.approx(hs, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_asd_greedy_equals_ar(arch):
+    from selfspec_cli.methods.asd import ASD
+
+    model = make_tiny_model(arch, layers=8)
+    eng = Engine(model)
+    ar = AR(eng)
+    asd = ASD(eng, alpha=0.5, m=3, n=2)  # low alpha: random tiny models have low cosines
+    for seed in range(3):
+        prompt = _prompt(8, seed)
+        cfg = GenerationConfig(max_new_tokens=30)
+        res = asd.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids
+        assert res.stats.extra["skip_mlp"] == [2, 5]
+
+
+def test_asd_sampling_is_exact(small_vocab_setup):
+    from selfspec_cli.methods.asd import ASD
+
+    model, prompt, law = small_vocab_setup
+    asd = ASD(Engine(model), alpha=0.3, m=2, n=1, draft=DraftConfig(max_draft=4, threshold=0.0))
+    samples = _pair_samples(asd, prompt, 2500)
+    assert asd.skip_sets()[0] or asd.skip_sets()[1]
+    assert distribution_test(samples, law) > ALPHA
+
+
+# --- SWIFT --------------------------------------------------------------------------------
+
+def _swift(eng, **kw):
+    from selfspec_cli.methods.swift import Swift, SwiftConfig
+
+    return Swift(eng, config=SwiftConfig(**{"context_window": 8, "bo_interval": 4, **kw}))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_swift_greedy_equals_ar_and_carries_state(arch):
+    model = make_tiny_model(arch, layers=6)
+    eng = Engine(model)
+    ar = AR(eng)
+    sw = _swift(eng)
+    steps = []
+    for seed in range(3):
+        prompt = _prompt(7, seed)
+        cfg = GenerationConfig(max_new_tokens=40)
+        res = sw.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids
+        steps.append(res.stats.extra["swift"]["step"])
+    assert steps[0] > 0 and steps == sorted(steps)  # optimization state carried across prompts
+    assert all(len(h["skip"][0]) + len(h["skip"][1]) >= 1 for h in sw.history)
+
+
+def test_swift_scoring_leaves_the_cache_intact():
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    ids = torch.tensor(_prompt(20, 3))
+    cache = eng.new_cache(64)
+    eng.forward(cache, ids, positions=0)
+    k_before, v_before, len_before = cache.k.clone(), cache.v.clone(), list(cache.lengths)
+    with cache.scratch(12, 8):
+        eng.forward(cache, ids[12:20], positions=12, skip_attn={1, 2}, skip_mlp={3})
+    assert cache.lengths == len_before
+    assert torch.equal(cache.k, k_before) and torch.equal(cache.v, v_before)
+
+
+def test_swift_lowers_skip_ratio_when_acceptance_stays_low():
+    model = make_tiny_model("llama-gqa", layers=8)
+    eng = Engine(model)
+    sw = _swift(eng, skip_ratio=0.6, acceptance_tolerance=0.99, acceptance_window=4, max_steps=3)
+    for seed in range(2):
+        sw.generate(_prompt(7, seed), GenerationConfig(max_new_tokens=40))
+    assert sw.ratio < 0.6
+
+
+def test_swift_sampling_is_exact(small_vocab_setup):
+    model, prompt, law = small_vocab_setup
+    sw = _swift(Engine(model), context_window=2)
+    samples = _pair_samples(sw, prompt, 2500)
+    assert distribution_test(samples, law) > ALPHA

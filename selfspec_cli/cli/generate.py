@@ -12,6 +12,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model
 from ..methods import METHODS
+from ..methods.factory import MethodOptions, build_method, parse_layer_list
 from ..prompts import read_prompts
 from ..runtime import check_prompt_fits, context_length, run_prompt
 from .common import log, output_stream, progress, write_record
@@ -31,10 +32,23 @@ def generate(
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
+    layers: Optional[Path] = typer.Option(None, "--layers", help="self-sd: skip-set artifact (default: the calibrated one for this model under artifacts/self-sd/)."),
+    skip_attn: Optional[str] = typer.Option(None, "--skip-attn", help="self-sd: inline attention sublayers to skip, e.g. 1,3,5 (0-based)."),
+    skip_mlp: Optional[str] = typer.Option(None, "--skip-mlp", help="self-sd: inline MLP sublayers to skip, e.g. 2,4 (0-based)."),
+    max_draft: Optional[int] = typer.Option(None, "--max-draft", help="Layer-skipping methods: most draft tokens per round."),
+    draft_threshold: Optional[float] = typer.Option(None, "--draft-threshold", help="Layer-skipping methods: draft-exit confidence threshold (initial value when adaptive)."),
+    skip_ratio: Optional[float] = typer.Option(None, "--skip-ratio", help="swift: share of sublayers skipped (default 0.45; lowered automatically when acceptance stays low)."),
+    context_window: Optional[int] = typer.Option(None, "--context-window", help="swift: generated tokens used to score candidate skip sets (default 32)."),
+    save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
+    asd_alpha: float = typer.Option(0.985, "--asd-alpha", help="asd: cosine-similarity threshold."),
+    asd_m: int = typer.Option(3, "--asd-m", help="asd: skip every m-th layer's MLP and attention."),
+    asd_n: int = typer.Option(2, "--asd-n", help="asd: never skip the last n layers."),
 ) -> None:
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes."""
     if method not in METHODS:
         raise ConfigError(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
+    if save_layers is not None and method != "swift":
+        raise ConfigError("--save-layers is for --method swift; drop it or use --method swift")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates before any loading
     prompts = read_prompts(prompt_file)
@@ -48,7 +62,11 @@ def generate(
         check_prompt_fits(p, tok, cfg, ctx, chat_template)
 
     engine = Engine(mdl)
-    meth = METHODS[method](engine, tok)
+    opts = MethodOptions(
+        layers=layers, skip_attn=parse_layer_list(skip_attn, "--skip-attn"), skip_mlp=parse_layer_list(skip_mlp, "--skip-mlp"),
+        max_draft=max_draft, draft_threshold=draft_threshold, skip_ratio=skip_ratio, context_window=context_window,
+        seed=seed, asd_alpha=asd_alpha, asd_m=asd_m, asd_n=asd_n)
+    meth = build_method(method, engine, tok, opts)
     dev = torch.device(engine.device)
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "
         f"method {method}; {len(prompts)} prompts[/dim]")
@@ -61,3 +79,6 @@ def generate(
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
+    if save_layers is not None:
+        path = meth.save_layers(save_layers)
+        log(f"wrote skip-set artifact {path}")

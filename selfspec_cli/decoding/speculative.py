@@ -18,13 +18,12 @@ token) is in the cache, at every layer.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import GenerationConfig, SamplingConfig
-from ..engine import Engine, KVCache
+from ..engine import Engine, ForwardOutput, KVCache
 from ..engine.tree import tree_mask_from_parents, tree_positions
 from .loop import DecodeStats, TokenSink
 from .sampling import processed_probs, sample_from
@@ -111,10 +110,9 @@ class SelfSpeculative:
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         raise NotImplementedError
 
-    def prefill_hidden_layers(self) -> Sequence[int]:
-        return ()
+    needs_attn_cosine: bool = False  # ASD reads per-layer cosine similarities of the prompt
 
-    def on_prefill(self, ctx: RoundContext, prompt: torch.Tensor, hidden_at: dict[int, torch.Tensor]) -> None:
+    def on_prefill(self, ctx: RoundContext, prompt: torch.Tensor, out: ForwardOutput) -> None:
         """Called after the prompt is cached (ASD chooses its skip set here)."""
 
     def after_round(self, ctx: RoundContext, draft: Draft, verdict: Verdict, emitted: list[int]) -> None:
@@ -131,12 +129,12 @@ class SelfSpeculative:
         cache = eng.new_cache(n + cfg.max_new_tokens + 2 * self.draft_cfg.max_draft + 32)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=eng.device)
         # 1) prefill
-        out = eng.forward(cache, ids, positions=0, output_hidden=self.prefill_hidden_layers())
+        out = eng.forward(cache, ids, positions=0, attn_cosine=self.needs_attn_cosine)
         first = self._select(out.logits[0], cfg.sampling, gen)
         stats.target_forwards += 1
         stats.accept_lengths.append(sink.push([first]))
         ctx = RoundContext(cache, n, first, cfg.sampling, gen, stats)
-        self.on_prefill(ctx, ids, out.hidden_at)
+        self.on_prefill(ctx, ids, out)
         # 2) rounds
         while not sink.done:
             self._round(ctx, sink)

@@ -9,7 +9,8 @@ later. Nothing here copies the whole cache: ``crop`` only moves lengths, and
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -81,3 +82,23 @@ class KVCache:
             self.k[:, :, dst_start : dst_start + n] = self.k.index_select(2, src)
             self.v[:, :, dst_start : dst_start + n] = self.v.index_select(2, src)
         self.lengths = [dst_start + n] * self.num_layers
+
+    @contextmanager
+    def scratch(self, length: int, rows: int) -> Iterator[KVCache]:
+        """Temporarily roll every layer back to ``length`` so that a side computation
+        (SWIFT's teacher-forced scoring of a candidate skip set) can write ``rows`` new
+        positions there; on exit the overwritten slots and all lengths are restored.
+        Costs a copy of ``rows`` slots, never of the whole cache."""
+        saved_lengths = list(self.lengths)
+        self.ensure_capacity(length + rows)
+        with torch.inference_mode():
+            k_saved = self.k[:, :, length : length + rows].clone()
+            v_saved = self.v[:, :, length : length + rows].clone()
+        self.crop(length)
+        try:
+            yield self
+        finally:
+            with torch.inference_mode():
+                self.k[:, :, length : length + rows] = k_saved
+                self.v[:, :, length : length + rows] = v_saved
+            self.lengths = saved_lengths

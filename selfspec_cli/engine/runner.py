@@ -38,6 +38,7 @@ class ForwardOutput:
     logits: torch.Tensor | None  # (R, V) for the requested rows, float32
     hidden: torch.Tensor  # (T, H) residual stream after the last layer run (before the final norm)
     hidden_at: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (T, H)
+    attn_cosine: torch.Tensor | None = None  # (layers run,) mean cos(h before, h after) per attention sublayer
 
 
 ALL_ROWS = slice(None)
@@ -129,6 +130,7 @@ class Engine:
         tree_mask: torch.Tensor | None = None,
         output_hidden: Collection[int] = (),
         logits_rows: slice | torch.Tensor | None = LAST_ROW,
+        attn_cosine: bool = False,
     ) -> ForwardOutput:
         a = self.adapter
         end = self.num_layers if end is None else end
@@ -161,6 +163,7 @@ class Engine:
         hidden_at: dict[int, torch.Tensor] = {}
         masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
         cache.ensure_capacity(max(cache.lengths[start:end], default=0) + t)
+        cosines: list[torch.Tensor] = []
 
         for l in range(start, end):
             w = a.layers[l]
@@ -185,7 +188,12 @@ class Engine:
                         masks[key] = self._mask(past, qp, t, tree_mask, w.sliding_window)
                     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[key], enable_gqa=self._gqa)
                 o = o[0].transpose(0, 1).reshape(t, hq * d)
+                h_in = h
                 h = h + F.linear(o, w.w_o, w.b_o)
+                if attn_cosine:  # ASD: how much this attention sublayer turns the residual stream
+                    cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1).mean())
+            elif attn_cosine:
+                cosines.append(h.new_ones((), dtype=torch.float32))
             if l not in skip_mlp:
                 # 2) MLP sublayer
                 x = F.rms_norm(h, (h.shape[-1],), w.mlp_norm, eps)
@@ -197,4 +205,5 @@ class Engine:
         logits = None
         if logits_rows is not None and end == self.num_layers:
             logits = self.final_logits(h[logits_rows])
-        return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at)
+        return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
+                             attn_cosine=torch.stack(cosines) if cosines else None)

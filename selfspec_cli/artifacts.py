@@ -1,0 +1,317 @@
+"""Read and write selfspec artifacts: JSON manifests and safetensors files.
+
+An artifact is something a command computes once and later commands load: Self-SD's
+skipped-sublayer set (``selfspec calibrate --method self-sd``), and later trained
+heads or exit statistics. Invariants:
+
+* writes are atomic: a temporary file in the destination directory, flushed and
+  fsynced, then ``os.replace``; a crash or Ctrl-C leaves the old file or the new
+  one, never a torn one, and no temporary file behind;
+* every artifact records ``model_fingerprint`` (:func:`selfspec_cli.loading.model_fingerprint`)
+  and refuses to load on another model;
+* every failure a user can cause is an :class:`ArtifactError` with a one-line
+  message that names the fix.
+
+A skip-set artifact is one JSON manifest (``kind: "self-sd-layers"``)::
+
+    {"kind": "self-sd-layers", "format_version": 1, "model_fingerprint": "...",
+     "model_name_or_path": "...", "num_layers": L, "skip_attn": [...], "skip_mlp": [...],
+     "objective": {"name", "value", "unit", ...}, "trials": N, "search": {...},
+     "environment": {...}, "created": "2025-01-01T00:00:00+00:00"}
+
+A tensors artifact is a directory with ``tensors.safetensors`` and ``manifest.json``
+(or ``X.safetensors`` beside ``X.manifest.json``); both carry the same random
+``artifact_id`` so a half-replaced pair is detected.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from . import loading
+from .errors import ArtifactError
+
+SKIP_KIND = "self-sd-layers"
+FORMAT_VERSION = 1
+TENSORS_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+# ---------------------------------------------------------------- names and paths
+
+
+def model_name(model_or_spec: Any) -> str:
+    """The model's local directory or hub id as it was loaded (``config.name_or_path``)."""
+    if isinstance(model_or_spec, (str, os.PathLike)):
+        return str(model_or_spec)
+    cfg = getattr(model_or_spec, "config", None)
+    name = getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "")
+    return str(name) if name else "model"
+
+
+def sanitized_model_name(model_or_spec: Any) -> str:
+    """A file-name-safe model name: a local directory's basename, or a hub id with
+    ``/`` replaced by ``--`` (``org/name`` -> ``org--name``)."""
+    name = model_name(model_or_spec).rstrip("/\\")
+    path = Path(name).expanduser()
+    if path.is_dir() or loading._looks_local(name):
+        name = path.name or "model"
+    else:
+        name = name.replace("/", "--")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).lstrip(".") or "model"
+
+
+def default_skip_artifact_path(model_or_spec: Any) -> Path:
+    """``ARTIFACTS_DIR / "self-sd" / "<model name>.json"`` (see :func:`sanitized_model_name`)."""
+    return Path(loading.ARTIFACTS_DIR) / "self-sd" / f"{sanitized_model_name(model_or_spec)}.json"
+
+
+def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
+    """The command that (re)creates a skip-set artifact, for error messages."""
+    name = model_name(model_or_spec)
+    cmd = f"selfspec calibrate --method self-sd --model {name}"
+    if path is not None and Path(path) != default_skip_artifact_path(model_or_spec):
+        cmd += f" --output {path}"
+    return cmd
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write ``path`` atomically: ``write(f)`` fills a temporary file in the same
+    directory, which then replaces ``path``. Creates missing parent directories."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise ArtifactError(f"cannot write '{path}' ({exc.strerror}); choose a writable location") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:  # also Ctrl-C: never leave the temporary file behind
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise ArtifactError(f"cannot write '{path}' ({exc.strerror or exc}); choose a writable location") from None
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX); harmless where unsupported."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
+    """Write ``obj`` as indented JSON, atomically."""
+    data = (json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def _read_json(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+    if not path.exists():
+        raise ArtifactError(f"{what} '{path}' does not exist; {create_hint}")
+    if path.is_dir():
+        raise ArtifactError(f"{what} '{path}' is a directory, not a JSON file; pass the .json file")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(
+            f"{what} '{path}' is not valid JSON ({exc.msg} at line {exc.lineno}); delete it and {create_hint[0].lower() + create_hint[1:]}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"cannot read {what} '{path}' ({exc.__class__.__name__}); check permissions") from None
+    if not isinstance(obj, dict):
+        raise ArtifactError(f"{what} '{path}' is not a JSON object; delete it and {create_hint[0].lower() + create_hint[1:]}")
+    return obj
+
+
+def _check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path: Path, fix: str) -> None:
+    theirs = manifest.get("model_fingerprint")
+    ours = loading.model_fingerprint(model)
+    if theirs != ours:
+        raise ArtifactError(
+            f"artifact '{path}' was made for another model (fingerprint {theirs}, this model {ours}); {fix}"
+        )
+
+
+# ---------------------------------------------------------------- skip-set artifacts
+
+
+def environment_info(device: torch.device | str | None = None, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
+    """Software and hardware a measurement was made on (artifacts record it)."""
+    import sys
+
+    import transformers
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "device": str(dev),
+        "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import optuna
+
+        info["optuna"] = optuna.__version__
+    except ImportError:  # pragma: no cover - optuna is a dependency
+        pass
+    if dev.type == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def load_skip_artifact(
+    path: str | os.PathLike | None, model: torch.nn.Module
+) -> tuple[frozenset[int], frozenset[int], dict[str, Any]]:
+    """Load a Self-SD skip set for ``model``: ``(skip_attn, skip_mlp, manifest)``.
+
+    ``path`` None means :func:`default_skip_artifact_path`. Raises
+    :class:`ArtifactError` when the file is missing, malformed, of another kind, or
+    made for another model.
+    """
+    p = Path(path) if path is not None else default_skip_artifact_path(model)
+    cmd = calibrate_command(model, p)
+    manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
+    kind = manifest.get("kind")
+    if kind != SKIP_KIND:
+        raise ArtifactError(
+            f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); pass a file made by `{cmd}`"
+        )
+    _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
+    num_layers = int(model.config.num_hidden_layers)
+    sets = []
+    for key in ("skip_attn", "skip_mlp"):
+        ids = manifest.get(key)
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ArtifactError(f"'{p}': field '{key}' must be a list of layer ids; recalibrate with `{cmd}`")
+        bad = sorted(i for i in ids if not 0 <= i < num_layers)
+        if bad:
+            raise ArtifactError(f"'{p}': {key} ids {bad} are out of range for a {num_layers}-layer model; recalibrate with `{cmd}`")
+        sets.append(frozenset(ids))
+    return sets[0], sets[1], manifest
+
+
+# ---------------------------------------------------------------- tensors artifacts (safetensors)
+
+
+def tensors_artifact_paths(dir_or_path: str | os.PathLike) -> tuple[Path, Path]:
+    """``(tensors file, manifest file)``: ``D/tensors.safetensors`` + ``D/manifest.json`` for a
+    directory ``D``, or ``X.safetensors`` + ``X.manifest.json`` for a path ending in .safetensors."""
+    p = Path(dir_or_path)
+    if p.suffix == ".safetensors":
+        return p, p.with_name(p.stem + ".manifest.json")
+    return p / TENSORS_FILE, p / MANIFEST_FILE
+
+
+def save_tensors_artifact(
+    dir_or_path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, Any]
+) -> Path:
+    """Write tensors (safetensors) and their manifest (JSON), each atomically.
+
+    ``manifest`` needs ``kind`` and ``model_fingerprint``; ``created``,
+    ``format_version``, ``artifact_id`` and the tensor inventory are added. The
+    tensors file is replaced first and the manifest last, so a reader never sees a
+    manifest describing tensors that were not written. Returns the manifest path.
+    """
+    from safetensors.torch import save as st_save
+
+    for key in ("kind", "model_fingerprint"):
+        if key not in manifest:
+            raise ValueError(f"tensors artifact manifest needs '{key}'")
+    tfile, mfile = tensors_artifact_paths(dir_or_path)
+    artifact_id = uuid.uuid4().hex
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    data = st_save(tensors, metadata={"artifact_id": artifact_id, "kind": str(manifest["kind"])})
+    atomic_write(tfile, lambda f: f.write(data))
+    full = {
+        "format_version": FORMAT_VERSION,
+        **manifest,
+        "artifact_id": artifact_id,
+        "tensors_file": tfile.name,
+        "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in tensors.items()},
+        "created": manifest.get("created") or now_iso(),
+    }
+    return save_json_artifact(mfile, full)
+
+
+def load_tensors_artifact(
+    dir_or_path: str | os.PathLike,
+    model: torch.nn.Module | None = None,
+    *,
+    kind: str | None = None,
+    device: torch.device | str = "cpu",
+    create_hint: str = "create it with the selfspec command that makes it",
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load ``(tensors, manifest)``; checks the kind, the model fingerprint (when
+    ``model`` is given) and that the tensors file belongs to this manifest."""
+    from safetensors import SafetensorError, safe_open
+
+    tfile, mfile = tensors_artifact_paths(dir_or_path)
+    manifest = _read_json(mfile, "artifact manifest", create_hint)
+    if kind is not None and manifest.get("kind") != kind:
+        raise ArtifactError(f"'{mfile}' is a {manifest.get('kind')!r} artifact, not {kind!r}; {create_hint}")
+    if model is not None:
+        _check_fingerprint(manifest, model, mfile, f"recreate it for this model ({create_hint})")
+    if not tfile.is_file():
+        raise ArtifactError(f"artifact tensors '{tfile}' are missing (the manifest '{mfile}' names them); {create_hint}")
+    try:
+        with safe_open(str(tfile), framework="pt", device=str(device)) as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ArtifactError(f"cannot read artifact tensors '{tfile}' ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); {create_hint}") from None
+    if meta.get("artifact_id") != manifest.get("artifact_id"):
+        raise ArtifactError(
+            f"'{tfile}' does not belong to '{mfile}' (artifact ids differ: a partial copy or an interrupted write); {create_hint}"
+        )
+    return tensors, manifest

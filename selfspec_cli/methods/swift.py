@@ -1,0 +1,237 @@
+"""SWIFT: on-the-fly self-speculative decoding (Xia et al., ICLR 2025), arXiv:2410.06916.
+
+The skipped-layer set is optimized *during* decoding, with no offline phase:
+
+* optimization phase: start from uniform skipping (odd layers 1, 3, ..., L-3, attention
+  and MLP); once the first ``gamma + 1`` generated tokens of a prompt are cached (the
+  context window), every decoding round evaluates one candidate set: random search,
+  except every ``beta``-th step a Gaussian-process (Matern 2.5) UCB suggestion. A
+  candidate skips exactly ``k = int(2 (L - 2) r)`` sublayers among layers 1..L-2.
+  Its *matchness* is one teacher-forced forward of the skipped model over the window,
+  reusing the prompt's full-model K/V: the share of window tokens it predicts (argmax).
+  The best candidate so far drafts. Optimization stops when matchness exceeds
+  ``max_score``, after ``max_tolerance`` steps without improvement, or after
+  ``max_steps``;
+* state (best set, observations, step counter) is carried across the prompts of one
+  run: a prompt file is an input stream. On a new prompt the best set is re-scored on
+  the new window, so that candidates are always compared on the same context (the
+  reference compares scores from different prompts);
+* drafting stops early when draft confidence falls below ``epsilon`` (0.8), and
+  verification is SWIFT's dynamic tree (top-10/5/3/1 candidates by confidence);
+* the skip ratio ``r`` is lowered automatically (by ``ratio_step``) when the draft
+  acceptance rate over the last ``acceptance_window`` rounds stays below
+  ``acceptance_tolerance``; the paper describes this, its released code lacks it.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import GenerationConfig
+from ..decoding.loop import DecodeResult, TokenSink
+from ..decoding.speculative import Draft, DraftConfig, RoundContext, SelfSpeculative
+from ..decoding.verify import Verdict
+from ..engine import Engine, ForwardOutput
+from ..errors import ConfigError
+from .base import Method
+
+PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class SwiftConfig:
+    skip_ratio: float = 0.45
+    context_window: int = 32  # gamma
+    max_steps: int = 1000  # S
+    bo_interval: int = 25  # beta
+    max_score: float = 0.95
+    max_tolerance: int = 300
+    ucb_kappa: float = 2.5
+    acceptance_tolerance: float = 0.7
+    acceptance_window: int = 32
+    ratio_step: float = 0.05
+    min_ratio: float = 0.1
+    seed: int = 0
+    draft: DraftConfig = field(default_factory=lambda: DraftConfig(
+        max_draft=25, threshold=0.8, adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK))
+
+    def __post_init__(self) -> None:
+        if not 0 < self.skip_ratio < 1:
+            raise ConfigError(f"SWIFT skip ratio must be in (0, 1), got {self.skip_ratio}")
+        if self.context_window < 2:
+            raise ConfigError(f"SWIFT context window must be >= 2, got {self.context_window}")
+
+
+class Swift(Method, SelfSpeculative):
+    name = "swift"
+    lossless = True
+    description = "SWIFT: skip set optimized on the fly during decoding (random search + interval BO)"
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, *, config: SwiftConfig | None = None) -> None:
+        self.cfg = config or SwiftConfig()
+        Method.__init__(self, engine, tokenizer)
+        SelfSpeculative.__init__(self, engine, self.cfg.draft)
+        import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
+
+        L = engine.num_layers
+        if L < 4:
+            raise ConfigError(f"SWIFT needs at least 4 layers (it never skips the first or last), got {L}")
+        self.num_layers = L
+        # candidate pool: attention then MLP sublayers of layers 1..L-2
+        self.pool: list[tuple[str, int]] = [("attn", l) for l in range(1, L - 1)] + [("mlp", l) for l in range(1, L - 1)]
+        self.rng = random.Random(self.cfg.seed)
+        self.ratio = self.cfg.skip_ratio
+        uniform = [i for i, (_, l) in enumerate(self.pool) if l % 2 == 1 and l <= L - 3]
+        self.best: tuple[int, ...] = tuple(sorted(uniform))
+        self.best_score = -1.0
+        self.step = 0
+        self.since_improved = 0
+        self.optimizing = True
+        self.observations: list[tuple[tuple[int, ...], float]] = []
+        self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
+        self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.cfg.acceptance_window)
+        self._rounds_since_ratio_change = 0
+        # per prompt
+        self._prompt_len = 0
+        self._generated: list[int] = []
+        self._window: torch.Tensor | None = None
+
+    # -- skip sets ---------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return max(1, int(len(self.pool) * self.ratio))
+
+    def _as_sets(self, idx: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
+        attn = frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == "attn")
+        mlp = frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == "mlp")
+        return attn, mlp
+
+    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
+        return self._as_sets(self.best)
+
+    # -- optimization ------------------------------------------------------
+    def _score(self, ctx: RoundContext, idx: tuple[int, ...]) -> float:
+        """Matchness: teacher-forced skipped forward over the context window."""
+        assert self._window is not None
+        attn, mlp = self._as_sets(idx)
+        w = self._window
+        with ctx.cache.scratch(self._prompt_len, len(w)):
+            logits = self.engine.forward(ctx.cache, w, positions=self._prompt_len, skip_attn=attn, skip_mlp=mlp,
+                                         logits_rows=slice(0, -1)).logits
+        return float((logits.argmax(-1) == w[1:]).float().mean())
+
+    def _random_candidate(self) -> tuple[int, ...]:
+        return tuple(sorted(self.rng.sample(range(len(self.pool)), self.k)))
+
+    def _bo_candidate(self) -> tuple[int, ...]:
+        """GP-UCB over binary candidates with exactly k ones: random subsets plus
+        one-swap neighbours of the best set (the acquisition is maximized over
+        candidates that can actually be run, instead of rounding a continuous point)."""
+        from sklearn.gaussian_process import GaussianProcessRegressor
+        from sklearn.gaussian_process.kernels import Matern
+
+        P = len(self.pool)
+        obs = [(c, s) for c, s in self.observations if len(c) == self.k]
+        if len(obs) < 3:
+            return self._random_candidate()
+
+        def onehot(c: tuple[int, ...]) -> np.ndarray:
+            v = np.zeros(P)
+            v[list(c)] = 1.0
+            return v
+
+        X = np.stack([onehot(c) for c, _ in obs])
+        y = np.array([s for _, s in obs])
+        gp = GaussianProcessRegressor(kernel=Matern(nu=2.5), alpha=1e-2, normalize_y=True,
+                                      random_state=self.rng.randrange(2**31))
+        gp.fit(X, y)
+        cands = {self._random_candidate() for _ in range(512)}
+        best = list(self.best) if len(self.best) == self.k else list(self._random_candidate())
+        outside = [i for i in range(P) if i not in best]
+        for a in best:
+            for b in outside:
+                cands.add(tuple(sorted([x for x in best if x != a] + [b])))
+        seen = {c for c, _ in self.observations}
+        cands -= seen
+        if not cands:
+            return self._random_candidate()
+        cl = sorted(cands)
+        mu, sd = gp.predict(np.stack([onehot(c) for c in cl]), return_std=True)
+        return cl[int(np.argmax(mu + self.cfg.ucb_kappa * sd))]
+
+    def _optimization_step(self, ctx: RoundContext) -> None:
+        cfg = self.cfg
+        self.step += 1
+        use_bo = self.step % cfg.bo_interval == 0
+        cand = self._bo_candidate() if use_bo else self._random_candidate()
+        score = self._score(ctx, cand)
+        self.observations.append((cand, score))
+        improved = score > self.best_score
+        self.history.append({"step": self.step, "skip": [list(map(int, s)) for s in map(sorted, self._as_sets(cand))],
+                             "score": round(score, 4), "bo": use_bo, "best": improved, "ratio": round(self.ratio, 3)})
+        if improved:
+            self.best, self.best_score, self.since_improved = cand, score, 0
+        else:
+            self.since_improved += 1
+        if self.best_score >= cfg.max_score or self.since_improved >= cfg.max_tolerance or self.step >= cfg.max_steps:
+            self.optimizing = False
+
+    def _maybe_lower_ratio(self) -> None:
+        cfg = self.cfg
+        self._rounds_since_ratio_change += 1
+        if len(self._acceptance) < cfg.acceptance_window or self._rounds_since_ratio_change < cfg.acceptance_window:
+            return
+        acc = sum(a for a, _ in self._acceptance) / max(1, sum(d for _, d in self._acceptance))
+        if acc >= cfg.acceptance_tolerance or self.ratio - cfg.ratio_step < cfg.min_ratio:
+            return
+        self.ratio = round(self.ratio - cfg.ratio_step, 4)
+        # keep the best set's most useful part: drop random members down to the new k, restart the search
+        keep = list(self.best)
+        self.rng.shuffle(keep)
+        self.best = tuple(sorted(keep[: self.k]))
+        self.best_score = -1.0
+        self.since_improved = 0
+        self.optimizing = True
+        self._acceptance.clear()
+        self._rounds_since_ratio_change = 0
+
+    # -- hooks -------------------------------------------------------------
+    def on_prefill(self, ctx: RoundContext, prompt: torch.Tensor, out: ForwardOutput) -> None:
+        self._prompt_len = ctx.pos
+        self._generated = [ctx.pending]
+        self._window = None
+
+    def after_round(self, ctx: RoundContext, draft: Draft, verdict: Verdict, emitted: list[int]) -> None:
+        import time
+
+        self._generated.extend(emitted)
+        if draft.chain_len:
+            self._acceptance.append((len(verdict.accepted), draft.chain_len))
+        t0 = time.perf_counter()
+        gamma = self.cfg.context_window
+        if self._window is None and ctx.pos - self._prompt_len >= gamma + 1:
+            self._window = torch.tensor(self._generated[: gamma + 1], dtype=torch.long, device=self.engine.device)
+            if self.optimizing and self.best_score >= 0:
+                self.best_score = self._score(ctx, self.best)  # re-score on this prompt's window
+        if self._window is not None and self.optimizing:
+            if self.best_score < 0:
+                self.best_score = self._score(ctx, self.best)
+            self._optimization_step(ctx)
+        self._maybe_lower_ratio()
+        ctx.timings["optimize_s"] = ctx.timings.get("optimize_s", 0.0) + time.perf_counter() - t0
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
+        sink = TokenSink(cfg, self.tokenizer)
+        stats = self.decode(prompt_ids, cfg, sink)
+        attn, mlp = self.skip_sets()
+        stats.extra.update({
+            "skip_attn": sorted(attn), "skip_mlp": sorted(mlp),
+            "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
+                      "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio},
+        })
+        return sink.result(stats)
