@@ -8,6 +8,7 @@ import typer
 
 from ..errors import SelfSpecError
 from .bench import bench
+from .calibrate import calibrate
 from .generate import generate
 
 app = typer.Typer(
@@ -19,6 +20,7 @@ app = typer.Typer(
 )
 app.command("generate")(generate)
 app.command("bench")(bench)
+app.command("calibrate")(calibrate)
 
 
 def main(argv: list[str] | None = None) -> int:

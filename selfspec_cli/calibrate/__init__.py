@@ -1,0 +1,17 @@
+"""Offline calibration: searches whose result is saved as an artifact and loaded later.
+
+* :mod:`.self_sd`: Self-SD's skipped-sublayer set, by Bayesian optimization of
+  measured throughput (``selfspec calibrate --method self-sd``);
+* :mod:`.data`: calibration prompts from a prompt file or a local dataset.
+
+No typer or rich here; the CLI passes progress callbacks.
+"""
+from __future__ import annotations
+
+from .data import load_calibration_prompts
+from .self_sd import SearchConfig, SelfSDCalibration, TrialReport, calibrate_self_sd
+
+CALIBRATE_METHODS = ("self-sd",)
+
+__all__ = ["CALIBRATE_METHODS", "SearchConfig", "SelfSDCalibration", "TrialReport", "calibrate_self_sd",
+           "load_calibration_prompts"]

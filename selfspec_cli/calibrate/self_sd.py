@@ -1,0 +1,469 @@
+"""Offline search of Self-SD's skipped-sublayer set (Draft & Verify, Zhang et al., ACL 2024).
+
+The paper searches, by Bayesian optimization, which of the 2L sublayers (L attention,
+L MLP) the draft skips, maximizing measured decoding throughput on a few
+calibration prompts. Here:
+
+* search space: one categorical 0/1 parameter per sublayer, ``attn_<l>`` and
+  ``mlp_<l>`` (free cardinality, first and last layers included, as in Self-SD);
+* objective: tokens actually produced / wall seconds of real self-speculative
+  decoding (:class:`selfspec_cli.methods.self_sd.SelfSD`, greedy, ``max_new_tokens``
+  per prompt); only the decode calls are timed, with a CUDA synchronize on each
+  side. Greedy Self-SD is lossless, so every trial produces the same tokens and
+  only the time differs. Mean accepted length M and acceptance rate are kept per
+  trial (``user_attrs``): they do not depend on machine load, the time does;
+* sampler: Optuna's multivariate TPE by default (``gp`` and ``random`` on request);
+  see ``docs/calibrate.md`` for the measurements behind that choice;
+* starting points: uniform SWIFT-style sets (interior layers at even spacing, both
+  sublayers) at skip ratios 0.3 and 0.45 are enqueued first;
+* storage: an Optuna study in an SQLite file. Optuna commits each trial when it
+  finishes, so a Ctrl-C loses at most the running trial, and a re-run with the same
+  study resumes: ``n_trials`` counts COMPLETE trials, only the rest are run;
+* confirmation: after the search, the best set, the uniform sets and plain
+  autoregressive decoding are measured again back to back, so the reported
+  speedups compare numbers taken under the same machine load (the best trial's
+  own value is biased upward: it is the maximum of noisy measurements).
+
+No typer or rich here: callers pass ``on_trial`` / ``log`` callbacks.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import GenerationConfig
+from ..decoding.loop import DecodeResult
+from ..decoding.speculative import DraftConfig
+from ..engine import Engine
+from ..errors import ConfigError
+from ..methods.ar import AR
+from ..methods.self_sd import SelfSD
+from ..runtime import timed
+
+STUDY_NAME = "self-sd"
+SAMPLERS = ("tpe", "gp", "random")
+SEED_RATIOS = (0.3, 0.45)
+DEFAULT_DRAFT = DraftConfig(max_draft=12, threshold=0.6, adaptive=True)  # SelfSD's own default
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One pass of a decoder over all calibration prompts."""
+
+    tokens: int  # tokens actually produced (EOS ends a prompt early)
+    wall_s: float  # decode calls only
+    target_forwards: int
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """M: tokens per full-depth target forward (prefill included), as in DecodeStats."""
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "tokens": self.tokens,
+            "wall_s": round(self.wall_s, 6),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
+        }
+
+
+def measure(generate: Callable[[list[int], GenerationConfig], DecodeResult], prompt_ids: Sequence[list[int]],
+            cfg: GenerationConfig, device: torch.device) -> Measurement:
+    tokens = forwards = drafted = accepted = 0
+    wall = 0.0
+    for ids in prompt_ids:
+        res, dt = timed(lambda: generate(ids, cfg), device)
+        wall += dt
+        tokens += len(res.token_ids)
+        forwards += res.stats.target_forwards
+        drafted += res.stats.drafted_tokens
+        accepted += res.stats.accepted_draft_tokens
+    return Measurement(tokens, wall, forwards, drafted, accepted)
+
+
+def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
+                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftConfig = DEFAULT_DRAFT) -> Measurement:
+    """Throughput of Self-SD with this skip set. A fresh method per call, so the
+    adaptive draft threshold starts from the same value for every candidate."""
+    method = SelfSD(engine, tokenizer, skip_attn=skip_attn, skip_mlp=skip_mlp, draft=draft)
+    return measure(method.generate, prompt_ids, cfg, torch.device(engine.device))
+
+
+def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig) -> Measurement:
+    return measure(AR(engine, tokenizer).generate, prompt_ids, cfg, torch.device(engine.device))
+
+
+# ---------------------------------------------------------------- search space
+
+
+def param_names(num_layers: int) -> list[str]:
+    return [f"attn_{l}" for l in range(num_layers)] + [f"mlp_{l}" for l in range(num_layers)]
+
+
+def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> dict[str, int]:
+    return {**{f"attn_{l}": int(l in skip_attn) for l in range(num_layers)},
+            **{f"mlp_{l}": int(l in skip_mlp) for l in range(num_layers)}}
+
+
+def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], frozenset[int]]:
+    attn = frozenset(l for l in range(num_layers) if int(params[f"attn_{l}"]))
+    mlp = frozenset(l for l in range(num_layers) if int(params[f"mlp_{l}"]))
+    return attn, mlp
+
+
+def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
+    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
+    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
+    of those layers skips a ``ratio`` share of the 2L sublayers."""
+    interior = list(range(1, num_layers - 1))
+    if not interior:
+        return frozenset()
+    n = min(len(interior), max(1, round(ratio * num_layers)))
+    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
+
+
+@dataclass(frozen=True, slots=True)
+class SeedPoint:
+    name: str
+    skip_attn: frozenset[int]
+    skip_mlp: frozenset[int]
+
+
+def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS) -> list[SeedPoint]:
+    """Distinct uniform starting sets, one per ratio (small models may merge them)."""
+    out: list[SeedPoint] = []
+    for r in ratios:
+        layers = uniform_layers(num_layers, r)
+        if layers and all(p.skip_attn != layers for p in out):
+            out.append(SeedPoint(f"uniform-{r:g}", layers, layers))
+    return out
+
+
+def make_sampler(name: str, seed: int):
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ConfigError(f"unknown --sampler '{name}'; choose one of: {', '.join(SAMPLERS)}")
+
+
+# ---------------------------------------------------------------- the study
+
+
+@dataclass(frozen=True, slots=True)
+class SearchConfig:
+    study_path: Path
+    n_trials: int = 100  # COMPLETE trials wanted in the study, resumed ones included
+    seed: int = 0
+    sampler: str = "tpe"
+    seed_ratios: tuple[float, ...] = SEED_RATIOS
+    draft: DraftConfig = DEFAULT_DRAFT
+    confirm: bool = True  # re-measure best, uniform sets and ar after the search
+
+    def __post_init__(self) -> None:
+        if self.n_trials < 1:
+            raise ConfigError(f"--trials must be >= 1, got {self.n_trials}")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"unknown --sampler '{self.sampler}'; choose one of: {', '.join(SAMPLERS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class TrialReport:
+    """What ``on_trial`` gets after each finished trial (and once at the start, ``number`` None)."""
+
+    done: int  # COMPLETE trials in the study
+    total: int  # n_trials
+    number: int | None
+    value: float | None
+    best_value: float | None
+    best_number: int | None
+    mean_accepted_length: float | None = None
+    acceptance_rate: float | None = None
+
+
+@dataclass(slots=True)
+class SelfSDCalibration:
+    num_layers: int
+    skip_attn: frozenset[int]
+    skip_mlp: frozenset[int]
+    best_trial: int
+    best_value: float  # tokens/s measured in the search
+    best_attrs: dict[str, Any]
+    trials: int  # COMPLETE trials in the study
+    new_trials: int  # trials run by this call
+    study_path: Path
+    baseline: dict[str, Any] | None  # the better uniform set
+    confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
+    seed_points: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
+                 draft: DraftConfig) -> dict[str, Any]:
+    """What must not change between runs that share a study (values would not compare)."""
+    return {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": num_layers,
+            "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": n_prompts,
+            "draft": {"max_draft": draft.max_draft, "threshold": draft.threshold, "adaptive": draft.adaptive}}
+
+
+@contextlib.contextmanager
+def _optuna_quiet() -> Iterator[None]:
+    """Optuna logs every trial at INFO on stderr; the caller owns stderr."""
+    import optuna
+
+    old = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(old)
+
+
+def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
+    """Create or resume the study in ``study_path`` (SQLite); refuse a study made
+    for another model or another calibration setup."""
+    import optuna
+
+    study_path = Path(study_path)
+    try:
+        study_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory of --study-path '{study_path}' ({exc.strerror})") from None
+    if study_path.is_dir():
+        raise ConfigError(f"--study-path '{study_path}' is a directory; pass a file path (an SQLite database)")
+    url = f"sqlite:///{study_path.resolve()}"
+    try:
+        storage = optuna.storages.RDBStorage(url)
+        study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
+                                    direction="maximize", load_if_exists=True)
+    except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"cannot open the Optuna study '{study_path}' ({first[:200]}); pass another --study-path or delete that file"
+        ) from None
+    saved = study.user_attrs.get("setup")
+    if saved is None:
+        study.set_user_attr("setup", setup)
+    elif saved != setup:
+        diff = sorted(k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k))
+        raise ConfigError(
+            f"the study '{study_path}' was made with another {', '.join(diff)} "
+            f"({', '.join(f'{k}: {saved.get(k)} then, {setup.get(k)} now' for k in diff if k != 'prompts_sha256') or 'other prompts'}); "
+            "pass another --study-path (or --output) or delete that file to start over"
+        )
+    return study, storage
+
+
+def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int) -> None:
+    """Enqueue each starting point unless a finished or waiting trial already has it
+    (a RUNNING one is stale: left by a process that was killed)."""
+    from optuna.trial import TrialState
+
+    have = [t.system_attrs.get("fixed_params", t.params)
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING))]
+    for p in points:
+        params = params_for(num_layers, p.skip_attn, p.skip_mlp)
+        if params not in have:
+            study.enqueue_trial(params, user_attrs={"seed_point": p.name})
+
+
+def calibrate_self_sd(
+    engine: Engine,
+    tokenizer: Any,
+    prompt_ids: Sequence[list[int]],
+    cfg: GenerationConfig,
+    search: SearchConfig,
+    *,
+    fingerprint: str,
+    prompts_sha: str,
+    on_trial: Callable[[TrialReport], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> SelfSDCalibration:
+    """Run (or resume) the search until the study holds ``search.n_trials`` COMPLETE trials."""
+    from optuna.trial import TrialState
+
+    if not cfg.sampling.greedy:
+        raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
+    L = engine.num_layers
+    say = log or (lambda _msg: None)
+    points = seed_points(L, search.seed_ratios)
+    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft)
+    with _optuna_quiet():
+        study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
+        try:
+            done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            remaining = max(0, search.n_trials - done)
+            if done:
+                say(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
+            _enqueue_seeds(study, points, L)
+
+            def best() -> tuple[float | None, int | None]:
+                try:
+                    b = study.best_trial
+                except ValueError:
+                    return None, None
+                return b.value, b.number
+
+            if on_trial is not None:
+                bv, bn = best()
+                on_trial(TrialReport(done, search.n_trials, None, None, bv, bn))
+
+            # warm-up, untimed: first-call allocations must not favour later trials
+            warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
+            measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft)
+
+            def objective(trial: Any) -> float:
+                params = {name: trial.suggest_categorical(name, (0, 1)) for name in param_names(L)}
+                attn, mlp = skip_sets_from_params(params, L)
+                m = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft)
+                for k, v in m.as_dict().items():
+                    if k != "tokens_per_s":
+                        trial.set_user_attr(k, v)
+                trial.set_user_attr("skip_ratio", round((len(attn) + len(mlp)) / (2 * L), 4))
+                return m.tokens_per_s
+
+            def callback(st: Any, frozen: Any) -> None:
+                if on_trial is None or frozen.state != TrialState.COMPLETE:
+                    return
+                n = len(st.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+                bv, bn = best()
+                on_trial(TrialReport(n, search.n_trials, frozen.number, frozen.value, bv, bn,
+                                     frozen.user_attrs.get("mean_accepted_length"),
+                                     frozen.user_attrs.get("acceptance_rate")))
+
+            if remaining:
+                study.optimize(objective, n_trials=remaining, callbacks=[callback], gc_after_trial=False)
+            complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            best_t = study.best_trial
+            seeds_in_study = _seed_values(complete, points, L)
+        finally:
+            _dispose(storage)
+
+    attn, mlp = skip_sets_from_params(best_t.params, L)
+    result = SelfSDCalibration(
+        num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
+        best_attrs=dict(best_t.user_attrs), trials=len(complete), new_trials=len(complete) - done,
+        study_path=Path(search.study_path), baseline=None, seed_points=seeds_in_study,
+    )
+    if search.confirm:
+        say("re-measuring the best set, the uniform sets and plain decoding back to back")
+        result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg).as_dict()
+        result.confirm["best"] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft).as_dict()
+        for p in points:
+            result.confirm[p.name] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, p.skip_attn, p.skip_mlp,
+                                                     search.draft).as_dict()
+    if points:
+        # the better uniform set: by the back-to-back re-measurement when there is one
+        def score(p: SeedPoint) -> float:
+            if p.name in result.confirm:
+                return result.confirm[p.name]["tokens_per_s"]
+            v = next((s["value"] for s in seeds_in_study if s["name"] == p.name), None)
+            return v if v is not None else float("-inf")
+
+        b = max(points, key=score)
+        in_study = next((s for s in seeds_in_study if s["name"] == b.name), {})
+        result.baseline = {
+            "name": b.name, "skip_attn": sorted(b.skip_attn), "skip_mlp": sorted(b.skip_mlp),
+            "value": _round(in_study.get("value")), "confirm": result.confirm.get(b.name),
+        }
+    return result
+
+
+def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int) -> list[dict[str, Any]]:
+    """The study's best value of each starting point (None if it never completed)."""
+    out = []
+    for p in points:
+        params = params_for(num_layers, p.skip_attn, p.skip_mlp)
+        vals = [t.value for t in complete if t.params == params]
+        out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
+                    "value": _round(max(vals)) if vals else None})
+    return out
+
+
+def _round(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(float(v), nd)
+
+
+def _dispose(storage: Any) -> None:
+    """Close the SQLite connections (the file stays consistent either way)."""
+    with contextlib.suppress(Exception):
+        storage.remove_session()
+    with contextlib.suppress(Exception):
+        storage.engine.dispose()
+
+
+# ---------------------------------------------------------------- the artifact
+
+
+def build_manifest(result: SelfSDCalibration, *, fingerprint: str, model_name_or_path: str, cfg: GenerationConfig,
+                   search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any], created: str) -> dict[str, Any]:
+    """The ``self-sd-layers`` manifest (see :mod:`selfspec_cli.artifacts`)."""
+    ar = result.confirm.get("ar")
+    best_c = result.confirm.get("best")
+    objective: dict[str, Any] = {
+        "name": "self-sd greedy decoding throughput",
+        "value": round(result.best_value, 3),
+        "unit": "tokens/s",
+        "definition": "tokens produced / wall seconds of the decode calls, over the calibration prompts",
+        "best_trial": result.best_trial,
+        "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
+        "acceptance_rate": result.best_attrs.get("acceptance_rate"),
+        "baseline": result.baseline,
+        "confirm": result.confirm or None,
+    }
+    if ar and best_c and ar["tokens_per_s"]:
+        objective["speedup_vs_ar"] = round(best_c["tokens_per_s"] / ar["tokens_per_s"], 4)
+        base_c = (result.baseline or {}).get("confirm")
+        if base_c and base_c["tokens_per_s"]:
+            objective["speedup_vs_baseline"] = round(best_c["tokens_per_s"] / base_c["tokens_per_s"], 4)
+    return {
+        "kind": "self-sd-layers",
+        "format_version": 1,
+        "model_fingerprint": fingerprint,
+        "model_name_or_path": model_name_or_path,
+        "num_layers": result.num_layers,
+        "skip_attn": sorted(result.skip_attn),
+        "skip_mlp": sorted(result.skip_mlp),
+        "objective": objective,
+        "trials": result.trials,
+        "search": {
+            "sampler": search.sampler,
+            "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
+            "seed": search.seed,
+            "n_trials": search.n_trials,
+            "new_trials": result.new_trials,
+            "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>",
+            "seed_points": result.seed_points,
+            "study_path": str(result.study_path),
+            "study_name": STUDY_NAME,
+            "max_new_tokens": cfg.max_new_tokens,
+            "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
+            "prompts": prompts,
+        },
+        "environment": environment,
+        "created": created,
+    }

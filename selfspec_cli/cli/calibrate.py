@@ -1,0 +1,153 @@
+"""``selfspec calibrate``: offline searches saved as artifacts (Self-SD's skip set for now)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..artifacts import default_skip_artifact_path, environment_info, model_name, now_iso, save_json_artifact
+from ..calibrate import CALIBRATE_METHODS
+from ..calibrate.data import load_calibration_prompts, prompts_digest
+from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
+from ..config import GenerationConfig, SamplingConfig
+from ..engine import Engine
+from ..errors import ConfigError
+from ..loading import load_model, model_fingerprint
+from ..prompts import Prompt
+from ..runtime import check_prompt_fits, context_length, encode_turn
+from .common import log, progress
+
+
+def _check_writable(path: Path, option: str) -> None:
+    if path.is_dir():
+        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); choose a writable path") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
+
+
+def calibrate(
+    method: str = typer.Option(..., "--method", help=f"What to calibrate: {', '.join(CALIBRATE_METHODS)}."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Calibration prompts (as for generate; first turn of each)."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Calibration prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
+    dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),
+    num_prompts: int = typer.Option(8, "--num-prompts", help="Use at most this many prompts (in file order)."),
+    trials: int = typer.Option(100, "--trials", help="Complete trials wanted in the study; a resumed study runs only the rest."),
+    seed: int = typer.Option(0, "--seed", help="Sampler seed."),
+    sampler: str = typer.Option("tpe", "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)} (see docs/calibrate.md)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial."),
+    study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: artifacts/self-sd/<model name>.json."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+) -> None:
+    """Search Self-SD's skipped sublayers by Bayesian optimization of measured throughput; saves a JSON artifact."""
+    if method not in CALIBRATE_METHODS:
+        raise ConfigError(f"unknown --method '{method}' for calibrate; choose one of: {', '.join(CALIBRATE_METHODS)}")
+    if trials < 1:
+        raise ConfigError(f"--trials must be >= 1, got {trials}")
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"unknown --sampler '{sampler}'; choose one of: {', '.join(SAMPLERS)}")
+    GenerationConfig(max_new_tokens=max_new_tokens)  # validates before any loading
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
+    if output is not None:
+        _check_writable(output, "--output")
+    if study_path is not None:
+        _check_writable(study_path, "--study-path")
+
+    mdl, tok = load_model(model, dtype=dtype, device=device)
+    out_path = output if output is not None else default_skip_artifact_path(mdl)
+    _check_writable(out_path, "--output")
+    db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
+    _check_writable(db_path, "--study-path")
+
+    eos = mdl.generation_config.eos_token_id if mdl.generation_config.eos_token_id is not None else tok.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(), eos_token_ids=eos_ids)
+    ctx = context_length(mdl)
+    prompts = [Prompt(id=i + 1, turns=(t,)) for i, t in enumerate(texts)]
+    for p in prompts:
+        check_prompt_fits(p, tok, cfg, ctx, chat_template)
+    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
+
+    engine = Engine(mdl)
+    fingerprint = model_fingerprint(mdl)
+    search = SearchConfig(study_path=db_path, n_trials=trials, seed=seed, sampler=sampler)
+    log(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
+        f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens; "
+        f"sampler {sampler}, seed {seed}; study {db_path}[/dim]")
+
+    state: dict[str, int] = {"done": 0}
+    with progress() as bar:
+        task = bar.add_task("calibrate self-sd", total=trials, info="")
+
+        def on_trial(r: TrialReport) -> None:
+            state["done"] = r.done
+            info = ""
+            if r.best_value is not None:
+                info = f"best {r.best_value:.1f} tok/s (trial {r.best_number})"
+            if r.value is not None:
+                info += f"; last {r.value:.1f} tok/s"
+                if r.mean_accepted_length is not None:
+                    info += f", M {r.mean_accepted_length:.2f}"
+            bar.update(task, completed=min(r.done, trials), info=info)
+
+        try:
+            result = calibrate_self_sd(engine, tok, prompt_ids, cfg, search, fingerprint=fingerprint,
+                                       prompts_sha=prompts_digest(prompt_ids), on_trial=on_trial, log=log)
+        except KeyboardInterrupt:
+            log(f"selfspec: interrupted; {state['done']} finished trials are saved in {db_path}; "
+                "run the same command again to resume")
+            raise
+
+    prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
+                    "sha256": prompts_digest(prompt_ids), "chat_template": chat_template}
+    if dataset is not None:
+        prompts_info["dataset_field"] = dataset_field
+    manifest = build_manifest(result, fingerprint=fingerprint, model_name_or_path=model_name(mdl), cfg=cfg,
+                              search=search, prompts=prompts_info,
+                              environment=environment_info(engine.device, engine.dtype), created=now_iso())
+    save_json_artifact(out_path, manifest)
+
+    obj = manifest["objective"]
+    base = result.baseline or {}
+    conf = result.confirm
+    parts = [f"best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
+             f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.1f} tok/s in the search"]
+    if conf:
+        parts.append("re-measured: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items()) + " tok/s")
+    log(f"[bold]{'; '.join(parts)}[/bold]")
+    log(f"wrote {out_path}")
+    summary = {
+        "method": method,
+        "artifact": str(out_path),
+        "study": str(db_path),
+        "model": model_name(mdl),
+        "model_fingerprint": fingerprint,
+        "num_layers": result.num_layers,
+        "skip_attn": sorted(result.skip_attn),
+        "skip_mlp": sorted(result.skip_mlp),
+        "objective": obj["value"],
+        "unit": obj["unit"],
+        "best_trial": result.best_trial,
+        "mean_accepted_length": obj["mean_accepted_length"],
+        "acceptance_rate": obj["acceptance_rate"],
+        "baseline": {"name": base.get("name"), "value": base.get("value"),
+                     "confirm": (base.get("confirm") or {}).get("tokens_per_s")} if base else None,
+        "confirm": {k: v["tokens_per_s"] for k, v in conf.items()} or None,
+        "speedup_vs_ar": obj.get("speedup_vs_ar"),
+        "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
+        "trials": result.trials,
+        "new_trials": result.new_trials,
+    }
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
