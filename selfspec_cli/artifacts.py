@@ -98,6 +98,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except OSError as exc:
         raise ArtifactError(f"cannot write '{path}' ({exc.strerror}); choose a writable location") from None
     try:
+        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -113,6 +115,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

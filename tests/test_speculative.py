@@ -264,3 +264,18 @@ def test_swift_sampling_is_exact(small_vocab_setup):
     sw = _swift(Engine(model), context_window=2)
     samples = _pair_samples(sw, prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
+
+
+def test_swift_save_layers_loads_into_self_sd(tmp_path):
+    from selfspec_cli.artifacts import load_skip_artifact
+
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    sw = _swift(eng)
+    sw.generate(_prompt(7, 0), GenerationConfig(max_new_tokens=30))
+    path = sw.save_layers(tmp_path / "swift.json")
+    attn, mlp, manifest = load_skip_artifact(path, model)
+    assert (attn, mlp) == sw.skip_sets() and manifest["search"]["method"] == "swift"
+    sd = SelfSD(eng, skip_attn=attn, skip_mlp=mlp)
+    cfg = GenerationConfig(max_new_tokens=20)
+    assert sd.generate(_prompt(5, 1), cfg).token_ids == AR(eng).generate(_prompt(5, 1), cfg).token_ids

@@ -1,6 +1,7 @@
 """``selfspec calibrate``: offline searches saved as artifacts (Self-SD's skip set for now)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,7 +35,7 @@ def _check_writable(path: Path, option: str) -> None:
 
 
 def calibrate(
-    method: str = typer.Option(..., "--method", help=f"What to calibrate: {', '.join(CALIBRATE_METHODS)}."),
+    method: Optional[str] = typer.Option(None, "--method", help=f"What to calibrate (required): {', '.join(CALIBRATE_METHODS)}."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Calibration prompts (as for generate; first turn of each)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Calibration prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
@@ -51,6 +52,8 @@ def calibrate(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
     """Search Self-SD's skipped sublayers by Bayesian optimization of measured throughput; saves a JSON artifact."""
+    if method is None:  # checked here, not by click: a missing option must also be a one-line error
+        raise ConfigError(f"calibrate needs --method; choose one of: {', '.join(CALIBRATE_METHODS)}")
     if method not in CALIBRATE_METHODS:
         raise ConfigError(f"unknown --method '{method}' for calibrate; choose one of: {', '.join(CALIBRATE_METHODS)}")
     if trials < 1:
@@ -87,10 +90,14 @@ def calibrate(
         f"sampler {sampler}, seed {seed}; study {db_path}[/dim]")
 
     state: dict[str, int] = {"done": 0}
-    with progress() as bar:
-        task = bar.add_task("calibrate self-sd", total=trials, info="")
+    with contextlib.ExitStack() as stack:
+        bar_task: list = []  # the bar starts with the first report, once the study has opened
 
         def on_trial(r: TrialReport) -> None:
+            if not bar_task:
+                bar = stack.enter_context(progress())
+                bar_task.extend([bar, bar.add_task("calibrate self-sd", total=trials, info="")])
+            bar, task = bar_task
             state["done"] = r.done
             info = ""
             if r.best_value is not None:
@@ -105,6 +112,7 @@ def calibrate(
             result = calibrate_self_sd(engine, tok, prompt_ids, cfg, search, fingerprint=fingerprint,
                                        prompts_sha=prompts_digest(prompt_ids), on_trial=on_trial, log=log)
         except KeyboardInterrupt:
+            stack.close()
             log(f"selfspec: interrupted; {state['done']} finished trials are saved in {db_path}; "
                 "run the same command again to resume")
             raise

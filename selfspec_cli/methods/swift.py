@@ -25,8 +25,10 @@ The skipped-layer set is optimized *during* decoding, with no offline phase:
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -207,8 +209,6 @@ class Swift(Method, SelfSpeculative):
         self._window = None
 
     def after_round(self, ctx: RoundContext, draft: Draft, verdict: Verdict, emitted: list[int]) -> None:
-        import time
-
         self._generated.extend(emitted)
         if draft.chain_len:
             self._acceptance.append((len(verdict.accepted), draft.chain_len))
@@ -235,3 +235,27 @@ class Swift(Method, SelfSpeculative):
                       "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio},
         })
         return sink.result(stats)
+
+    def save_layers(self, path: str | Path) -> Path:
+        """Write the best skip set found as a Self-SD artifact (``--method self-sd --layers``)."""
+        from ..artifacts import SKIP_KIND, environment_info, now_iso, save_json_artifact
+        from ..loading import model_fingerprint
+
+        attn, mlp = self.skip_sets()
+        model = self.engine.model
+        manifest = {
+            "kind": SKIP_KIND,
+            "model_fingerprint": model_fingerprint(model),
+            "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
+            "num_layers": self.num_layers,
+            "skip_attn": sorted(attn),
+            "skip_mlp": sorted(mlp),
+            "objective": {"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
+            "trials": self.step,
+            "search": {"method": "swift", "skip_ratio": self.ratio, "context_window": self.cfg.context_window,
+                       "bo_interval": self.cfg.bo_interval, "seed": self.cfg.seed,
+                       "phase": "optimization" if self.optimizing else "acceleration"},
+            "environment": environment_info(self.engine.device, self.engine.dtype),
+            "created": now_iso(),
+        }
+        return save_json_artifact(Path(path), manifest)
