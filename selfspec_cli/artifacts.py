@@ -79,7 +79,10 @@ def default_skip_artifact_path(model_or_spec: Any) -> Path:
 def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
     """The command that (re)creates a skip-set artifact, for error messages."""
     name = model_name(model_or_spec)
-    cmd = f"selfspec calibrate --method self-sd --model {name}"
+    cmd = "selfspec calibrate --method self-sd"
+    if Path(name) != Path(loading.DEFAULT_MODEL_DIR):  # the shipped model is the default --model
+        cmd += f" --model {name}"
+    cmd += " --prompt-file <prompts>"
     if path is not None and Path(path) != default_skip_artifact_path(model_or_spec):
         cmd += f" --output {path}"
     return cmd
@@ -165,9 +168,7 @@ def _check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path
     theirs = manifest.get("model_fingerprint")
     ours = loading.model_fingerprint(model)
     if theirs != ours:
-        raise ArtifactError(
-            f"artifact '{path}' was made for another model (fingerprint {theirs}, this model {ours}); {fix}"
-        )
+        raise ArtifactError(f"artifact '{path}' was made for another model (fingerprint {theirs}, this model {ours}); {fix}")
 
 
 # ---------------------------------------------------------------- skip-set artifacts

@@ -110,7 +110,8 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A short, stable id of a model's architecture and weights (artifacts record it,
     and refuse to load on another model). Hashes the config and a strided sample
-    of every parameter, so it is cheap even for large models."""
+    of every parameter, so it is cheap even for large models, and does not depend on
+    the dtype the model was loaded in."""
     h = hashlib.sha256()
     cfg = model.config.to_dict()
     keep = {k: cfg.get(k) for k in sorted(cfg) if k in (
@@ -122,5 +123,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
             flat = p.detach().reshape(-1)
             step = max(1, flat.numel() // 64)
             h.update(name.encode())
-            h.update(flat[::step][:64].float().cpu().numpy().tobytes())
+            # bfloat16-rounded samples: the same checkpoint loaded as fp32, fp16 or bf16 gives one id
+            h.update(flat[::step][:64].to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -213,6 +213,34 @@ def test_interrupt_keeps_finished_trials(tiny_model_dir, prompt_file, tmp_path, 
     assert summary["new_trials"] == 1 and summary["trials"] == 3 and complete_trials(db) == 3
 
 
+def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
+    """A SIGINT outside a decode (here: in the progress callback, as it could land in
+    Optuna's SQLite writes) is raised only after the trial is saved, and the default
+    handler is restored."""
+    import signal
+
+    from selfspec_cli.calibrate.data import prompts_digest
+    from selfspec_cli.calibrate.self_sd import SearchConfig, calibrate_self_sd
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+    model, tok = tiny_model
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    cfg = GenerationConfig(max_new_tokens=4)
+    db = tmp_path / "s.db"
+
+    def on_trial(r):
+        if r.done == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate_self_sd(Engine(model), tok, ids, cfg, SearchConfig(study_path=db, n_trials=5), fingerprint="f",
+                          prompts_sha=prompts_digest(ids), on_trial=on_trial)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        assert con.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall() == [("COMPLETE", 2)]
+
+
 # ---------------------------------------------------------------- loading skip sets
 
 
@@ -228,7 +256,7 @@ def test_load_skip_artifact_same_model(calibrated, tiny_model):
     assert SelfSD(eng, tok, skip_attn=attn, skip_mlp=mlp).generate(ids, cfg).token_ids == AR(eng, tok).generate(ids, cfg).token_ids
 
 
-def test_load_skip_artifact_other_model(calibrated, tiny_tokenizer, tmp_path, tiny_model):
+def test_load_skip_artifact_other_model(calibrated, tiny_tokenizer, tmp_path, tiny_model, tiny_model_dir):
     out, _ = calibrated
     other_dir = tmp_path / "other-tiny"
     make_tiny_model("llama-gqa", seed=1).save_pretrained(other_dir)
@@ -242,6 +270,10 @@ def test_load_skip_artifact_other_model(calibrated, tiny_tokenizer, tmp_path, ti
     assert "made for another model" in msg and fp_ours in msg and fp_other in msg
     assert "selfspec calibrate --method self-sd --model" in msg and str(other_dir) in msg
     assert "\n" not in msg
+    # the same checkpoint in another dtype is the same model: the artifact loads
+    bf16, _ = load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu")
+    assert model_fingerprint(bf16) == fp_ours
+    load_skip_artifact(out, bf16)
 
 
 def test_missing_artifact_names_the_command(tiny_model, tmp_path, monkeypatch):
@@ -374,9 +406,11 @@ def test_calibrate_from_dataset(tiny_model_dir, tmp_path, datasets_cache):
     f.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS), encoding="utf-8")
     out = tmp_path / "ds.json"
     summary = run_ok(calib_args(tiny_model_dir, "--dataset", str(f), "--dataset-field", "text", "--num-prompts", "2",
-                                "--trials", "1", "--output", str(out)))
+                                "--trials", "1", "--repeats", "2", "--output", str(out)))
     assert summary["trials"] == 1
-    prompts = json.loads(out.read_text())["search"]["prompts"]
+    search = json.loads(out.read_text())["search"]
+    assert search["repeats"] == 2
+    prompts = search["prompts"]
     assert prompts["source"] == str(f) and prompts["num_prompts"] == 2 and prompts["dataset_field"] == "text"
 
 
@@ -403,6 +437,7 @@ def test_calibrate_bad_input(tiny_model_dir, prompt_file, tmp_path):
     user_error(calib_args(tiny_model_dir, *p, "--trials", "0"), "--trials must be >= 1")
     user_error(calib_args(tiny_model_dir, *p, "--sampler", "cmaes"), "--sampler", "tpe")
     user_error(calib_args(tiny_model_dir, *p, "--num-prompts", "0"), "--num-prompts")
+    user_error(calib_args(tiny_model_dir, *p, "--repeats", "0"), "--repeats must be >= 1")
     user_error(calib_args(tiny_model_dir, "--prompt-file", str(tmp_path / "none.txt")), "none.txt", "does not exist")
     user_error(calib_args(tiny_model_dir, *p, "--output", str(tmp_path)), "is a directory")
     not_db = tmp_path / "not-a-db.db"

@@ -459,3 +459,10 @@ def test_console_script_bad_input_exits_2(tmp_path, tiny_model_dir):
     assert len(lines) == 1 and lines[0].startswith("selfspec: error:"), proc.stderr
     assert "missing.txt" in lines[0]
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["generate", "-p", "x.txt", "--bogus"], ["generate", "-p", "x.txt", "-n", "abc"]])
+def test_usage_errors_exit_2_without_traceback(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip()

@@ -88,30 +88,40 @@ class Measurement:
         }
 
 
-def measure(generate: Callable[[list[int], GenerationConfig], DecodeResult], prompt_ids: Sequence[list[int]],
-            cfg: GenerationConfig, device: torch.device) -> Measurement:
+def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], DecodeResult]],
+            prompt_ids: Sequence[list[int]], cfg: GenerationConfig, device: torch.device, repeats: int = 1) -> Measurement:
+    """Decode every prompt ``repeats`` times (a fresh decoder from ``make_generate()`` per
+    pass) and keep, per prompt, the fastest pass. Load from other processes only ever
+    slows a decode down, so the minimum is the least noisy estimate. Greedy decoding
+    is deterministic: every pass produces the same tokens and statistics."""
+    assert repeats >= 1, repeats
+    best_wall = [float("inf")] * len(prompt_ids)
     tokens = forwards = drafted = accepted = 0
-    wall = 0.0
-    for ids in prompt_ids:
-        res, dt = timed(lambda: generate(ids, cfg), device)
-        wall += dt
-        tokens += len(res.token_ids)
-        forwards += res.stats.target_forwards
-        drafted += res.stats.drafted_tokens
-        accepted += res.stats.accepted_draft_tokens
-    return Measurement(tokens, wall, forwards, drafted, accepted)
+    for r in range(repeats):
+        generate = make_generate()
+        for i, ids in enumerate(prompt_ids):
+            res, dt = timed(lambda: generate(ids, cfg), device)
+            best_wall[i] = min(best_wall[i], dt)
+            if r == 0:
+                tokens += len(res.token_ids)
+                forwards += res.stats.target_forwards
+                drafted += res.stats.drafted_tokens
+                accepted += res.stats.accepted_draft_tokens
+    return Measurement(tokens, sum(best_wall), forwards, drafted, accepted)
 
 
 def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftConfig = DEFAULT_DRAFT) -> Measurement:
-    """Throughput of Self-SD with this skip set. A fresh method per call, so the
+                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftConfig = DEFAULT_DRAFT,
+                    repeats: int = 1) -> Measurement:
+    """Throughput of Self-SD with this skip set. A fresh method per pass, so the
     adaptive draft threshold starts from the same value for every candidate."""
-    method = SelfSD(engine, tokenizer, skip_attn=skip_attn, skip_mlp=skip_mlp, draft=draft)
-    return measure(method.generate, prompt_ids, cfg, torch.device(engine.device))
+    return measure(lambda: SelfSD(engine, tokenizer, skip_attn=skip_attn, skip_mlp=skip_mlp, draft=draft).generate,
+                   prompt_ids, cfg, torch.device(engine.device), repeats)
 
 
-def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig) -> Measurement:
-    return measure(AR(engine, tokenizer).generate, prompt_ids, cfg, torch.device(engine.device))
+def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
+               repeats: int = 1) -> Measurement:
+    return measure(lambda: AR(engine, tokenizer).generate, prompt_ids, cfg, torch.device(engine.device), repeats)
 
 
 # ---------------------------------------------------------------- search space
@@ -181,6 +191,7 @@ class SearchConfig:
     n_trials: int = 100  # COMPLETE trials wanted in the study, resumed ones included
     seed: int = 0
     sampler: str = "tpe"
+    repeats: int = 1  # passes per measurement; per prompt the fastest counts
     seed_ratios: tuple[float, ...] = SEED_RATIOS
     draft: DraftConfig = DEFAULT_DRAFT
     confirm: bool = True  # re-measure best, uniform sets and ar after the search
@@ -188,6 +199,8 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if self.n_trials < 1:
             raise ConfigError(f"--trials must be >= 1, got {self.n_trials}")
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"unknown --sampler '{self.sampler}'; choose one of: {', '.join(SAMPLERS)}")
 
@@ -223,24 +236,72 @@ class SelfSDCalibration:
 
 
 def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
-                 draft: DraftConfig) -> dict[str, Any]:
+                 draft: DraftConfig, repeats: int) -> dict[str, Any]:
     """What must not change between runs that share a study (values would not compare)."""
     return {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": num_layers,
             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": n_prompts,
+            "repeats": repeats,
             "draft": {"max_draft": draft.max_draft, "threshold": draft.threshold, "adaptive": draft.adaptive}}
 
 
 @contextlib.contextmanager
 def _optuna_quiet() -> Iterator[None]:
-    """Optuna logs every trial at INFO on stderr; the caller owns stderr."""
+    """Optuna logs every trial at INFO, and a trial ended by Ctrl-C with a traceback at
+    WARNING, on stderr; the caller owns stderr (real errors still propagate)."""
     import optuna
 
     old = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(logging.WARNING)
+    optuna.logging.set_verbosity(logging.ERROR)
     try:
         yield
     finally:
         optuna.logging.set_verbosity(old)
+
+
+class _DeferredInterrupt:
+    """Ctrl-C only where it is safe: a SIGINT during a decode raises KeyboardInterrupt at
+    once (Optuna then records the running trial as FAIL); one that arrives while Optuna
+    writes to SQLite is remembered and raised at the next safe point. (A
+    KeyboardInterrupt inside an SQLAlchemy commit leaves the session broken and the
+    process dies with an unrelated AssertionError.) Installed only in the main thread
+    and only over Python's default handler."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.inside = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.inside:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def check(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        self.check()
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield  # somebody else owns SIGINT (or not the main thread): leave it alone
+            return
+        signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
@@ -311,8 +372,9 @@ def calibrate_self_sd(
     L = engine.num_layers
     say = log or (lambda _msg: None)
     points = seed_points(L, search.seed_ratios)
-    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft)
-    with _optuna_quiet():
+    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft, search.repeats)
+    guard = _DeferredInterrupt()
+    with _optuna_quiet(), guard.installed():
         study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
         try:
             done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -334,12 +396,14 @@ def calibrate_self_sd(
 
             # warm-up, untimed: first-call allocations must not favour later trials
             warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
-            measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft)
+            with guard.interruptible():
+                measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft)
 
             def objective(trial: Any) -> float:
                 params = {name: trial.suggest_categorical(name, (0, 1)) for name in param_names(L)}
                 attn, mlp = skip_sets_from_params(params, L)
-                m = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft)
+                with guard.interruptible():
+                    m = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
                 for k, v in m.as_dict().items():
                     if k != "tokens_per_s":
                         trial.set_user_attr(k, v)
@@ -347,8 +411,11 @@ def calibrate_self_sd(
                 return m.tokens_per_s
 
             def callback(st: Any, frozen: Any) -> None:
-                if on_trial is None or frozen.state != TrialState.COMPLETE:
-                    return
+                if on_trial is not None and frozen.state == TrialState.COMPLETE:
+                    _report(st, frozen)
+                guard.check()  # a Ctrl-C during Optuna's bookkeeping stops here, the trial saved
+
+            def _report(st: Any, frozen: Any) -> None:
                 n = len(st.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
                 bv, bn = best()
                 on_trial(TrialReport(n, search.n_trials, frozen.number, frozen.value, bv, bn,
@@ -357,6 +424,7 @@ def calibrate_self_sd(
 
             if remaining:
                 study.optimize(objective, n_trials=remaining, callbacks=[callback], gc_after_trial=False)
+            guard.check()
             complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             best_t = study.best_trial
             seeds_in_study = _seed_values(complete, points, L)
@@ -371,11 +439,15 @@ def calibrate_self_sd(
     )
     if search.confirm:
         say("re-measuring the best set, the uniform sets and plain decoding back to back")
-        result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg).as_dict()
-        result.confirm["best"] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft).as_dict()
+        rp = search.repeats
+        result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, rp).as_dict()
+        result.confirm["best"] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, rp).as_dict()
         for p in points:
+            if (p.skip_attn, p.skip_mlp) == (attn, mlp):  # the best trial is this starting point
+                result.confirm[p.name] = result.confirm["best"]
+                continue
             result.confirm[p.name] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, p.skip_attn, p.skip_mlp,
-                                                     search.draft).as_dict()
+                                                     search.draft, rp).as_dict()
     if points:
         # the better uniform set: by the back-to-back re-measurement when there is one
         def score(p: SeedPoint) -> float:
@@ -454,6 +526,7 @@ def build_manifest(result: SelfSDCalibration, *, fingerprint: str, model_name_or
             "sampler": search.sampler,
             "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
             "seed": search.seed,
+            "repeats": search.repeats,
             "n_trials": search.n_trials,
             "new_trials": result.new_trials,
             "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>",

@@ -22,6 +22,17 @@ app.command("generate")(generate)
 app.command("bench")(bench)
 app.command("calibrate")(calibrate)
 
+# typer >= 0.20 ships its own copy of click; catch both families
+try:
+    from typer._click import exceptions as _tclick  # type: ignore[attr-defined]
+
+    _CLICK_ERRORS: tuple[type[BaseException], ...] = (click.ClickException, _tclick.ClickException)
+except ImportError:  # pragma: no cover - older typer
+    _CLICK_ERRORS = (click.ClickException,)
+_ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
+
+INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (also used by tests)."""
@@ -29,20 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rv = command.main(args=argv, prog_name="selfspec", standalone_mode=False)
         if rv == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns it silently
-            print("selfspec: interrupted; finished prompts were written", file=sys.stderr)
+            print(INTERRUPTED, file=sys.stderr)
         return rv if isinstance(rv, int) else 0
     except SelfSpecError as exc:
         print(f"selfspec: error: {exc}", file=sys.stderr)
         return 2
-    except click.exceptions.Abort:
-        print("selfspec: interrupted; finished prompts were written", file=sys.stderr)
+    except (KeyboardInterrupt, *_ABORTS):
+        print(INTERRUPTED, file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
-        print("selfspec: interrupted; finished prompts were written", file=sys.stderr)
-        return 130
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
+    except _CLICK_ERRORS as exc:
+        exc.show()  # usage errors: click's own message (missing or unknown option, bad type)
+        return 2
     except BrokenPipeError:
         return 0
 

@@ -45,6 +45,7 @@ def calibrate(
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     sampler: str = typer.Option("tpe", "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)} (see docs/calibrate.md)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial."),
+    repeats: int = typer.Option(1, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (less noise on a busy machine)."),
     study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: artifacts/self-sd/<model name>.json."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
@@ -60,6 +61,8 @@ def calibrate(
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     if sampler not in SAMPLERS:
         raise ConfigError(f"unknown --sampler '{sampler}'; choose one of: {', '.join(SAMPLERS)}")
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates before any loading
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
     if output is not None:
@@ -84,9 +87,10 @@ def calibrate(
 
     engine = Engine(mdl)
     fingerprint = model_fingerprint(mdl)
-    search = SearchConfig(study_path=db_path, n_trials=trials, seed=seed, sampler=sampler)
+    search = SearchConfig(study_path=db_path, n_trials=trials, seed=seed, sampler=sampler, repeats=repeats)
     log(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
-        f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens; "
+        f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens"
+        f"{f' x {repeats} passes' if repeats > 1 else ''}; "
         f"sampler {sampler}, seed {seed}; study {db_path}[/dim]")
 
     state: dict[str, int] = {"done": 0}
@@ -113,8 +117,8 @@ def calibrate(
                                        prompts_sha=prompts_digest(prompt_ids), on_trial=on_trial, log=log)
         except KeyboardInterrupt:
             stack.close()
-            log(f"selfspec: interrupted; {state['done']} finished trials are saved in {db_path}; "
-                "run the same command again to resume")
+            print(f"selfspec: interrupted; {state['done']} finished trials are saved in {db_path}; "
+                  "run the same command again to resume", file=sys.stderr)
             raise
 
     prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
