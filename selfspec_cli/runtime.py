@@ -103,6 +103,7 @@ def run_prompt(
         "text": last["text"],
         "token_ids": last["token_ids"],
         "new_tokens": new_tokens,
+        "prompt_tokens": last["prompt_tokens"],
         "wall_time_s": round(wall, 6),
         "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
         "finish_reason": last["finish_reason"],

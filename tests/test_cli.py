@@ -6,6 +6,7 @@ Hugging Face on the same machine, whether or not CUDA is present.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import io
 import json
@@ -466,3 +467,27 @@ def test_usage_errors_exit_2_without_traceback(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip()
+
+
+def test_chat_template_used_when_present_and_flag_turns_it_off(capsys, tiny_model_dir, tiny_tokenizer, tmp_path):
+    from selfspec_cli.runtime import encode_turn
+
+    d = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, d)
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    tok.save_pretrained(d)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f():\n")
+    history = [{"role": "user", "content": "def f():"}]
+    with_tpl = encode_turn(tok, history, True)
+    ref = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert with_tpl == list(ref)
+    assert tok.decode(with_tpl).startswith("<s>user: def f():")
+    assert encode_turn(tok, history, False) == tok("def f():")["input_ids"]
+    assert main(["generate", "-p", str(prompts), "--model", str(d), "-n", "4", "--device", "cpu"]) == 0
+    on = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["generate", "-p", str(prompts), "--model", str(d), "-n", "4", "--device", "cpu", "--no-chat-template"]) == 0
+    off = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert on["prompt_tokens"] == len(with_tpl) > off["prompt_tokens"]

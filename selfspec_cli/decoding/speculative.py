@@ -26,7 +26,7 @@ from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine, ForwardOutput, KVCache
 from ..engine.tree import tree_mask_from_parents, tree_positions
 from .loop import DecodeStats, TokenSink
-from .sampling import processed_probs, sample_from
+from .sampling import make_generator, processed_probs, sample_from
 from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
 
 ALL_ROWS = slice(None)
@@ -122,8 +122,6 @@ class SelfSpeculative:
     def decode(self, prompt_ids: list[int], cfg: GenerationConfig, sink: TokenSink) -> DecodeStats:
         eng = self.engine
         stats = DecodeStats()
-        from .sampling import make_generator
-
         gen = make_generator(cfg.sampling, eng.device)
         n = len(prompt_ids)
         cache = eng.new_cache(n + cfg.max_new_tokens + 2 * self.draft_cfg.max_draft + 32)
