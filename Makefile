@@ -4,8 +4,8 @@ PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: setup demo test bench
 setup:
-	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test]"
+	@$(PIP) torch==2.13.0
+	@$(PIP) -e ".[test]"
 
 # Greedy continuations of the example prompts by the shipped model (JSONL on stdout).
 demo: setup
