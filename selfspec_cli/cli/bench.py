@@ -72,7 +72,8 @@ def bench(
     ref_name = "ar" if "ar" in results else names[0]
     base_name = "hf" if "hf" in results else ref_name
     table = Table(title=f"selfspec bench: {len(prompts)} prompts, {max_new_tokens} new tokens, {dev}, {engine.dtype}")
-    for col in ("method", "tokens/s (median)", "min-max", f"vs {ref_name}", f"vs {base_name}", "parity", "differs"):
+    cols = ["method", "tokens/s (median)", "min-max", f"vs {ref_name}"] + ([f"vs {base_name}"] if base_name != ref_name else [])
+    for col in cols + ["parity", "differs"]:
         table.add_column(col)
     summary: dict[str, dict] = {}
     for n, r in results.items():
@@ -88,9 +89,9 @@ def bench(
             "new_tokens": sum(x["new_tokens"] for x in r.records),
         }
         s = summary[n]
+        speedups = [f"{s[f'speedup_vs_{ref_name}']:.2f}x"] + ([f"{s[f'speedup_vs_{base_name}']:.2f}x"] if base_name != ref_name else [])
         table.add_row(n, f"{s['tokens_per_s']:.1f}", f"{s['tokens_per_s_min']:.1f}-{s['tokens_per_s_max']:.1f}",
-                      f"{s[f'speedup_vs_{ref_name}']:.2f}x", f"{s[f'speedup_vs_{base_name}']:.2f}x",
-                      f"{par:.0%}", ", ".join(map(str, differ[:5])) + (" ..." if len(differ) > 5 else ""))
+                      *speedups, f"{par:.0%}", ", ".join(map(str, differ[:5])) + (" ..." if len(differ) > 5 else ""))
     err_console.print(table)
     doc = {
         "model": mdl.config.name_or_path, "device": str(dev), "dtype": str(engine.dtype).replace("torch.", ""),
