@@ -26,6 +26,16 @@ class PreparedPrompt:
     turn_texts: tuple[str, ...]
 
 
+def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids as ``model.generate`` uses them: the generation config's, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
 def context_length(model: Any) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)
 

@@ -41,7 +41,10 @@ def make_tiny_model(arch: str = "llama-gqa", seed: int = 0, vocab: int = VOCAB, 
     model = getattr(transformers, model_name)(cfg).eval()
     # random init is nearly uniform; sharpen so greedy decoding has structure and sampling is non-trivial
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0) if not cfg.tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
+        if cfg.tie_word_embeddings:
+            model.model.embed_tokens.weight.mul_(4.0)
+        else:
+            model.lm_head.weight.mul_(8.0)
     return model
 
 

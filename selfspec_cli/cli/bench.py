@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..loading import REPO_ROOT, load_model
 from ..methods import METHODS
 from ..prompts import read_prompts
-from ..runtime import check_prompt_fits, context_length
+from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import err_console, log, progress
 
 PEERS = ("hf",)
@@ -48,8 +48,7 @@ def bench(
     prompts = read_prompts(prompt_file or str(DEFAULT_PROMPTS))
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    eos = mdl.generation_config.eos_token_id if mdl.generation_config.eos_token_id is not None else tok.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    eos_ids = eos_token_ids(mdl, tok)
     cfg = GenerationConfig(max_new_tokens=cfg0.max_new_tokens, sampling=cfg0.sampling, eos_token_ids=eos_ids)
     ctx = context_length(mdl)
     for p in prompts:

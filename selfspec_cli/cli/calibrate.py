@@ -19,7 +19,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import Prompt
-from ..runtime import check_prompt_fits, context_length, encode_turn
+from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import log, progress
 
 
@@ -76,9 +76,7 @@ def calibrate(
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
     _check_writable(db_path, "--study-path")
 
-    eos = mdl.generation_config.eos_token_id if mdl.generation_config.eos_token_id is not None else tok.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(), eos_token_ids=eos_ids)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(), eos_token_ids=eos_token_ids(mdl, tok))
     ctx = context_length(mdl)
     prompts = [Prompt(id=i + 1, turns=(t,)) for i, t in enumerate(texts)]
     for p in prompts:

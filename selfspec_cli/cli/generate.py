@@ -14,7 +14,7 @@ from ..loading import load_model
 from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method, parse_layer_list
 from ..prompts import read_prompts
-from ..runtime import check_prompt_fits, context_length, run_prompt
+from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
 from .common import log, output_stream, progress, write_record
 
 
@@ -54,8 +54,7 @@ def generate(
     prompts = read_prompts(prompt_file)
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    eos = mdl.generation_config.eos_token_id if mdl.generation_config.eos_token_id is not None else tok.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    eos_ids = eos_token_ids(mdl, tok)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop), eos_token_ids=eos_ids)
     ctx = context_length(mdl)
     for p in prompts:
