@@ -491,3 +491,13 @@ def test_chat_template_used_when_present_and_flag_turns_it_off(capsys, tiny_mode
     assert main(["generate", "-p", str(prompts), "--model", str(d), "-n", "4", "--device", "cpu", "--no-chat-template"]) == 0
     off = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert on["prompt_tokens"] == len(with_tpl) > off["prompt_tokens"]
+
+
+def test_self_sd_without_artifact_names_the_calibrate_command(capsys, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    import selfspec_cli.loading as loading
+
+    monkeypatch.setattr(loading, "ARTIFACTS_DIR", tmp_path)
+    for argv in (["generate", "-p", str(prompt_file), "--method", "self-sd"], ["bench", "--methods", "ar,self-sd", "-p", str(prompt_file)]):
+        assert main([*argv, "--model", str(tiny_model_dir), "-n", "4", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert "selfspec calibrate --method self-sd" in err and "Traceback" not in err

@@ -17,6 +17,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import REPO_ROOT, load_model
 from ..methods import METHODS
+from ..methods.factory import MethodOptions, build_method
 from ..prompts import read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import err_console, log, progress
@@ -58,7 +59,7 @@ def bench(
     contenders = []
     for n in names:
         if n in METHODS:
-            m = METHODS[n](engine, tok)
+            m = build_method(n, engine, tok, MethodOptions())
             contenders.append(Contender(n, m.generate, m.lossless))
         elif n == "hf":
             contenders.append(Contender(n, HFGenerate(mdl, tok).generate, True))
