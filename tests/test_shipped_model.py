@@ -60,6 +60,7 @@ def test_greedy_continuation_looks_like_python(shipped):
     ("asd", MethodOptions()),
     ("swift", MethodOptions(context_window=16)),
     ("self-sd", MethodOptions(skip_attn=(2, 4, 6, 8), skip_mlp=(3, 5, 7))),
+    ("self-sd", MethodOptions()),  # the committed calibrated artifact
 ])
 def test_layer_skipping_methods_equal_ar_on_example_prompts(shipped, method, opts):
     model, tok, eng = shipped
