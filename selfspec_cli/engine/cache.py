@@ -71,14 +71,15 @@ class KVCache:
                 self.lengths[l] = length
 
     @torch.inference_mode()
-    def compact(self, src_slots: Sequence[int] | torch.Tensor, dst_start: int) -> None:
+    def compact(self, src_slots: Sequence[int], dst_start: int) -> None:
         """Move the K/V at ``src_slots`` (e.g. an accepted tree path) to contiguous slots
         ``[dst_start, dst_start + n)`` in every layer, and set every layer's length to
         ``dst_start + n``. All layers must already hold the source slots."""
-        src = torch.as_tensor(src_slots, dtype=torch.long, device=self.k.device)
-        n = src.numel()
-        assert all(length >= int(src.max()) + 1 for length in self.lengths) if n else True, (self.lengths, src)
+        slots = [int(i) for i in src_slots]  # a Python list: no device sync for the bounds check
+        n = len(slots)
+        assert not slots or min(self.lengths) > max(slots), (self.lengths, slots)
         if n:
+            src = torch.tensor(slots, dtype=torch.long, device=self.k.device)
             self.k[:, :, dst_start : dst_start + n] = self.k.index_select(2, src)
             self.v[:, :, dst_start : dst_start + n] = self.v.index_select(2, src)
         self.lengths = [dst_start + n] * self.num_layers
