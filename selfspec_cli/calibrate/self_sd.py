@@ -49,7 +49,7 @@ from ..runtime import timed
 STUDY_NAME = "self-sd"
 SAMPLERS = ("tpe", "gp", "random")
 SEED_RATIOS = (0.3, 0.45)
-DEFAULT_DRAFT = DraftConfig(max_draft=12, threshold=0.6, adaptive=True)  # SelfSD's own default
+DEFAULT_DRAFT = DraftConfig()  # SelfSD's own default
 
 
 # ---------------------------------------------------------------- measuring

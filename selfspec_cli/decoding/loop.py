@@ -22,8 +22,7 @@ class DecodeStats:
 
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
-    draft_forwards: int = 0
-    drafted_tokens: int = 0
+    drafted_tokens: int = 0  # draft forwards made (one chain token each; trees add siblings for free)
     accepted_draft_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -35,7 +34,6 @@ class DecodeStats:
             "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0,
         }
         if self.drafted_tokens:
-            out["draft_forwards"] = self.draft_forwards
             out["drafted_tokens"] = self.drafted_tokens
             out["accepted_draft_tokens"] = self.accepted_draft_tokens
             out["acceptance_rate"] = self.accepted_draft_tokens / self.drafted_tokens

@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import Any
+
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine, ForwardOutput, KVCache
+from ..engine.runner import ALL_ROWS
 from ..engine.tree import tree_mask_from_parents, tree_positions
-from .loop import DecodeStats, TokenSink
+from .loop import DecodeResult, DecodeStats, TokenSink
 from .sampling import make_generator, processed_probs, sample_from
 from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
-
-ALL_ROWS = slice(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,17 @@ class SelfSpeculative:
     def after_round(self, ctx: RoundContext, draft: Draft, verdict: Verdict, emitted: list[int]) -> None:
         """Called after each verification (SWIFT's optimization step goes here)."""
 
+    def describe(self) -> dict[str, Any]:
+        """Method state reported in each prompt's ``stats`` (skip sets used, ...)."""
+        attn, mlp = self.skip_sets()
+        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4)}
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
+        sink = TokenSink(cfg, getattr(self, "tokenizer", None))
+        stats = self.decode(prompt_ids, cfg, sink)
+        stats.extra.update(self.describe())
+        return sink.result(stats)
+
     # -- decoding ----------------------------------------------------------
     def decode(self, prompt_ids: list[int], cfg: GenerationConfig, sink: TokenSink) -> DecodeStats:
         eng = self.engine
@@ -154,32 +166,38 @@ class SelfSpeculative:
         q_rows: list[torch.Tensor] = []
         tok, p = ctx.pending, ctx.pos
         chain_parent = -1
+        max_k = max(k for _, k in dc.tree_topk)
         inp = torch.empty(1, dtype=torch.long, device=eng.device)
-        for i in range(budget):
+        steps, hit_limit = 0, True
+        for _ in range(budget):
             inp[0] = tok
             logits = eng.forward(ctx.cache, inp, positions=p, skip_attn=skip_attn, skip_mlp=skip_mlp).logits[0]
             probs = logits.softmax(-1) if sampling.greedy else processed_probs(logits, sampling)
+            steps += 1
             if dc.tree:
-                k = dc.topk_for(float(probs.max()))
-                top = torch.topk(probs, min(k, probs.shape[-1])).indices.tolist()
-                d = top[0]
-                conf = float(probs[d])
+                # one top-k and one host sync: the top-1 probability picks how many siblings to keep
+                values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
+                values, indices = values.tolist(), indices.tolist()
+                conf, d = values[0], indices[0]
+                top = indices[: dc.topk_for(conf)]
                 first_idx = len(tokens)
                 tokens.extend(top)
                 parents.extend([chain_parent] * len(top))
                 chain_parent = first_idx
+            elif sampling.greedy:
+                conf_t, d_t = probs.max(-1)
+                conf, d = float(conf_t), int(d_t)
+                tokens.append(d)
             else:
-                if sampling.greedy:
-                    d = int(probs.argmax())
-                else:
-                    d = sample_from(probs, ctx.generator)
-                    q_rows.append(probs)
-                conf = float(probs[d]) if sampling.greedy else float(probs.max())
+                d = sample_from(probs, ctx.generator)
+                q_rows.append(probs)
+                conf = float(probs.max())
                 tokens.append(d)
             tok, p = d, p + 1
             if conf < self.threshold.value:
-                return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None, i + 1, False)
-        return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None, budget, True)
+                hit_limit = False
+                break
+        return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None, steps, hit_limit)
 
     def _round(self, ctx: RoundContext, sink: TokenSink) -> None:
         eng = self.engine
@@ -217,7 +235,6 @@ class SelfSpeculative:
         st = ctx.stats
         st.target_forwards += 1
         st.accept_lengths.append(kept)
-        st.draft_forwards += draft.chain_len
         st.drafted_tokens += draft.chain_len
         st.accepted_draft_tokens += n
         ctx.timings["draft_s"] += t1 - t0

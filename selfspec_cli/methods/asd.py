@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult, TokenSink
 from ..decoding.speculative import DraftConfig, RoundContext, SelfSpeculative
 from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
@@ -35,7 +33,7 @@ def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[
     return frozenset(l - 1 for l in attn), frozenset(l - 1 for l in mlp)
 
 
-class ASD(Method, SelfSpeculative):
+class ASD(SelfSpeculative, Method):
     name = "asd"
     lossless = True
     description = "ASD: per-prompt skip set from attention cosine similarity (no search, no training)"
@@ -48,7 +46,7 @@ class ASD(Method, SelfSpeculative):
         if m < 1 or n < 0:
             raise ConfigError(f"ASD needs m >= 1 and n >= 0, got m={m}, n={n}")
         Method.__init__(self, engine, tokenizer)
-        SelfSpeculative.__init__(self, engine, draft or DraftConfig(max_draft=12, threshold=0.6, adaptive=True))
+        SelfSpeculative.__init__(self, engine, draft or DraftConfig())
         self.alpha, self.m, self.n = alpha, m, n
         self._skip: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         self._cosines: list[float] = []
@@ -61,12 +59,5 @@ class ASD(Method, SelfSpeculative):
         self._cosines = out.attn_cosine.tolist()
         self._skip = admg(self._cosines, self.alpha, self.m, self.n)
 
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        sink = TokenSink(cfg, self.tokenizer)
-        stats = self.decode(prompt_ids, cfg, sink)
-        stats.extra.update({
-            "skip_attn": sorted(self._skip[0]), "skip_mlp": sorted(self._skip[1]),
-            "attn_cosine": [round(c, 5) for c in self._cosines],
-            "draft_threshold": round(self.threshold.value, 4),
-        })
-        return sink.result(stats)
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "attn_cosine": [round(c, 5) for c in self._cosines]}

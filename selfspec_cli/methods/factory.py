@@ -66,12 +66,12 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
             path = opts.layers or default_skip_artifact_path(engine.model)
             attn, mlp, _ = load_skip_artifact(path, engine.model)
         return SelfSD(engine, tokenizer, skip_attn=attn, skip_mlp=mlp,
-                      draft=_draft(DraftConfig(max_draft=12, threshold=0.6, adaptive=True), opts))
+                      draft=_draft(DraftConfig(), opts))
     if name == "asd":
         from .asd import ASD
 
         return ASD(engine, tokenizer, alpha=opts.asd_alpha, m=opts.asd_m, n=opts.asd_n,
-                   draft=_draft(DraftConfig(max_draft=12, threshold=0.6, adaptive=True), opts))
+                   draft=_draft(DraftConfig(), opts))
     if name == "swift":
         from .swift import Swift, SwiftConfig
 

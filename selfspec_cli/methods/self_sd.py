@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult, TokenSink
 from ..decoding.speculative import DraftConfig, SelfSpeculative
 from ..engine import Engine
 from ..errors import ConfigError
@@ -27,7 +25,7 @@ def check_skip_sets(num_layers: int, skip_attn: Iterable[int], skip_mlp: Iterabl
     return a, m
 
 
-class SelfSD(Method, SelfSpeculative):
+class SelfSD(SelfSpeculative, Method):
     name = "self-sd"
     lossless = True
     description = "Self-SD / Draft & Verify: offline-calibrated skip set, adaptive draft exit"
@@ -35,16 +33,8 @@ class SelfSD(Method, SelfSpeculative):
     def __init__(self, engine: Engine, tokenizer: Any = None, *, skip_attn: Iterable[int] = (),
                  skip_mlp: Iterable[int] = (), draft: DraftConfig | None = None) -> None:
         Method.__init__(self, engine, tokenizer)
-        SelfSpeculative.__init__(self, engine, draft or DraftConfig(max_draft=12, threshold=0.6, adaptive=True))
+        SelfSpeculative.__init__(self, engine, draft or DraftConfig())
         self._skip = check_skip_sets(engine.num_layers, skip_attn, skip_mlp)
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._skip
-
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        sink = TokenSink(cfg, self.tokenizer)
-        stats = self.decode(prompt_ids, cfg, sink)
-        stats.extra["skip_attn"] = sorted(self._skip[0])
-        stats.extra["skip_mlp"] = sorted(self._skip[1])
-        stats.extra["draft_threshold"] = round(self.threshold.value, 4)
-        return sink.result(stats)

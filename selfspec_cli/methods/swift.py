@@ -34,8 +34,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult, TokenSink
 from ..decoding.speculative import Draft, DraftConfig, RoundContext, SelfSpeculative
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
@@ -69,7 +67,7 @@ class SwiftConfig:
             raise ConfigError(f"SWIFT context window must be >= 2, got {self.context_window}")
 
 
-class Swift(Method, SelfSpeculative):
+class Swift(SelfSpeculative, Method):
     name = "swift"
     lossless = True
     description = "SWIFT: skip set optimized on the fly during decoding (random search + interval BO)"
@@ -225,16 +223,11 @@ class Swift(Method, SelfSpeculative):
         self._maybe_lower_ratio()
         ctx.timings["optimize_s"] = ctx.timings.get("optimize_s", 0.0) + time.perf_counter() - t0
 
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        sink = TokenSink(cfg, self.tokenizer)
-        stats = self.decode(prompt_ids, cfg, sink)
+    def describe(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
-        stats.extra.update({
-            "skip_attn": sorted(attn), "skip_mlp": sorted(mlp),
-            "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
-                      "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio},
-        })
-        return sink.result(stats)
+        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp),
+                "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
+                          "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio}}
 
     def save_layers(self, path: str | Path) -> Path:
         """Write the best skip set found as a Self-SD artifact (``--method self-sd --layers``)."""
