@@ -1,0 +1,123 @@
+"""On-policy training data: the target's own greedy continuations, with the
+residual stream captured after every layer, cached on disk.
+
+AdaDecode trains its heads on the base model's greedy responses (paper App. D)
+and SpecEE collects its predictor data from full-depth greedy decoding; both
+need, for each decoded position, the hidden state after each layer and the
+token the full model picks there. One row per position whose next token the
+model predicted: the last prompt position and every generated token but the
+last.
+
+Stored per collection (safetensors, in a cache directory keyed by the model
+fingerprint, the tokenized prompts and the generation length):
+
+* ``hidden``: (N, L, d) float32, residual stream after layer ``l`` (``l = L-1``
+  is the final layer, before the final norm);
+* ``target``: (N,) the full model's greedy next token at that row;
+* ``prompt_index``: (N,) which prompt the row came from (for a held-out split).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine
+from ..errors import ArtifactError
+
+CACHE_DIR = Path(__file__).resolve().parents[2] / ".selfspec-cache" / "onpolicy"
+
+
+@dataclass(frozen=True, slots=True)
+class OnPolicyData:
+    hidden: torch.Tensor  # (N, L, d) float32
+    target: torch.Tensor  # (N,) long
+    prompt_index: torch.Tensor  # (N,) long
+    key: str
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.target.shape[0])
+
+    def split(self, holdout_share: float = 0.125) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row indices (train, held-out): the last prompts are held out, never rows of
+        one prompt on both sides (rows of one continuation are strongly correlated)."""
+        num_prompts = int(self.prompt_index.max()) + 1 if self.num_rows else 0
+        n_hold = max(1, round(num_prompts * holdout_share)) if num_prompts > 1 else 0
+        hold = self.prompt_index >= num_prompts - n_hold
+        idx = torch.arange(self.num_rows)
+        return idx[~hold], idx[hold]
+
+
+def collection_key(fingerprint: str, prompt_ids: list[list[int]], max_new_tokens: int) -> str:
+    blob = json.dumps({"fp": fingerprint, "prompts": prompt_ids, "n": max_new_tokens, "v": 1}).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+@torch.inference_mode()
+def generate_with_hidden(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
+                         eos_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy full-depth decoding of one prompt -> (hidden (n, L, d), target (n,))."""
+    L = engine.num_layers
+    layers = range(L)
+    cache = engine.new_cache(len(prompt_ids) + max_new_tokens + 1)
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
+    out = engine.forward(cache, ids, positions=0, output_hidden=layers)
+    rows, targets = [], []
+    pos = len(ids)
+    for step in range(max_new_tokens):
+        stack = torch.stack([out.hidden_at[l][-1] for l in layers])  # (L, d)
+        token = int(out.logits[-1].argmax())
+        rows.append(stack.float().cpu())
+        targets.append(token)
+        if token in eos_ids or step == max_new_tokens - 1:
+            break
+        out = engine.forward(cache, ids.new_tensor([token]), positions=pos, output_hidden=layers)
+        pos += 1
+    return torch.stack(rows), torch.tensor(targets, dtype=torch.long)
+
+
+def collect_on_policy(
+    engine: Engine,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    fingerprint: str,
+    eos_ids: tuple[int, ...] = (),
+    cache_dir: Path | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
+) -> OnPolicyData:
+    """Collect (or load from the disk cache) the on-policy rows for ``prompt_ids``."""
+    from safetensors.torch import load_file, save_file
+
+    key = collection_key(fingerprint, prompt_ids, max_new_tokens)
+    directory = Path(cache_dir) if cache_dir is not None else CACHE_DIR
+    path = directory / f"{key}.safetensors"
+    if path.is_file():
+        try:
+            t = load_file(str(path))
+            if on_prompt:
+                on_prompt(len(prompt_ids), len(prompt_ids))
+            return OnPolicyData(t["hidden"], t["target"], t["prompt_index"], key)
+        except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
+            pass
+    hs, ts, ps = [], [], []
+    for i, ids in enumerate(prompt_ids):
+        h, t = generate_with_hidden(engine, ids, max_new_tokens, eos_ids)
+        hs.append(h)
+        ts.append(t)
+        ps.append(torch.full_like(t, i))
+        if on_prompt:
+            on_prompt(i + 1, len(prompt_ids))
+    data = OnPolicyData(torch.cat(hs), torch.cat(ts), torch.cat(ps), key)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({"hidden": data.hidden.contiguous(), "target": data.target, "prompt_index": data.prompt_index}, str(tmp))
+        tmp.replace(path)
+    except OSError as exc:
+        raise ArtifactError(f"cannot write the on-policy data cache '{directory}' ({exc.strerror}); pass --cache-dir") from None
+    return data

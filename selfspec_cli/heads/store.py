@@ -1,0 +1,122 @@
+"""Artifacts of trained heads and predictors: safetensors + JSON manifest (through
+:func:`selfspec_cli.artifacts.save_tensors_artifact`, atomic, with the model
+fingerprint), and their default locations under ``artifacts/``:
+
+* ``artifacts/adadecode/<model>/`` — AdaDecode heads (kind ``adadecode-heads``),
+  tensors ``layer{k}.a``, ``layer{k}.b``, ``layer{k}.g`` for each head layer ``k``
+  (0-based id of the layer after which the head reads the residual stream);
+* ``artifacts/specee/<model>/`` — SpecEE exit predictors (kind ``specee-exit-mlp``),
+  tensors ``layer{k}.w1`` ... ``layer{k}.b2``; the manifest names the drafter
+  (the AdaDecode head it takes its 4 speculative tokens from);
+* ``artifacts/specee/<model>.schedule.json`` — SpecEE's offline schedule (kind
+  ``specee-schedule``), made by ``selfspec calibrate --method specee``.
+
+A missing or foreign artifact is a one-line :class:`ArtifactError` naming the
+command that makes it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import artifacts, loading
+from ..errors import ArtifactError
+from .modules import ExitPredictor, LowRankHead
+
+HEADS_KIND = "adadecode-heads"
+EXIT_KIND = "specee-exit-mlp"
+SCHEDULE_KIND = "specee-schedule"
+
+
+def default_heads_path(model: Any) -> Path:
+    return Path(loading.ARTIFACTS_DIR) / "adadecode" / artifacts.sanitized_model_name(model)
+
+
+def default_exit_path(model: Any) -> Path:
+    return Path(loading.ARTIFACTS_DIR) / "specee" / artifacts.sanitized_model_name(model)
+
+
+def default_schedule_path(model: Any) -> Path:
+    return Path(loading.ARTIFACTS_DIR) / "specee" / f"{artifacts.sanitized_model_name(model)}.schedule.json"
+
+
+def _model_flag(model: Any) -> str:
+    name = artifacts.model_name(model)
+    return "" if Path(name) == Path(loading.DEFAULT_MODEL_DIR) else f" --model {name}"
+
+
+def train_command(kind: str, model: Any, path: Path | None = None, default: Path | None = None) -> str:
+    cmd = f"selfspec train-heads --kind {kind}{_model_flag(model)}"
+    if path is not None and default is not None and Path(path) != default:
+        cmd += f" --output {path}"
+    return cmd
+
+
+def schedule_command(model: Any, path: Path | None = None) -> str:
+    cmd = f"selfspec calibrate --method specee{_model_flag(model)} --prompt-file examples/calibration.jsonl"
+    if path is not None and Path(path) != default_schedule_path(model):
+        cmd += f" --output {path}"
+    return cmd
+
+
+def save_heads(path: Path, heads: dict[int, LowRankHead], manifest: dict[str, Any]) -> Path:
+    tensors: dict[str, torch.Tensor] = {}
+    for k, h in heads.items():
+        tensors[f"layer{k}.a"], tensors[f"layer{k}.b"], tensors[f"layer{k}.g"] = h.a.float(), h.b.float(), h.g.float()
+    return artifacts.save_tensors_artifact(path, tensors, {"kind": HEADS_KIND, **manifest, "layers": sorted(heads)})
+
+
+def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
+    p = Path(path) if path is not None else default_heads_path(model)
+    hint = f"create it with `{train_command('lm-heads', model, p, default_heads_path(model))}`"
+    tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=HEADS_KIND, create_hint=hint)
+    heads = {}
+    L = int(model.config.num_hidden_layers)
+    for k in manifest.get("layers", []):
+        try:
+            heads[int(k)] = LowRankHead(tensors[f"layer{k}.a"], tensors[f"layer{k}.b"], tensors[f"layer{k}.g"])
+        except KeyError:
+            raise ArtifactError(f"'{p}' lacks the tensors of head layer {k}; {hint}") from None
+        if not 0 <= int(k) < L - 1:
+            raise ArtifactError(f"'{p}': head layer {k} is out of range for a {L}-layer model; {hint}")
+    if not heads:
+        raise ArtifactError(f"'{p}' holds no heads; {hint}")
+    return heads, manifest
+
+
+def save_exit_mlps(path: Path, predictors: dict[int, ExitPredictor], manifest: dict[str, Any]) -> Path:
+    tensors: dict[str, torch.Tensor] = {}
+    for k, p in predictors.items():
+        for name in ("w1", "b1", "w2", "b2"):
+            tensors[f"layer{k}.{name}"] = getattr(p, name).float()
+    return artifacts.save_tensors_artifact(path, tensors, {"kind": EXIT_KIND, **manifest, "layers": sorted(predictors)})
+
+
+def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], dict[str, Any]]:
+    p = Path(path) if path is not None else default_exit_path(model)
+    hint = f"create it with `{train_command('exit-mlp', model, p, default_exit_path(model))}`"
+    tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=EXIT_KIND, create_hint=hint)
+    out = {}
+    for k in manifest.get("layers", []):
+        try:
+            out[int(k)] = ExitPredictor(*(tensors[f"layer{k}.{n}"] for n in ("w1", "b1", "w2", "b2")))
+        except KeyError:
+            raise ArtifactError(f"'{p}' lacks the tensors of predictor layer {k}; {hint}") from None
+    if not out:
+        raise ArtifactError(f"'{p}' holds no predictors; {hint}")
+    return out, manifest
+
+
+def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:
+    p = Path(path) if path is not None else default_schedule_path(model)
+    hint = f"create it with `{schedule_command(model, p)}`"
+    manifest = artifacts._read_json(p, "SpecEE schedule artifact", hint)
+    if manifest.get("kind") != SCHEDULE_KIND:
+        raise ArtifactError(f"'{p}' is a {manifest.get('kind')!r} artifact, not {SCHEDULE_KIND!r}; {hint}")
+    artifacts._check_fingerprint(manifest, model, p, f"recalibrate: {hint}")
+    layers = manifest.get("selected_layers")
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise ArtifactError(f"'{p}': field 'selected_layers' must be a list of layer ids; {hint}")
+    return layers, manifest

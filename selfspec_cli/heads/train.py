@@ -1,0 +1,292 @@
+"""Training loops for AdaDecode's intermediate heads and SpecEE's exit predictors.
+
+Both train on :class:`~.data.OnPolicyData` (full-depth greedy decoding of the
+target, hidden states after every layer) with the backbone, the final norm and
+the LM head frozen. Reports are computed on held-out prompts (the last ones of
+the collection), never on rows that were trained on.
+
+* :func:`train_lm_heads` — KL(p* || p_i) distillation of each head towards the final
+  layer's distribution (forward KL, as in the paper), Adam with a cosine schedule
+  and warmup. Reports KL before (step 0 = logit lens) and after, and early-prediction
+  precision (head argmax == full model's token) and coverage (share of rows whose
+  head confidence reaches the threshold) at several thresholds.
+* :func:`train_exit_mlps` — one SpecEE predictor per layer from the drafter layer to
+  L-2. The 4 speculative tokens are the top-4 of the shallowest trained head (the
+  drafter). The label is exactly the exit test that inference applies: the argmax of
+  the full LM head on the normalised state at that layer is one of the 4 speculative
+  tokens (the verification) *and* equals the full model's token (the exit is right).
+  Class imbalance: positives are weighted by n_neg / n_pos in the BCE loss.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import Engine
+from .data import OnPolicyData
+from .modules import (NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, LowRankHead, exit_logit,
+                      head_logits, init_head, spec_local, specee_features)
+
+DEFAULT_THRESHOLDS = (0.5, 0.75, 0.9, 0.95)
+Progress = Callable[[str, int, int, str], None]  # (task, done, total, info)
+
+
+def default_head_layers(num_layers: int) -> tuple[int, ...]:
+    """0-based ids of the layers *after* which heads sit: L/4, L/2, 3L/4 layers run."""
+    return tuple(sorted({max(0, (num_layers * k) // 4 - 1) for k in (1, 2, 3)} - {num_layers - 1}))
+
+
+def _cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return base * 0.5 * (1 + math.cos(math.pi * t))
+
+
+@torch.no_grad()
+def _teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    out = [torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype)).float().cpu(), dim=-1)
+           for i in range(0, final_hidden.shape[0], chunk)]
+    return torch.cat(out)
+
+
+def _frozen(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
+    a = engine.adapter
+    return a.lm_head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
+
+
+# ---------------------------------------------------------------- AdaDecode heads
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTrainConfig:
+    layers: tuple[int, ...] | None = None  # None: default_head_layers
+    rank: int = 64
+    epochs: int = 30
+    batch_size: int = 128
+    lr: float = 5e-3
+    warmup_share: float = 0.03
+    seed: int = 0
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
+
+
+@dataclass(slots=True)
+class HeadReport:
+    layer: int
+    kl_before: float
+    kl_after: float
+    top1_before: float
+    top1_after: float
+    precision_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # threshold -> {precision, coverage}
+    train_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "kl_before": self.kl_before, "kl_after": self.kl_after,
+                "top1_before": self.top1_before, "top1_after": self.top1_after,
+                "precision_coverage": self.precision_coverage, "train_seconds": self.train_seconds}
+
+
+@torch.no_grad()
+def evaluate_head(x: torch.Tensor, teacher_logp: torch.Tensor, target: torch.Tensor, head: LowRankHead,
+                  lm_head: torch.Tensor, eps: float, thresholds: Sequence[float], chunk: int = 1024) -> dict[str, Any]:
+    """KL(p*||p_i), top-1 agreement, precision/coverage at ``thresholds`` over rows ``x``."""
+    kl_sum, maxp, pred = 0.0, [], []
+    for i in range(0, x.shape[0], chunk):
+        logp = torch.log_softmax(head_logits(x[i:i + chunk], head, lm_head, eps).float(), dim=-1)
+        t = teacher_logp[i:i + chunk]
+        kl_sum += float((t.exp() * (t - logp)).sum())
+        m, a = logp.max(dim=-1)
+        maxp.append(m.exp())
+        pred.append(a)
+    n = max(1, x.shape[0])
+    maxp_t, pred_t = torch.cat(maxp), torch.cat(pred)
+    right = pred_t == target
+    pc = {}
+    for th in thresholds:
+        sel = maxp_t >= th
+        cov = float(sel.float().mean())
+        prec = float(right[sel].float().mean()) if bool(sel.any()) else float("nan")
+        pc[f"{th:g}"] = {"precision": prec, "coverage": cov}
+    return {"kl": kl_sum / n, "top1": float(right.float().mean()), "precision_coverage": pc}
+
+
+def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
+                   progress: Progress | None = None) -> tuple[dict[int, LowRankHead], list[HeadReport]]:
+    """Train one low-rank head per layer in ``cfg.layers``; returns (heads, reports)."""
+    import time
+
+    L = engine.num_layers
+    layers = cfg.layers if cfg.layers is not None else default_head_layers(L)
+    lm_head, final_norm, eps = _frozen(engine)
+    train_idx, hold_idx = data.split()
+    if len(hold_idx) == 0:
+        hold_idx = train_idx
+    teacher = _teacher_logprobs(engine, data.hidden[:, L - 1])
+    gen = torch.Generator().manual_seed(cfg.seed)
+    heads: dict[int, LowRankHead] = {}
+    reports: list[HeadReport] = []
+    for layer in layers:
+        t0 = time.perf_counter()
+        x_all = data.hidden[:, layer]
+        init = init_head(final_norm, cfg.rank, gen)
+        before = evaluate_head(x_all[hold_idx], teacher[hold_idx], data.target[hold_idx], init, lm_head, eps, cfg.thresholds)
+        a = init.a.clone().requires_grad_(True)
+        b = init.b.clone().requires_grad_(True)
+        g = init.g.clone().requires_grad_(True)
+        opt = torch.optim.Adam([a, b, g], lr=cfg.lr)
+        n = len(train_idx)
+        steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
+        total = steps_per_epoch * cfg.epochs
+        warmup = max(1, int(cfg.warmup_share * total))
+        step = 0
+        for epoch in range(cfg.epochs):
+            perm = train_idx[torch.randperm(n, generator=gen)]
+            loss_sum = 0.0
+            for i in range(0, n, cfg.batch_size):
+                rows = perm[i:i + cfg.batch_size]
+                for group in opt.param_groups:
+                    group["lr"] = _cosine_lr(step, total, warmup, cfg.lr)
+                logp = torch.log_softmax(head_logits(x_all[rows], LowRankHead(a, b, g), lm_head, eps), dim=-1)
+                t = teacher[rows]
+                loss = (t.exp() * (t - logp)).sum(dim=-1).mean()  # forward KL(p* || p_i)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                loss_sum += float(loss) * len(rows)
+                step += 1
+            if progress:
+                progress(f"head@{layer}", epoch + 1, cfg.epochs, f"train KL {loss_sum / n:.3f}")
+        head = LowRankHead(a.detach(), b.detach(), g.detach())
+        after = evaluate_head(x_all[hold_idx], teacher[hold_idx], data.target[hold_idx], head, lm_head, eps, cfg.thresholds)
+        heads[layer] = head
+        pc = {th: {"precision": after["precision_coverage"][th]["precision"],
+                   "coverage": after["precision_coverage"][th]["coverage"],
+                   "precision_before": before["precision_coverage"][th]["precision"],
+                   "coverage_before": before["precision_coverage"][th]["coverage"]}
+              for th in after["precision_coverage"]}
+        reports.append(HeadReport(layer, before["kl"], after["kl"], before["top1"], after["top1"], pc,
+                                  time.perf_counter() - t0))
+    return heads, reports
+
+
+# ---------------------------------------------------------------- SpecEE exit predictors
+
+
+@dataclass(frozen=True, slots=True)
+class ExitTrainConfig:
+    epochs: int = 100
+    batch_size: int = 1024
+    lr: float = 1e-3
+    seed: int = 0
+    balance: bool = True  # weight positives by n_neg / n_pos
+
+
+@dataclass(slots=True)
+class ExitReport:
+    layer: int
+    rows: int
+    positive_share: float
+    precision: float  # held-out: P(exit is right | predictor fires and verification passes)
+    recall: float
+    fire_share: float  # held-out share of rows where the predictor fires and verification passes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "rows": self.rows, "positive_share": self.positive_share,
+                "precision": self.precision, "recall": self.recall, "fire_share": self.fire_share}
+
+
+@dataclass(frozen=True, slots=True)
+class ExitDataset:
+    """Features and labels for every predictor layer, built like inference builds them."""
+
+    layers: tuple[int, ...]
+    features: dict[int, torch.Tensor]  # layer -> (N, 12)
+    verified: dict[int, torch.Tensor]  # layer -> (N,) bool: full-vocab argmax at this layer is a speculative token
+    labels: dict[int, torch.Tensor]  # layer -> (N,) float: verified and equal to the full model's token
+
+
+@torch.no_grad()
+def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead,
+                       chunk: int = 512) -> ExitDataset:
+    L = engine.num_layers
+    lm_head, final_norm, eps = _frozen(engine)
+    layers = tuple(range(drafter_layer, L - 1))
+    feats: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    verified: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    labels: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    for i in range(0, data.num_rows, chunk):
+        h = data.hidden[i:i + chunk]
+        target = data.target[i:i + chunk]
+        spec = head_logits(h[:, drafter_layer], drafter, lm_head, eps).topk(NUM_SPEC_TOKENS, dim=-1).indices  # (R, 4)
+        spec_rows = lm_head[spec]  # (R, 4, d)
+        s_prev = None
+        for l in layers:
+            s = spec_local(h[:, l], spec_rows, final_norm, eps)
+            feats[l].append(specee_features(s, s_prev))
+            s_prev = s
+            full = F.linear(F.rms_norm(h[:, l], (h.shape[-1],), final_norm, eps), lm_head).argmax(dim=-1)  # (R,)
+            ok = (spec == full[:, None]).any(dim=-1)
+            verified[l].append(ok)
+            labels[l].append((ok & (full == target)).float())
+    return ExitDataset(layers, {l: torch.cat(v) for l, v in feats.items()},
+                       {l: torch.cat(v) for l, v in verified.items()}, {l: torch.cat(v) for l, v in labels.items()})
+
+
+def _init_predictor(gen: torch.Generator) -> ExitPredictor:
+    def lin(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bound = 1 / math.sqrt(in_f)
+        return ((torch.rand(out_f, in_f, generator=gen) * 2 - 1) * bound, (torch.rand(out_f, generator=gen) * 2 - 1) * bound)
+
+    w1, b1 = lin(PREDICTOR_HIDDEN, NUM_FEATURES)
+    w2, b2 = lin(1, PREDICTOR_HIDDEN)
+    return ExitPredictor(w1, b1, w2, b2)
+
+
+def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead,
+                    cfg: ExitTrainConfig, progress: Progress | None = None,
+                    threshold: float = 0.5) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
+    ds = build_exit_dataset(engine, data, drafter_layer, drafter)
+    train_idx, hold_idx = data.split()
+    if len(hold_idx) == 0:
+        hold_idx = train_idx
+    gen = torch.Generator().manual_seed(cfg.seed)
+    predictors: dict[int, ExitPredictor] = {}
+    reports: list[ExitReport] = []
+    for l in ds.layers:
+        x, y = ds.features[l], ds.labels[l]
+        xt, yt = x[train_idx], y[train_idx]
+        pos = float(yt.sum())
+        neg = float(len(yt) - pos)
+        pos_weight = torch.tensor(neg / pos if (cfg.balance and pos > 0) else 1.0)
+        init = _init_predictor(gen)
+        params = [t.clone().requires_grad_(True) for t in (init.w1, init.b1, init.w2, init.b2)]
+        opt = torch.optim.Adam(params, lr=cfg.lr)
+        n = len(xt)
+        for epoch in range(cfg.epochs):
+            perm = torch.randperm(n, generator=gen)
+            for i in range(0, n, cfg.batch_size):
+                rows = perm[i:i + cfg.batch_size]
+                logit = exit_logit(xt[rows], ExitPredictor(*params))
+                loss = F.binary_cross_entropy_with_logits(logit, yt[rows], pos_weight=pos_weight)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            if progress and (epoch + 1) % 10 == 0:
+                progress(f"exit-mlp@{l}", epoch + 1, cfg.epochs, f"loss {float(loss):.3f}")
+        p = ExitPredictor(*(t.detach() for t in params))
+        predictors[l] = p
+        with torch.no_grad():
+            fire = (torch.sigmoid(exit_logit(x[hold_idx], p)) > threshold) & ds.verified[l][hold_idx]
+            yh = y[hold_idx].bool()
+            tp = float((fire & yh).sum())
+            reports.append(ExitReport(
+                l, int(len(y)), float(y.mean()),
+                tp / float(fire.sum()) if bool(fire.any()) else float("nan"),
+                tp / float(yh.sum()) if bool(yh.any()) else float("nan"),
+                float(fire.float().mean())))
+    return predictors, reports

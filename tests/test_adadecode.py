@@ -1,0 +1,81 @@
+"""AdaDecode: greedy output equals plain decoding token for token (with many early
+predictions and rejections), and sampling follows exactly the target's law."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec_cli.config import GenerationConfig, SamplingConfig
+from selfspec_cli.engine import Engine
+from selfspec_cli.heads.modules import LowRankHead, init_head
+from selfspec_cli.methods import AR
+from selfspec_cli.methods import adadecode as ada
+from selfspec_cli.methods.adadecode import AdaDecode, AdaDecodeConfig
+
+from .conftest import ARCHS, make_tiny_model
+from .test_decoding import ALPHA, distribution_test
+from .test_speculative import _pair_samples, _prompt, small_vocab_setup  # noqa: F401 (fixture)
+
+
+def random_heads(model, layers, rank=8, seed=0) -> dict[int, LowRankHead]:
+    """Heads with a non-zero low-rank update, so the whole head path is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    norm = model.model.norm.weight.detach()
+    out = {}
+    for k in layers:
+        h = init_head(norm, rank, g)
+        out[k] = LowRankHead(h.a, torch.randn(h.b.shape, generator=g) * 0.3, h.g)
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_adadecode_greedy_equals_ar(arch):
+    model = make_tiny_model(arch, layers=6)
+    eng = Engine(model)
+    ar = AR(eng)
+    # a low threshold: many early predictions, many of them wrong (rejections and rollbacks)
+    method = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(threshold=0.02))
+    drafted = rejected = 0
+    for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2), (4, 33)]:
+        prompt = _prompt(6, seed)
+        cfg = GenerationConfig(max_new_tokens=n)
+        res = method.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids
+        st = res.stats
+        assert sum(st.accept_lengths) >= len(res.token_ids)
+        drafted += st.drafted_tokens
+        rejected += st.drafted_tokens - st.accepted_draft_tokens
+    assert drafted > 20
+    if arch == "llama-gqa":
+        assert rejected > 0  # the rollback path ran
+
+
+def test_adadecode_pending_limit_and_eos():
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    prompt = _prompt(6, 5)
+    free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+    eos = free[9]
+    for max_pending in (1, 2, 5):
+        m = AdaDecode(eng, heads=random_heads(model, [1, 3]), config=AdaDecodeConfig(threshold=0.0, max_pending=max_pending))
+        res = m.generate(prompt, GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,)))
+        assert res.token_ids == free[: free.index(eos) + 1] and res.finish_reason == "eos"
+        assert max(res.stats.accept_lengths) <= max_pending + 1
+
+
+# False-positive rate per test: ALPHA = 1e-3.
+def test_adadecode_sampling_is_exact(small_vocab_setup):  # noqa: F811
+    model, prompt, law = small_vocab_setup
+    m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(threshold=0.0))
+    samples = _pair_samples(m, prompt, 2500)
+    assert distribution_test(samples, law) > ALPHA
+
+
+def test_sampling_test_catches_the_papers_rule(small_vocab_setup, monkeypatch):  # noqa: F811
+    """Control: the paper's rule (draft law = the head's distribution although the
+    token was taken deterministically) is biased, and the same test must reject it."""
+    model, prompt, law = small_vocab_setup
+    monkeypatch.setattr(ada, "proposal_law", lambda head_probs, token: head_probs)
+    m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(threshold=0.0))
+    samples = _pair_samples(m, prompt, 2500)
+    assert distribution_test(samples, law) < ALPHA
