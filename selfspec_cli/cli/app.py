@@ -10,6 +10,7 @@ from ..errors import SelfSpecError
 from .bench import bench
 from .calibrate import calibrate
 from .generate import generate
+from .train_heads import train_heads
 
 app = typer.Typer(
     name="selfspec",
@@ -21,6 +22,7 @@ app = typer.Typer(
 app.command("generate")(generate)
 app.command("bench")(bench)
 app.command("calibrate")(calibrate)
+app.command("train-heads")(train_heads)
 
 # typer >= 0.20 ships its own copy of click; catch both families
 try:

@@ -43,8 +43,18 @@ def generate(
     asd_alpha: float = typer.Option(0.985, "--asd-alpha", help="asd: cosine-similarity threshold."),
     asd_m: int = typer.Option(3, "--asd-m", help="asd: skip every m-th layer's MLP and attention."),
     asd_n: int = typer.Option(2, "--asd-n", help="asd: never skip the last n layers."),
+    heads: Optional[Path] = typer.Option(None, "--heads", help="adadecode, specee: trained heads artifact (default artifacts/adadecode/<model>/, made by `selfspec train-heads --kind lm-heads`)."),
+    adadecode_threshold: Optional[float] = typer.Option(None, "--adadecode-threshold", help="adadecode: early-prediction confidence gamma (default 0.75)."),
+    adadecode_layers: Optional[str] = typer.Option(None, "--adadecode-layers", help="adadecode: use only these head layers, e.g. 2,5 (default: all trained heads)."),
+    adadecode_max_pending: Optional[int] = typer.Option(None, "--adadecode-max-pending", help="adadecode: most unverified early predictions (default 5)."),
+    exit_mlps: Optional[Path] = typer.Option(None, "--exit-mlps", help="specee: exit-predictor artifact (default artifacts/specee/<model>/)."),
+    specee_schedule: Optional[Path] = typer.Option(None, "--specee-schedule", help="specee: offline schedule (default artifacts/specee/<model>.schedule.json, made by `selfspec calibrate --method specee`)."),
+    specee_kv_mode: Optional[str] = typer.Option(None, "--specee-kv-mode", help="specee (LOSSY): 'deferred' (default; skipped layers filled later, KV preserved) or 'empty' (the paper: deeper KV left empty)."),
+    specee_threshold: Optional[float] = typer.Option(None, "--specee-threshold", help="specee: predictor decision threshold (default 0.5)."),
+    specee_eval: bool = typer.Option(False, "--specee-eval", help="specee: also run the skipped layers (a full-depth shadow) and report early-exit agreement and the share identical to ar."),
 ) -> None:
-    """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes."""
+    """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
+    Every method is lossless except specee (LOSSY: its records say lossless false)."""
     if method not in METHODS:
         raise ConfigError(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
     if save_layers is not None and method != "swift":
@@ -64,7 +74,11 @@ def generate(
     opts = MethodOptions(
         layers=layers, skip_attn=parse_layer_list(skip_attn, "--skip-attn"), skip_mlp=parse_layer_list(skip_mlp, "--skip-mlp"),
         max_draft=max_draft, draft_threshold=draft_threshold, skip_ratio=skip_ratio, context_window=context_window,
-        seed=seed, asd_alpha=asd_alpha, asd_m=asd_m, asd_n=asd_n)
+        seed=seed, asd_alpha=asd_alpha, asd_m=asd_m, asd_n=asd_n,
+        heads=heads, adadecode_threshold=adadecode_threshold,
+        adadecode_layers=parse_layer_list(adadecode_layers, "--adadecode-layers"), adadecode_max_pending=adadecode_max_pending,
+        exit_mlps=exit_mlps, specee_schedule=specee_schedule, specee_kv_mode=specee_kv_mode,
+        specee_threshold=specee_threshold, specee_eval=specee_eval)
     meth = build_method(method, engine, tok, opts)
     dev = torch.device(engine.device)
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "

@@ -25,6 +25,15 @@ class MethodOptions:
     asd_alpha: float = 0.985
     asd_m: int = 3
     asd_n: int = 2
+    heads: Path | None = None  # adadecode, specee: AdaDecode heads artifact (specee drafts with the shallowest)
+    adadecode_threshold: float | None = None
+    adadecode_layers: tuple[int, ...] | None = None
+    adadecode_max_pending: int | None = None
+    exit_mlps: Path | None = None  # specee: exit-predictor artifact
+    specee_schedule: Path | None = None  # specee: offline schedule artifact
+    specee_kv_mode: str | None = None  # specee: "empty" (paper) or "deferred" (KV-preserving)
+    specee_threshold: float | None = None
+    specee_eval: bool = False
 
 
 def parse_layer_list(text: str | None, what: str) -> tuple[int, ...] | None:
@@ -82,4 +91,37 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
         if opts.context_window is not None:
             cfg = replace(cfg, context_window=opts.context_window)
         return Swift(engine, tokenizer, config=cfg)
+    if name == "adadecode":
+        from ..heads.store import load_heads
+        from .adadecode import AdaDecode, AdaDecodeConfig
+
+        heads, _ = load_heads(opts.heads, engine.model)
+        acfg = AdaDecodeConfig()
+        if opts.adadecode_threshold is not None:
+            acfg = replace(acfg, threshold=opts.adadecode_threshold)
+        if opts.adadecode_max_pending is not None:
+            acfg = replace(acfg, max_pending=opts.adadecode_max_pending)
+        if opts.adadecode_layers is not None:
+            acfg = replace(acfg, layers=opts.adadecode_layers)
+        return AdaDecode(engine, tokenizer, heads=heads, config=acfg)
+    if name == "specee":
+        from ..heads.store import load_exit_mlps, load_heads, load_schedule
+        from .specee import SpecEE, SpecEEConfig
+
+        heads, _ = load_heads(opts.heads, engine.model)
+        predictors, pman = load_exit_mlps(opts.exit_mlps, engine.model)
+        schedule, _ = load_schedule(opts.specee_schedule, engine.model)
+        drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
+        if drafter not in heads:
+            from ..errors import ArtifactError
+
+            raise ArtifactError(f"the exit predictors draft with a head after layer {drafter}, which the heads artifact lacks; "
+                                "retrain them with `selfspec train-heads --kind exit-mlp`")
+        scfg = SpecEEConfig(evaluate=opts.specee_eval)
+        if opts.specee_kv_mode is not None:
+            scfg = replace(scfg, kv_mode=opts.specee_kv_mode)
+        if opts.specee_threshold is not None:
+            scfg = replace(scfg, threshold=opts.specee_threshold)
+        return SpecEE(engine, tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
+                      offline_layers=schedule, config=scfg)
     raise ConfigError(f"method '{name}' has no builder")  # pragma: no cover

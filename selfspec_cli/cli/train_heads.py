@@ -1,0 +1,156 @@
+"""``selfspec train-heads``: train AdaDecode's intermediate heads (``--kind lm-heads``) or
+SpecEE's exit predictors (``--kind exit-mlp``) on the target's own greedy output."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+from ..artifacts import environment_info, model_name
+from ..calibrate.data import load_calibration_prompts, prompts_digest
+from ..engine import Engine
+from ..errors import ConfigError
+from ..heads import store
+from ..heads.data import CACHE_DIR, collect_on_policy
+from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
+                           train_lm_heads)
+from ..loading import load_model, model_fingerprint
+from ..methods.factory import parse_layer_list
+from ..runtime import encode_turn, eos_token_ids
+from .common import log, progress
+
+KINDS = ("lm-heads", "exit-mlp")
+DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl")
+
+
+def train_heads(
+    kind: Optional[str] = typer.Option(None, "--kind", help="lm-heads (AdaDecode) or exit-mlp (SpecEE; needs lm-heads first: its drafter is the shallowest head)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: examples/calibration.jsonl."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Training prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
+    dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),
+    num_prompts: int = typer.Option(1000, "--num-prompts", help="Use at most this many prompts (in file order)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Greedy tokens generated per prompt for the on-policy data."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="lm-heads: 0-based layers after which heads sit (default: after L/4, L/2, 3L/4 layers)."),
+    rank: int = typer.Option(64, "--rank", help="lm-heads: rank r of each head's correction (identity + B A)."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Training epochs (default: 30 for lm-heads, 100 for exit-mlp)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Adam learning rate (default: 5e-3 for lm-heads, 1e-3 for exit-mlp)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per step (default: 128 for lm-heads, 1024 for exit-mlp)."),
+    heads_path: Optional[Path] = typer.Option(None, "--heads", help="exit-mlp: the lm-heads artifact whose shallowest head drafts (default: artifacts/adadecode/<model>/)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of initialisation and shuffling."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory. Default: artifacts/adadecode/<model>/ or artifacts/specee/<model>/."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=f"On-disk cache of the on-policy data (default {CACHE_DIR})."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads for training (0: torch's default)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N (the data is collected there; training runs on CPU)."),
+) -> None:
+    """Train early-exit add-ons on the target's own greedy continuations; saves safetensors + manifest."""
+    if kind is None:
+        raise ConfigError(f"train-heads needs --kind; choose one of: {', '.join(KINDS)}")
+    if kind not in KINDS:
+        raise ConfigError(f"unknown --kind '{kind}'; choose one of: {', '.join(KINDS)}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if rank < 1:
+        raise ConfigError(f"--rank must be >= 1, got {rank}")
+    for name, val in (("--epochs", epochs), ("--batch-size", batch_size)):
+        if val is not None and val < 1:
+            raise ConfigError(f"{name} must be >= 1, got {val}")
+    if prompt_file is None and dataset is None:
+        prompt_file = DEFAULT_PROMPTS
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+    t_start = time.perf_counter()
+    mdl, tok = load_model(model, dtype="float32" if device in ("auto", "cpu") else "auto", device=device)
+    engine = Engine(mdl)
+    L = engine.num_layers
+    fingerprint = model_fingerprint(mdl)
+    head_layers = parse_layer_list(layers, "--layers")
+    if head_layers is not None:
+        bad = [k for k in head_layers if not 0 <= k < L - 1]
+        if bad or not head_layers:
+            raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
+    heads = drafter_manifest = None
+    if kind == "exit-mlp":  # fail before the slow data collection
+        heads, drafter_manifest = store.load_heads(heads_path, mdl)
+
+    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
+    log(f"[dim]model {mdl.config.model_type} {L} layers; {len(prompt_ids)} prompts x {max_new_tokens} greedy tokens "
+        f"(on-policy data, cached)[/dim]")
+    t0 = time.perf_counter()
+    with progress() as bar:
+        task = bar.add_task("on-policy data", total=len(prompt_ids), info="")
+        data = collect_on_policy(engine, prompt_ids, max_new_tokens, fingerprint, eos_token_ids(mdl, tok), cache_dir,
+                                 on_prompt=lambda i, n: bar.update(task, completed=i))
+    collect_s = time.perf_counter() - t0
+    train_idx, hold_idx = data.split()
+    log(f"[dim]{data.num_rows} rows ({len(train_idx)} train, {len(hold_idx)} held out) in {collect_s:.1f}s[/dim]")
+
+    prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
+                    "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens,
+                    "rows": data.num_rows, "train_rows": len(train_idx), "heldout_rows": len(hold_idx)}
+    common = {"model_fingerprint": fingerprint, "model_name_or_path": model_name(mdl), "num_layers": L,
+              "data": prompts_info, "environment": environment_info(engine.device, engine.dtype)}
+
+    with progress() as bar:
+        tasks: dict[str, int] = {}
+
+        def on_progress(name: str, done: int, total: int, info: str) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(name, total=total, info="")
+            bar.update(tasks[name], completed=done, info=info)
+
+        t0 = time.perf_counter()
+        if kind == "lm-heads":
+            cfg = HeadTrainConfig(layers=head_layers or default_head_layers(L), rank=rank, epochs=epochs or 30,
+                                  batch_size=batch_size or 128, lr=lr or 5e-3, seed=seed)
+            trained, reports = train_lm_heads(engine, data, cfg, on_progress)
+            out_path = output or store.default_heads_path(mdl)
+            train_s = time.perf_counter() - t0
+            manifest = {**common, "rank": rank, "head_layers_note": "0-based id of the layer after which the head reads",
+                        "training": {"loss": "forward KL(p_final || p_head)", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+                                     "lr": cfg.lr, "schedule": f"cosine, {cfg.warmup_share:.0%} warmup", "seed": seed,
+                                     "collect_seconds": collect_s, "train_seconds": train_s},
+                        "report": [r.as_dict() for r in reports]}
+            store.save_heads(out_path, trained, manifest)
+            for r in reports:
+                pcs = ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}"
+                                for th, v in r.precision_coverage.items())
+                log(f"head after layer {r.layer}: KL {r.kl_before:.3f} -> {r.kl_after:.3f}, top-1 {r.top1_before:.3f} -> "
+                    f"{r.top1_after:.3f}; {pcs}")
+            summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), "rank": rank,
+                       "report": [r.as_dict() for r in reports]}
+        else:
+            assert heads is not None and drafter_manifest is not None
+            drafter_layer = min(heads)
+            cfg_e = ExitTrainConfig(epochs=epochs or 100, batch_size=batch_size or 1024, lr=lr or 1e-3, seed=seed)
+            predictors, ereports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
+            out_path = output or store.default_exit_path(mdl)
+            train_s = time.perf_counter() - t0
+            manifest = {**common, "drafter": {"kind": "adadecode-head", "layer": drafter_layer,
+                                              "heads_artifact_id": drafter_manifest.get("artifact_id"), "top_k": 4},
+                        "features": "[s (4 speculative-token logits of final_norm(h_l)), q = softmax(s), q - q_(l-1) (q at the drafter layer)]",
+                        "label": "argmax of the full LM head on final_norm(h_l) is a speculative token and equals the full model's token",
+                        "training": {"loss": "BCE, positives weighted n_neg/n_pos", "epochs": cfg_e.epochs,
+                                     "batch_size": cfg_e.batch_size, "lr": cfg_e.lr, "seed": seed,
+                                     "collect_seconds": collect_s, "train_seconds": train_s},
+                        "report": [r.as_dict() for r in ereports]}
+            store.save_exit_mlps(out_path, predictors, manifest)
+            for r in ereports:
+                log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; held-out exit precision "
+                    f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}")
+            summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(predictors), "drafter_layer": drafter_layer,
+                       "report": [r.as_dict() for r in ereports]}
+    total = time.perf_counter() - t_start
+    log(f"wrote {out_path} (data {collect_s:.1f}s, training {train_s:.1f}s, total {total:.1f}s)")
+    summary.update({"rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
+                    "thresholds": list(DEFAULT_THRESHOLDS)})
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()

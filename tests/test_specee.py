@@ -1,0 +1,104 @@
+"""SpecEE (lossy): exits only where the verification passes, deferred mode keeps the
+KV exact (every full-depth token then agrees with the full model), empty mode leaves
+deeper layers short, and the evaluation counters are consistent."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec_cli.config import GenerationConfig, SamplingConfig
+from selfspec_cli.engine import Engine
+from selfspec_cli.errors import ConfigError
+from selfspec_cli.heads.modules import NUM_FEATURES, PREDICTOR_HIDDEN, ExitPredictor, specee_features
+from selfspec_cli.methods import AR
+from selfspec_cli.methods.specee import SpecEE, SpecEEConfig
+
+from .conftest import ARCHS, make_tiny_model
+from .test_adadecode import random_heads
+from .test_speculative import _prompt
+
+
+def constant_predictor(score: float) -> ExitPredictor:
+    return ExitPredictor(torch.zeros(PREDICTOR_HIDDEN, NUM_FEATURES), torch.zeros(PREDICTOR_HIDDEN),
+                         torch.zeros(1, PREDICTOR_HIDDEN), torch.tensor([score]))
+
+
+def random_predictor(seed: int) -> ExitPredictor:
+    g = torch.Generator().manual_seed(seed)
+    return ExitPredictor(torch.randn(PREDICTOR_HIDDEN, NUM_FEATURES, generator=g), torch.randn(PREDICTOR_HIDDEN, generator=g),
+                         torch.randn(1, PREDICTOR_HIDDEN, generator=g) * 0.1, torch.zeros(1))
+
+
+def _specee(model, score=None, kv_mode="deferred", evaluate=True, layers=6):
+    heads = random_heads(model, [1])
+    preds = {l: (constant_predictor(score) if score is not None else random_predictor(l)) for l in range(1, layers - 1)}
+    return SpecEE(Engine(model), drafter_layer=1, drafter=heads[1], predictors=preds, offline_layers=[2, 3],
+                  config=SpecEEConfig(kv_mode=kv_mode, evaluate=evaluate))
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen3-qknorm"])
+def test_specee_never_exiting_equals_ar(arch):
+    model = make_tiny_model(arch, layers=6)
+    m = _specee(model, score=-20.0)
+    ar = AR(Engine(model))
+    for seed in range(2):
+        cfg = GenerationConfig(max_new_tokens=25)
+        res = m.generate(_prompt(6, seed), cfg)
+        assert res.token_ids == ar.generate(_prompt(6, seed), cfg).token_ids
+        ev = res.stats.extra["evaluation"]
+        assert ev["early_exits"] == 0 and ev["identical_prefix_share"] == 1.0
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_specee_deferred_mode_keeps_full_depth_tokens_exact(arch):
+    """With the KV preserved, only an exit can disagree with the full model: every
+    token decoded at full depth matches the shadow decoder."""
+    model = make_tiny_model(arch, layers=6)
+    m = _specee(model, score=20.0, kv_mode="deferred")
+    res = m.generate(_prompt(6, 1), GenerationConfig(max_new_tokens=40))
+    ev, st = res.stats.extra["evaluation"], res.stats.extra
+    assert ev["early_exits"] == sum(st["early_exits"].values()) > 0
+    disagreements = ev["early_exits"] - round(ev["early_exit_agreement"] * ev["early_exits"])
+    assert round(ev["token_agreement"] * 39) == 39 - disagreements
+    assert st["failed_verifications"] + ev["early_exits"] <= st["verifications"]
+
+
+def test_specee_empty_mode_leaves_deep_kv_short(monkeypatch):
+    model = make_tiny_model("llama-gqa", layers=6)
+    m = _specee(model, score=20.0, kv_mode="empty", evaluate=False)
+    seen = {}
+    real = m.engine.new_cache
+
+    def spy(capacity):
+        seen["cache"] = real(capacity)
+        return seen["cache"]
+
+    monkeypatch.setattr(m.engine, "new_cache", spy)
+    res = m.generate(_prompt(6, 2), GenerationConfig(max_new_tokens=30))
+    lengths = seen["cache"].lengths
+    exits = sum(res.stats.extra["early_exits"].values())
+    assert exits > 0 and lengths[0] > lengths[-1]
+    assert lengths[0] - lengths[-1] <= exits
+
+
+def test_specee_random_predictors_runs_both_modes():
+    model = make_tiny_model("mistral-window", layers=6)
+    for mode in ("empty", "deferred"):
+        res = _specee(model, kv_mode=mode).generate(_prompt(6, 3), GenerationConfig(max_new_tokens=30))
+        assert len(res.token_ids) == 30 and res.stats.extra["kv_mode"] == mode
+
+
+def test_specee_is_greedy_only_and_validates_mode():
+    model = make_tiny_model("llama-gqa", layers=6)
+    with pytest.raises(ConfigError, match="greedily"):
+        _specee(model).generate(_prompt(6, 0), GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0)))
+    with pytest.raises(ConfigError, match="kv-mode"):
+        SpecEEConfig(kv_mode="propagate-ish")
+
+
+def test_features_match_between_first_and_later_layers():
+    s = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    f0 = specee_features(s, None)
+    assert torch.allclose(f0[:, 4:8], f0[:, 8:]) and f0.shape == (1, 12)
+    f1 = specee_features(s, s)
+    assert torch.allclose(f1[:, 8:], torch.zeros(1, 4))
