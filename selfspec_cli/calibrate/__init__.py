@@ -2,6 +2,8 @@
 
 * :mod:`.self_sd`: Self-SD's skipped-sublayer set, by Bayesian optimization of
   measured throughput (``selfspec calibrate --method self-sd``);
+* :mod:`.specee`: SpecEE's offline predictor schedule from exit-frequency statistics
+  (``selfspec calibrate --method specee``);
 * :mod:`.data`: calibration prompts from a prompt file or a local dataset.
 
 No typer or rich here; the CLI passes progress callbacks.
@@ -11,7 +13,7 @@ from __future__ import annotations
 from .data import load_calibration_prompts
 from .self_sd import SearchConfig, SelfSDCalibration, TrialReport, calibrate_self_sd
 
-CALIBRATE_METHODS = ("self-sd",)
+CALIBRATE_METHODS = ("self-sd", "specee")
 
 __all__ = ["CALIBRATE_METHODS", "SearchConfig", "SelfSDCalibration", "TrialReport", "calibrate_self_sd",
            "load_calibration_prompts"]

@@ -52,11 +52,15 @@ def calibrate(
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
-    """Search Self-SD's skipped sublayers by Bayesian optimization of measured throughput; saves a JSON artifact."""
+    """Self-SD: search skipped sublayers by Bayesian optimization of measured throughput. SpecEE: exit-frequency
+    statistics per layer and the predictor subset they select. Saves a JSON artifact."""
     if method is None:  # checked here, not by click: a missing option must also be a one-line error
         raise ConfigError(f"calibrate needs --method; choose one of: {', '.join(CALIBRATE_METHODS)}")
     if method not in CALIBRATE_METHODS:
         raise ConfigError(f"unknown --method '{method}' for calibrate; choose one of: {', '.join(CALIBRATE_METHODS)}")
+    if method == "specee":
+        return _calibrate_specee(model, prompt_file, dataset, dataset_field, num_prompts, max_new_tokens, output,
+                                 chat_template, dtype, device)
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     if sampler not in SAMPLERS:
@@ -160,4 +164,51 @@ def calibrate(
         "new_trials": result.new_trials,
     }
     sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+
+
+def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset: Optional[str], dataset_field: str,
+                      num_prompts: int, max_new_tokens: int, output: Optional[Path], chat_template: bool,
+                      dtype: str, device: str) -> None:
+    """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
+    from ..calibrate.specee import exit_statistics
+    from ..heads import store
+    from ..methods.factory import MethodOptions, build_method
+
+    GenerationConfig(max_new_tokens=max_new_tokens)
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
+    if output is not None:
+        _check_writable(output, "--output")
+    mdl, tok = load_model(model, dtype=dtype, device=device)
+    out_path = output if output is not None else store.default_schedule_path(mdl)
+    _check_writable(out_path, "--output")
+    engine = Engine(mdl)
+    # the schedule artifact itself is what we make: build with a placeholder schedule
+    from ..methods.specee import SpecEE
+
+    heads, heads_manifest = store.load_heads(None, mdl)
+    predictors, pman = store.load_exit_mlps(None, mdl)
+    drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
+    method = SpecEE(engine, tok, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors, offline_layers=[])
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
+    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
+    log(f"[dim]SpecEE exit statistics: {len(prompt_ids)} prompts x {max_new_tokens} tokens, every predictor on "
+        f"(layers {min(predictors)}..{max(predictors)}), kv mode {method.config.kv_mode}[/dim]")
+    with progress() as bar:
+        task = bar.add_task("calibrate specee", total=len(prompt_ids), info="")
+        st = exit_statistics(method, prompt_ids, cfg, on_prompt=lambda i, n: bar.update(task, completed=i))
+    fingerprint = model_fingerprint(mdl)
+    manifest = {"kind": store.SCHEDULE_KIND, "format_version": 1, "model_fingerprint": fingerprint,
+                "model_name_or_path": model_name(mdl), "num_layers": engine.num_layers, **st.as_dict(),
+                "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
+                "heads_artifact_id": heads_manifest.get("artifact_id"),
+                "prompts": {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
+                            "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens},
+                "environment": environment_info(engine.device, engine.dtype), "created": now_iso()}
+    save_json_artifact(out_path, manifest)
+    probs = ", ".join(f"{k}: {v:.2f}" for k, v in st.exit_probability.items())
+    log(f"exit probability per layer: {probs}; exit rate {manifest['exit_rate']:.3f}")
+    log(f"[bold]selected predictor layers {st.selected_layers} ({manifest['selected_exit_share']:.0%} of exits)[/bold]")
+    log(f"wrote {out_path}")
+    sys.stdout.write(json.dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}) + "\n")
     sys.stdout.flush()

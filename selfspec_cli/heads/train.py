@@ -157,7 +157,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                loss_sum += float(loss) * len(rows)
+                loss_sum += float(loss.detach()) * len(rows)
                 step += 1
             if progress:
                 progress(f"head@{layer}", epoch + 1, cfg.epochs, f"train KL {loss_sum / n:.3f}")
@@ -277,7 +277,7 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
                 loss.backward()
                 opt.step()
             if progress and (epoch + 1) % 10 == 0:
-                progress(f"exit-mlp@{l}", epoch + 1, cfg.epochs, f"loss {float(loss):.3f}")
+                progress(f"exit-mlp@{l}", epoch + 1, cfg.epochs, f"loss {float(loss.detach()):.3f}")
         p = ExitPredictor(*(t.detach() for t in params))
         predictors[l] = p
         with torch.no_grad():

@@ -1,0 +1,71 @@
+"""SpecEE's offline scheduling (paper §5.3): decode calibration prompts with every
+exit predictor enabled, histogram the layers where tokens exit, and keep the
+layers whose exit probability is at least the mean (1 / number of predictor
+layers). The paper observes that the layers below the mean (about half of them)
+account for at most ~20% of exits, so dropping their predictors costs little
+while saving their overhead. The online window (the last 5 exits +-2 layers) is
+added at decode time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import GenerationConfig
+from ..methods.specee import SpecEE, SpecEEConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatistics:
+    predictor_layers: list[int]
+    exits: dict[int, int]  # layer -> early exits there
+    full_depth_tokens: int
+    tokens: int
+    selected_layers: list[int]
+
+    @property
+    def exit_probability(self) -> dict[int, float]:
+        total = sum(self.exits.values())
+        return {l: (self.exits.get(l, 0) / total if total else 0.0) for l in self.predictor_layers}
+
+    def as_dict(self) -> dict[str, Any]:
+        total = sum(self.exits.values())
+        selected_share = sum(self.exits.get(l, 0) for l in self.selected_layers) / total if total else 0.0
+        return {"predictor_layers": self.predictor_layers, "exits_per_layer": {str(k): v for k, v in sorted(self.exits.items())},
+                "exit_probability": {str(k): v for k, v in self.exit_probability.items()},
+                "full_depth_tokens": self.full_depth_tokens, "tokens": self.tokens,
+                "exit_rate": total / self.tokens if self.tokens else 0.0,
+                "selected_layers": self.selected_layers, "selected_exit_share": selected_share,
+                "rule": "keep layers whose exit probability >= mean (1 / number of predictor layers)"}
+
+
+def select_layers(exits: dict[int, int], predictor_layers: list[int]) -> list[int]:
+    total = sum(exits.values())
+    if not total:
+        return list(predictor_layers)  # nothing exited: keep every predictor (no evidence to drop any)
+    mean = 1.0 / len(predictor_layers)
+    return sorted(l for l in predictor_layers if exits.get(l, 0) / total >= mean)
+
+
+def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: GenerationConfig,
+                    on_prompt: Callable[[int, int], None] | None = None) -> ExitStatistics:
+    """Decode with every predictor active (the offline set = all layers) and count exits."""
+    layers = sorted(method.predictors)
+    full = SpecEE(method.engine, method.tokenizer, drafter_layer=method.k0, drafter=method.drafter,
+                  predictors=method.predictors, offline_layers=layers,
+                  config=SpecEEConfig(kv_mode=method.config.kv_mode, threshold=method.config.threshold))
+    exits = {l: 0 for l in layers}
+    tokens = full_depth = 0
+    for i, ids in enumerate(prompt_ids):
+        res = full.generate(ids, cfg)
+        steps = len(res.token_ids) - 1  # the first token comes from the prefill
+        n_exit = 0
+        for k, v in res.stats.extra["early_exits"].items():
+            exits[int(k)] += v
+            n_exit += v
+        tokens += steps
+        full_depth += steps - n_exit
+        if on_prompt:
+            on_prompt(i + 1, len(prompt_ids))
+    return ExitStatistics(layers, exits, full_depth, tokens, select_layers(exits, layers))

@@ -1,0 +1,113 @@
+"""``selfspec train-heads`` (both kinds), ``selfspec calibrate --method specee`` and
+``generate --method adadecode/specee`` end to end on the saved tiny Llama: real
+datasets loading, real safetensors artifacts with manifests, fingerprint refusal."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfspec_cli import loading
+from selfspec_cli.engine import Engine
+from selfspec_cli.errors import ArtifactError
+from selfspec_cli.heads import store
+from selfspec_cli.heads.data import collect_on_policy
+from selfspec_cli.heads.modules import LowRankHead, head_logits, init_head
+from selfspec_cli.heads.train import HeadTrainConfig, default_head_layers, train_lm_heads
+
+from .conftest import make_tiny_model
+from .test_calibrate import run_cli
+
+
+@pytest.fixture()
+def artifacts_dir(tmp_path, monkeypatch):
+    d = tmp_path / "artifacts"
+    monkeypatch.setattr(loading, "ARTIFACTS_DIR", d)
+    return d
+
+
+def _ok(argv):
+    rc, out, err = run_cli(argv)
+    assert rc == 0, err
+    return out, err
+
+
+def test_default_head_layers():
+    assert default_head_layers(12) == (2, 5, 8)
+    assert default_head_layers(32) == (7, 15, 23)
+    assert default_head_layers(4) == (0, 1, 2)
+
+
+def test_logit_lens_initialisation_is_exact():
+    model = make_tiny_model("llama-gqa")
+    eng = Engine(model)
+    h = torch.randn(5, 64)
+    head = init_head(eng.adapter.final_norm, 8, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(head_logits(h, head, eng.adapter.lm_head, eng.adapter.rms_eps), eng.final_logits(h))
+
+
+def test_training_lowers_kl_and_data_is_cached(tmp_path):
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    prompts = [torch.randint(2, 300, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(6)]
+    data = collect_on_policy(eng, prompts, 24, "fp", cache_dir=tmp_path)
+    assert data.hidden.shape == (6 * 24, 4, 64) and len(list(tmp_path.glob("*.safetensors"))) == 1
+    again = collect_on_policy(eng, prompts, 24, "fp", cache_dir=tmp_path)
+    assert torch.equal(again.hidden, data.hidden)
+    # the last layer's row reproduces the target token (the data is the model's own greedy output)
+    assert torch.equal(eng.final_logits(data.hidden[:, 3]).argmax(-1), data.target)
+    heads, reports = train_lm_heads(eng, data, HeadTrainConfig(layers=(1,), rank=8, epochs=15, lr=1e-2))
+    r = reports[0]
+    assert r.kl_after < r.kl_before
+    assert set(r.precision_coverage) == {"0.5", "0.75", "0.9", "0.95"}
+
+
+def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                               ["def run(x):", "import os", "class A:", "for i in range(3):", "return x", "x = [1, 2"]))
+    common = ["--model", str(tiny_model_dir), "--device", "cpu", "--dataset", str(prompts), "--dataset-field", "text",
+              "--max-new-tokens", "10", "--cache-dir", str(tmp_path / "cache")]
+    rc, out, err = run_cli(["train-heads", "--kind", "exit-mlp", *common])
+    assert rc == 2 and "selfspec train-heads --kind lm-heads" in err and len(err.strip().splitlines()) == 1
+    out, _ = _ok(["train-heads", "--kind", "lm-heads", *common, "--rank", "4", "--epochs", "2"])
+    summary = json.loads(out)
+    assert summary["layers"] == [0, 1, 2] and len(summary["report"]) == 3
+    heads_dir = store.default_heads_path(str(tiny_model_dir))
+    manifest = json.loads((heads_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "adadecode-heads" and manifest["model_fingerprint"] and manifest["rank"] == 4
+    out, _ = _ok(["train-heads", "--kind", "exit-mlp", *common, "--epochs", "3"])
+    assert json.loads(out)["drafter_layer"] == 0
+
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("def main():\nimport sys\n")
+    gen = ["generate", "--model", str(tiny_model_dir), "--device", "cpu", "-p", str(prompt_file), "-n", "12"]
+    rc, out, err = run_cli([*gen, "--method", "specee"])
+    assert rc == 2 and "selfspec calibrate --method specee" in err
+    out, _ = _ok(["calibrate", "--method", "specee", "--model", str(tiny_model_dir), "--device", "cpu",
+                  "--prompt-file", str(prompt_file), "--max-new-tokens", "8"])
+    sched = json.loads(out)
+    assert sched["selected_layers"] and set(sched["selected_layers"]) <= {0, 1, 2}
+
+    ar = [json.loads(l) for l in _ok([*gen, "--method", "ar"])[0].splitlines()]
+    ada = [json.loads(l) for l in _ok([*gen, "--method", "adadecode", "--adadecode-threshold", "0.0"])[0].splitlines()]
+    assert [r["token_ids"] for r in ada] == [r["token_ids"] for r in ar] and all(r["lossless"] for r in ada)
+    for mode in ("empty", "deferred"):
+        recs = [json.loads(l) for l in _ok([*gen, "--method", "specee", "--specee-kv-mode", mode, "--specee-eval"])[0].splitlines()]
+        assert all(r["lossless"] is False for r in recs)
+        ev = recs[0]["stats"]["evaluation"]
+        assert 0.0 <= ev["identical_prefix_share"] <= 1.0 and recs[0]["stats"]["kv_mode"] == mode
+
+
+def test_artifact_for_another_model_is_refused(tmp_path):
+    a, b = make_tiny_model("llama-gqa", seed=0), make_tiny_model("llama-gqa", seed=1)
+    head = init_head(a.model.norm.weight.detach(), 4)
+    store.save_heads(tmp_path / "h", {1: head}, {"model_fingerprint": loading.model_fingerprint(a)})
+    heads, _ = store.load_heads(tmp_path / "h", a)
+    assert torch.equal(heads[1].a, head.a)
+    with pytest.raises(ArtifactError, match="another model"):
+        store.load_heads(tmp_path / "h", b)
+    with pytest.raises(ArtifactError, match="selfspec train-heads --kind exit-mlp"):
+        store.load_exit_mlps(tmp_path / "missing", a)
