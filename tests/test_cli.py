@@ -401,26 +401,27 @@ def test_bench_ar_vs_hf(capsys, tiny_model_dir, prompt_file, tmp_path):
     out_dir = tmp_path / "bench-out"
     capsys.readouterr()
     rc = main(["bench", "--methods", "ar,hf", "--model", str(tiny_model_dir), "-n", "8", "--warmup", "0",
-               "--repeats", "1", "-p", str(prompt_file), "--device", "cpu", "--output-dir", str(out_dir)])
+               "--repeats", "1", "-p", str(prompt_file), "--device", "cpu", "--output-dir", str(out_dir), "--no-plots"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "Traceback" not in err
-    doc = json.loads(out.strip().splitlines()[-1])
-    assert doc["prompts"] == len(PROMPTS) and doc["max_new_tokens"] == 8
+    head = json.loads(out.strip().splitlines()[-1])
+    assert head["prompts"] == len(PROMPTS) and head["max_new_tokens"] == 8
+    doc = json.loads((out_dir / "results.json").read_text())
+    assert head["results"] == str(out_dir / "results.json")
     assert doc["reference"] == "ar" and doc["baseline"] == "hf"
     ar, hf = doc["methods"]["ar"], doc["methods"]["hf"]
-    assert ar["parity"] == 1.0 and ar["differing_prompts"] == []
-    assert hf["parity"] == 1.0  # HF generate on the same model: identical greedy ids
+    assert ar["parity"]["parity"] == 1.0 and ar["parity"]["differing"] == []
+    assert hf["parity"]["parity"] == 1.0  # HF generate on the same model: identical greedy ids
     for key in ("speedup_vs_ar", "speedup_vs_hf", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max"):
         assert key in hf and key in ar
+    assert {"tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "parity"} <= set(head["methods"]["hf"])
     assert ar["speedup_vs_ar"] == 1.0 and hf["speedup_vs_hf"] == 1.0
     assert hf["tokens_per_s"] > 0 and 0 < ar["new_tokens"] <= 8 * len(PROMPTS)
     assert ar["new_tokens"] == hf["new_tokens"]
-
-    assert json.loads((out_dir / "results.json").read_text()) == doc
     per = {}
     for name in ("ar", "hf"):
-        recs = [json.loads(line) for line in (out_dir / f"{name}.jsonl").read_text().splitlines()]
+        recs = [json.loads(line) for line in (out_dir / "records" / f"{name}.jsonl").read_text().splitlines()]
         assert [r["id"] for r in recs] == [1, 2, 3, 4]
         assert all(r["method"] == name and r["new_tokens"] <= 8 for r in recs)
         per[name] = [r["token_ids"] for r in recs]

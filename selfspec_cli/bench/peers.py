@@ -1,37 +1,72 @@
-"""Outside peers run on the very same model object: Hugging Face ``generate``.
+"""Outside peers, run on the very same model object through Hugging Face ``generate``.
 
-They are wrapped to the same ``generate(prompt_ids, cfg) -> DecodeResult`` call
-as selfspec's methods so the bench times every contender with one timer.
+They are wrapped to the ``generate(prompt_ids, cfg) -> DecodeResult`` call of
+selfspec's methods, so the bench times every contender with one timer.
+
+``generate`` returns no acceptance statistics. For the assisted peers they are recovered
+by instrumenting the candidate generator of each call: every
+``update_candidate_strategy(input_ids, scores, num_matches)`` call is one verification
+forward of the target that added ``num_matches + 1`` tokens (already cut at EOS and
+``max_new_tokens`` by ``generate``), and ``get_candidates`` says how many tokens were
+drafted for it. A step log of plain greedy ``generate`` is one token per forward.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..config import GenerationConfig
 from ..decoding.loop import DecodeResult, DecodeStats, TokenSink
+from ..errors import ConfigError
+
+PEERS: dict[str, str] = {
+    "hf": "Hugging Face generate, greedy",
+    "hf-pld": "Hugging Face prompt lookup decoding (prompt_lookup_num_tokens=10, max_matching_ngram_size=2)",
+    "hf-early-exit": "Hugging Face assistant_early_exit drafting (LayerSkip-style; the model's own first layers)",
+    "hf-assisted": "Hugging Face assisted generation with --assistant-model (same tokenizer)",
+}
+
+
+class _StepRecorder:
+    """Wraps one candidate generator instance to log drafted and matched tokens per forward."""
+
+    def __init__(self) -> None:
+        self.drafted: list[int] = []
+        self.matches: list[int] = []
+
+    def wrap(self, gen: Any) -> Any:
+        get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
+
+        def get_candidates_logged(input_ids: torch.Tensor, *args: Any, **kwargs: Any):
+            cand, logits = get_candidates(input_ids, *args, **kwargs)
+            self.drafted.append(int(cand.shape[1] - input_ids.shape[1]))
+            return cand, logits
+
+        def update_logged(input_ids: torch.Tensor, scores: torch.Tensor, num_matches: Any):
+            self.matches.append(int(num_matches))
+            return update(input_ids, scores, num_matches)
+
+        gen.get_candidates = get_candidates_logged
+        gen.update_candidate_strategy = update_logged
+        return gen
 
 
 class HFGenerate:
-    """``model.generate(do_sample=False)``: the speed every user compares against."""
+    """``model.generate(do_sample=False, **generate_kwargs)`` on the bench's model."""
 
-    name = "hf"
     lossless = True
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **generate_kwargs: Any) -> None:
+    def __init__(self, model: torch.nn.Module, name: str = "hf", **generate_kwargs: Any) -> None:
         self.model = model
-        self.tokenizer = tokenizer
+        self.name = name
         self.kwargs = generate_kwargs
+        self.assisted = bool(generate_kwargs)
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        if not cfg.sampling.greedy:
-            raise ValueError("the hf peer is benchmarked greedy only")
-        dev = self.model.device
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    def _call(self, ids: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
         eos = None if cfg.ignore_eos else list(cfg.eos_token_ids) or None
-        out = self.model.generate(
+        return self.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
@@ -40,9 +75,53 @@ class HFGenerate:
             pad_token_id=(cfg.eos_token_ids[0] if cfg.eos_token_ids else 0),
             **self.kwargs,
         )
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
+        if not cfg.sampling.greedy:
+            raise ConfigError(f"the {self.name} peer is benchmarked greedy only; drop --temperature")
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
+        recorder = _StepRecorder() if self.assisted else None
+        if recorder is not None:
+            original: Callable[..., Any] = self.model._get_candidate_generator
+            self.model._get_candidate_generator = lambda *a, **k: recorder.wrap(original(*a, **k))
+        try:
+            out = self._call(ids, cfg)
+        finally:
+            if recorder is not None:
+                del self.model._get_candidate_generator  # back to the class method
         new = out[0, len(prompt_ids):].tolist()
         sink = TokenSink(GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=cfg.eos_token_ids,
                                           ignore_eos=cfg.ignore_eos))
         sink.push(new)
-        stats = DecodeStats(target_forwards=len(sink.tokens), accept_lengths=[1] * len(sink.tokens))
+        n = len(sink.tokens)
+        if recorder is None:
+            stats = DecodeStats(target_forwards=n, accept_lengths=[1] * n)
+        else:
+            lengths = [m + 1 for m in recorder.matches]
+            stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
+                                drafted_tokens=sum(recorder.drafted[: len(lengths)]),
+                                accepted_draft_tokens=sum(recorder.matches))
+            if not stats.drafted_tokens:
+                # nothing drafted at all (e.g. no n-gram match): still report the counts
+                stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
         return sink.result(stats)
+
+
+def make_peer(name: str, model: torch.nn.Module, *, early_exit_layer: int | None = None,
+              assistant: torch.nn.Module | None = None) -> HFGenerate:
+    if name == "hf":
+        return HFGenerate(model, "hf")
+    if name == "hf-pld":
+        return HFGenerate(model, name, prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
+    if name == "hf-early-exit":
+        num_layers = int(model.config.num_hidden_layers)
+        layer = early_exit_layer if early_exit_layer is not None else max(1, num_layers // 2)
+        if not 1 <= layer < num_layers:
+            raise ConfigError(f"--early-exit-layer must be in 1..{num_layers - 1} for this {num_layers}-layer model, got {layer}")
+        return HFGenerate(model, name, assistant_early_exit=layer)
+    if name == "hf-assisted":
+        if assistant is None:
+            raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
+        return HFGenerate(model, name, assistant_model=assistant)
+    raise ConfigError(f"unknown peer '{name}'; choose one of: {', '.join(PEERS)}")

@@ -1,13 +1,18 @@
 """Time contenders side by side: same prompts, same warm-up, same timer.
 
-Throughput of a contender = total generated tokens / total wall time over all
-prompts of a repeat; the reported figure is the median over repeats. Speedup of A
-over B is the ratio of their mean throughputs (Spec-Bench's definition). Parity
-compares generated token ids with the reference contender prompt by prompt.
+Every contender (selfspec method or outside peer) is a factory that returns a fresh
+``generate(prompt_ids, cfg) -> DecodeResult``. A fresh instance is made for every
+timed pass, so a method that learns while it decodes (SWIFT's layer search carries
+across the prompts of a run) starts each repeat from scratch and its optimization time
+is paid, and counted, in every repeat. Repeats are interleaved (pass 1 of every
+contender, then pass 2, ...) so slow drifts of a shared machine hit all contenders alike.
+Each prompt is timed by :func:`selfspec_cli.runtime.run_prompt` (tokenization outside,
+CUDA synchronized on both sides).
 """
 from __future__ import annotations
 
-import statistics
+import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,46 +20,73 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
+from ..decoding.loop import DecodeResult
 from ..prompts import Prompt
 from ..runtime import run_prompt
+
+Generate = Callable[[list[int], GenerationConfig], DecodeResult]
 
 
 @dataclass(slots=True)
 class Contender:
     name: str
-    generate: Callable[..., Any]
+    make: Callable[[], Generate]  # a fresh instance per timed pass
     lossless: bool = True
+    kind: str = "selfspec"  # "selfspec" | "peer"
 
 
 @dataclass(slots=True)
 class ContenderResult:
     name: str
-    throughputs: list[float] = field(default_factory=list)  # tokens/s, one per repeat
-    records: list[dict[str, Any]] = field(default_factory=list)  # last repeat's per-prompt records
+    lossless: bool
+    kind: str
+    repeats: list[list[dict[str, Any]]] = field(default_factory=list)  # per timed pass: per-prompt records
+    peak_rss_mb: float | None = None
+    peak_cuda_mb: float | None = None
+    instances: list[Any] = field(default_factory=list)  # generate callables of each pass (bound methods)
 
     @property
-    def median_tps(self) -> float:
-        return statistics.median(self.throughputs)
-
-    @property
-    def mean_tps(self) -> float:
-        return statistics.fmean(self.throughputs)
+    def records(self) -> list[dict[str, Any]]:
+        """The last pass's records (answers and plots use them)."""
+        return self.repeats[-1] if self.repeats else []
 
 
-def throughput(records: Sequence[dict[str, Any]]) -> float:
-    tokens = sum(r["new_tokens"] for r in records)
-    wall = sum(r["wall_time_s"] for r in records)
-    return tokens / wall if wall > 0 else 0.0
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # not Linux
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def parity(records: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]]) -> tuple[float, list[Any]]:
-    """Share of prompts whose generated ids equal the reference's, and the ids that differ."""
-    ref = {r["id"]: r for r in reference}
-    differ = [r["id"] for r in records if r["id"] not in ref or r["token_ids"] != ref[r["id"]]["token_ids"]]
-    missing = [i for i in ref if i not in {r["id"] for r in records}]
-    differ += missing
-    n = max(len(ref), 1)
-    return (n - len(differ)) / n, differ
+class MemorySampler:
+    """Peak resident set size while a block runs, sampled by a thread every ``interval`` s
+    (a read of /proc every 50 ms costs the timed code nothing measurable)."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __enter__(self) -> MemorySampler:
+        self.peak = _rss_bytes()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
 
 
 def run_bench(
@@ -66,20 +98,38 @@ def run_bench(
     warmup: int = 1,
     repeats: int = 1,
     use_chat_template: bool = True,
-    on_prompt: Callable[[str], None] | None = None,
+    on_prompt: Callable[[str, dict[str, Any]], None] | None = None,
+    on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> dict[str, ContenderResult]:
-    results = {c.name: ContenderResult(c.name) for c in contenders}
+    """Warm up each contender on the first prompt, then ``repeats`` interleaved timed passes."""
+    results = {c.name: ContenderResult(c.name, c.lossless, c.kind) for c in contenders}
     for c in contenders:
         for _ in range(warmup):
-            run_prompt(c.generate, tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
-    # interleave contenders per repeat so slow drifts of the machine hit all alike
-    for _ in range(repeats):
+            gen = c.make()
+            run_prompt(gen, tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
+    cuda = device.type == "cuda"
+    for rep in range(repeats):
         for c in contenders:
-            recs = []
-            for p in prompts:
-                recs.append(run_prompt(c.generate, tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless))
-                if on_prompt:
-                    on_prompt(c.name)
-            results[c.name].throughputs.append(throughput(recs))
-            results[c.name].records = recs
+            gen = c.make()
+            res = results[c.name]
+            res.instances.append(gen)
+            recs: list[dict[str, Any]] = []
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            with MemorySampler() as mem:
+                for p in prompts:
+                    rec = run_prompt(gen, tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
+                    rec["repeat"] = rep
+                    recs.append(rec)
+                    if on_record:
+                        on_record(c.name, rep, rec)
+                    if on_prompt:
+                        on_prompt(c.name, rec)
+            res.repeats.append(recs)
+            mb = mem.peak / 2**20
+            res.peak_rss_mb = mb if res.peak_rss_mb is None else max(res.peak_rss_mb, mb)
+            if cuda:
+                cm = torch.cuda.max_memory_allocated(device) / 2**20
+                res.peak_cuda_mb = cm if res.peak_cuda_mb is None else max(res.peak_cuda_mb, cm)
     return results
+

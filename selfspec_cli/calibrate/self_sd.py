@@ -233,6 +233,7 @@ class SelfSDCalibration:
     baseline: dict[str, Any] | None  # the better uniform set
     confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
     seed_points: list[dict[str, Any]] = field(default_factory=list)
+    search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
 
 
 def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
@@ -427,6 +428,7 @@ def calibrate_self_sd(
             guard.check()
             complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             best_t = study.best_trial
+            durations = [t.duration.total_seconds() for t in complete if t.duration is not None]
             seeds_in_study = _seed_values(complete, points, L)
         finally:
             _dispose(storage)
@@ -436,6 +438,7 @@ def calibrate_self_sd(
         num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
         best_attrs=dict(best_t.user_attrs), trials=len(complete), new_trials=len(complete) - done,
         study_path=Path(search.study_path), baseline=None, seed_points=seeds_in_study,
+        search_time_s=round(sum(durations), 3) if durations else None,
     )
     if search.confirm:
         say("re-measuring the best set, the uniform sets and plain decoding back to back")
@@ -522,6 +525,7 @@ def build_manifest(result: SelfSDCalibration, *, fingerprint: str, model_name_or
         "skip_mlp": sorted(result.skip_mlp),
         "objective": objective,
         "trials": result.trials,
+        "search_time_s": result.search_time_s,
         "search": {
             "sampler": search.sampler,
             "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},

@@ -1,110 +1,260 @@
-"""``selfspec bench``: selfspec methods and outside peers side by side (minimal version)."""
+"""``selfspec bench``: selfspec's methods and outside peers side by side, one run, one timer.
+
+Outputs (``--output-dir``, default ``bench-out/``): ``results.json`` (schema in
+docs/benchmarks.md), ``records/<method>.jsonl`` (every timed pass, flushed prompt by
+prompt), ``answers/<method>.jsonl`` (Spec-Bench answer format), PNG plots. A rich table
+goes to stderr; the last line on stdout is one JSON document with the headline figures.
+"""
 from __future__ import annotations
 
 import json
-import platform
+import shlex
+import sys
+from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import typer
 from rich.table import Table
 
-from ..bench.peers import HFGenerate
-from ..bench.runner import Contender, parity, run_bench
+from ..artifacts import atomic_write, environment_info, model_name
+from ..bench import plots
+from ..bench.metrics import step_log
+from ..bench.peers import PEERS, make_peer
+from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
+from ..bench.runner import Contender, ContenderResult, run_bench
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
-from ..loading import REPO_ROOT, load_model
+from ..loading import load_model, model_fingerprint
 from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method
-from ..prompts import read_prompts
+from ..prompts import Prompt, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import err_console, log, progress
 
-PEERS = ("hf",)
-DEFAULT_PROMPTS = REPO_ROOT / "examples" / "prompts.jsonl"
+DEFAULT_SUITE = "pystdlib"
+DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
+REFERENCE, BASELINE = "ar", "hf"
+
+
+def _load_prompts(prompt_file: str | None, suite: str | None) -> tuple[list[Prompt], dict[str, Any]]:
+    if prompt_file is not None and suite is not None:
+        raise ConfigError("give --prompt-file or --suite, not both")
+    if prompt_file is not None:
+        return read_prompts(prompt_file), {"prompt_file": prompt_file}
+    from ..bench.suites import load_suite
+
+    name = suite or DEFAULT_SUITE
+    return load_suite(name), {"suite": name}
+
+
+def _offline_cost(name: str, method: Any) -> dict[str, Any] | None:
+    """Time a method spent offline before the bench (calibration, training), from its artifact."""
+    info = getattr(method, "offline_info", None)
+    if callable(info):
+        return info()
+    return None
+
+
+def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
+    t = Table(title=title, title_justify="left")
+    cols = ["method", "tok/s", "min-max"]
+    cols += ["vs ar"] if has_ref else []
+    cols += ["vs hf"] if has_base else []
+    cols += ["M", "alpha", "parity", "differs (first token)", "optim s", "peak MB"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("method", "differs (first token)") else "right")
+    for n, m in summary.items():
+        par = m.get("parity")
+        differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
+        if par and len(par["differing"]) > 4:
+            differs += f" +{len(par['differing']) - 4}"
+        row = [n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
+               f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
+        row += [f"{m['speedup_vs_ar']:.2f}x"] if has_ref else []
+        row += [f"{m['speedup_vs_hf']:.2f}x"] if has_base else []
+        row += [f"{m['mean_accepted_length']:.2f}" if m["mean_accepted_length"] is not None else "-",
+                f"{m['acceptance_rate']:.2f}" if m["acceptance_rate"] is not None else "-",
+                f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-",
+                differs,
+                f"{m['optimization_s']:.1f}" if m["optimization_s"] is not None else "-",
+                f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}"]
+        t.add_row(*row)
+    return t
+
+
+def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table | None:
+    cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
+    if not cats:
+        return None
+    t = Table(title="speedup by category: vs ar" + (" / vs hf" if has_base else "") + "  (M)", title_justify="left")
+    t.add_column("method")
+    for c in cats:
+        t.add_column(c, justify="right")
+    for n, m in summary.items():
+        cells = []
+        for c in cats:
+            b = m["categories"].get(c)
+            if not b:
+                cells.append("-")
+                continue
+            s = f"{b['speedup_vs_ar']:.2f}" if b["speedup_vs_ar"] is not None else "-"
+            if has_base and b["speedup_vs_hf"] is not None:
+                s += f" / {b['speedup_vs_hf']:.2f}"
+            if b["mean_accepted_length"] is not None:
+                s += f" ({b['mean_accepted_length']:.2f})"
+            cells.append(s)
+        t.add_row(n, *cells)
+    return t
 
 
 def bench(
-    methods: str = typer.Option("ar,hf", "--methods", help=f"Comma-separated: selfspec methods ({', '.join(METHODS)}) and peers ({', '.join(PEERS)})."),
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate). Default: examples/prompts.jsonl."),
+    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}) and peers ({', '.join(PEERS)})."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate) instead of a suite."),
+    suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}; also pystdlib-mini) or a local JSONL path, loaded with `datasets`."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="New tokens per prompt turn."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs of the first prompt, per contender."),
-    repeats: int = typer.Option(1, "--repeats", help="Timed passes over all prompts; throughput is the median."),
+    repeats: int = typer.Option(1, "--repeats", help="Timed passes over all prompts (interleaved); tokens/s is the median."),
+    output_dir: Path = typer.Option(Path("bench-out"), "--output-dir", "-o", help="Where results.json, records, answers and plots go."),
+    plot: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
+    early_exit_layer: Optional[int] = typer.Option(None, "--early-exit-layer", help="hf-early-exit: layer the draft exits at (default: half the layers)."),
+    assistant_model: Optional[str] = typer.Option(None, "--assistant-model", help="hf-assisted: a second model with the same tokenizer."),
+    seed: int = typer.Option(0, "--seed", help="Seed of methods with random search (swift)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
-    dtype: str = typer.Option("auto", "--dtype"),
-    device: str = typer.Option("auto", "--device"),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Also write results.json and per-method answers here."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
-    """Time methods and peers on the same prompts; a table on stderr, one JSON line on stdout."""
-    names = [m.strip() for m in methods.split(",") if m.strip()]
+    """Benchmark methods and peers greedily on the same model and prompts: speed, speedup, M, alpha, parity."""
+    names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
     unknown = [m for m in names if m not in METHODS and m not in PEERS]
     if not names or unknown:
         raise ConfigError(f"unknown --methods {', '.join(unknown) or '(none)'}; choose from: {', '.join([*METHODS, *PEERS])}")
     if warmup < 0 or repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
-    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())
-    prompts = read_prompts(prompt_file or str(DEFAULT_PROMPTS))
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
+    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # validates first
+    prompts, source = _load_prompts(prompt_file, suite)
+    if len({p.id for p in prompts}) != len(prompts):
+        raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    eos_ids = eos_token_ids(mdl, tok)
-    cfg = GenerationConfig(max_new_tokens=cfg0.max_new_tokens, sampling=cfg0.sampling, eos_token_ids=eos_ids)
+    cfg = GenerationConfig(max_new_tokens=cfg0.max_new_tokens, sampling=cfg0.sampling, eos_token_ids=eos_token_ids(mdl, tok))
     ctx = context_length(mdl)
     for p in prompts:
         check_prompt_fits(p, tok, cfg, ctx, chat_template)
+    assistant = None
+    if "hf-assisted" in names:
+        if assistant_model is None:
+            raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
+        assistant, _ = load_model(assistant_model, dtype=dtype, device=device)
     engine = Engine(mdl)
     dev = torch.device(engine.device)
-    contenders = []
+
+    # build every contender once up front: a missing artifact fails now, not after an hour
+    contenders: list[Contender] = []
+    descriptions: dict[str, str] = {}
+    offline: dict[str, dict[str, Any]] = {}
+    opts = MethodOptions(seed=seed)
     for n in names:
         if n in METHODS:
-            m = build_method(n, engine, tok, MethodOptions())
-            contenders.append(Contender(n, m.generate, m.lossless))
-        elif n == "hf":
-            contenders.append(Contender(n, HFGenerate(mdl, tok).generate, True))
+            first = build_method(n, engine, tok, opts)
+            descriptions[n] = getattr(first, "description", n)
+            cost = _offline_cost(n, first)
+            if cost:
+                offline[n] = cost
+            contenders.append(Contender(n, (lambda n=n: build_method(n, engine, tok, opts).generate), first.lossless))
+        else:
+            peer = make_peer(n, mdl, early_exit_layer=early_exit_layer, assistant=assistant)
+            descriptions[n] = PEERS[n]
+            contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
-    with progress() as bar:
-        task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
-        results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template,
-                            on_prompt=lambda name: bar.update(task, advance=1, info=name))
+    try:
+        (output_dir / "records").mkdir(parents=True, exist_ok=True)
+        (output_dir / "answers").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create --output-dir '{output_dir}' ({exc.strerror}); choose a writable directory") from None
+    cats = Counter(p.category or "all" for p in prompts)
+    log(f"[dim]model {model_name(mdl)} ({mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {dev}, "
+        f"{torch.get_num_threads()} threads); {len(prompts)} prompts ({', '.join(f'{c} {k}' for c, k in cats.items())}) "
+        f"x {max_new_tokens} tokens; warm-up {warmup}, repeats {repeats}; contenders {', '.join(names)}[/dim]")
 
-    ref_name = "ar" if "ar" in results else names[0]
-    base_name = "hf" if "hf" in results else ref_name
-    table = Table(title=f"selfspec bench: {len(prompts)} prompts, {max_new_tokens} new tokens, {dev}, {engine.dtype}")
-    cols = ["method", "tokens/s (median)", "min-max", f"vs {ref_name}"] + ([f"vs {base_name}"] if base_name != ref_name else [])
-    for col in cols + ["parity", "differs"]:
-        table.add_column(col)
-    summary: dict[str, dict] = {}
+    with ExitStack() as stack:
+        files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
+        running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
+
+        def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
+            files[name].write(json.dumps(rec, ensure_ascii=False) + "\n")
+            files[name].flush()
+
+        with progress() as bar:
+            task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
+
+            def on_prompt(name: str, rec: dict[str, Any]) -> None:
+                r = running[name]
+                r[0] += rec["new_tokens"]
+                r[1] += rec["wall_time_s"]
+                bar.update(task, advance=1, info=f"{name} {r[0] / max(r[1], 1e-9):.1f} tok/s")
+
+            results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template,
+                                on_prompt=on_prompt, on_record=on_record)
+
+    ref = REFERENCE if REFERENCE in results else None
+    base = BASELINE if BASELINE in results else None
+    summary = summarize(results, ref, base, descriptions, offline)
+    setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
+             "warmup": warmup, "repeats": repeats, "decoding": "greedy", "batch_size": 1,
+             "chat_template": chat_template, "seed": seed, "command": "selfspec " + shlex.join(sys.argv[1:]),
+             "early_exit_layer": early_exit_layer, "assistant_model": assistant_model}
+    model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
+                  "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}
+    file_map: dict[str, Any] = {"results": str(output_dir / "results.json"),
+                                "records": {n: str(output_dir / "records" / f"{n}.jsonl") for n in names},
+                                "answers": {}}
     for n, r in results.items():
-        par, differ = parity(r.records, results[ref_name].records)
-        summary[n] = {
-            "tokens_per_s": round(r.median_tps, 3),
-            "tokens_per_s_min": round(min(r.throughputs), 3),
-            "tokens_per_s_max": round(max(r.throughputs), 3),
-            f"speedup_vs_{ref_name}": round(r.mean_tps / results[ref_name].mean_tps, 4),
-            f"speedup_vs_{base_name}": round(r.mean_tps / results[base_name].mean_tps, 4),
-            "parity": par,
-            "differing_prompts": differ,
-            "new_tokens": sum(x["new_tokens"] for x in r.records),
-        }
-        s = summary[n]
-        speedups = [f"{s[f'speedup_vs_{ref_name}']:.2f}x"] + ([f"{s[f'speedup_vs_{base_name}']:.2f}x"] if base_name != ref_name else [])
-        table.add_row(n, f"{s['tokens_per_s']:.1f}", f"{s['tokens_per_s_min']:.1f}-{s['tokens_per_s_max']:.1f}",
-                      *speedups, f"{par:.0%}", ", ".join(map(str, differ[:5])) + (" ..." if len(differ) > 5 else ""))
-    err_console.print(table)
-    doc = {
-        "model": mdl.config.name_or_path, "device": str(dev), "dtype": str(engine.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-        "prompts": len(prompts), "max_new_tokens": max_new_tokens, "warmup": warmup, "repeats": repeats,
-        "reference": ref_name, "baseline": base_name, "methods": summary,
-    }
-    if output_dir is not None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-        for n, r in results.items():
-            with (output_dir / f"{n}.jsonl").open("w") as f:
-                for rec in r.records:
-                    f.write(json.dumps(rec) + "\n")
-        log(f"wrote {output_dir}/results.json")
-    print(json.dumps(doc), flush=True)
+        path = output_dir / "answers" / f"{n}.jsonl"
+        write_jsonl(path, spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
+        file_map["answers"][n] = str(path)
+    if plot:
+        file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref)
+    doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
+                   reference=ref, baseline=base, files=file_map)
+    atomic_write(output_dir / "results.json", lambda f: f.write((json.dumps(doc, indent=2) + "\n").encode()))
+
+    title = (f"selfspec bench: {source.get('suite') or source.get('prompt_file')}, {len(prompts)} prompts x "
+             f"{max_new_tokens} tokens, {dev}, {str(engine.dtype).replace('torch.', '')}, greedy, "
+             f"median of {repeats} pass{'es' if repeats > 1 else ''}")
+    err_console.print(_table(summary, title, ref is not None, base is not None))
+    ct = _category_table(summary, base is not None)
+    if ct is not None:
+        err_console.print(ct)
+    lossless_bad = [n for n, m in summary.items() if m["lossless"] and m.get("parity") and m["parity"]["parity"] < 1]
+    if lossless_bad:
+        log(f"[bold red]parity below 100% for lossless {', '.join(lossless_bad)}: see 'differing' in {output_dir}/results.json[/bold red]")
+    log(f"wrote {output_dir}/results.json")
+    print(json.dumps(headline(doc)), flush=True)
+
+
+def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,
+           out: Path, ref: str | None) -> dict[str, str]:
+    made: dict[str, str] = {}
+    p = plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref or "ar") if ref else None
+    if p:
+        made["speedup_by_category"] = str(p)
+    logs = {n: step_log(r.records)["accept_lengths"] for n, r in results.items() if summary[n]["acceptance_rate"] is not None}
+    p = plots.accept_length_histogram(logs, out / "accept_lengths.png")
+    if p:
+        made["accept_lengths"] = str(p)
+    for n, r in results.items():
+        owner = getattr(r.instances[-1], "__self__", None) if r.instances else None
+        history = getattr(owner, "history", None)
+        if history:
+            p = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
+                                    title=f"{n}: skipped sublayers over optimization steps (last pass)")
+            if p:
+                made[f"{n}_skip_sets"] = str(p)
+    return made

@@ -12,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import ConfigError
 
-err_console = Console(stderr=True)
+# piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
 def log(msg: str) -> None:

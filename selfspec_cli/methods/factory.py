@@ -69,13 +69,14 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
 
         if opts.skip_attn is not None or opts.skip_mlp is not None:
             attn, mlp = opts.skip_attn or (), opts.skip_mlp or ()
+            manifest = None
         else:
             from ..artifacts import default_skip_artifact_path, load_skip_artifact
 
             path = opts.layers or default_skip_artifact_path(engine.model)
-            attn, mlp, _ = load_skip_artifact(path, engine.model)
+            attn, mlp, manifest = load_skip_artifact(path, engine.model)
         return SelfSD(engine, tokenizer, skip_attn=attn, skip_mlp=mlp,
-                      draft=_draft(DraftConfig(), opts))
+                      draft=_draft(DraftConfig(), opts), artifact=manifest)
     if name == "asd":
         from .asd import ASD
 

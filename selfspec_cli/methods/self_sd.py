@@ -31,10 +31,20 @@ class SelfSD(SelfSpeculative, Method):
     description = "Self-SD / Draft & Verify: offline-calibrated skip set, adaptive draft exit"
 
     def __init__(self, engine: Engine, tokenizer: Any = None, *, skip_attn: Iterable[int] = (),
-                 skip_mlp: Iterable[int] = (), draft: DraftConfig | None = None) -> None:
+                 skip_mlp: Iterable[int] = (), draft: DraftConfig | None = None,
+                 artifact: dict[str, Any] | None = None) -> None:
         Method.__init__(self, engine, tokenizer)
         SelfSpeculative.__init__(self, engine, draft or DraftConfig())
         self._skip = check_skip_sets(engine.num_layers, skip_attn, skip_mlp)
+        self._artifact = artifact  # the manifest the skip sets came from, if any
+
+    def offline_info(self) -> dict[str, Any] | None:
+        """What the skip set cost offline (``selfspec bench`` reports it)."""
+        a = self._artifact
+        if not a:
+            return None
+        return {"what": "self-sd calibration", "seconds": a.get("search_time_s"), "trials": a.get("trials"),
+                "created": a.get("created")}
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._skip

@@ -1,0 +1,141 @@
+"""Benchmark arithmetic, kept apart from timing so it can be tested on hand-built logs.
+
+Definitions (the same for every contender, selfspec's methods and outside peers):
+
+* **tokens** are counted from generated token ids (``new_tokens`` of a record), never by
+  re-tokenizing text;
+* **tokens/s of a prompt** = its new tokens / its wall time (all turns summed);
+* **tokens/s of a repeat** = the mean of its prompts' tokens/s (Spec-Bench's per-question
+  average); a method's figure is the **median over repeats**, with the min-max;
+* **speedup** of A over B = mean tokens/s of A / mean tokens/s of B, each mean taken over
+  every (repeat, prompt) pair (Spec-Bench's ratio of mean throughputs);
+* a **step** is one full-depth target forward, prefill included; ``accept_lengths[i]`` is
+  the number of tokens step ``i`` added. **M** (mean accepted length) = mean of
+  ``accept_lengths`` over all steps of all prompts = tokens / steps;
+* **alpha** (acceptance rate) = accepted draft tokens / drafted tokens over all rounds
+  (a bonus token is not a draft); ``None`` for a method that drafts nothing;
+* **parity** against the reference (``ar``): a prompt is identical when its generated ids
+  equal the reference's; ``token_parity`` is the share of reference tokens reproduced
+  before the first divergence, summed over prompts.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+Record = Mapping[str, Any]
+
+
+def prompt_tps(rec: Record) -> float:
+    wall = float(rec["wall_time_s"])
+    return rec["new_tokens"] / wall if wall > 0 else 0.0
+
+
+def repeat_tps(records: Sequence[Record]) -> float:
+    """Spec-Bench throughput of one pass over the prompts: mean of per-prompt tokens/s."""
+    return statistics.fmean(prompt_tps(r) for r in records) if records else 0.0
+
+
+def throughput_summary(repeats: Sequence[Sequence[Record]]) -> dict[str, float]:
+    per_repeat = [repeat_tps(rs) for rs in repeats if rs]
+    if not per_repeat:
+        return {"tokens_per_s": 0.0, "tokens_per_s_min": 0.0, "tokens_per_s_max": 0.0, "tokens_per_s_mean": 0.0}
+    return {
+        "tokens_per_s": statistics.median(per_repeat),
+        "tokens_per_s_min": min(per_repeat),
+        "tokens_per_s_max": max(per_repeat),
+        "tokens_per_s_mean": statistics.fmean(prompt_tps(r) for rs in repeats for r in rs),
+    }
+
+
+def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[Sequence[Record]]) -> float | None:
+    """Ratio of mean tokens/s (over all repeat x prompt pairs)."""
+    a = [prompt_tps(r) for rs in method_repeats for r in rs]
+    b = [prompt_tps(r) for rs in base_repeats for r in rs]
+    if not a or not b:
+        return None
+    mb = statistics.fmean(b)
+    return statistics.fmean(a) / mb if mb > 0 else None
+
+
+def _stats(rec: Record) -> list[Mapping[str, Any]]:
+    """Per-turn stats of a record (multi-turn records keep them under ``turns``)."""
+    if "turns" in rec:
+        return [t["stats"] for t in rec["turns"]]
+    return [rec["stats"]]
+
+
+def step_log(records: Iterable[Record]) -> dict[str, Any]:
+    """Accepted lengths, steps and draft counts pooled over records."""
+    lengths: list[int] = []
+    drafted = accepted = 0
+    has_drafts = False
+    for rec in records:
+        for st in _stats(rec):
+            lengths.extend(int(x) for x in st.get("accept_lengths", []))
+            if "drafted_tokens" in st:
+                has_drafts = True
+                drafted += int(st["drafted_tokens"])
+                accepted += int(st["accepted_draft_tokens"])
+    return {"accept_lengths": lengths, "drafted": drafted if has_drafts else None,
+            "accepted": accepted if has_drafts else None}
+
+
+def mean_accepted_length(records: Iterable[Record]) -> float | None:
+    lengths = step_log(records)["accept_lengths"]
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def acceptance_rate(records: Iterable[Record]) -> float | None:
+    log = step_log(records)
+    if not log["drafted"]:
+        return None
+    return log["accepted"] / log["drafted"]
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where a and b differ (a length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, Any]:
+    """Token-level comparison prompt by prompt against the reference's records."""
+    ref = {r["id"]: list(r["token_ids"]) for r in reference}
+    mine = {r["id"]: list(r["token_ids"]) for r in records}
+    differing: list[dict[str, Any]] = []
+    matched = total = 0
+    for pid, ref_ids in ref.items():
+        total += len(ref_ids)
+        ids = mine.get(pid)
+        if ids is None:
+            differing.append({"id": pid, "first_divergence": 0, "missing": True})
+            continue
+        d = first_divergence(ids, ref_ids)
+        matched += len(ref_ids) if d is None else min(d, len(ref_ids))
+        if d is not None:
+            differing.append({"id": pid, "first_divergence": d})
+    n = len(ref)
+    return {
+        "prompts_identical": n - len(differing),
+        "prompts": n,
+        "parity": (n - len(differing)) / n if n else 1.0,
+        "token_parity": matched / total if total else 1.0,
+        "differing": differing,
+    }
+
+
+def sum_stat(records: Iterable[Record], key: str) -> float | None:
+    """Sum of a timing field (``optimize_s``, ``draft_s``, ...) over records; None if never reported."""
+    vals = [float(st[key]) for rec in records for st in _stats(rec) if key in st]
+    return sum(vals) if vals else None
+
+
+def by_category(records: Sequence[Record]) -> dict[str, list[Record]]:
+    out: dict[str, list[Record]] = {}
+    for r in records:
+        out.setdefault(r.get("category") or "all", []).append(r)
+    return out

@@ -1,0 +1,123 @@
+"""PNG plots of a bench run (matplotlib, headless Agg backend, written atomically)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    _plt().close(fig)
+    return path
+
+
+def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, reference: str = "ar",
+                        title: str = "") -> Path | None:
+    """Grouped bars: speedup over the reference per category (and overall) for each method."""
+    names = [n for n, m in summary.items() if n != reference and m.get("speedup_vs_ar") is not None]
+    if not names:
+        return None
+    plt = _plt()
+    cats = sorted({c for n in names for c in (summary[n].get("categories") or {})})
+    groups = ["all", *cats]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
+    for i, n in enumerate(names):
+        m = summary[n]
+        vals = [m["speedup_vs_ar"]] + [(m["categories"].get(c) or {}).get("speedup_vs_ar") or 0.0 for c in cats]
+        xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
+        label = n if m.get("lossless", True) else f"{n} (lossy)"
+        bars = ax.bar(xs, vals, width, label=label, hatch=None if m.get("lossless", True) else "//")
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in vals], fontsize=7, padding=1)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(f"speedup over {reference} (ratio of mean tokens/s)")
+    ax.set_title(title or f"Speedup by category and method (1.0 = {reference})")
+    ax.legend(fontsize=8, ncols=min(4, len(names)))
+    return _save(fig, path)
+
+
+def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: Path, title: str = "") -> Path | None:
+    """SWIFT's layer search: which sublayers each evaluated candidate skips (light) and the
+    best set so far (dark) at every optimization step, with matchness on top."""
+    if not history:
+        return None
+    import numpy as np
+
+    plt = _plt()
+    steps = len(history)
+    cand = np.zeros((2 * num_layers, steps))
+    best = np.zeros((2 * num_layers, steps))
+    scores, best_scores = [], []
+    cur_best: tuple[list[int], list[int]] | None = None
+    cur_score = float("-inf")
+    for j, h in enumerate(history):
+        attn, mlp = h["skip"]
+        for l in attn:
+            cand[l, j] = 1
+        for l in mlp:
+            cand[num_layers + l, j] = 1
+        if h.get("best") or cur_best is None:
+            cur_best, cur_score = (attn, mlp), h["score"]
+        for l in cur_best[0]:
+            best[l, j] = 1
+        for l in cur_best[1]:
+            best[num_layers + l, j] = 1
+        scores.append(h["score"])
+        best_scores.append(cur_score)
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(max(6.0, min(14.0, steps / 25)), 6.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [1, 3]})
+    ax0.plot(scores, ".", ms=2, color="tab:gray", label="candidate")
+    ax0.plot(best_scores, "-", color="tab:red", label="best so far")
+    ax0.set_ylabel("matchness")
+    ax0.legend(fontsize=7, loc="lower right")
+    img = 0.35 * cand + 0.65 * best
+    ax1.imshow(img, aspect="auto", interpolation="nearest", cmap="Greys", vmin=0, vmax=1)
+    ticks = list(range(0, num_layers, max(1, num_layers // 8)))
+    ax1.set_yticks(ticks + [num_layers + t for t in ticks],
+                   [f"attn {t}" for t in ticks] + [f"mlp {t}" for t in ticks], fontsize=7)
+    ax1.axhline(num_layers - 0.5, color="tab:blue", lw=0.8)
+    ax1.set_xlabel("optimization step")
+    ax1.set_ylabel("skipped sublayer (dark: best set, light: candidate)")
+    ax0.set_title(title or "SWIFT: skipped sublayers over optimization steps")
+    return _save(fig, path)
+
+
+def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title: str = "") -> Path | None:
+    """Share of target forwards that added 1, 2, ... tokens, one panel per method."""
+    logs = {n: v for n, v in logs.items() if v}
+    if not logs:
+        return None
+    plt = _plt()
+    n = len(logs)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
+    top = max(max(v) for v in logs.values())
+    for ax, (name, lengths) in zip(axes.flat, logs.items()):
+        counts = [0] * (top + 1)
+        for x in lengths:
+            counts[x] += 1
+        total = len(lengths)
+        ax.bar(range(1, top + 1), [c / total for c in counts[1:]], color="tab:blue")
+        ax.set_title(f"{name}: M = {sum(lengths) / total:.2f}", fontsize=9)
+        ax.set_xlabel("tokens per target forward", fontsize=8)
+        ax.set_ylabel("share of forwards", fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title or "Accepted length per target forward")
+    fig.tight_layout()
+    return _save(fig, path)

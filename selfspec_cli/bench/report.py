@@ -1,0 +1,147 @@
+"""Turn timed passes into the bench's outputs: ``results.json``, Spec-Bench answer files,
+the rich table and the one-line headline. The schema is documented in docs/benchmarks.md."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import metrics
+from .runner import ContenderResult
+
+SCHEMA = "selfspec-bench/1"
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def _block(repeats: Sequence[Sequence[Mapping[str, Any]]], ref: Sequence[Sequence[Mapping[str, Any]]] | None,
+           base: Sequence[Sequence[Mapping[str, Any]]] | None) -> dict[str, Any]:
+    """Metrics of one contender over one set of prompts (all, or one category)."""
+    last = list(repeats[-1]) if repeats else []
+    tp = metrics.throughput_summary(repeats)
+    out: dict[str, Any] = {k: _r(v, 3) for k, v in tp.items()}
+    out["per_repeat_tokens_per_s"] = [_r(metrics.repeat_tps(rs), 3) for rs in repeats]
+    out["speedup_vs_ar"] = _r(metrics.speedup(repeats, ref)) if ref is not None else None
+    out["speedup_vs_hf"] = _r(metrics.speedup(repeats, base)) if base is not None else None
+    out["mean_accepted_length"] = _r(metrics.mean_accepted_length(last))
+    out["acceptance_rate"] = _r(metrics.acceptance_rate(last))
+    out["target_forwards"] = len(metrics.step_log(last)["accept_lengths"])
+    out["new_tokens"] = sum(r["new_tokens"] for r in last)
+    out["prompts"] = len(last)
+    if ref is not None:
+        # parity of every pass against the reference's first pass: a flaky method shows up too
+        passes = [metrics.parity(rs, ref[0]) for rs in repeats]
+        worst = min(passes, key=lambda p: (p["parity"], p["token_parity"]))
+        out["parity"] = worst
+    return out
+
+
+def _subset(repeats: Sequence[Sequence[Mapping[str, Any]]], ids: set[Any]) -> list[list[Mapping[str, Any]]]:
+    return [[r for r in rs if r["id"] in ids] for rs in repeats]
+
+
+def summarize(results: Mapping[str, ContenderResult], reference: str | None, baseline: str | None,
+              descriptions: Mapping[str, str] | None = None,
+              offline_cost: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Per-method metrics, overall and per category."""
+    ref = results[reference].repeats if reference in results else None
+    base = results[baseline].repeats if baseline in results else None
+    first = next(iter(results.values()))
+    cats = metrics.by_category(first.records)
+    out: dict[str, dict[str, Any]] = {}
+    for name, res in results.items():
+        m = _block(res.repeats, ref, base)
+        m = {"kind": res.kind, "lossless": res.lossless,
+             "description": (descriptions or {}).get(name), **m}
+        opt = [metrics.sum_stat(rs, "optimize_s") for rs in res.repeats]
+        m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
+        m["offline"] = dict((offline_cost or {}).get(name, {})) or None
+        m["peak_rss_mb"] = _r(res.peak_rss_mb, 1)
+        m["peak_cuda_mb"] = _r(res.peak_cuda_mb, 1)
+        m["categories"] = {}
+        if len(cats) > 1:
+            for cat, recs in cats.items():
+                ids = {r["id"] for r in recs}
+                m["categories"][cat] = _block(_subset(res.repeats, ids),
+                                              _subset(ref, ids) if ref is not None else None,
+                                              _subset(base, ids) if base is not None else None)
+        out[name] = m
+    return out
+
+
+def document(summary: Mapping[str, Any], *, setup: Mapping[str, Any], environment: Mapping[str, Any],
+             model: Mapping[str, Any], reference: str | None, baseline: str | None,
+             files: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": dict(model),
+        "environment": dict(environment),
+        "setup": dict(setup),
+        "reference": reference,
+        "baseline": baseline,
+        "methods": dict(summary),
+        "files": dict(files or {}),
+    }
+
+
+def headline(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The last stdout line: the figures a script wants, one JSON document."""
+    methods = {}
+    for name, m in doc["methods"].items():
+        par = m.get("parity") or {}
+        methods[name] = {
+            "tokens_per_s": m["tokens_per_s"],
+            "speedup_vs_ar": m["speedup_vs_ar"],
+            "speedup_vs_hf": m["speedup_vs_hf"],
+            "mean_accepted_length": m["mean_accepted_length"],
+            "acceptance_rate": m["acceptance_rate"],
+            "parity": par.get("parity"),
+            "lossless": m["lossless"],
+        }
+    return {
+        "schema": SCHEMA,
+        "results": doc.get("files", {}).get("results"),
+        "model": doc["model"].get("name"),
+        "device": doc["environment"].get("device"),
+        "suite": doc["setup"].get("suite") or doc["setup"].get("prompt_file"),
+        "prompts": doc["setup"].get("prompts"),
+        "max_new_tokens": doc["setup"].get("max_new_tokens"),
+        "methods": methods,
+    }
+
+
+def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> list[dict[str, Any]]:
+    """One Spec-Bench answer line per question (SWIFT's repository reads the same schema)."""
+    out = []
+    for r in records:
+        turns = r.get("turns") or [r]
+        choice = {
+            "index": 0,
+            "turns": [t["text"] for t in turns],
+            "decoding_steps": [len(t["stats"].get("accept_lengths", [])) for t in turns],
+            "new_tokens": [t["new_tokens"] for t in turns],
+            "wall_time": [t["wall_time_s"] for t in turns],
+            "accept_lengths": [x for t in turns for x in t["stats"].get("accept_lengths", [])],
+        }
+        out.append({
+            "question_id": r["id"],
+            "category": r.get("category"),
+            "answer_id": uuid.uuid4().hex[:22],
+            "model_id": model_id,
+            "tstamp": time.time(),
+            "choices": [choice],
+        })
+    return out
+
+
+def write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -1,0 +1,244 @@
+"""selfspec bench: metric arithmetic on hand-built step logs, parity reporting when a
+contender is wrong, the Hugging Face peers' recovered statistics, and the CLI outputs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfspec_cli.bench import metrics
+from selfspec_cli.bench.peers import make_peer
+from selfspec_cli.bench.report import spec_bench_answers, summarize
+from selfspec_cli.bench.runner import Contender, ContenderResult, run_bench
+from selfspec_cli.cli.app import main
+from selfspec_cli.cli.bench import _table
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.decoding.loop import DecodeResult, DecodeStats
+from selfspec_cli.engine import Engine
+from selfspec_cli.methods.factory import build_method
+from selfspec_cli.prompts import Prompt
+
+from .conftest import make_tiny_model
+
+
+def rec(pid, tokens, wall, accept, drafted=None, accepted=None, category=None, ids=None):
+    st = {"accept_lengths": accept, "target_forwards": len(accept)}
+    if drafted is not None:
+        st.update(drafted_tokens=drafted, accepted_draft_tokens=accepted)
+    r = {"id": pid, "text": "", "new_tokens": tokens, "wall_time_s": wall, "stats": st,
+         "token_ids": ids if ids is not None else list(range(tokens))}
+    if category:
+        r["category"] = category
+    return r
+
+
+# ---------------------------------------------------------------- metric arithmetic
+
+
+def test_mean_accepted_length_and_acceptance_rate_pool_all_steps():
+    # prompt a: prefill 1 token, then rounds adding 3, 1, 4 (drafted 3+3+3, accepted 2+0+3)
+    a = rec("a", 9, 1.0, [1, 3, 1, 4], drafted=9, accepted=5)
+    # prompt b: prefill, rounds 2, 2 (drafted 2+4, accepted 1+1)
+    b = rec("b", 5, 1.0, [1, 2, 2], drafted=6, accepted=2)
+    assert metrics.mean_accepted_length([a, b]) == pytest.approx(14 / 7)
+    assert metrics.acceptance_rate([a, b]) == pytest.approx(7 / 15)
+    # plain decoding: M = 1, no drafts -> alpha undefined
+    c = rec("c", 4, 1.0, [1, 1, 1, 1])
+    assert metrics.mean_accepted_length([c]) == 1.0
+    assert metrics.acceptance_rate([c]) is None
+    # multi-turn records pool their turns
+    mt = {"id": "m", "new_tokens": 6, "wall_time_s": 1.0, "token_ids": [], "turns": [
+        {"stats": {"accept_lengths": [1, 2], "drafted_tokens": 2, "accepted_draft_tokens": 1}},
+        {"stats": {"accept_lengths": [1, 1, 1], "drafted_tokens": 3, "accepted_draft_tokens": 0}}]}
+    assert metrics.mean_accepted_length([mt]) == pytest.approx(6 / 5)
+    assert metrics.acceptance_rate([mt]) == pytest.approx(1 / 5)
+
+
+def test_throughput_is_spec_bench_mean_of_per_prompt_rates_and_speedup_is_ratio_of_means():
+    # repeat 1: prompts at 10 and 30 tok/s -> 20; repeat 2: 20 and 40 -> 30; repeat 3: 5 and 15 -> 10
+    reps = [[rec("a", 10, 1.0, [1] * 10), rec("b", 30, 1.0, [1] * 30)],
+            [rec("a", 10, 0.5, [1] * 10), rec("b", 40, 1.0, [1] * 40)],
+            [rec("a", 10, 2.0, [1] * 10), rec("b", 15, 1.0, [1] * 15)]]
+    s = metrics.throughput_summary(reps)
+    assert s["tokens_per_s"] == pytest.approx(20.0)  # median of 20, 30, 10
+    assert (s["tokens_per_s_min"], s["tokens_per_s_max"]) == (pytest.approx(10.0), pytest.approx(30.0))
+    assert s["tokens_per_s_mean"] == pytest.approx(20.0)
+    base = [[rec("a", 10, 1.0, [1] * 10), rec("b", 10, 1.0, [1] * 10)]]  # mean 10 tok/s
+    assert metrics.speedup(reps, base) == pytest.approx(2.0)
+    # not the ratio of total tokens / total time (which would weight long prompts)
+    assert metrics.speedup([[rec("a", 100, 1.0, [1]), rec("b", 10, 10.0, [1])]], base) == pytest.approx(50.5 / 10)
+
+
+def test_parity_reports_first_divergence_and_token_share():
+    ref = [rec(1, 4, 1.0, [1] * 4, ids=[5, 6, 7, 8]), rec(2, 4, 1.0, [1] * 4, ids=[1, 2, 3, 4]),
+           rec(3, 2, 1.0, [1] * 2, ids=[9, 9])]
+    same = metrics.parity(ref, ref)
+    assert same["parity"] == 1.0 and same["token_parity"] == 1.0 and same["differing"] == []
+    mine = [rec(1, 4, 1.0, [1] * 4, ids=[5, 6, 0, 8]), rec(2, 3, 1.0, [1] * 3, ids=[1, 2, 3]),
+            rec(3, 2, 1.0, [1] * 2, ids=[9, 9])]
+    p = metrics.parity(mine, ref)
+    assert p["prompts_identical"] == 1 and p["parity"] == pytest.approx(1 / 3)
+    assert p["differing"] == [{"id": 1, "first_divergence": 2}, {"id": 2, "first_divergence": 3}]
+    assert p["token_parity"] == pytest.approx((2 + 3 + 2) / 10)
+    # a missing prompt counts as differing
+    assert metrics.parity(mine[:1], ref)["differing"][-1] == {"id": 3, "first_divergence": 0, "missing": True}
+
+
+def test_summary_per_category_and_spec_bench_answers():
+    def res(name, walls):
+        r = ContenderResult(name, True, "selfspec")
+        r.repeats = [[rec(i, 10, w, [1, 3, 3, 3], drafted=9, accepted=6, category=c)
+                      for i, (c, w) in enumerate(zip(["x", "x", "y"], walls))]]
+        return r
+    results = {"ar": res("ar", [1.0, 1.0, 1.0]), "fast": res("fast", [0.5, 0.5, 0.25])}
+    s = summarize(results, "ar", None)
+    assert s["fast"]["speedup_vs_ar"] == pytest.approx((20 + 20 + 40) / 3 / 10, abs=1e-4)
+    assert s["fast"]["categories"]["x"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert s["fast"]["categories"]["y"]["speedup_vs_ar"] == pytest.approx(4.0)
+    assert s["fast"]["mean_accepted_length"] == pytest.approx(2.5)
+    assert s["fast"]["acceptance_rate"] == pytest.approx(6 / 9, abs=1e-4)
+    assert s["fast"]["speedup_vs_hf"] is None
+    ans = spec_bench_answers(results["fast"].records, "m")
+    assert ans[0]["question_id"] == 0 and ans[0]["category"] == "x"
+    ch = ans[0]["choices"][0]
+    assert ch["new_tokens"] == [10] and ch["wall_time"] == [0.5] and ch["decoding_steps"] == [4]
+    assert ch["accept_lengths"] == [1, 3, 3, 3]
+
+
+# ---------------------------------------------------------------- parity drops when a token is wrong
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_tiny_model("llama-gqa")
+    return model, Engine(model)
+
+
+PROMPTS = [Prompt(id=f"p{i}", turns=(f"prompt {i}",), category="c" if i % 2 else "d") for i in range(4)]
+
+
+class _Tok:
+    """Token ids from characters: enough for run_prompt without a chat template."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [2 + (ord(c) % 200) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_injected_wrong_token_drops_the_parity_column(tiny):
+    model, engine = tiny
+    cfg = GenerationConfig(max_new_tokens=8)
+    ar = build_method("ar", engine, None)
+
+    def corrupt(prompt_ids, cfg):
+        res = ar.generate(prompt_ids, cfg)
+        if prompt_ids == _Tok()("prompt 2")["input_ids"]:
+            ids = list(res.token_ids)
+            ids[5] = (ids[5] + 1) % 300
+            return DecodeResult(ids, res.finish_reason, res.stats)
+        return res
+
+    contenders = [Contender("ar", lambda: ar.generate), Contender("broken", lambda: corrupt)]
+    results = run_bench(contenders, PROMPTS, _Tok(), cfg, torch.device("cpu"), warmup=0, repeats=2)
+    s = summarize(results, "ar", None)
+    assert s["ar"]["parity"]["parity"] == 1.0
+    par = s["broken"]["parity"]
+    assert par["parity"] == pytest.approx(0.75)
+    assert par["differing"] == [{"id": "p2", "first_divergence": 5}]
+    assert s["broken"]["categories"]["d"]["parity"]["parity"] == pytest.approx(0.5)
+    assert s["broken"]["categories"]["c"]["parity"]["parity"] == 1.0
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(_table(s, "t", True, False))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "broken" in line)
+    assert "75%" in row and "p2@5" in row
+    assert "100%" in next(line for line in text.splitlines() if line.strip().startswith("│ ar"))
+
+
+# ---------------------------------------------------------------- peers
+
+
+@pytest.mark.parametrize("peer", ["hf-pld", "hf-early-exit"])
+def test_hf_assisted_peers_match_greedy_and_report_steps(tiny, peer):
+    model, engine = tiny
+    ar = build_method("ar", engine, None)
+    p = make_peer(peer, model)
+    cfg = GenerationConfig(max_new_tokens=20, eos_token_ids=())
+    # a repetitive prompt gives prompt lookup something to match
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    want = ar.generate(prompt, cfg).token_ids
+    got = p.generate(prompt, cfg)
+    assert got.token_ids == want and len(got.token_ids) <= 20
+    st = got.stats.as_dict()
+    assert sum(st["accept_lengths"]) == len(got.token_ids)
+    assert st["target_forwards"] == len(st["accept_lengths"]) <= len(got.token_ids)
+    assert st.get("drafted_tokens", 0) >= st.get("accepted_draft_tokens", 0)
+    assert metrics.mean_accepted_length([{"stats": st}]) >= 1.0
+
+
+def test_hf_early_exit_rejects_a_layer_out_of_range(tiny):
+    from selfspec_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--early-exit-layer"):
+        make_peer("hf-early-exit", tiny[0], early_exit_layer=4)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"id": f"{c}-{i}", "category": c, "prompt": f"def f{i}(x):\n    return x + {i}"}
+             for c in ("code", "prose") for i in range(2)]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out_dir = tmp_path / "out"
+    capsys.readouterr()
+    rc = main(["bench", "--methods", "ar,hf,hf-pld,swift,asd", "-m", str(tiny_model_dir), "-p", str(prompts),
+               "-n", "40", "--warmup", "1", "--repeats", "2", "--device", "cpu", "-o", str(out_dir)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    head = json.loads(out.strip().splitlines()[-1])
+    assert set(head["methods"]) == {"ar", "hf", "hf-pld", "swift", "asd"}
+    doc = json.loads((out_dir / "results.json").read_text())
+    assert doc["schema"] == "selfspec-bench/1"
+    for key in ("torch", "transformers", "device", "dtype", "threads", "cpu"):
+        assert key in doc["environment"]
+    assert doc["setup"]["repeats"] == 2 and doc["setup"]["categories"] == {"code": 2, "prose": 2}
+    for name, m in doc["methods"].items():
+        assert m["parity"]["parity"] == 1.0, (name, m["parity"])  # every contender here is lossless
+        assert len(m["per_repeat_tokens_per_s"]) == 2
+        assert set(m["categories"]) == {"code", "prose"}
+        assert m["peak_rss_mb"] > 0
+        answers = [json.loads(x) for x in (out_dir / "answers" / f"{name}.jsonl").read_text().splitlines()]
+        assert [a["question_id"] for a in answers] == [x["id"] for x in lines]
+        records = (out_dir / "records" / f"{name}.jsonl").read_text().splitlines()
+        assert len(records) == 2 * len(lines)  # every timed pass, streamed
+    assert doc["methods"]["swift"]["optimization_s"] is not None
+    assert doc["methods"]["hf-pld"]["acceptance_rate"] is not None
+    for key in ("speedup_by_category", "accept_lengths", "swift_skip_sets"):
+        png = Path(doc["files"]["plots"][key])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "speedup by category" in err
+
+
+def test_bench_bad_input_is_one_line(capsys, tiny_model_dir, tmp_path):
+    (tmp_path / "f").write_text("x")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    for argv, needle in ((["--suite", "nope"], "nope"),
+                         (["-p", str(prompts), "--suite", "pystdlib"], "not both"),
+                         (["-p", str(prompts), "--methods", "ar,hf-assisted"], "--assistant-model"),
+                         (["-p", str(prompts), "-o", str(tmp_path / "f")], "is a file"),
+                         (["-p", str(prompts), "--methods", "ar,hf-early-exit", "--early-exit-layer", "9"], "--early-exit-layer")):
+        rc = main(["bench", "-m", str(tiny_model_dir), "--device", "cpu", "-n", "4", *argv])
+        err = capsys.readouterr().err
+        assert rc == 2, (argv, err)
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
