@@ -111,6 +111,24 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
     return t
 
 
+def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
+    rows = {n: m["cost_model"] for n, m in summary.items() if m.get("cost_model")}
+    if not rows:
+        return None
+    t = Table(title="layer skipping: SWIFT Eq. 6 vs measured (c = draft step / ar step, v = verify / ar step)",
+              title_justify="left")
+    for c in ("method", "skip ratio r", "Eq. 6 expected", "measured vs ar", "measured / expected", "c measured", "v measured"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+
+    def f(x: Any, suffix: str = "") -> str:
+        return "-" if x is None else f"{x:.2f}{suffix}"
+
+    for n, cm in rows.items():
+        t.add_row(n, f(cm["skip_ratio"]), f(cm.get("expected_speedup_eq6"), "x"), f(summary[n].get("speedup_vs_ar"), "x"),
+                  f(cm.get("measured_over_expected")), f(cm.get("draft_cost_ratio_c")), f(cm.get("verify_cost_ratio")))
+    return t
+
+
 def bench(
     methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}) and peers ({', '.join(PEERS)})."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate) instead of a suite."),
@@ -205,7 +223,7 @@ def bench(
 
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
-    summary = summarize(results, ref, base, descriptions, offline)
+    summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": "greedy", "batch_size": 1,
              "chat_template": chat_template, "seed": seed, "command": "selfspec " + shlex.join(sys.argv[1:]),
@@ -229,9 +247,9 @@ def bench(
              f"{max_new_tokens} tokens, {dev}, {str(engine.dtype).replace('torch.', '')}, greedy, "
              f"median of {repeats} pass{'es' if repeats > 1 else ''}")
     err_console.print(_table(summary, title, ref is not None, base is not None))
-    ct = _category_table(summary, base is not None)
-    if ct is not None:
-        err_console.print(ct)
+    for extra in (_category_table(summary, base is not None), _cost_table(summary)):
+        if extra is not None:
+            err_console.print(extra)
     lossless_bad = [n for n, m in summary.items() if m["lossless"] and m.get("parity") and m["parity"]["parity"] < 1]
     if lossless_bad:
         log(f"[bold red]parity below 100% for lossless {', '.join(lossless_bad)}: see 'differing' in {output_dir}/results.json[/bold red]")
