@@ -54,7 +54,8 @@ def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: Generation
     layers = sorted(method.predictors)
     full = SpecEE(method.engine, method.tokenizer, drafter_layer=method.k0, drafter=method.drafter,
                   predictors=method.predictors, offline_layers=layers,
-                  config=SpecEEConfig(kv_mode=method.config.kv_mode, threshold=method.config.threshold))
+                  config=SpecEEConfig(kv_mode=method.config.kv_mode, threshold=method.config.threshold),
+                  thresholds=method.thresholds)
     exits = {l: 0 for l in layers}
     tokens = full_depth = 0
     for i, ids in enumerate(prompt_ids):

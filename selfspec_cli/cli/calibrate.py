@@ -189,7 +189,9 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
     heads, heads_manifest = store.load_heads(None, mdl)
     predictors, pman = store.load_exit_mlps(None, mdl)
     drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
-    method = SpecEE(engine, tok, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors, offline_layers=[])
+    thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
+    method = SpecEE(engine, tok, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors, offline_layers=[],
+                    thresholds=thresholds)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     log(f"[dim]SpecEE exit statistics: {len(prompt_ids)} prompts x {max_new_tokens} tokens, every predictor on "

@@ -141,11 +141,14 @@ def train_heads(
                         "training": {"loss": "BCE, positives weighted n_neg/n_pos", "epochs": cfg_e.epochs,
                                      "batch_size": cfg_e.batch_size, "lr": cfg_e.lr, "seed": seed,
                                      "collect_seconds": collect_s, "train_seconds": train_s},
+                        "thresholds": {str(r.layer): r.threshold for r in ereports},
+                        "threshold_rule": f"lowest threshold >= 0.5 with held-out exit precision >= {cfg_e.target_precision}",
                         "report": [r.as_dict() for r in ereports]}
             store.save_exit_mlps(out_path, predictors, manifest)
             for r in ereports:
-                log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; held-out exit precision "
-                    f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}")
+                log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; held-out at 0.5: exit precision "
+                    f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
+                    f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
             summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(predictors), "drafter_layer": drafter_layer,
                        "report": [r.as_dict() for r in ereports]}
     total = time.perf_counter() - t_start

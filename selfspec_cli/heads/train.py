@@ -184,6 +184,7 @@ class ExitTrainConfig:
     lr: float = 1e-3
     seed: int = 0
     balance: bool = True  # weight positives by n_neg / n_pos
+    target_precision: float = 0.97  # per-layer decision threshold: the lowest >= 0.5 reaching this held-out exit precision
 
 
 @dataclass(slots=True)
@@ -194,10 +195,35 @@ class ExitReport:
     precision: float  # held-out: P(exit is right | predictor fires and verification passes)
     recall: float
     fire_share: float  # held-out share of rows where the predictor fires and verification passes
+    threshold: float = 0.5  # chosen decision threshold (1.0: the layer never exits)
+    precision_at_threshold: float = float("nan")
+    recall_at_threshold: float = float("nan")
+    fire_share_at_threshold: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "rows": self.rows, "positive_share": self.positive_share,
-                "precision": self.precision, "recall": self.recall, "fire_share": self.fire_share}
+                "precision": self.precision, "recall": self.recall, "fire_share": self.fire_share,
+                "threshold": self.threshold, "precision_at_threshold": self.precision_at_threshold,
+                "recall_at_threshold": self.recall_at_threshold, "fire_share_at_threshold": self.fire_share_at_threshold}
+
+
+def _rates(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, threshold: float) -> tuple[float, float, float, int]:
+    fire = (prob > threshold) & verified
+    tp = float((fire & y).sum())
+    nf = int(fire.sum())
+    return (tp / nf if nf else float("nan"), tp / float(y.sum()) if bool(y.any()) else float("nan"),
+            float(fire.float().mean()), nf)
+
+
+def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, target: float,
+                     min_fires: int = 5) -> float:
+    """The lowest threshold >= 0.5 whose exits (predictor fires and verification passes)
+    reach ``target`` precision on these rows; 1.0 (never exit) if none does."""
+    for t in [0.5 + 0.005 * i for i in range(100)]:
+        prec, _, _, nf = _rates(prob, verified, y, t)
+        if nf >= min_fires and prec >= target:
+            return t
+    return 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,12 +307,10 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
         p = ExitPredictor(*(t.detach() for t in params))
         predictors[l] = p
         with torch.no_grad():
-            fire = (torch.sigmoid(exit_logit(x[hold_idx], p)) > threshold) & ds.verified[l][hold_idx]
-            yh = y[hold_idx].bool()
-            tp = float((fire & yh).sum())
-            reports.append(ExitReport(
-                l, int(len(y)), float(y.mean()),
-                tp / float(fire.sum()) if bool(fire.any()) else float("nan"),
-                tp / float(yh.sum()) if bool(yh.any()) else float("nan"),
-                float(fire.float().mean())))
+            prob = torch.sigmoid(exit_logit(x[hold_idx], p))
+            vh, yh = ds.verified[l][hold_idx], y[hold_idx].bool()
+            prec, rec, fire, _ = _rates(prob, vh, yh, threshold)
+            t = choose_threshold(prob, vh, yh, cfg.target_precision)
+            prec_t, rec_t, fire_t, _ = _rates(prob, vh, yh, t)
+            reports.append(ExitReport(l, int(len(y)), float(y.mean()), prec, rec, fire, t, prec_t, rec_t, fire_t))
     return predictors, reports

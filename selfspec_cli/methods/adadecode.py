@@ -47,7 +47,7 @@ from .base import Method
 
 @dataclass(frozen=True, slots=True)
 class AdaDecodeConfig:
-    threshold: float = 0.75  # gamma (paper App. D)
+    threshold: float = 0.5  # gamma; the paper uses 0.75 (App. D), see docs/early-exit.md for 0.5 here
     max_pending: int = 5  # most unverified early predictions (paper App. D)
     layers: tuple[int, ...] | None = None  # head layers used (default: every head of the artifact)
 

@@ -123,6 +123,7 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
             scfg = replace(scfg, kv_mode=opts.specee_kv_mode)
         if opts.specee_threshold is not None:
             scfg = replace(scfg, threshold=opts.specee_threshold)
+        thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
         return SpecEE(engine, tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
-                      offline_layers=schedule, config=scfg)
+                      offline_layers=schedule, config=scfg, thresholds=thresholds)
     raise ConfigError(f"method '{name}' has no builder")  # pragma: no cover

@@ -58,7 +58,7 @@ KV_MODES = ("empty", "deferred")
 @dataclass(frozen=True, slots=True)
 class SpecEEConfig:
     kv_mode: str = "deferred"
-    threshold: float = 0.5  # predictor decision threshold (paper: 0.5)
+    threshold: float | None = None  # predictor decision threshold; None: the artifact's per-layer ones (paper: 0.5)
     online_window: int = 5  # N last exits (paper: 5)
     online_radius: int = 2  # +-2 layers (paper)
     max_pending: int = 5  # deferred mode: most tokens whose deep layers wait
@@ -67,7 +67,7 @@ class SpecEEConfig:
     def __post_init__(self) -> None:
         if self.kv_mode not in KV_MODES:
             raise ConfigError(f"--specee-kv-mode must be one of {', '.join(KV_MODES)}; got '{self.kv_mode}'")
-        if not 0.0 <= self.threshold <= 1.0:
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ConfigError(f"--specee-threshold must be in [0, 1], got {self.threshold}")
 
 
@@ -78,7 +78,7 @@ class SpecEE(Method):
 
     def __init__(self, engine: Engine, tokenizer=None, *, drafter_layer: int, drafter: LowRankHead,
                  predictors: dict[int, ExitPredictor], offline_layers: list[int],
-                 config: SpecEEConfig = SpecEEConfig()) -> None:
+                 config: SpecEEConfig = SpecEEConfig(), thresholds: dict[int, float] | None = None) -> None:
         super().__init__(engine, tokenizer)
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
@@ -88,6 +88,9 @@ class SpecEE(Method):
         self.drafter = drafter.to(engine.device, engine.dtype)
         self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
         self.offline = frozenset(l for l in offline_layers if l in self.predictors)
+        per_layer = thresholds or {}
+        self.thresholds = {l: (config.threshold if config.threshold is not None else per_layer.get(l, 0.5))
+                           for l in self.predictors}
 
     def _active(self, history: deque[int]) -> set[int]:
         r = self.config.online_radius
@@ -163,7 +166,7 @@ class SpecEE(Method):
                 s_all = torch.nn.functional.linear(z, spec_rows).float()  # (1 or 2, 4)
                 feats = specee_features(s_all[-1:], None if l == k0 else s_all[:1])
                 checks += 1
-                if float(exit_probability(feats, self.predictors[l])) <= c.threshold:
+                if float(exit_probability(feats, self.predictors[l])) <= self.thresholds[l]:
                     continue
                 # 5) verification over the full vocabulary
                 verifications += 1
@@ -207,6 +210,7 @@ class SpecEE(Method):
             "failed_verifications": failed_verifications,
             "drafter_layer": k0,
             "offline_layers": sorted(self.offline),
+            "thresholds": {str(k): v for k, v in self.thresholds.items()},
         })
         if c.evaluate:
             out_len = len(sink.tokens)
