@@ -1,0 +1,51 @@
+"""AdaDecode and SpecEE on the shipped model with the committed artifacts."""
+from __future__ import annotations
+
+import pytest
+
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.engine import Engine
+from selfspec_cli.loading import REPO_ROOT, load_model
+from selfspec_cli.methods import AR
+from selfspec_cli.methods.factory import MethodOptions, build_method
+from selfspec_cli.prompts import read_prompts
+
+from .conftest import needs_shipped_model
+
+pytestmark = [needs_shipped_model, pytest.mark.slow]
+EXAMPLES = REPO_ROOT / "examples" / "prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model, tok = load_model(device="cpu")
+    eng = Engine(model)
+    cfg = GenerationConfig(max_new_tokens=64, eos_token_ids=(model.generation_config.eos_token_id,))
+    ids = [tok(p.turns[0])["input_ids"] for p in read_prompts(str(EXAMPLES))]
+    ar = AR(eng, tok)
+    return eng, tok, cfg, ids, [ar.generate(p, cfg).token_ids for p in ids]
+
+
+@pytest.mark.parametrize("opts", [MethodOptions(), MethodOptions(adadecode_threshold=0.75),
+                                  MethodOptions(adadecode_threshold=0.2, adadecode_max_pending=2)],
+                         ids=["default", "paper-gamma", "low-gamma"])
+def test_adadecode_equals_ar_on_all_example_prompts(shipped, opts):
+    eng, tok, cfg, ids, want = shipped
+    meth = build_method("adadecode", eng, tok, opts)
+    drafted = 0
+    for p, w in zip(ids, want):
+        res = meth.generate(p, cfg)
+        assert res.token_ids == w
+        drafted += res.stats.drafted_tokens
+    assert drafted > 0  # the committed heads do predict early
+
+
+@pytest.mark.parametrize("mode", ["empty", "deferred"])
+def test_specee_runs_out_of_the_box(shipped, mode):
+    eng, tok, cfg, ids, want = shipped
+    meth = build_method("specee", eng, tok, MethodOptions(specee_kv_mode=mode, specee_eval=True))
+    res = meth.generate(ids[0], cfg)
+    ev = res.stats.extra["evaluation"]
+    assert not meth.lossless and len(res.token_ids) == len(want[0])
+    assert ev["identical_prefix_tokens"] == next((i for i, (a, b) in enumerate(zip(res.token_ids, want[0])) if a != b),
+                                                 len(want[0]))
