@@ -252,7 +252,8 @@ def test_bench_bad_input_is_one_line(capsys, tiny_model_dir, tmp_path):
                          (["-p", str(prompts), "--suite", "pystdlib"], "not both"),
                          (["-p", str(prompts), "--methods", "ar,hf-assisted"], "--assistant-model"),
                          (["-p", str(prompts), "-o", str(tmp_path / "f")], "is a file"),
-                         (["-p", str(prompts), "--methods", "ar,hf-early-exit", "--early-exit-layer", "9"], "--early-exit-layer")):
+                         (["-p", str(prompts), "--methods", "ar,hf-early-exit", "--early-exit-layer", "9"], "--early-exit-layer"),
+                         (["-p", str(prompts), "--threads", "0"], "--threads")):
         rc = main(["bench", "-m", str(tiny_model_dir), "--device", "cpu", "-n", "4", *argv])
         err = capsys.readouterr().err
         assert rc == 2, (argv, err)
