@@ -195,6 +195,19 @@ def test_hf_assisted_peers_match_greedy_and_report_steps(tiny, peer):
     assert metrics.mean_accepted_length([{"stats": st}]) >= 1.0
 
 
+def test_hf_assisted_peer_with_a_second_model(tiny):
+    model, engine = tiny
+    draft = make_tiny_model("llama-gqa", seed=1, layers=2)  # same vocabulary, different weights
+    ar = build_method("ar", engine, None)
+    p = make_peer("hf-assisted", model, assistant=draft)
+    cfg = GenerationConfig(max_new_tokens=16, eos_token_ids=())
+    prompt = [5, 6, 7, 8, 9, 10]
+    got = p.generate(prompt, cfg)
+    assert got.token_ids == ar.generate(prompt, cfg).token_ids
+    st = got.stats.as_dict()
+    assert sum(st["accept_lengths"]) == len(got.token_ids) and st["drafted_tokens"] > 0
+
+
 def test_hf_early_exit_rejects_a_layer_out_of_range(tiny):
     from selfspec_cli.errors import ConfigError
 
