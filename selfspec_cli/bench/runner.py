@@ -4,8 +4,8 @@ Every contender (selfspec method or outside peer) is a factory that returns a fr
 ``generate(prompt_ids, cfg) -> DecodeResult``. A fresh instance is made for every
 timed pass, so a method that learns while it decodes (SWIFT's layer search carries
 across the prompts of a run) starts each repeat from scratch and its optimization time
-is paid, and counted, in every repeat. Repeats are interleaved (pass 1 of every
-contender, then pass 2, ...) so slow drifts of a shared machine hit all contenders alike.
+is paid, and counted, in every repeat. Contenders are interleaved prompt by prompt (see
+:func:`run_bench`) so slow drifts of a shared machine hit all contenders alike.
 Each prompt is timed by :func:`selfspec_cli.runtime.run_prompt` (tokenization outside,
 CUDA synchronized on both sides).
 """
@@ -62,21 +62,32 @@ def _rss_bytes() -> int:
 
 
 class MemorySampler:
-    """Peak resident set size while a block runs, sampled by a thread every ``interval`` s
-    (a read of /proc every 50 ms costs the timed code nothing measurable)."""
+    """Peak resident set size per contender, sampled by one thread every ``interval`` s and
+    attributed to whichever contender is running (a read of /proc every 50 ms costs the
+    timed code nothing measurable)."""
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
-        self.peak = 0
+        self.current: str | None = None
+        self.peaks: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _note(self) -> None:
+        name = self.current
+        if name is not None:
+            self.peaks[name] = max(self.peaks.get(name, 0), _rss_bytes())
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, _rss_bytes())
+            self._note()
+
+    def running(self, name: str | None) -> None:
+        self._note()
+        self.current = name
+        self._note()
 
     def __enter__(self) -> MemorySampler:
-        self.peak = _rss_bytes()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -86,7 +97,7 @@ class MemorySampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self._note()
 
 
 def run_bench(
@@ -101,35 +112,47 @@ def run_bench(
     on_prompt: Callable[[str, dict[str, Any]], None] | None = None,
     on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> dict[str, ContenderResult]:
-    """Warm up each contender on the first prompt, then ``repeats`` interleaved timed passes."""
+    """Warm up each contender on the first prompt, then ``repeats`` timed passes.
+
+    Within a pass the order is prompt-major: every contender decodes prompt 1, then every
+    contender decodes prompt 2, ..., the contender order rotating from prompt to prompt.
+    A slowdown of a shared machine (another job, CPU steal) then lands on all contenders
+    within seconds of each other instead of on whichever ran during it. Each contender's
+    instance lives for the whole pass (SWIFT's state carries across its prompts).
+    """
     results = {c.name: ContenderResult(c.name, c.lossless, c.kind) for c in contenders}
     for c in contenders:
         for _ in range(warmup):
             gen = c.make()
             run_prompt(gen, tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
     cuda = device.type == "cuda"
-    for rep in range(repeats):
-        for c in contenders:
-            gen = c.make()
-            res = results[c.name]
-            res.instances.append(gen)
-            recs: list[dict[str, Any]] = []
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            with MemorySampler() as mem:
-                for p in prompts:
-                    rec = run_prompt(gen, tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
+    n = len(contenders)
+    with MemorySampler() as mem:
+        for rep in range(repeats):
+            gens = {c.name: c.make() for c in contenders}
+            recs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+            for i, p in enumerate(prompts):
+                for j in range(n):
+                    c = contenders[(i + rep + j) % n]
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
+                    mem.running(c.name)
+                    rec = run_prompt(gens[c.name], tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
+                    mem.running(None)
+                    res = results[c.name]
+                    if cuda:
+                        cm = torch.cuda.max_memory_allocated(device) / 2**20
+                        res.peak_cuda_mb = cm if res.peak_cuda_mb is None else max(res.peak_cuda_mb, cm)
                     rec["repeat"] = rep
-                    recs.append(rec)
+                    recs[c.name].append(rec)
                     if on_record:
                         on_record(c.name, rep, rec)
                     if on_prompt:
                         on_prompt(c.name, rec)
-            res.repeats.append(recs)
-            mb = mem.peak / 2**20
-            res.peak_rss_mb = mb if res.peak_rss_mb is None else max(res.peak_rss_mb, mb)
-            if cuda:
-                cm = torch.cuda.max_memory_allocated(device) / 2**20
-                res.peak_cuda_mb = cm if res.peak_cuda_mb is None else max(res.peak_cuda_mb, cm)
+            for c in contenders:
+                results[c.name].repeats.append(recs[c.name])
+                results[c.name].instances.append(gens[c.name])
+    for name, res in results.items():
+        if name in mem.peaks:
+            res.peak_rss_mb = mem.peaks[name] / 2**20
     return results
-

@@ -24,6 +24,8 @@ The skipped-layer set is optimized *during* decoding, with no offline phase:
 """
 from __future__ import annotations
 
+import warnings
+
 import random
 import time
 from collections import deque
@@ -132,6 +134,7 @@ class Swift(SelfSpeculative, Method):
         """GP-UCB over binary candidates with exactly k ones: random subsets plus
         one-swap neighbours of the best set (the acquisition is maximized over
         candidates that can actually be run, instead of rounding a continuous point)."""
+        from sklearn.exceptions import ConvergenceWarning
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import Matern
 
@@ -149,7 +152,9 @@ class Swift(SelfSpeculative, Method):
         y = np.array([s for _, s in obs])
         gp = GaussianProcessRegressor(kernel=Matern(nu=2.5), alpha=1e-2, normalize_y=True,
                                       random_state=self.rng.randrange(2**31))
-        gp.fit(X, y)
+        with warnings.catch_warnings():  # a length scale at its bound is expected with few points
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            gp.fit(X, y)
         cands = {self._random_candidate() for _ in range(512)}
         best = list(self.best) if len(self.best) == self.k else list(self._random_candidate())
         outside = [i for i in range(P) if i not in best]
