@@ -430,7 +430,9 @@ def test_uniform_starting_points():
 
 def test_calibrate_bad_input(tiny_model_dir, prompt_file, tmp_path):
     p = ("--prompt-file", str(prompt_file))
-    user_error(calib_args(tiny_model_dir, *p, "--method", "specee"), "unknown --method 'specee'", "self-sd")
+    user_error(calib_args(tiny_model_dir, *p, "--method", "eagle"), "unknown --method 'eagle'", "self-sd", "specee")
+    # specee needs the trained exit predictors first: the error names the command that makes them
+    user_error(calib_args(tiny_model_dir, *p, "--method", "specee"), "selfspec train-heads --kind lm-heads")
     user_error(["calibrate", "--model", str(tiny_model_dir), *p], "calibrate needs --method", "self-sd")
     user_error(calib_args(tiny_model_dir), "exactly one of --prompt-file and --dataset")
     user_error(calib_args(tiny_model_dir, *p, "--dataset", str(prompt_file)), "exactly one of")
