@@ -14,6 +14,6 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q
 
-# ar vs Hugging Face generate on the example prompts (the figure in docs/log.md).
+# Every method and peer on the default suite (pystdlib, 80 prompts x 64 tokens); see docs/benchmarks.md.
 bench: setup
-	$(PYTHON) -m selfspec_cli bench --methods ar,hf --max-new-tokens 128 --warmup 1 --repeats 3
+	$(PYTHON) -m selfspec_cli bench --output-dir bench-out
