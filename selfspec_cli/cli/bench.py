@@ -51,7 +51,7 @@ def _load_prompts(prompt_file: str | None, suite: str | None) -> tuple[list[Prom
     return load_suite(name), {"suite": name}
 
 
-def _offline_cost(name: str, method: Any) -> dict[str, Any] | None:
+def _offline_cost(method: Any) -> dict[str, Any] | None:
     """Time a method spent offline before the bench (calibration, training), from its artifact."""
     info = getattr(method, "offline_info", None)
     if callable(info):
@@ -187,7 +187,7 @@ def bench(
         if n in METHODS:
             first = build_method(n, engine, tok, opts)
             descriptions[n] = getattr(first, "description", n)
-            cost = _offline_cost(n, first)
+            cost = _offline_cost(first)
             if cost:
                 offline[n] = cost
             contenders.append(Contender(n, (lambda n=n: build_method(n, engine, tok, opts).generate), first.lossless))

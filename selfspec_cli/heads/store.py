@@ -68,22 +68,29 @@ def save_heads(path: Path, heads: dict[int, LowRankHead], manifest: dict[str, An
     return artifacts.save_tensors_artifact(path, tensors, {"kind": HEADS_KIND, **manifest, "layers": sorted(heads)})
 
 
-def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
-    p = Path(path) if path is not None else default_heads_path(model)
-    hint = f"create it with `{train_command('lm-heads', model, p, default_heads_path(model))}`"
-    tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=HEADS_KIND, create_hint=hint)
-    heads = {}
+def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, default: Path, what: str,
+                    names: tuple[str, ...], build: Any) -> tuple[dict[int, Any], dict[str, Any]]:
+    """Load a per-layer tensors artifact: ``build(*tensors[layer<k>.<name>] for name in names)`` per layer."""
+    p = Path(path) if path is not None else default
+    hint = f"create it with `{train_command(train_kind, model, p, default)}`"
+    tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=kind, create_hint=hint)
+    out: dict[int, Any] = {}
     L = int(model.config.num_hidden_layers)
     for k in manifest.get("layers", []):
-        try:
-            heads[int(k)] = LowRankHead(tensors[f"layer{k}.a"], tensors[f"layer{k}.b"], tensors[f"layer{k}.g"])
-        except KeyError:
-            raise ArtifactError(f"'{p}' lacks the tensors of head layer {k}; {hint}") from None
         if not 0 <= int(k) < L - 1:
-            raise ArtifactError(f"'{p}': head layer {k} is out of range for a {L}-layer model; {hint}")
-    if not heads:
-        raise ArtifactError(f"'{p}' holds no heads; {hint}")
-    return heads, manifest
+            raise ArtifactError(f"'{p}': {what} layer {k} is out of range for a {L}-layer model; {hint}")
+        try:
+            out[int(k)] = build(*(tensors[f"layer{k}.{n}"] for n in names))
+        except KeyError:
+            raise ArtifactError(f"'{p}' lacks the tensors of {what} layer {k}; {hint}") from None
+    if not out:
+        raise ArtifactError(f"'{p}' holds no {what}s; {hint}")
+    return out, manifest
+
+
+def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
+    return _load_per_layer(path, model, HEADS_KIND, "lm-heads", default_heads_path(model), "head",
+                           ("a", "b", "g"), LowRankHead)
 
 
 def save_exit_mlps(path: Path, predictors: dict[int, ExitPredictor], manifest: dict[str, Any]) -> Path:
@@ -95,18 +102,8 @@ def save_exit_mlps(path: Path, predictors: dict[int, ExitPredictor], manifest: d
 
 
 def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], dict[str, Any]]:
-    p = Path(path) if path is not None else default_exit_path(model)
-    hint = f"create it with `{train_command('exit-mlp', model, p, default_exit_path(model))}`"
-    tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=EXIT_KIND, create_hint=hint)
-    out = {}
-    for k in manifest.get("layers", []):
-        try:
-            out[int(k)] = ExitPredictor(*(tensors[f"layer{k}.{n}"] for n in ("w1", "b1", "w2", "b2")))
-        except KeyError:
-            raise ArtifactError(f"'{p}' lacks the tensors of predictor layer {k}; {hint}") from None
-    if not out:
-        raise ArtifactError(f"'{p}' holds no predictors; {hint}")
-    return out, manifest
+    return _load_per_layer(path, model, EXIT_KIND, "exit-mlp", default_exit_path(model), "predictor",
+                           ("w1", "b1", "w2", "b2"), ExitPredictor)
 
 
 def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:
