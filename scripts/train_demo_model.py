@@ -20,6 +20,18 @@ Phases:
      measured on the *saved* (fp16-rounded) weights, and a greedy sample.
 Checkpoints are written atomically every ``--save-every`` steps so an interrupted
 run still leaves a usable model.
+
+Continued training (``--init-from DIR``) reuses DIR's tokenizer and weights and
+appends a phase to its training card. Two LayerSkip-style options (Elhoushi et al.,
+2024) make the model tolerate the layer skipping that self-speculative drafting does:
+
+* ``--layerdrop P``: per-sample stochastic depth on every attention and MLP sublayer
+  separately (the sublayers selfspec skips), with drop probability rising linearly
+  from 0 at layer 0 (never dropped) to P at the last layer; no rescaling, so the full
+  model at inference is the model that was trained.
+* ``--exit-loss W``: each step, the cross-entropy of one uniformly chosen intermediate
+  layer read through the shared final norm and LM head (the logit lens), weighted by
+  W * (l + 1) / L, added to the final-layer loss.
 """
 from __future__ import annotations
 
@@ -109,6 +121,49 @@ def atomic_save(model, tok, out: Path, card: dict) -> None:
         shutil.rmtree(old)
 
 
+class LayerDrop:
+    """Per-sample stochastic depth on each attention and MLP sublayer, via forward hooks."""
+
+    def __init__(self, model, p_max: float):
+        layers = model.model.layers
+        L = len(layers)
+        self.p = [0.0] + [p_max * i / (L - 1) for i in range(1, L)]
+        self.masks: dict[tuple[int, str], torch.Tensor] = {}
+        self.handles = []
+        for i, layer in enumerate(layers):
+            if self.p[i] <= 0:
+                continue
+            self.handles.append(layer.self_attn.register_forward_hook(self._hook(i, "attn")))
+            self.handles.append(layer.mlp.register_forward_hook(self._hook(i, "mlp")))
+
+    def _hook(self, i: int, kind: str):
+        def hook(module, inputs, output):
+            m = self.masks.get((i, kind))
+            if m is None or not module.training:
+                return output
+            if isinstance(output, tuple):
+                return (output[0] * m.to(output[0].dtype),) + tuple(output[1:])
+            return output * m.to(output.dtype)
+        return hook
+
+    def resample(self, batch: int, g: torch.Generator) -> None:
+        self.masks = {}
+        for i, p in enumerate(self.p):
+            if p <= 0:
+                continue
+            for kind in ("attn", "mlp"):
+                self.masks[(i, kind)] = (torch.rand(batch, 1, 1, generator=g) >= p).float()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.masks = {}
+
+
+def install_layerdrop(model, p_max: float) -> LayerDrop:
+    return LayerDrop(model, p_max)
+
+
 @torch.no_grad()
 def held_out_loss(model, stream: torch.Tensor, seq_len: int, n_windows: int, batch: int) -> float:
     model.eval()
@@ -146,6 +201,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps and exit")
+    ap.add_argument("--init-from", type=Path, default=None, help="continue training this model directory")
+    ap.add_argument("--layerdrop", type=float, default=0.0, help="max per-sublayer drop probability (last layer)")
+    ap.add_argument("--exit-loss", type=float, default=0.0, help="weight of one random intermediate layer's loss")
     args = ap.parse_args()
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -164,7 +222,12 @@ def main() -> None:
 
     # 2) tokenizer
     tok_dir = args.out.with_name(args.out.name + ".tokenizer")
-    tok = train_tokenizer(train_texts, args.vocab_size, tok_dir)
+    if args.init_from is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.init_from)
+    else:
+        tok = train_tokenizer(train_texts, args.vocab_size, tok_dir)
     train_stream = encode_stream(tok, train_texts)
     held_stream = encode_stream(tok, held_texts)
     print(f"tokens: train {len(train_stream)/1e6:.2f}M, held-out {len(held_stream)/1e6:.2f}M "
@@ -178,7 +241,17 @@ def main() -> None:
         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
         initializer_range=0.02,
     )
-    model = LlamaForCausalLM(cfg)
+    previous_phases: list = []
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        prev = json.loads((args.init_from / "training.json").read_text())
+        previous_phases = prev.pop("phases", None) or [prev]
+        args.layers, args.hidden = model.config.num_hidden_layers, model.config.hidden_size
+        args.intermediate, args.heads = model.config.intermediate_size, model.config.num_attention_heads
+        args.kv_heads, args.vocab_size = model.config.num_key_value_heads, model.config.vocab_size
+    else:
+        model = LlamaForCausalLM(cfg)
+    drop = install_layerdrop(model, args.layerdrop) if args.layerdrop > 0 else None
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params/1e6:.2f}M parameters", file=sys.stderr)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -199,7 +272,7 @@ def main() -> None:
     print(f"setup took {t0 - t_start:.0f}s", file=sys.stderr)
 
     def card(step: int, held: float | None) -> dict:
-        return {
+        phase = {
             "name": args.out.name, "architecture": "LlamaForCausalLM", "parameters": n_params,
             "config": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab_size")},
             "corpus": "CPython standard library *.py (site-packages excluded); test/tests/idle_test held out",
@@ -209,18 +282,39 @@ def main() -> None:
             "bf16_autocast": args.bf16, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "training_time_s": round(time.time() - t_start, 1), "held_out_loss_nats_per_token": held,
             "train_loss_log": log[-50:],
+            "init_from": str(args.init_from) if args.init_from else None,
+            "layerdrop_max": args.layerdrop, "exit_loss_weight": args.exit_loss, "warmup": args.warmup,
         }
+        if not previous_phases:
+            return phase
+        return {**phase, "phases": previous_phases + [phase],
+                "steps_total": sum(p["steps"] for p in previous_phases) + step,
+                "training_time_s_total": round(sum(p["training_time_s"] for p in previous_phases) + phase["training_time_s"], 1)}
 
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         starts = torch.randint(0, len(train_stream) - args.seq_len - 1, (args.batch,), generator=g)
         x = torch.stack([train_stream[s : s + args.seq_len + 1].long() for s in starts.tolist()])
+        if drop is not None:
+            drop.resample(args.batch, g)
+        L = model.config.num_hidden_layers
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(input_ids=x[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            out = model(input_ids=x[:, :-1], output_hidden_states=args.exit_loss > 0)
+            logits = out.logits
+            exit_logits = None
+            if args.exit_loss > 0:
+                layer = int(torch.randint(1, L - 1, (1,), generator=g))
+                exit_logits = model.lm_head(model.model.norm(out.hidden_states[layer + 1]))
+        targets = x[:, 1:].reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets)
+        if exit_logits is not None:
+            exit_ce = torch.nn.functional.cross_entropy(exit_logits.float().reshape(-1, exit_logits.shape[-1]), targets)
+            total = loss + args.exit_loss * (layer + 1) / L * exit_ce
+        else:
+            total = loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 10 == 0 or step == args.steps - 1 or step + 1 == args.time_steps:
@@ -234,6 +328,8 @@ def main() -> None:
             atomic_save(model, tok, args.out, card(step + 1, None))
 
     # 4) evaluation on the saved (fp16-rounded) weights
+    if drop is not None:
+        drop.remove()
     atomic_save(model, tok, args.out, card(args.steps, None))
     saved = LlamaForCausalLM.from_pretrained(args.out, dtype=torch.float32)
     held = held_out_loss(saved, held_stream, args.seq_len, 256, 8)

@@ -236,6 +236,8 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     for key in ("torch", "transformers", "device", "dtype", "threads", "cpu"):
         assert key in doc["environment"]
     assert doc["setup"]["repeats"] == 2 and doc["setup"]["categories"] == {"code": 2, "prose": 2}
+    # the command as given to main(), not the test runner's argv
+    assert doc["setup"]["command"].startswith("selfspec bench --methods ar,hf,hf-pld,swift,asd -m ")
     for name, m in doc["methods"].items():
         assert m["parity"]["parity"] == 1.0, (name, m["parity"])  # every contender here is lossless
         assert len(m["per_repeat_tokens_per_s"]) == 2

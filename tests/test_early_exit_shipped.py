@@ -49,3 +49,14 @@ def test_specee_runs_out_of_the_box(shipped, mode):
     assert not meth.lossless and len(res.token_ids) == len(want[0])
     assert ev["identical_prefix_tokens"] == next((i for i, (a, b) in enumerate(zip(res.token_ids, want[0])) if a != b),
                                                  len(want[0]))
+
+
+def test_offline_cost_is_read_from_the_committed_artifacts(shipped):
+    """`selfspec bench` reports what each method's artifacts cost offline, from their manifests."""
+    eng, tok, *_ = shipped
+    ada = build_method("adadecode", eng, tok, MethodOptions()).offline_info()
+    assert ada["what"] == "lm-heads training" and ada["seconds"] > 0
+    spe = build_method("specee", eng, tok, MethodOptions()).offline_info()
+    kinds = [p["what"] for p in spe["parts"]]
+    assert "drafter-head training" in kinds and "exit-mlp training" in kinds
+    assert spe["seconds"] == pytest.approx(sum(p["seconds"] for p in spe["parts"]), abs=0.2)

@@ -8,6 +8,7 @@ import typer
 
 from ..errors import SelfSpecError
 from .bench import bench
+from .common import set_invocation
 from .calibrate import calibrate
 from .generate import generate
 from .train_heads import train_heads
@@ -39,6 +40,7 @@ INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt w
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (also used by tests)."""
     command = typer.main.get_command(app)
+    set_invocation(sys.argv[1:] if argv is None else argv)
     try:
         rv = command.main(args=argv, prog_name="selfspec", standalone_mode=False)
         if rv == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns it silently

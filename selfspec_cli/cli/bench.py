@@ -8,8 +8,6 @@ goes to stderr; the last line on stdout is one JSON document with the headline f
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -33,7 +31,7 @@ from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method
 from ..prompts import Prompt, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
-from .common import err_console, log, progress
+from .common import err_console, invocation, log, progress
 
 DEFAULT_SUITE = "pystdlib"
 DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
@@ -231,7 +229,7 @@ def bench(
     summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": "greedy", "batch_size": 1,
-             "chat_template": chat_template, "seed": seed, "command": "selfspec " + shlex.join(sys.argv[1:]),
+             "chat_template": chat_template, "seed": seed, "command": invocation(),
              "early_exit_layer": early_exit_layer, "assistant_model": assistant_model}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
                   "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}

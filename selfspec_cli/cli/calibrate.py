@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -173,7 +174,6 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
     """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
     from ..calibrate.specee import exit_statistics
     from ..heads import store
-    from ..methods.factory import MethodOptions, build_method
 
     GenerationConfig(max_new_tokens=max_new_tokens)
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
@@ -196,9 +196,11 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     log(f"[dim]SpecEE exit statistics: {len(prompt_ids)} prompts x {max_new_tokens} tokens, every predictor on "
         f"(layers {min(predictors)}..{max(predictors)}), kv mode {method.config.kv_mode}[/dim]")
+    t0 = time.perf_counter()
     with progress() as bar:
         task = bar.add_task("calibrate specee", total=len(prompt_ids), info="")
         st = exit_statistics(method, prompt_ids, cfg, on_prompt=lambda i, n: bar.update(task, completed=i))
+    search_s = round(time.perf_counter() - t0, 3)
     fingerprint = model_fingerprint(mdl)
     manifest = {"kind": store.SCHEDULE_KIND, "format_version": 1, "model_fingerprint": fingerprint,
                 "model_name_or_path": model_name(mdl), "num_layers": engine.num_layers, **st.as_dict(),
@@ -206,7 +208,8 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
                 "heads_artifact_id": heads_manifest.get("artifact_id"),
                 "prompts": {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
                             "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens},
-                "environment": environment_info(engine.device, engine.dtype), "created": now_iso()}
+                "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
+                "search_time_s": search_s}
     save_json_artifact(out_path, manifest)
     probs = ", ".join(f"{k}: {v:.2f}" for k, v in st.exit_probability.items())
     log(f"exit probability per layer: {probs}; exit rate {manifest['exit_rate']:.3f}")

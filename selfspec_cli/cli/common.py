@@ -16,6 +16,23 @@ from ..errors import ConfigError
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
+_INVOCATION: list[str] | None = None
+
+
+def set_invocation(argv: list[str]) -> None:
+    """Remember the arguments this CLI run was given (``main(argv)`` or the shell's)."""
+    global _INVOCATION
+    _INVOCATION = list(argv)
+
+
+def invocation() -> str:
+    """The command line of this run, as a user would retype it."""
+    import shlex
+
+    args = _INVOCATION if _INVOCATION is not None else sys.argv[1:]
+    return "selfspec " + shlex.join(args)
+
+
 def log(msg: str) -> None:
     err_console.print(msg, highlight=False)
 

@@ -23,6 +23,15 @@ class Method(ABC):
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
+
+    def offline_info(self) -> dict[str, Any] | None:
+        """Offline time behind this method's artifacts (``selfspec bench`` reports it), or None."""
+        parts = [p for p in self.offline_parts if p.get("seconds") is not None]
+        if not parts:
+            return None
+        return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
+                "parts": parts}
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:

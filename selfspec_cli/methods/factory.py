@@ -36,6 +36,14 @@ class MethodOptions:
     specee_eval: bool = False
 
 
+def _training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Seconds a trained artifact cost (data collection + training), from its manifest."""
+    tr = manifest.get("training") or {}
+    parts = [tr.get("collect_seconds"), tr.get("train_seconds")]
+    secs = sum(float(x) for x in parts if x is not None) if any(x is not None for x in parts) else None
+    return {"what": what, "seconds": None if secs is None else round(secs, 1), "created": manifest.get("created")}
+
+
 def parse_layer_list(text: str | None, what: str) -> tuple[int, ...] | None:
     """'1,3,5' -> (1, 3, 5); '' -> (); None -> None."""
     if text is None:
@@ -96,7 +104,7 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
         from ..heads.store import load_heads
         from .adadecode import AdaDecode, AdaDecodeConfig
 
-        heads, _ = load_heads(opts.heads, engine.model)
+        heads, hman = load_heads(opts.heads, engine.model)
         acfg = AdaDecodeConfig()
         if opts.adadecode_threshold is not None:
             acfg = replace(acfg, threshold=opts.adadecode_threshold)
@@ -104,14 +112,16 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
             acfg = replace(acfg, max_pending=opts.adadecode_max_pending)
         if opts.adadecode_layers is not None:
             acfg = replace(acfg, layers=opts.adadecode_layers)
-        return AdaDecode(engine, tokenizer, heads=heads, config=acfg)
+        method = AdaDecode(engine, tokenizer, heads=heads, config=acfg)
+        method.offline_parts.append(_training_cost("lm-heads training", hman))
+        return method
     if name == "specee":
         from ..heads.store import load_exit_mlps, load_heads, load_schedule
         from .specee import SpecEE, SpecEEConfig
 
-        heads, _ = load_heads(opts.heads, engine.model)
+        heads, hman = load_heads(opts.heads, engine.model)
         predictors, pman = load_exit_mlps(opts.exit_mlps, engine.model)
-        schedule, _ = load_schedule(opts.specee_schedule, engine.model)
+        schedule, sman = load_schedule(opts.specee_schedule, engine.model)
         drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
         if drafter not in heads:
             from ..errors import ArtifactError
@@ -124,6 +134,9 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
         if opts.specee_threshold is not None:
             scfg = replace(scfg, threshold=opts.specee_threshold)
         thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
-        return SpecEE(engine, tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
-                      offline_layers=schedule, config=scfg, thresholds=thresholds)
+        method = SpecEE(engine, tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
+                        offline_layers=schedule, config=scfg, thresholds=thresholds)
+        method.offline_parts += [_training_cost("drafter-head training", hman), _training_cost("exit-mlp training", pman),
+                                 {"what": "specee calibration", "seconds": sman.get("search_time_s")}]
+        return method
     raise ConfigError(f"method '{name}' has no builder")  # pragma: no cover

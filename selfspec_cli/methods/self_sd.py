@@ -37,14 +37,9 @@ class SelfSD(SelfSpeculative, Method):
         SelfSpeculative.__init__(self, engine, draft or DraftConfig())
         self._skip = check_skip_sets(engine.num_layers, skip_attn, skip_mlp)
         self._artifact = artifact  # the manifest the skip sets came from, if any
-
-    def offline_info(self) -> dict[str, Any] | None:
-        """What the skip set cost offline (``selfspec bench`` reports it)."""
-        a = self._artifact
-        if not a:
-            return None
-        return {"what": "self-sd calibration", "seconds": a.get("search_time_s"), "trials": a.get("trials"),
-                "created": a.get("created")}
+        if artifact:
+            self.offline_parts.append({"what": "self-sd calibration", "seconds": artifact.get("search_time_s"),
+                                       "trials": artifact.get("trials"), "created": artifact.get("created")})
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._skip
