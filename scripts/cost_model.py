@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--timing-from", type=Path, default=None,
+                    help="reuse F, c(r), v(T) from an earlier run's JSON (measure only redundancy and matchness, "
+                         "e.g. while other work shares the CPU and timings would be meaningless)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,10 +77,19 @@ def main() -> None:
     res: dict = {"model": str(model.config.name_or_path), "num_layers": L, "threads": torch.get_num_threads()}
 
     # ---- timing: F, c(r), v(T) over a 300-token cached prefix
+    if args.timing_from is not None:
+        old = json.loads(args.timing_from.read_text())
+        res.update({k: old[k] for k in ("full_step_ms", "lm_head_share", "c", "v")})
+        res["timing_from"] = str(args.timing_from)
+    else:
+        measure_timing(eng, L, res)
+    matchness_and_ceilings(args, eng, tok, L, res)
+
+
+def measure_timing(eng, L: int, res: dict) -> None:
     prefix = torch.randint(10, eng.vocab_size, (300,))
     cache = eng.new_cache(400)
     eng.forward(cache, prefix, positions=0)
-    one = prefix[:1]
 
     def step(t: int, sa=frozenset(), sm=frozenset(), rows=slice(-1, None)):
         ids = prefix[:t]
@@ -99,6 +111,9 @@ def main() -> None:
     for t in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16):
         res["v"][str(t)] = round(timeit(step(t, rows=slice(None)), 100) / F, 4)
 
+
+
+def matchness_and_ceilings(args, eng, tok, L: int, res: dict) -> None:
     # ---- teacher-forced redundancy and matchness on suite texts
     prompts = load_suite(args.suite)
     rng = random.Random(0)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import random
 import shutil
@@ -201,6 +200,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps and exit")
+    ap.add_argument("--schedule-steps", type=int, default=0,
+                    help="length of the cosine schedule (default --steps); larger stops the run part-way down it")
     ap.add_argument("--init-from", type=Path, default=None, help="continue training this model directory")
     ap.add_argument("--layerdrop", type=float, default=0.0, help="max per-sublayer drop probability (last layer)")
     ap.add_argument("--exit-loss", type=float, default=0.0, help="weight of one random intermediate layer's loss")
@@ -262,7 +263,7 @@ def main() -> None:
     def lr_at(step: int) -> float:
         if step < args.warmup:
             return args.lr * (step + 1) / args.warmup
-        prog = (step - args.warmup) / max(1, args.steps - args.warmup)
+        prog = (step - args.warmup) / max(1, (args.schedule_steps or args.steps) - args.warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
     g = torch.Generator().manual_seed(args.seed)
@@ -283,7 +284,7 @@ def main() -> None:
             "training_time_s": round(time.time() - t_start, 1), "held_out_loss_nats_per_token": held,
             "train_loss_log": log[-50:],
             "init_from": str(args.init_from) if args.init_from else None,
-            "layerdrop_max": args.layerdrop, "exit_loss_weight": args.exit_loss, "warmup": args.warmup,
+            "schedule_steps": args.schedule_steps or args.steps, "layerdrop_max": args.layerdrop, "exit_loss_weight": args.exit_loss, "warmup": args.warmup,
         }
         if not previous_phases:
             return phase
