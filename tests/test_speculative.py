@@ -43,6 +43,32 @@ def test_self_sd_greedy_equals_ar(arch, tree):
         assert st.accepted_draft_tokens <= st.drafted_tokens
 
 
+@pytest.mark.parametrize("cap", [1, 3, 7])
+def test_tree_node_cap_bounds_every_tree_and_keeps_parity(cap, monkeypatch):
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    want_cfg = GenerationConfig(max_new_tokens=30)
+    prompt = _prompt(6, 7)
+    want = AR(eng).generate(prompt, want_cfg).token_ids
+    # low threshold and wide top-k: without the cap these trees hold up to 6 x 4 nodes
+    dc = DraftConfig(max_draft=6, threshold=0.0, adaptive=False, tree=True,
+                     tree_topk=((1.0, 4),), tree_max_nodes=cap)
+    sd = SelfSD(eng, skip_attn=[1, 3], skip_mlp=[2, 4], draft=dc)
+    sizes: list[int] = []
+    orig = SelfSD._draft
+
+    def spy(self, ctx, budget):
+        d = orig(self, ctx, budget)
+        sizes.append(len(d.tokens))
+        return d
+
+    monkeypatch.setattr(SelfSD, "_draft", spy)
+    res = sd.generate(prompt, want_cfg)
+    assert res.token_ids == want
+    assert sizes and max(sizes) <= cap
+    assert max(sizes) == cap  # the budget is used, not just respected
+
+
 def test_self_sd_respects_eos_inside_an_accepted_burst():
     model = make_tiny_model("llama-gqa", layers=6)
     eng = Engine(model)

@@ -39,6 +39,7 @@ def generate(
     draft_threshold: Optional[float] = typer.Option(None, "--draft-threshold", help="Layer-skipping methods: draft-exit confidence threshold (initial value when adaptive)."),
     skip_ratio: Optional[float] = typer.Option(None, "--skip-ratio", help="swift: share of sublayers skipped (default 0.45; lowered automatically when acceptance stays low)."),
     context_window: Optional[int] = typer.Option(None, "--context-window", help="swift: generated tokens used to score candidate skip sets (default 32)."),
+    tree_nodes: Optional[int] = typer.Option(None, "--tree-nodes", help="swift: most candidate nodes in one verification tree (default: no cap, the paper's GPU setting; on a CPU each verified row costs a few per cent of a step)."),
     save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
     asd_alpha: float = typer.Option(0.985, "--asd-alpha", help="asd: cosine-similarity threshold."),
     asd_m: int = typer.Option(3, "--asd-m", help="asd: skip every m-th layer's MLP and attention."),
@@ -73,7 +74,7 @@ def generate(
     engine = Engine(mdl)
     opts = MethodOptions(
         layers=layers, skip_attn=parse_layer_list(skip_attn, "--skip-attn"), skip_mlp=parse_layer_list(skip_mlp, "--skip-mlp"),
-        max_draft=max_draft, draft_threshold=draft_threshold, skip_ratio=skip_ratio, context_window=context_window,
+        max_draft=max_draft, draft_threshold=draft_threshold, skip_ratio=skip_ratio, context_window=context_window, tree_nodes=tree_nodes,
         seed=seed, asd_alpha=asd_alpha, asd_m=asd_m, asd_n=asd_n,
         heads=heads, adadecode_threshold=adadecode_threshold,
         adadecode_layers=parse_layer_list(adadecode_layers, "--adadecode-layers"), adadecode_max_pending=adadecode_max_pending,

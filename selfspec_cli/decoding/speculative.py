@@ -41,7 +41,9 @@ class DraftConfig:
     draft-exit threshold (stop after a token whose draft confidence is below it).
     ``adaptive``: Draft & Verify's adaptive threshold. ``tree``: SWIFT's dynamic
     verification; ``tree_topk`` maps confidence bins (upper bounds) to the number of
-    candidates kept at a depth.
+    candidates kept at a depth; ``tree_max_nodes`` caps the candidate nodes of one tree
+    (None: no cap, the paper's GPU setting). On a CPU every verified row costs a few
+    per cent of a step, so a large tree can cost more than it wins.
     """
 
     max_draft: int = 12
@@ -49,6 +51,7 @@ class DraftConfig:
     adaptive: bool = True
     tree: bool = False
     tree_topk: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
+    tree_max_nodes: int | None = None
 
     def topk_for(self, confidence: float) -> int:
         for upper, k in self.tree_topk:
@@ -179,11 +182,16 @@ class SelfSpeculative:
                 values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
                 values, indices = values.tolist(), indices.tolist()
                 conf, d = values[0], indices[0]
-                top = indices[: dc.topk_for(conf)]
+                width = dc.topk_for(conf)
+                if dc.tree_max_nodes is not None:
+                    width = max(1, min(width, dc.tree_max_nodes - len(tokens)))
+                top = indices[:width]
                 first_idx = len(tokens)
                 tokens.extend(top)
                 parents.extend([chain_parent] * len(top))
                 chain_parent = first_idx
+                if dc.tree_max_nodes is not None and len(tokens) >= dc.tree_max_nodes:
+                    break  # node budget spent (counts as the length limit: hit_limit stays True)
             elif sampling.greedy:
                 conf_t, d_t = probs.max(-1)
                 conf, d = float(conf_t), int(d_t)

@@ -21,6 +21,7 @@ class MethodOptions:
     draft_threshold: float | None = None
     skip_ratio: float | None = None  # swift
     context_window: int | None = None  # swift
+    tree_nodes: int | None = None  # swift: cap on the candidate nodes of one verification tree
     seed: int = 0
     asd_alpha: float = 0.985
     asd_m: int = 3
@@ -99,6 +100,10 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
             cfg = replace(cfg, skip_ratio=opts.skip_ratio)
         if opts.context_window is not None:
             cfg = replace(cfg, context_window=opts.context_window)
+        if opts.tree_nodes is not None:
+            if opts.tree_nodes < 1:
+                raise ConfigError(f"--tree-nodes must be >= 1, got {opts.tree_nodes}")
+            cfg = replace(cfg, draft=replace(cfg.draft, tree_max_nodes=opts.tree_nodes))
         return Swift(engine, tokenizer, config=cfg)
     if name == "adadecode":
         from ..heads.store import load_heads
