@@ -45,7 +45,7 @@ def generate(
     asd_m: int = typer.Option(3, "--asd-m", help="asd: skip every m-th layer's MLP and attention."),
     asd_n: int = typer.Option(2, "--asd-n", help="asd: never skip the last n layers."),
     heads: Optional[Path] = typer.Option(None, "--heads", help="adadecode, specee: trained heads artifact (default artifacts/adadecode/<model>/, made by `selfspec train-heads --kind lm-heads`)."),
-    adadecode_threshold: Optional[float] = typer.Option(None, "--adadecode-threshold", help="adadecode: early-prediction confidence gamma (default 0.75)."),
+    adadecode_threshold: Optional[float] = typer.Option(None, "--adadecode-threshold", help="adadecode: early-prediction confidence gamma (default 0.5; the paper uses 0.75)."),
     adadecode_layers: Optional[str] = typer.Option(None, "--adadecode-layers", help="adadecode: use only these head layers, e.g. 2,5 (default: all trained heads)."),
     adadecode_max_pending: Optional[int] = typer.Option(None, "--adadecode-max-pending", help="adadecode: most unverified early predictions (default 5)."),
     exit_mlps: Optional[Path] = typer.Option(None, "--exit-mlps", help="specee: exit-predictor artifact (default artifacts/specee/<model>/)."),
