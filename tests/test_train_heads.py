@@ -111,3 +111,20 @@ def test_artifact_for_another_model_is_refused(tmp_path):
         store.load_heads(tmp_path / "h", b)
     with pytest.raises(ArtifactError, match="selfspec train-heads --kind exit-mlp"):
         store.load_exit_mlps(tmp_path / "missing", a)
+
+
+def test_exit_threshold_needs_the_precision_lower_bound_not_the_point_estimate():
+    from selfspec_cli.heads.train import choose_threshold, wilson_lower
+
+    assert wilson_lower(20, 20, 0.0) == 1.0
+    assert 0.86 < wilson_lower(20, 20, 1.645) < 0.89  # n / (n + z^2) for a perfect record
+    assert wilson_lower(300, 300, 1.645) > 0.99
+    # 20 confident rows, all right: a perfect point estimate, but too few to vouch for 97 %
+    few = torch.tensor([0.9] * 20 + [0.1] * 80)
+    ok = torch.ones(100, dtype=torch.bool)
+    y = torch.tensor([True] * 20 + [False] * 80)
+    assert choose_threshold(few, ok, y, 0.97, z=0.0) == 0.5
+    assert choose_threshold(few, ok, y, 0.97) == 1.0  # never exit
+    many = torch.tensor([0.9] * 300 + [0.1] * 80)
+    y = torch.tensor([True] * 300 + [False] * 80)
+    assert choose_threshold(many, torch.ones(380, dtype=torch.bool), y, 0.97) == 0.5

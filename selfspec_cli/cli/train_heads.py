@@ -142,7 +142,8 @@ def train_heads(
                                      "batch_size": cfg_e.batch_size, "lr": cfg_e.lr, "seed": seed,
                                      "collect_seconds": collect_s, "train_seconds": train_s},
                         "thresholds": {str(r.layer): r.threshold for r in ereports},
-                        "threshold_rule": f"lowest threshold >= 0.5 with held-out exit precision >= {cfg_e.target_precision}",
+                        "threshold_rule": (f"lowest threshold >= 0.5 whose held-out exit precision has a one-sided Wilson lower bound "
+                                           f"(z {cfg_e.confidence_z}) >= {cfg_e.target_precision}"),
                         "report": [r.as_dict() for r in ereports]}
             store.save_exit_mlps(out_path, predictors, manifest)
             for r in ereports:

@@ -185,6 +185,7 @@ class ExitTrainConfig:
     seed: int = 0
     balance: bool = True  # weight positives by n_neg / n_pos
     target_precision: float = 0.97  # per-layer decision threshold: the lowest >= 0.5 reaching this held-out exit precision
+    confidence_z: float = 1.645  # ... as the one-sided 95 % Wilson lower bound, not the point estimate (0: point estimate)
 
 
 @dataclass(slots=True)
@@ -215,13 +216,28 @@ def _rates(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, threshol
             float(fire.float().mean()), nf)
 
 
+def wilson_lower(successes: float, n: int, z: float) -> float:
+    """One-sided Wilson score lower bound of a binomial proportion (the point estimate when z = 0)."""
+    if n == 0:
+        return float("nan")
+    phat = successes / n
+    if z <= 0:
+        return phat
+    z2 = z * z
+    centre = phat + z2 / (2 * n)
+    margin = z * ((phat * (1 - phat) + z2 / (4 * n)) / n) ** 0.5
+    return (centre - margin) / (1 + z2 / n)
+
+
 def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, target: float,
-                     min_fires: int = 5) -> float:
+                     min_fires: int = 5, z: float = 1.645) -> float:
     """The lowest threshold >= 0.5 whose exits (predictor fires and verification passes)
-    reach ``target`` precision on these rows; 1.0 (never exit) if none does."""
+    reach ``target`` precision on these rows, judged by the Wilson lower bound at ``z``
+    (a point estimate on a few hundred rows overstates what holds on new prompts);
+    1.0 (never exit) if none does."""
     for t in [0.5 + 0.005 * i for i in range(100)]:
         prec, _, _, nf = _rates(prob, verified, y, t)
-        if nf >= min_fires and prec >= target:
+        if nf >= min_fires and wilson_lower(prec * nf, nf, z) >= target:
             return t
     return 1.0
 
@@ -310,7 +326,7 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
             prob = torch.sigmoid(exit_logit(x[hold_idx], p))
             vh, yh = ds.verified[l][hold_idx], y[hold_idx].bool()
             prec, rec, fire, _ = _rates(prob, vh, yh, threshold)
-            t = choose_threshold(prob, vh, yh, cfg.target_precision)
+            t = choose_threshold(prob, vh, yh, cfg.target_precision, z=cfg.confidence_z)
             prec_t, rec_t, fire_t, _ = _rates(prob, vh, yh, t)
             reports.append(ExitReport(l, int(len(y)), float(y.mean()), prec, rec, fire, t, prec_t, rec_t, fire_t))
     return predictors, reports
