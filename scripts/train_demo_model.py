@@ -159,10 +159,6 @@ class LayerDrop:
         self.masks = {}
 
 
-def install_layerdrop(model, p_max: float) -> LayerDrop:
-    return LayerDrop(model, p_max)
-
-
 @torch.no_grad()
 def held_out_loss(model, stream: torch.Tensor, seq_len: int, n_windows: int, batch: int) -> float:
     model.eval()
@@ -252,7 +248,7 @@ def main() -> None:
         args.kv_heads, args.vocab_size = model.config.num_key_value_heads, model.config.vocab_size
     else:
         model = LlamaForCausalLM(cfg)
-    drop = install_layerdrop(model, args.layerdrop) if args.layerdrop > 0 else None
+    drop = LayerDrop(model, args.layerdrop) if args.layerdrop > 0 else None
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params/1e6:.2f}M parameters", file=sys.stderr)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -267,6 +263,7 @@ def main() -> None:
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
     g = torch.Generator().manual_seed(args.seed)
+    L = model.config.num_hidden_layers
     model.train()
     log = []
     t0 = time.time()
@@ -299,7 +296,6 @@ def main() -> None:
         x = torch.stack([train_stream[s : s + args.seq_len + 1].long() for s in starts.tolist()])
         if drop is not None:
             drop.resample(args.batch, g)
-        L = model.config.num_hidden_layers
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             out = model(input_ids=x[:, :-1], output_hidden_states=args.exit_loss > 0)
             logits = out.logits

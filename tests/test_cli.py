@@ -306,6 +306,11 @@ def test_bad_top_p(capsys, tiny_model_dir, prompt_file, value):
     assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--top-p", value), "--top-p")
 
 
+def test_bad_tree_nodes(capsys, tiny_model_dir, prompt_file):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "swift", "--tree-nodes", "0"),
+                      "--tree-nodes", "0")
+
+
 def test_negative_top_k(capsys, tiny_model_dir, prompt_file):
     assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--top-k", "-2"), "--top-k")
 

@@ -60,3 +60,7 @@ def test_offline_cost_is_read_from_the_committed_artifacts(shipped):
     kinds = [p["what"] for p in spe["parts"]]
     assert "drafter-head training" in kinds and "exit-mlp training" in kinds
     assert spe["seconds"] == pytest.approx(sum(p["seconds"] for p in spe["parts"]), abs=0.2)
+    sd = build_method("self-sd", eng, tok, MethodOptions()).offline_info()
+    assert sd["what"] == "self-sd calibration" and sd["seconds"] > 0 and sd["parts"][0]["trials"] > 0
+    # inline skip sets come from no artifact: nothing to report
+    assert build_method("self-sd", eng, tok, MethodOptions(skip_attn=(3,), skip_mlp=())).offline_info() is None

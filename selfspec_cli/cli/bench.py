@@ -49,14 +49,6 @@ def _load_prompts(prompt_file: str | None, suite: str | None) -> tuple[list[Prom
     return load_suite(name), {"suite": name}
 
 
-def _offline_cost(method: Any) -> dict[str, Any] | None:
-    """Time a method spent offline before the bench (calibration, training), from its artifact."""
-    info = getattr(method, "offline_info", None)
-    if callable(info):
-        return info()
-    return None
-
-
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
     t = Table(title=title, title_justify="left")
     cols = ["method", "tok/s", "min-max"]
@@ -185,7 +177,7 @@ def bench(
         if n in METHODS:
             first = build_method(n, engine, tok, opts)
             descriptions[n] = getattr(first, "description", n)
-            cost = _offline_cost(first)
+            cost = first.offline_info()  # calibration / training time, from its artifacts
             if cost:
                 offline[n] = cost
             contenders.append(Contender(n, (lambda n=n: build_method(n, engine, tok, opts).generate), first.lossless))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,8 +28,6 @@ def set_invocation(argv: list[str]) -> None:
 
 def invocation() -> str:
     """The command line of this run, as a user would retype it."""
-    import shlex
-
     args = _INVOCATION if _INVOCATION is not None else sys.argv[1:]
     return "selfspec " + shlex.join(args)
 

@@ -36,7 +36,6 @@ class SelfSD(SelfSpeculative, Method):
         Method.__init__(self, engine, tokenizer)
         SelfSpeculative.__init__(self, engine, draft or DraftConfig())
         self._skip = check_skip_sets(engine.num_layers, skip_attn, skip_mlp)
-        self._artifact = artifact  # the manifest the skip sets came from, if any
         if artifact:
             self.offline_parts.append({"what": "self-sd calibration", "seconds": artifact.get("search_time_s"),
                                        "trials": artifact.get("trials"), "created": artifact.get("created")})

@@ -24,10 +24,9 @@ The skipped-layer set is optimized *during* decoding, with no offline phase:
 """
 from __future__ import annotations
 
-import warnings
-
 import random
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
