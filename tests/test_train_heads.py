@@ -100,6 +100,15 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
         ev = recs[0]["stats"]["evaluation"]
         assert 0.0 <= ev["identical_prefix_share"] <= 1.0 and recs[0]["stats"]["kv_mode"] == mode
 
+    # bench runs both KV modes side by side: specee (KV kept) and the specee-empty variant (the paper's)
+    _ok(["bench", "--model", str(tiny_model_dir), "--device", "cpu", "-p", str(prompt_file), "-n", "8", "--no-plots",
+         "--warmup", "0", "--methods", "ar,specee,specee-empty", "-o", str(tmp_path / "bench")])
+    res = json.loads((tmp_path / "bench" / "results.json").read_text())
+    for name, mode in (("specee", "deferred"), ("specee-empty", "empty")):
+        assert res["methods"][name]["lossless"] is False
+        recs = [json.loads(l) for l in (tmp_path / "bench" / "records" / f"{name}.jsonl").read_text().splitlines()]
+        assert recs and all(r["stats"]["kv_mode"] == mode for r in recs)
+
 
 def test_artifact_for_another_model_is_refused(tmp_path):
     a, b = make_tiny_model("llama-gqa", seed=0), make_tiny_model("llama-gqa", seed=1)
@@ -128,3 +137,65 @@ def test_exit_threshold_needs_the_precision_lower_bound_not_the_point_estimate()
     many = torch.tensor([0.9] * 300 + [0.1] * 80)
     y = torch.tensor([True] * 300 + [False] * 80)
     assert choose_threshold(many, torch.ones(380, dtype=torch.bool), y, 0.97) == 0.5
+
+
+def _data_with_prompts(num_prompts: int, rows_per_prompt: int = 4):
+    from selfspec_cli.heads.data import OnPolicyData
+
+    n = num_prompts * rows_per_prompt
+    return OnPolicyData(torch.zeros(n, 1, 2), torch.zeros(n, dtype=torch.long),
+                        torch.arange(num_prompts).repeat_interleave(rows_per_prompt), "k")
+
+
+def test_three_way_split_is_by_prompt_and_disjoint():
+    data = _data_with_prompts(16)
+    train, val, test = data.split3()
+    _, held = data.split()
+    assert torch.equal(test, held)  # the test prompts are the held-out ones
+    by = lambda idx: set(data.prompt_index[idx].tolist())  # noqa: E731
+    assert by(train) == set(range(12)) and by(val) == {12, 13} and by(test) == {14, 15}
+    assert len(train) + len(val) + len(test) == data.num_rows
+    # two prompts: one to train on, one to test on; validation falls back to the training rows
+    train2, val2, test2 = _data_with_prompts(2).split3()
+    assert torch.equal(train2, val2) and len(test2) == 4
+
+
+def test_head_training_keeps_the_best_validation_epoch(tmp_path):
+    """A learning rate that wrecks the head must not wreck the artifact: early stopping keeps
+    the epoch with the lowest validation KL (here the logit lens or an early epoch)."""
+    from selfspec_cli.heads.train import evaluate_head
+
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    prompts = [torch.randint(2, 300, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(8)]
+    data = collect_on_policy(eng, prompts, 16, "fp", cache_dir=tmp_path)
+    _, val, _ = data.split3()
+    teacher = torch.log_softmax(eng.final_logits(data.hidden[:, 3]).float(), dim=-1)
+    heads, reports = train_lm_heads(eng, data, HeadTrainConfig(layers=(1,), rank=8, epochs=4, lr=50.0, warmup_share=0.0))
+    r = reports[0]
+    a = eng.adapter
+    lens = init_head(a.final_norm, 8, torch.Generator().manual_seed(0))
+    kept = evaluate_head(data.hidden[val, 1], teacher[val], data.target[val], heads[1], a.lm_head, a.rms_eps, ())["kl"]
+    lens_kl = evaluate_head(data.hidden[val, 1], teacher[val], data.target[val], lens, a.lm_head, a.rms_eps, ())["kl"]
+    assert kept == pytest.approx(r.val_kl, rel=1e-4, abs=1e-6)
+    assert kept <= lens_kl + 1e-6
+
+
+def test_exit_threshold_bound_counts_prompts_not_just_rows():
+    """1000 exits at 95 % precision pass a 0.93 Wilson bound over rows. If all 50 wrong exits
+    come from one of 20 prompts, a bootstrap over prompts sees that precision swings with
+    which prompts are drawn and refuses; the same errors spread over every prompt pass."""
+    from selfspec_cli.heads.train import choose_threshold, cluster_bootstrap_lower
+
+    groups = torch.arange(20).repeat_interleave(50)
+    prob = torch.full((1000,), 0.9)
+    verified = torch.ones(1000, dtype=torch.bool)
+    concentrated = groups != 7
+    spread = (torch.arange(1000) % 50) >= 2  # 2 wrong rows in each prompt ...
+    spread[torch.arange(20) * 50 + 2] = torch.arange(20) >= 10  # ... and one more in half of them: 50 wrong in all
+    assert int((~concentrated).sum()) == int((~spread).sum()) == 50
+    assert choose_threshold(prob, verified, concentrated, 0.93) == 0.5  # rows only
+    assert choose_threshold(prob, verified, concentrated, 0.93, groups=groups) == 1.0
+    assert choose_threshold(prob, verified, spread, 0.93, groups=groups) == 0.5
+    one = torch.tensor([3.0]), torch.tensor([4.0])
+    assert cluster_bootstrap_lower(*one, 1.645) == 0.75  # a single prompt: the point estimate

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +35,10 @@ from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import err_console, invocation, log, progress
 
 DEFAULT_SUITE = "pystdlib"
+# contenders that are a method with non-default options: name -> (method, MethodOptions fields, description suffix)
+VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "specee-empty": ("specee", {"specee_kv_mode": "empty"}, " [empty KV: deeper layers never get an exited token's K/V, as in the paper]"),
+}
 DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"
 
@@ -120,7 +125,7 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
 
 
 def bench(
-    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}) and peers ({', '.join(PEERS)})."),
+    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV; specee itself keeps KV) and peers ({', '.join(PEERS)})."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate) instead of a suite."),
     suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}; also pystdlib-mini) or a local JSONL path, loaded with `datasets`."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
@@ -139,9 +144,10 @@ def bench(
 ) -> None:
     """Benchmark methods and peers greedily on the same model and prompts: speed, speedup, M, alpha, parity."""
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
-    unknown = [m for m in names if m not in METHODS and m not in PEERS]
+    unknown = [m for m in names if m not in METHODS and m not in VARIANTS and m not in PEERS]
     if not names or unknown:
-        raise ConfigError(f"unknown --methods {', '.join(unknown) or '(none)'}; choose from: {', '.join([*METHODS, *PEERS])}")
+        raise ConfigError(f"unknown --methods {', '.join(unknown) or '(none)'}; "
+                          f"choose from: {', '.join([*METHODS, *VARIANTS, *PEERS])}")
     if warmup < 0 or repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     if output_dir.exists() and not output_dir.is_dir():
@@ -174,13 +180,15 @@ def bench(
     offline: dict[str, dict[str, Any]] = {}
     opts = MethodOptions(seed=seed)
     for n in names:
-        if n in METHODS:
-            first = build_method(n, engine, tok, opts)
-            descriptions[n] = getattr(first, "description", n)
+        if n in METHODS or n in VARIANTS:
+            base, extra, note = VARIANTS.get(n, (n, {}, ""))
+            o = replace(opts, **extra)
+            first = build_method(base, engine, tok, o)
+            descriptions[n] = getattr(first, "description", n) + note
             cost = first.offline_info()  # calibration / training time, from its artifacts
             if cost:
                 offline[n] = cost
-            contenders.append(Contender(n, (lambda n=n: build_method(n, engine, tok, opts).generate), first.lossless))
+            contenders.append(Contender(n, (lambda b=base, o=o: build_method(b, engine, tok, o).generate), first.lossless))
         else:
             peer = make_peer(n, mdl, early_exit_layer=early_exit_layer, assistant=assistant)
             descriptions[n] = PEERS[n]

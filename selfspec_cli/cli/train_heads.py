@@ -90,12 +90,14 @@ def train_heads(
         data = collect_on_policy(engine, prompt_ids, max_new_tokens, fingerprint, eos_token_ids(mdl, tok), cache_dir,
                                  on_prompt=lambda i, n: bar.update(task, completed=i))
     collect_s = time.perf_counter() - t0
-    train_idx, hold_idx = data.split()
-    log(f"[dim]{data.num_rows} rows ({len(train_idx)} train, {len(hold_idx)} held out) in {collect_s:.1f}s[/dim]")
+    train_idx, val_idx, hold_idx = data.split3()
+    log(f"[dim]{data.num_rows} rows ({len(train_idx)} train, {len(val_idx)} validation, {len(hold_idx)} test) "
+        f"in {collect_s:.1f}s[/dim]")
 
     prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
                     "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens,
-                    "rows": data.num_rows, "train_rows": len(train_idx), "heldout_rows": len(hold_idx)}
+                    "rows": data.num_rows, "train_rows": len(train_idx), "validation_rows": len(val_idx),
+                    "heldout_rows": len(hold_idx)}
     common = {"model_fingerprint": fingerprint, "model_name_or_path": model_name(mdl), "num_layers": L,
               "data": prompts_info, "environment": environment_info(engine.device, engine.dtype)}
 
@@ -117,14 +119,15 @@ def train_heads(
             manifest = {**common, "rank": rank, "head_layers_note": "0-based id of the layer after which the head reads",
                         "training": {"loss": "forward KL(p_final || p_head)", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
                                      "lr": cfg.lr, "schedule": f"cosine, {cfg.warmup_share:.0%} warmup", "seed": seed,
+                                     "early_stopping": "epoch with the lowest validation KL (validation prompts)",
                                      "collect_seconds": collect_s, "train_seconds": train_s},
                         "report": [r.as_dict() for r in reports]}
             store.save_heads(out_path, trained, manifest)
             for r in reports:
                 pcs = ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}"
                                 for th, v in r.precision_coverage.items())
-                log(f"head after layer {r.layer}: KL {r.kl_before:.3f} -> {r.kl_after:.3f}, top-1 {r.top1_before:.3f} -> "
-                    f"{r.top1_after:.3f}; {pcs}")
+                log(f"head after layer {r.layer} (epoch {r.best_epoch} kept): test KL {r.kl_before:.3f} -> {r.kl_after:.3f}, "
+                    f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; {pcs}")
             summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), "rank": rank,
                        "report": [r.as_dict() for r in reports]}
         else:
@@ -142,12 +145,13 @@ def train_heads(
                                      "batch_size": cfg_e.batch_size, "lr": cfg_e.lr, "seed": seed,
                                      "collect_seconds": collect_s, "train_seconds": train_s},
                         "thresholds": {str(r.layer): r.threshold for r in ereports},
-                        "threshold_rule": (f"lowest threshold >= 0.5 whose held-out exit precision has a one-sided Wilson lower bound "
-                                           f"(z {cfg_e.confidence_z}) >= {cfg_e.target_precision}"),
+                        "threshold_rule": (f"lowest threshold >= 0.5 whose exit precision on the validation prompts has one-sided lower "
+                                           f"bounds (z {cfg_e.confidence_z}: Wilson over rows and a bootstrap over prompts) "
+                                           f">= {cfg_e.target_precision}"),
                         "report": [r.as_dict() for r in ereports]}
             store.save_exit_mlps(out_path, predictors, manifest)
             for r in ereports:
-                log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; held-out at 0.5: exit precision "
+                log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
                     f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
                     f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
             summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(predictors), "drafter_layer": drafter_layer,

@@ -52,6 +52,22 @@ class OnPolicyData:
         idx = torch.arange(self.num_rows)
         return idx[~hold], idx[hold]
 
+    def split3(self, share: float = 0.125) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row indices (train, validation, test) by prompt: the last prompts are the test
+        set (:meth:`split`), the ones just before them the validation set. Training
+        chooses what it tunes (early-stopping epoch, decision thresholds) on validation
+        and reports on test, so reported figures are not the ones it was tuned on. With
+        fewer than 3 prompts validation falls back to the training rows."""
+        train, test = self.split(share)
+        num_prompts = int(self.prompt_index.max()) + 1 if self.num_rows else 0
+        n_test = num_prompts - (int(self.prompt_index[train].max()) + 1 if len(train) else 0)
+        n_val = max(1, round(num_prompts * share)) if num_prompts - n_test > 1 else 0
+        if n_val == 0:
+            return train, train, test
+        first_val = num_prompts - n_test - n_val
+        val_mask = self.prompt_index[train] >= first_val
+        return train[~val_mask], train[val_mask], test
+
 
 def collection_key(fingerprint: str, prompt_ids: list[list[int]], max_new_tokens: int) -> str:
     blob = json.dumps({"fp": fingerprint, "prompts": prompt_ids, "n": max_new_tokens, "v": 1}).encode()

@@ -2,8 +2,11 @@
 
 Both train on :class:`~.data.OnPolicyData` (full-depth greedy decoding of the
 target, hidden states after every layer) with the backbone, the final norm and
-the LM head frozen. Reports are computed on held-out prompts (the last ones of
-the collection), never on rows that were trained on.
+the LM head frozen. Prompts are split three ways (:meth:`~.data.OnPolicyData.split3`):
+training rows, validation prompts on which each trainer tunes what it tunes (the
+early-stopping epoch of a head, the decision threshold of a predictor), and test
+prompts (the last ones of the collection) on which every reported figure is
+computed, never on rows that were trained or tuned on.
 
 * :func:`train_lm_heads` — KL(p* || p_i) distillation of each head towards the final
   layer's distribution (forward KL, as in the paper), Adam with a cosine schedule
@@ -84,11 +87,14 @@ class HeadReport:
     top1_after: float
     precision_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # threshold -> {precision, coverage}
     train_seconds: float = 0.0
+    best_epoch: int = 0  # early stopping: epoch kept (0: the logit-lens initialisation)
+    val_kl: float = float("nan")  # validation KL of the kept epoch
 
     def as_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "kl_before": self.kl_before, "kl_after": self.kl_after,
                 "top1_before": self.top1_before, "top1_after": self.top1_after,
-                "precision_coverage": self.precision_coverage, "train_seconds": self.train_seconds}
+                "precision_coverage": self.precision_coverage, "train_seconds": self.train_seconds,
+                "best_epoch": self.best_epoch, "val_kl": self.val_kl}
 
 
 @torch.no_grad()
@@ -123,7 +129,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
     L = engine.num_layers
     layers = cfg.layers if cfg.layers is not None else default_head_layers(L)
     lm_head, final_norm, eps = _frozen(engine)
-    train_idx, hold_idx = data.split()
+    train_idx, val_idx, hold_idx = data.split3()
     if len(hold_idx) == 0:
         hold_idx = train_idx
     teacher = _teacher_logprobs(engine, data.hidden[:, L - 1])
@@ -144,6 +150,10 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
         total = steps_per_epoch * cfg.epochs
         warmup = max(1, int(cfg.warmup_share * total))
         step = 0
+        # early stopping: keep the epoch with the lowest validation KL (rank-64 heads
+        # overfit a few thousand rows: train KL keeps falling while held-out KL rises)
+        best_kl = evaluate_head(x_all[val_idx], teacher[val_idx], data.target[val_idx], init, lm_head, eps, ())["kl"]
+        best, best_epoch = (init.a, init.b, init.g), 0
         for epoch in range(cfg.epochs):
             perm = train_idx[torch.randperm(n, generator=gen)]
             loss_sum = 0.0
@@ -159,9 +169,14 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
                 opt.step()
                 loss_sum += float(loss.detach()) * len(rows)
                 step += 1
+            cand = LowRankHead(a.detach().clone(), b.detach().clone(), g.detach().clone())
+            val_kl = evaluate_head(x_all[val_idx], teacher[val_idx], data.target[val_idx], cand, lm_head, eps, ())["kl"]
+            if val_kl < best_kl:
+                best_kl, best, best_epoch = val_kl, (cand.a, cand.b, cand.g), epoch + 1
             if progress:
-                progress(f"head@{layer}", epoch + 1, cfg.epochs, f"train KL {loss_sum / n:.3f}")
-        head = LowRankHead(a.detach(), b.detach(), g.detach())
+                progress(f"head@{layer}", epoch + 1, cfg.epochs,
+                         f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
+        head = LowRankHead(*best)
         after = evaluate_head(x_all[hold_idx], teacher[hold_idx], data.target[hold_idx], head, lm_head, eps, cfg.thresholds)
         heads[layer] = head
         pc = {th: {"precision": after["precision_coverage"][th]["precision"],
@@ -170,7 +185,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
                    "coverage_before": before["precision_coverage"][th]["coverage"]}
               for th in after["precision_coverage"]}
         reports.append(HeadReport(layer, before["kl"], after["kl"], before["top1"], after["top1"], pc,
-                                  time.perf_counter() - t0))
+                                  time.perf_counter() - t0, best_epoch, best_kl))
     return heads, reports
 
 
@@ -185,7 +200,7 @@ class ExitTrainConfig:
     seed: int = 0
     balance: bool = True  # weight positives by n_neg / n_pos
     target_precision: float = 0.97  # per-layer decision threshold: the lowest >= 0.5 reaching this held-out exit precision
-    confidence_z: float = 1.645  # ... as the one-sided 95 % Wilson lower bound, not the point estimate (0: point estimate)
+    confidence_z: float = 1.645  # ... as one-sided 95 % lower bounds (Wilson over rows, bootstrap over prompts), not the point estimate (0: point estimate)
 
 
 @dataclass(slots=True)
@@ -229,16 +244,51 @@ def wilson_lower(successes: float, n: int, z: float) -> float:
     return (centre - margin) / (1 + z2 / n)
 
 
+def cluster_bootstrap_lower(tp: torch.Tensor, fires: torch.Tensor, z: float, resamples: int = 400,
+                            seed: int = 0) -> float:
+    """Lower confidence bound of a pooled precision sum(tp) / sum(fires) when rows come in
+    correlated clusters (the rows of one prompt's continuation): resample whole clusters
+    with replacement and take the one-sided quantile matching ``z`` (z 1.645: the 5th
+    percentile). ``tp``, ``fires``: per-cluster counts. With a single cluster there is
+    nothing to resample and the point estimate is returned."""
+    g = tp.shape[0]
+    total = float(fires.sum())
+    if total == 0:
+        return float("nan")
+    if g < 2 or z <= 0:
+        return float(tp.sum()) / total
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, g, (resamples, g), generator=gen)
+    w = torch.zeros(resamples, g).scatter_add_(1, picks, torch.ones(resamples, g))
+    f = w @ fires.float()
+    prec = torch.where(f > 0, (w @ tp.float()) / f.clamp_min(1e-9), torch.zeros_like(f))
+    q = float(torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(-z)))
+    return float(torch.quantile(prec, q))
+
+
 def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, target: float,
-                     min_fires: int = 5, z: float = 1.645) -> float:
+                     min_fires: int = 5, z: float = 1.645, groups: torch.Tensor | None = None) -> float:
     """The lowest threshold >= 0.5 whose exits (predictor fires and verification passes)
-    reach ``target`` precision on these rows, judged by the Wilson lower bound at ``z``
-    (a point estimate on a few hundred rows overstates what holds on new prompts);
-    1.0 (never exit) if none does."""
+    reach ``target`` precision on these rows, judged by a lower confidence bound at ``z``,
+    not the point estimate (a point estimate on a few hundred rows overstates what holds on
+    new prompts): the Wilson bound over rows and, when ``groups`` gives each row's prompt,
+    also a prompt-level bootstrap bound (rows of one continuation are correlated, so the
+    rows are fewer independent observations than they look, and prompts differ); both
+    must reach the target. 1.0 (never exit) if no threshold does."""
+    if groups is not None and len(groups):
+        _, gid = torch.unique(groups, return_inverse=True)
+        num_groups = int(gid.max()) + 1
     for t in [0.5 + 0.005 * i for i in range(100)]:
         prec, _, _, nf = _rates(prob, verified, y, t)
-        if nf >= min_fires and wilson_lower(prec * nf, nf, z) >= target:
-            return t
+        if nf < min_fires or wilson_lower(prec * nf, nf, z) < target:
+            continue
+        if groups is not None and len(groups):
+            fire = (prob > t) & verified
+            per_fire = torch.zeros(num_groups).index_add_(0, gid, fire.float())
+            per_tp = torch.zeros(num_groups).index_add_(0, gid, (fire & y).float())
+            if cluster_bootstrap_lower(per_tp, per_fire, z) < target:
+                continue
+        return t
     return 1.0
 
 
@@ -293,7 +343,7 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
                     cfg: ExitTrainConfig, progress: Progress | None = None,
                     threshold: float = 0.5) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
     ds = build_exit_dataset(engine, data, drafter_layer, drafter)
-    train_idx, hold_idx = data.split()
+    train_idx, val_idx, hold_idx = data.split3()
     if len(hold_idx) == 0:
         hold_idx = train_idx
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -323,10 +373,13 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
         p = ExitPredictor(*(t.detach() for t in params))
         predictors[l] = p
         with torch.no_grad():
+            # the threshold is chosen on validation prompts and reported on test prompts
+            prob_v = torch.sigmoid(exit_logit(x[val_idx], p))
+            t = choose_threshold(prob_v, ds.verified[l][val_idx], y[val_idx].bool(), cfg.target_precision,
+                                 z=cfg.confidence_z, groups=data.prompt_index[val_idx])
             prob = torch.sigmoid(exit_logit(x[hold_idx], p))
             vh, yh = ds.verified[l][hold_idx], y[hold_idx].bool()
             prec, rec, fire, _ = _rates(prob, vh, yh, threshold)
-            t = choose_threshold(prob, vh, yh, cfg.target_precision, z=cfg.confidence_z)
             prec_t, rec_t, fire_t, _ = _rates(prob, vh, yh, t)
             reports.append(ExitReport(l, int(len(y)), float(y.mean()), prec, rec, fire, t, prec_t, rec_t, fire_t))
     return predictors, reports
