@@ -2,7 +2,7 @@
 *training* corpus (CPython stdlib, test packages excluded), deterministic, disjoint
 from the example and benchmark prompts so that no search is tuned on them.
 
-    python scripts/make_calibration_prompts.py [--n 16] [--out examples/calibration.jsonl]
+    python scripts/make_calibration_prompts.py [--n 64] [--out examples/calibration.jsonl]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from train_demo_model import stdlib_files  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("examples/calibration.jsonl"))
     args = ap.parse_args()
