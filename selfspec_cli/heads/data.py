@@ -43,30 +43,32 @@ class OnPolicyData:
     def num_rows(self) -> int:
         return int(self.target.shape[0])
 
+    def _held_prompts(self, share: float) -> tuple[int, int]:
+        """(number of prompts, prompts per held-out block): ``share`` of them, at least 1
+        when there are 2 or more."""
+        num_prompts = int(self.prompt_index.max()) + 1 if self.num_rows else 0
+        return num_prompts, (max(1, round(num_prompts * share)) if num_prompts > 1 else 0)
+
     def split(self, holdout_share: float = 0.125) -> tuple[torch.Tensor, torch.Tensor]:
         """Row indices (train, held-out): the last prompts are held out, never rows of
         one prompt on both sides (rows of one continuation are strongly correlated)."""
-        num_prompts = int(self.prompt_index.max()) + 1 if self.num_rows else 0
-        n_hold = max(1, round(num_prompts * holdout_share)) if num_prompts > 1 else 0
+        num_prompts, n_hold = self._held_prompts(holdout_share)
         hold = self.prompt_index >= num_prompts - n_hold
         idx = torch.arange(self.num_rows)
         return idx[~hold], idx[hold]
 
     def split3(self, share: float = 0.125) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row indices (train, validation, test) by prompt: the last prompts are the test
-        set (:meth:`split`), the ones just before them the validation set. Training
+        set (:meth:`split`), the block just before them the validation set. Training
         chooses what it tunes (early-stopping epoch, decision thresholds) on validation
         and reports on test, so reported figures are not the ones it was tuned on. With
         fewer than 3 prompts validation falls back to the training rows."""
         train, test = self.split(share)
-        num_prompts = int(self.prompt_index.max()) + 1 if self.num_rows else 0
-        n_test = num_prompts - (int(self.prompt_index[train].max()) + 1 if len(train) else 0)
-        n_val = max(1, round(num_prompts * share)) if num_prompts - n_test > 1 else 0
-        if n_val == 0:
+        num_prompts, n = self._held_prompts(share)
+        if num_prompts - n < 2:
             return train, train, test
-        first_val = num_prompts - n_test - n_val
-        val_mask = self.prompt_index[train] >= first_val
-        return train[~val_mask], train[val_mask], test
+        val = self.prompt_index[train] >= num_prompts - 2 * n
+        return train[~val], train[val], test
 
 
 def collection_key(fingerprint: str, prompt_ids: list[list[int]], max_new_tokens: int) -> str:

@@ -150,8 +150,8 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
         total = steps_per_epoch * cfg.epochs
         warmup = max(1, int(cfg.warmup_share * total))
         step = 0
-        # early stopping: keep the epoch with the lowest validation KL (rank-64 heads
-        # overfit a few thousand rows: train KL keeps falling while held-out KL rises)
+        # early stopping: keep the epoch with the lowest validation KL (epoch 0: the logit
+        # lens), so a learning rate or an epoch count that hurts cannot make the head worse
         best_kl = evaluate_head(x_all[val_idx], teacher[val_idx], data.target[val_idx], init, lm_head, eps, ())["kl"]
         best, best_epoch = (init.a, init.b, init.g), 0
         for epoch in range(cfg.epochs):
@@ -199,7 +199,7 @@ class ExitTrainConfig:
     lr: float = 1e-3
     seed: int = 0
     balance: bool = True  # weight positives by n_neg / n_pos
-    target_precision: float = 0.97  # per-layer decision threshold: the lowest >= 0.5 reaching this held-out exit precision
+    target_precision: float = 0.97  # per-layer decision threshold: the lowest >= 0.5 reaching this exit precision on validation prompts
     confidence_z: float = 1.645  # ... as one-sided 95 % lower bounds (Wilson over rows, bootstrap over prompts), not the point estimate (0: point estimate)
 
 
@@ -275,14 +275,13 @@ def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor
     also a prompt-level bootstrap bound (rows of one continuation are correlated, so the
     rows are fewer independent observations than they look, and prompts differ); both
     must reach the target. 1.0 (never exit) if no threshold does."""
-    if groups is not None and len(groups):
-        _, gid = torch.unique(groups, return_inverse=True)
-        num_groups = int(gid.max()) + 1
+    gid = torch.unique(groups, return_inverse=True)[1] if groups is not None and len(groups) else None
     for t in [0.5 + 0.005 * i for i in range(100)]:
         prec, _, _, nf = _rates(prob, verified, y, t)
         if nf < min_fires or wilson_lower(prec * nf, nf, z) < target:
             continue
-        if groups is not None and len(groups):
+        if gid is not None:
+            num_groups = int(gid.max()) + 1
             fire = (prob > t) & verified
             per_fire = torch.zeros(num_groups).index_add_(0, gid, fire.float())
             per_tp = torch.zeros(num_groups).index_add_(0, gid, (fire & y).float())
