@@ -80,7 +80,7 @@ def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
     """The command that (re)creates a skip-set artifact, for error messages."""
     name = model_name(model_or_spec)
     cmd = "selfspec calibrate --method self-sd"
-    if Path(name) != Path(loading.DEFAULT_MODEL_DIR):  # the shipped model is the default --model
+    if not loading.is_default_model(name):  # the default model needs no --model
         cmd += f" --model {name}"
     cmd += " --prompt-file <prompts>"
     if path is not None and Path(path) != default_skip_artifact_path(model_or_spec):

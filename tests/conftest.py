@@ -10,7 +10,7 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "2")))
 
-from selfspec_cli.loading import DEFAULT_MODEL_DIR  # noqa: E402
+from selfspec_cli.loading import CODE_MODEL_DIR  # noqa: E402
 
 VOCAB = 320
 
@@ -76,5 +76,5 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return d
 
 
-shipped_model_available = (DEFAULT_MODEL_DIR / "config.json").is_file()
+shipped_model_available = (CODE_MODEL_DIR / "config.json").is_file()
 needs_shipped_model = pytest.mark.skipif(not shipped_model_available, reason="shipped model not present")

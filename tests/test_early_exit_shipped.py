@@ -18,7 +18,7 @@ EXAMPLES = REPO_ROOT / "examples" / "prompts.jsonl"
 
 @pytest.fixture(scope="module")
 def shipped():
-    model, tok = load_model(device="cpu")
+    model, tok = load_model("pystdlib", device="cpu")
     eng = Engine(model)
     cfg = GenerationConfig(max_new_tokens=64, eos_token_ids=(model.generation_config.eos_token_id,))
     ids = [tok(p.turns[0])["input_ids"] for p in read_prompts(str(EXAMPLES))]

@@ -22,7 +22,7 @@ EXAMPLES = REPO_ROOT / "examples" / "prompts.jsonl"
 
 @pytest.fixture(scope="module")
 def shipped():
-    model, tok = load_model(device="cpu")
+    model, tok = load_model("pystdlib", device="cpu")
     return model, tok, Engine(model)
 
 
@@ -72,6 +72,6 @@ def test_layer_skipping_methods_equal_ar_on_example_prompts(shipped, method, opt
 
 
 def test_demo_command_runs(capsys):
-    assert main(["generate", "--prompt-file", str(EXAMPLES), "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    assert main(["generate", "--model", "pystdlib", "--prompt-file", str(EXAMPLES), "--max-new-tokens", "8", "--device", "cpu"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 20 and all(json.loads(l)["new_tokens"] <= 8 for l in lines)

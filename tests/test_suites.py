@@ -10,7 +10,7 @@ import pytest
 
 from selfspec_cli.bench.suites import DEFAULT_SUITE, SUITES_DIR, list_suites, load_suite, suite_path
 from selfspec_cli.errors import ConfigError, PromptFileError
-from selfspec_cli.loading import DEFAULT_MODEL_DIR
+from selfspec_cli.loading import CODE_MODEL_DIR
 from selfspec_cli.prompts import Prompt, read_prompts
 from selfspec_cli.runtime import encode_turn
 
@@ -27,7 +27,7 @@ def suites() -> dict[str, list[Prompt]]:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    return AutoTokenizer.from_pretrained(CODE_MODEL_DIR)
 
 
 def test_builtin_suites_are_listed_and_packaged():
@@ -68,7 +68,7 @@ def test_every_prompt_ends_mid_line(suites, name):
 
 @pytest.mark.parametrize("name", ["pystdlib", "pystdlib-mini"])
 def test_every_prompt_fits_the_shipped_context_with_256_new_tokens(suites, tokenizer, name):
-    ctx = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    ctx = json.loads((CODE_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
     lengths = {p.id: len(encode_turn(tokenizer, [{"role": "user", "content": p.turns[0]}], True)) for p in suites[name]}
     too_long = {k: n for k, n in lengths.items() if n + MAX_NEW_TOKENS > ctx}
     assert not too_long, f"prompts longer than {ctx - MAX_NEW_TOKENS} tokens: {too_long}"
@@ -131,3 +131,41 @@ def test_unreadable_suite_file_gives_one_line_error(tmp_path):
     with pytest.raises(PromptFileError) as exc:
         load_suite(str(path))
     assert "cannot read suite" in str(exc.value) and "\n" not in str(exc.value)
+
+
+# ---------------------------------------------------------------- Spec-Bench
+
+SPEC_GROUPS = {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+def test_spec_bench_is_vendored_with_its_license_and_notice():
+    from selfspec_cli.bench.suites import SPEC_BENCH_FILE
+
+    here = SPEC_BENCH_FILE.parent
+    assert "Apache License" in (here / "LICENSE").read_text()
+    assert "hemingkx/Spec-Bench" in (here / "README.md").read_text()
+    assert sum(1 for _ in SPEC_BENCH_FILE.open()) == 480
+
+
+def test_spec_bench_has_six_groups_of_80_and_multi_turn_conversations(suites):
+    full = suites["spec-bench"]
+    assert len(full) == 480 and len({p.id for p in full}) == 480
+    assert Counter(p.category for p in full) == {g: 80 for g in SPEC_GROUPS}
+    for p in full:
+        assert len(p.turns) == (2 if p.category == "mt_bench" else 1), p.id
+    # the eight MT-bench categories are questions 81-160
+    assert {p.id for p in full if p.category == "mt_bench"} == set(range(81, 161))
+
+
+def test_default_suite_is_spec_bench_mini_two_per_group_evenly_spaced(suites):
+    from selfspec_cli.bench.suites import evenly_spaced
+
+    assert DEFAULT_SUITE == "spec-bench-mini"
+    mini, full = suites["spec-bench-mini"], suites["spec-bench"]
+    assert Counter(p.category for p in mini) == {g: 2 for g in SPEC_GROUPS}
+    by_id = {p.id: p for p in full}
+    assert all(by_id[p.id] == p for p in mini)
+    for g in SPEC_GROUPS:
+        members = [p.id for p in full if p.category == g]
+        assert [p.id for p in mini if p.category == g] == [members[i] for i in evenly_spaced(len(members), 2)]
+    assert evenly_spaced(80, 2) == [20, 60] and evenly_spaced(3, 5) == [0, 1, 2]

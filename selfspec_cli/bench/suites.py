@@ -1,5 +1,13 @@
-"""Benchmark prompt suites: JSONL files shipped in ``selfspec_cli/bench/suites/``,
-read with ``datasets`` (a local file, no network).
+"""Benchmark prompt suites, read with ``datasets`` (local files, no network).
+
+* ``spec-bench``: Spec-Bench's 480 questions (vendored with their license in
+  ``selfspec_cli/bench/data/spec_bench/``), multi-turn, in Spec-Bench's six groups;
+  ``spec-bench-mini`` (the default) takes 2 questions per group at fixed, evenly spaced
+  positions of each group in ``question_id`` order: 12 questions, every group covered.
+  A prompt's ``category`` is its Spec-Bench group (``mt_bench`` for the eight MT-bench
+  categories), so per-category figures are per group.
+* ``pystdlib``/``pystdlib-mini``: JSONL files in ``selfspec_cli/bench/suites/`` for the
+  small code model (``--model pystdlib``).
 
 A suite line is ``{"id": ..., "category": ..., "turns": [prompt, ...]}`` (or ``prompt``
 instead of ``turns``), the format :mod:`selfspec_cli.prompts` reads; other fields
@@ -18,12 +26,45 @@ from ..errors import ConfigError, PromptFileError
 from ..prompts import Prompt
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
-DEFAULT_SUITE = "pystdlib"
+SPEC_BENCH_FILE = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_SUITE = "spec-bench-mini"
+# Spec-Bench's six groups: the eight MT-bench categories form "mt_bench"
+SPEC_BENCH_GROUPS = {
+    **{c: "mt_bench" for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")},
+    "translation": "translation", "summarization": "summarization", "qa": "qa",
+    "math_reasoning": "math_reasoning", "rag": "rag",
+}
+# suite name -> questions per group (None = all)
+SPEC_BENCH_SUITES: dict[str, int | None] = {"spec-bench": None, "spec-bench-mini": 2}
 
 
 def list_suites() -> list[str]:
-    """Names of the built-in suites (file stems in ``SUITES_DIR``), sorted."""
-    return sorted(p.stem for p in SUITES_DIR.glob("*.jsonl"))
+    """Names of the built-in suites, sorted."""
+    return sorted([*SPEC_BENCH_SUITES, *(p.stem for p in SUITES_DIR.glob("*.jsonl"))])
+
+
+def evenly_spaced(n: int, k: int) -> list[int]:
+    """``k`` indices spread evenly over ``range(n)``: the centres of ``k`` equal blocks."""
+    return [int((i + 0.5) * n / k) for i in range(min(k, n))]
+
+
+def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) -> list[Prompt]:
+    """Spec-Bench questions in ``question_id`` order, ``category`` = group; with
+    ``per_group``, that many per group (see :func:`evenly_spaced`), in group order."""
+    _, rows = _read_rows(path, "spec-bench")
+    by_group: dict[str, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["question_id"]):
+        group = SPEC_BENCH_GROUPS.get(row["category"])
+        if group is None:
+            raise PromptFileError(f"spec-bench: question {row['question_id']} has unknown category {row['category']!r}")
+        by_group.setdefault(group, []).append(row)
+    prompts: list[Prompt] = []
+    for group, members in by_group.items():
+        chosen = members if per_group is None else [members[i] for i in evenly_spaced(len(members), per_group)]
+        for row in chosen:
+            where = f"spec-bench: question {row['question_id']}"
+            prompts.append(Prompt(id=int(row["question_id"]), turns=_turns(row, where), category=group))
+    return prompts
 
 
 def suite_path(name_or_path: str) -> Path:
@@ -32,6 +73,8 @@ def suite_path(name_or_path: str) -> Path:
     A built-in name wins over a file of the same name in the working directory."""
     name = str(name_or_path)
     available = list_suites()
+    if name in SPEC_BENCH_SUITES:
+        return SPEC_BENCH_FILE
     if name in available:
         return SUITES_DIR / f"{name}.jsonl"
     path = Path(name)
@@ -88,6 +131,8 @@ def _turns(row: dict, where: str) -> tuple[str, ...]:
 def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     """The prompts of a built-in suite (see :func:`list_suites`) or of a local JSONL file,
     in file order, each with its ``id`` and ``category``."""
+    if str(name_or_path) in SPEC_BENCH_SUITES:
+        return load_spec_bench(SPEC_BENCH_SUITES[str(name_or_path)])
     path = suite_path(name_or_path)
     label = str(name_or_path)
     columns, rows = _read_rows(path, label)

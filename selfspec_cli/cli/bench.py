@@ -24,6 +24,7 @@ from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
 from ..bench.runner import Contender, ContenderResult, run_bench
+from ..bench.suites import DEFAULT_SUITE
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -32,9 +33,8 @@ from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method
 from ..prompts import Prompt, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
-from .common import err_console, invocation, log, progress
+from .common import MODEL_HELP, err_console, invocation, log, progress
 
-DEFAULT_SUITE = "pystdlib"
 # contenders that are a method with non-default options: name -> (method, MethodOptions fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "specee-empty": ("specee", {"specee_kv_mode": "empty"}, " [empty KV: deeper layers never get an exited token's K/V, as in the paper]"),
@@ -127,8 +127,8 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
 def bench(
     methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV; specee itself keeps KV) and peers ({', '.join(PEERS)})."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate) instead of a suite."),
-    suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}; also pystdlib-mini) or a local JSONL path, loaded with `datasets`."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}: 2 Spec-Bench questions per group; spec-bench: all 480; pystdlib, pystdlib-mini: for --model pystdlib) or a local JSONL path, loaded with `datasets`."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt turn (64 keeps the default suite with every contender under 15 minutes on 2 CPU cores)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs of the first prompt, per contender."),
     repeats: int = typer.Option(1, "--repeats", help="Timed passes over all prompts (interleaved); tokens/s is the median."),

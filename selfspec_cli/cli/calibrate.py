@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import log, progress
+from .common import MODEL_HELP, log, progress
 
 
 def _check_writable(path: Path, option: str) -> None:
@@ -37,7 +37,7 @@ def _check_writable(path: Path, option: str) -> None:
 
 def calibrate(
     method: Optional[str] = typer.Option(None, "--method", help=f"What to calibrate (required): {', '.join(CALIBRATE_METHODS)}."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Calibration prompts (as for generate; first turn of each)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Calibration prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),

