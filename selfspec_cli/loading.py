@@ -246,7 +246,7 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
         return str(CODE_MODEL_DIR)
     path = Path(spec).expanduser()
     if path.is_file():
-        if is_gguf_file(path):
+        if is_gguf_file(path) or path.suffix.lower() == ".gguf":
             return str(gguf_to_hf_dir(path, log))
         raise ModelLoadError(
             f"--model '{spec}' is a file but not a GGUF model; pass a .gguf file, a Hugging Face model directory "

@@ -20,7 +20,7 @@ def _rows():
 
 
 def _spec_bench_path() -> Path | None:
-    for path in (REPO / "selfspec_cli" / "bench" / "suites" / "spec_bench" / "question.jsonl",
+    for path in (REPO / "selfspec_cli" / "bench" / "data" / "spec_bench" / "question.jsonl",
                  REPO.parent / "shared" / "data" / "spec_bench" / "question.jsonl"):
         if path.is_file():
             return path

@@ -45,7 +45,9 @@ def list_suites() -> list[str]:
 
 def evenly_spaced(n: int, k: int) -> list[int]:
     """``k`` indices spread evenly over ``range(n)``: the centres of ``k`` equal blocks."""
-    return [int((i + 0.5) * n / k) for i in range(min(k, n))]
+    if k >= n:
+        return list(range(n))
+    return [int((i + 0.5) * n / k) for i in range(k)]
 
 
 def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) -> list[Prompt]:
