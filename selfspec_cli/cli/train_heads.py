@@ -25,13 +25,13 @@ from ..runtime import encode_turn, eos_token_ids
 from .common import MODEL_HELP, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
-DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "calibration.jsonl")
+DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
 
 
 def train_heads(
     kind: Optional[str] = typer.Option(None, "--kind", help="lm-heads (AdaDecode) or exit-mlp (SpecEE; needs lm-heads first: its drafter is the shallowest head)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: examples/calibration.jsonl."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: examples/chat-calibration.jsonl (64 prompts written for this project, none from Spec-Bench)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Training prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),
     num_prompts: int = typer.Option(1000, "--num-prompts", help="Use at most this many prompts (in file order)."),

@@ -1,0 +1,92 @@
+"""Greedy parity of selfspec on the default model against transformers' own GGUF loader.
+
+The reference is ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (the GGUF
+dequantized by transformers, not selfspec's cached conversion) decoding with
+``generate(do_sample=False)``, chat template applied, turn by turn (a multi-turn
+question's second turn sees the first answer). selfspec decodes the same questions with
+each method through the same code path as ``selfspec generate``. Every turn's token ids
+must be identical.
+
+    python scripts/gguf_parity.py --methods ar,self-sd,asd,swift,adadecode -n 64 \
+        --suite spec-bench-mini --output docs/bench/gguf-parity.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from selfspec_cli import loading
+from selfspec_cli.artifacts import environment_info, save_json_artifact
+from selfspec_cli.bench.suites import load_suite
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.engine import Engine
+from selfspec_cli.methods.factory import build_method
+from selfspec_cli.runtime import encode_turn, eos_token_ids, run_prompt
+
+
+def reference_turns(gguf: Path, prompts, n: int) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    out = {}
+    for p in prompts:
+        history, turns = [], []
+        for turn in p.turns:
+            history.append({"role": "user", "content": turn})
+            ids = encode_turn(tok, history, True)
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                                   pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            turns.append(y)
+            history.append({"role": "assistant", "content": tok.decode(y, skip_special_tokens=True)})
+        out[p.id] = turns
+        print(f"reference {p.id}: {[len(t) for t in turns]} tokens", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--methods", default="ar,self-sd,asd,swift,adadecode")
+    ap.add_argument("--suite", default="spec-bench-mini")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args()
+    prompts = load_suite(args.suite)
+    t0 = time.perf_counter()
+    ref = reference_turns(loading.default_model_gguf(), prompts, args.max_new_tokens)
+    ref_s = time.perf_counter() - t0
+    model, tok = loading.load_model(None, dtype="float32", device="cpu")
+    engine = Engine(model)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, tok))
+    results = {}
+    for name in args.methods.split(","):
+        meth = build_method(name, engine, tok)
+        same, differing, t1 = 0, [], time.perf_counter()
+        for p in prompts:
+            rec = run_prompt(meth.generate, tok, p, cfg, torch.device("cpu"), name)
+            got = [t["token_ids"] for t in rec["turns"]] if "turns" in rec else [rec["token_ids"]]
+            if got == ref[p.id]:
+                same += 1
+            else:
+                differing.append(p.id)
+        results[name] = {"identical": same, "questions": len(prompts), "differing": differing,
+                         "seconds": round(time.perf_counter() - t1, 1)}
+        print(f"{name}: {same}/{len(prompts)} questions token-identical to transformers' GGUF model", file=sys.stderr, flush=True)
+    doc = {"suite": args.suite, "max_new_tokens": args.max_new_tokens, "turns": sum(len(p.turns) for p in prompts),
+           "reference": "transformers AutoModelForCausalLM.from_pretrained(gguf_file=...).generate(do_sample=False)",
+           "reference_seconds": round(ref_s, 1), "methods": results, "environment": environment_info("cpu", torch.float32)}
+    if args.output:
+        save_json_artifact(args.output, doc)
+    print(json.dumps({k: v["identical"] for k, v in results.items()}))
+    return 0 if all(r["identical"] == r["questions"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
