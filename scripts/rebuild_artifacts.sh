@@ -8,9 +8,14 @@ cd "$(dirname "$0")/.."
 M=pystdlib-llama-12x256
 CAL=examples/calibration.jsonl
 
+# The shipped tree is read-only data by default (user artifacts go to $SELFSPEC_HOME):
+# this script writes it on purpose, with explicit --output paths and --force.
+A=artifacts
 # the Optuna study belongs to the old weights: start a fresh one
-rm -f "artifacts/self-sd/$M.optuna.db"
-time selfspec calibrate --method self-sd --dataset "$CAL" --trials 100 --seed 0 --max-new-tokens 48
-time selfspec train-heads --kind lm-heads --prompt-file "$CAL"
-time selfspec train-heads --kind exit-mlp --prompt-file "$CAL"
-time selfspec calibrate --method specee --prompt-file "$CAL" --num-prompts 16 --max-new-tokens 128
+rm -f "$A/self-sd/$M.optuna.db"
+time selfspec calibrate --method self-sd --dataset "$CAL" --trials 100 --seed 0 --max-new-tokens 48 \
+    --output "$A/self-sd/$M.json" --force
+time selfspec train-heads --kind lm-heads --prompt-file "$CAL" --output "$A/adadecode/$M" --force
+time selfspec train-heads --kind exit-mlp --prompt-file "$CAL" --heads "$A/adadecode/$M" --output "$A/specee/$M" --force
+time selfspec calibrate --method specee --prompt-file "$CAL" --num-prompts 16 --max-new-tokens 128 \
+    --output "$A/specee/$M.schedule.json" --force
