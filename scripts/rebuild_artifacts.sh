@@ -22,10 +22,12 @@ TRIALS=${TRIALS:-40}       # Self-SD search trials
 NAME=$(python -c "import sys; from selfspec_cli import artifacts, loading; print(artifacts.sanitized_model_name(loading.resolve_model_path(sys.argv[1])))" "$MODEL")
 echo "model $MODEL -> artifacts named $NAME under $OUT/" >&2
 
+# The shipped tree is read-only data by default (user artifacts go to $SELFSPEC_HOME):
+# this script writes it on purpose, with explicit --output paths and --force.
 # the Optuna study belongs to the old weights: start a fresh one
 rm -f "$OUT/self-sd/$NAME.optuna.db"
 time selfspec calibrate --method self-sd -m "$MODEL" --prompt-file "$CAL" --num-prompts 8 --trials "$TRIALS" --seed 0 \
-    --max-new-tokens 32 --repeats 2 --output "$OUT/self-sd/$NAME.json" --study-path "$OUT/self-sd/$NAME.optuna.db" --force
+    --max-new-tokens 32 --output "$OUT/self-sd/$NAME.json" --study-path "$OUT/self-sd/$NAME.optuna.db" --force
 time selfspec train-heads --kind lm-heads -m "$MODEL" --prompt-file "$CAL" -n "$TOKENS" --output "$OUT/adadecode/$NAME" --force
 time selfspec train-heads --kind exit-mlp -m "$MODEL" --prompt-file "$CAL" -n "$TOKENS" --heads "$OUT/adadecode/$NAME" \
     --output "$OUT/specee/$NAME" --force

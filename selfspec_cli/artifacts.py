@@ -38,7 +38,7 @@ from typing import IO, Any
 
 import torch
 
-from . import loading
+from . import loading, paths
 from .errors import ArtifactError
 
 SKIP_KIND = "self-sd-layers"
@@ -60,20 +60,76 @@ def model_name(model_or_spec: Any) -> str:
 
 
 def sanitized_model_name(model_or_spec: Any) -> str:
-    """A file-name-safe model name: a local directory's basename, or a hub id with
-    ``/`` replaced by ``--`` (``org/name`` -> ``org--name``)."""
-    name = model_name(model_or_spec).rstrip("/\\")
+    """A file-name-safe model name: a local directory's basename (after resolving it, so
+    ``-m .`` is named after the directory), or a hub id with ``/`` replaced by ``--``
+    (``org/name`` -> ``org--name``)."""
+    name = model_name(model_or_spec).rstrip("/\\") or model_name(model_or_spec)
     path = Path(name).expanduser()
     if path.is_dir() or loading._looks_local(name):
-        name = path.name or "model"
+        try:
+            name = path.resolve().name or "model"
+        except OSError:
+            name = path.name or "model"
     else:
         name = name.replace("/", "--")
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).lstrip(".") or "model"
 
 
-def default_skip_artifact_path(model_or_spec: Any) -> Path:
-    """``ARTIFACTS_DIR / "self-sd" / "<model name>.json"`` (see :func:`sanitized_model_name`)."""
-    return Path(loading.ARTIFACTS_DIR) / "self-sd" / f"{sanitized_model_name(model_or_spec)}.json"
+def user_artifact_path(kind: str, model: torch.nn.Module, suffix: str = "") -> Path:
+    """Where selfspec writes an artifact for ``model`` by default:
+    ``<selfspec home>/artifacts/<kind>/<model name>-<fingerprint><suffix>``."""
+    return paths.user_artifacts_dir() / kind / f"{sanitized_model_name(model)}-{loading.model_fingerprint(model)}{suffix}"
+
+
+def shipped_artifact_path(kind: str, model_or_spec: Any, suffix: str = "") -> Path:
+    """The read-only artifact shipped with selfspec: ``artifacts/<kind>/<model name><suffix>``."""
+    return Path(loading.ARTIFACTS_DIR) / kind / f"{sanitized_model_name(model_or_spec)}{suffix}"
+
+
+def is_shipped(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies in the shipped (read-only) artifacts tree."""
+    return paths.is_inside(path, loading.ARTIFACTS_DIR)
+
+
+def default_artifact_candidates(kind: str, model: torch.nn.Module, suffix: str = "") -> list[Path]:
+    """Default places an artifact is loaded from, in order: the user's (fingerprint-keyed), then the shipped one."""
+    return [user_artifact_path(kind, model, suffix), shipped_artifact_path(kind, model, suffix)]
+
+
+def find_default_artifact(kind: str, model: torch.nn.Module, suffix: str = "",
+                          exists: Callable[[Path], bool] = Path.exists) -> tuple[Path | None, list[Path]]:
+    """``(first existing default candidate or None, every candidate looked at)``."""
+    cands = default_artifact_candidates(kind, model, suffix)
+    return next((c for c in cands if exists(c)), None), cands
+
+
+def output_advice(path: Path | None, model: torch.nn.Module, kind: str, suffix: str = "") -> str:
+    """The ``--output``/``--force`` part of a command that (re)creates an artifact, chosen so
+    that it can never replace the shipped artifacts or a file that exists: an explicit
+    ``path`` is kept only when nothing is there and it is outside the shipped tree;
+    otherwise the command writes the fingerprint-keyed default (with ``--force`` when
+    that one exists and is unusable)."""
+    default = user_artifact_path(kind, model, suffix)
+    if path is not None and Path(path) != default and not Path(path).exists() and not is_shipped(path):
+        return f" --output {path}"
+    return " --force" if default.exists() else ""
+
+
+def check_new_artifact(path: Path, force: bool, option: str = "--output") -> None:
+    """Refuse to replace an existing artifact without ``--force``, and never write into the shipped tree."""
+    if is_shipped(path) and not force:
+        raise ArtifactError(
+            f"'{path}' is in selfspec's shipped artifacts ({loading.ARTIFACTS_DIR}), which are read-only data; "
+            f"drop {option} to write the default location under {paths.user_artifacts_dir()}, or choose another path"
+        )
+    exists = any(path.iterdir()) if path.is_dir() else path.exists()  # an empty directory holds no artifact
+    if exists and not force:
+        raise ArtifactError(f"{option} '{path}' already exists; pass --force to replace it, or choose another {option}")
+
+
+def default_skip_artifact_path(model: torch.nn.Module) -> Path:
+    """Where ``selfspec calibrate --method self-sd`` writes by default (see :func:`user_artifact_path`)."""
+    return user_artifact_path("self-sd", model, ".json")
 
 
 def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
@@ -83,8 +139,8 @@ def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
     if not loading.is_default_model(name):  # the default model needs no --model
         cmd += f" --model {name}"
     cmd += " --prompt-file <prompts>"
-    if path is not None and Path(path) != default_skip_artifact_path(model_or_spec):
-        cmd += f" --output {path}"
+    if isinstance(model_or_spec, torch.nn.Module):
+        cmd += output_advice(path, model_or_spec, "self-sd", ".json")
     return cmd
 
 
@@ -189,6 +245,8 @@ def environment_info(device: torch.device | str | None = None, dtype: torch.dtyp
         "device": str(dev),
         "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
         "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
     }
@@ -224,11 +282,19 @@ def load_skip_artifact(
 ) -> tuple[frozenset[int], frozenset[int], dict[str, Any]]:
     """Load a Self-SD skip set for ``model``: ``(skip_attn, skip_mlp, manifest)``.
 
-    ``path`` None means :func:`default_skip_artifact_path`. Raises
-    :class:`ArtifactError` when the file is missing, malformed, of another kind, or
-    made for another model.
+    ``path`` None means the default: the user's fingerprint-keyed artifact, else the
+    shipped one (:func:`find_default_artifact`). Raises :class:`ArtifactError` when the
+    file is missing, malformed, of another kind, or made for another model.
     """
-    p = Path(path) if path is not None else default_skip_artifact_path(model)
+    if path is None:
+        found, looked = find_default_artifact("self-sd", model, ".json")
+        if found is None:
+            raise ArtifactError(
+                f"no Self-SD skip-set artifact for this model (looked for {looked[0]} and {looked[1]}); "
+                f"create it with `{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
+        p = found
+    else:
+        p = Path(path)
     cmd = calibrate_command(model, p)
     manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
     kind = manifest.get("kind")

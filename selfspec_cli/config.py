@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses. No I/O here."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
@@ -21,9 +22,9 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
+        if not math.isfinite(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
@@ -46,3 +47,6 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ConfigError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens}")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or s == "":
+                raise ConfigError("--stop needs a non-empty string (an empty one would end every prompt after one token)")

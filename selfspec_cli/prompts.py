@@ -31,7 +31,11 @@ def _read_text(source: str) -> tuple[str, str]:
         raise PromptFileError(f"cannot read prompt file '{source}' ({exc.__class__.__name__}); check permissions and UTF-8 encoding") from None
 
 
+PROMPT_FORMATS = ("auto", "text", "jsonl")
+
+
 def _is_jsonl(source: str, text: str) -> bool:
+    """``auto``: JSONL when the name ends in .jsonl/.json or the first non-blank line starts with '{'."""
     if source.endswith((".jsonl", ".json")):
         return True
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
@@ -50,7 +54,8 @@ def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None)
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise PromptFileError(f"{name}: line {line_no} is not valid JSON ({exc.msg}); fix or remove that line") from None
+            hint = " (a plain-text prompt file? pass --prompt-format text)" if line_no == 1 else ""
+            raise PromptFileError(f"{name}: line {line_no} is not valid JSON ({exc.msg}){hint}; fix or remove that line") from None
         if not isinstance(obj, dict):
             raise PromptFileError(f"{name}: line {line_no} is not a JSON object; each line needs a 'prompt' or 'turns' field")
         if "turns" in obj:
@@ -63,6 +68,10 @@ def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None)
             turns = [obj["prompt"]]
         else:
             raise PromptFileError(f"{name}: line {line_no} has neither a 'prompt' nor a 'turns' field; add one")
+        empty = [i + 1 for i, t in enumerate(turns) if not t.strip()]
+        if empty:
+            which = "the prompt" if "turns" not in obj else f"turn {empty[0]}"
+            raise PromptFileError(f"{name}: line {line_no}: {which} is empty; give it some text or remove the line")
         pid = obj.get("id", obj.get("question_id", line_no))
         cat = obj.get("category")
         prompts.append(Prompt(id=pid, turns=tuple(turns), category=cat if isinstance(cat, str) else None))
@@ -71,6 +80,10 @@ def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None)
     return prompts
 
 
-def read_prompts(source: str) -> list[Prompt]:
+def read_prompts(source: str, fmt: str = "auto") -> list[Prompt]:
+    """Prompts of a file (or ``-``, stdin). ``fmt``: ``auto`` (JSONL when the name ends in
+    .jsonl/.json or the first non-blank line starts with '{', else text), ``text`` or ``jsonl``."""
+    if fmt not in PROMPT_FORMATS:
+        raise PromptFileError(f"unknown --prompt-format '{fmt}'; choose one of: {', '.join(PROMPT_FORMATS)}")
     text, name = _read_text(source)
-    return parse_prompts(text, name if source != "-" else "stdin")
+    return parse_prompts(text, name if source != "-" else "stdin", None if fmt == "auto" else fmt == "jsonl")

@@ -85,7 +85,15 @@ def run_prompt(
     use_chat_template: bool = True,
     lossless: bool = True,
 ) -> dict[str, Any]:
-    """Decode every turn of ``prompt`` and return its output record."""
+    """Decode every turn of ``prompt`` and return its output record.
+
+    Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` and
+    ``text`` are the turns' outputs concatenated, ``new_tokens``, ``prompt_tokens``
+    (tokens prefilled: each turn's prompt holds the conversation so far),
+    ``wall_time_s``, ``tokens_per_s`` and ``stats`` are totals over the turns, and
+    ``finish_reason`` is the last turn's. Per-turn values are in ``turns[i]``
+    (multi-turn records only; a one-turn record is its own turn).
+    """
     history: list[dict[str, str]] = []
     turns: list[dict[str, Any]] = []
     for turn in prompt.turns:
@@ -94,14 +102,17 @@ def run_prompt(
         res, wall = timed(lambda: generate(ids, cfg), device)
         text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": text})
+        stats = res.stats.as_dict()
         turns.append({
             "text": text,
             "token_ids": res.token_ids,
             "new_tokens": len(res.token_ids),
+            "accept_lengths": list(stats.get("accept_lengths", [])),
             "prompt_tokens": len(ids),
             "wall_time_s": wall,
+            "tokens_per_s": round(len(res.token_ids) / wall, 3) if wall > 0 else None,
             "finish_reason": res.finish_reason,
-            "stats": res.stats.as_dict(),
+            "stats": stats,
         })
     last = turns[-1]
     new_tokens = sum(t["new_tokens"] for t in turns)
@@ -110,10 +121,10 @@ def run_prompt(
         "id": prompt.id,
         "method": method_name,
         "lossless": lossless,
-        "text": last["text"],
-        "token_ids": last["token_ids"],
+        "text": "".join(t["text"] for t in turns),
+        "token_ids": [x for t in turns for x in t["token_ids"]],
         "new_tokens": new_tokens,
-        "prompt_tokens": last["prompt_tokens"],
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
         "wall_time_s": round(wall, 6),
         "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
         "finish_reason": last["finish_reason"],
@@ -124,6 +135,7 @@ def run_prompt(
     if len(turns) > 1:
         for t in turns:
             t["wall_time_s"] = round(t["wall_time_s"], 6)
+        record["num_turns"] = len(turns)
         record["turns"] = turns
     return record
 

@@ -14,6 +14,15 @@ from selfspec_cli.loading import CODE_MODEL_DIR  # noqa: E402
 
 VOCAB = 320
 
+
+@pytest.fixture(autouse=True)
+def selfspec_home(tmp_path_factory, monkeypatch) -> Path:
+    """Every test writes user artifacts and caches under a fresh temporary SELFSPEC_HOME,
+    never into ~ or the source tree."""
+    home = tmp_path_factory.mktemp("selfspec-home")
+    monkeypatch.setenv("SELFSPEC_HOME", str(home))
+    return home
+
 # name -> (config class name, model class name, config overrides)
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": False}),

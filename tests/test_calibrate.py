@@ -173,9 +173,14 @@ def test_resume_runs_only_the_remaining_trials(calibrated, tiny_model_dir, promp
     assert summary["trials"] == 6 and summary["new_trials"] == 2
     assert complete_trials(db) == 6
     assert json.loads(new_out.read_text())["trials"] == 6
+    # the artifact exists now: replacing it needs --force (checked before any trial runs)
+    before = new_out.read_text()
+    user_error(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "5",
+                          "--study-path", str(db), "--output", str(new_out)), "already exists", "--force")
+    assert new_out.read_text() == before
     # nothing left to run: no new trials, the artifact is rewritten from the study
     again = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "5",
-                              "--study-path", str(db), "--output", str(new_out)))
+                              "--study-path", str(db), "--output", str(new_out), "--force"))
     assert again["new_trials"] == 0 and again["trials"] == 6 and complete_trials(db) == 6
 
 
@@ -283,21 +288,25 @@ def test_missing_artifact_names_the_command(tiny_model, tmp_path, monkeypatch):
     msg = str(ei.value)
     assert "does not exist" in msg and "nope.json" in msg
     assert "selfspec calibrate --method self-sd --model" in msg and f"--output {tmp_path / 'nope.json'}" in msg
-    # the default location follows ARTIFACTS_DIR and the model directory's name
-    monkeypatch.setattr(loading, "ARTIFACTS_DIR", tmp_path / "arts")
-    expected = tmp_path / "arts" / "self-sd" / f"{Path(model.config.name_or_path).name}.json"
+    # the default location: the user's data directory, named with the model's name and fingerprint
+    home = Path(os.environ["SELFSPEC_HOME"])
+    expected = home / "artifacts" / "self-sd" / f"{Path(model.config.name_or_path).name}-{model_fingerprint(model)}.json"
     assert default_skip_artifact_path(model) == expected
+    monkeypatch.setattr(loading, "ARTIFACTS_DIR", tmp_path / "arts")
+    shipped = tmp_path / "arts" / "self-sd" / f"{Path(model.config.name_or_path).name}.json"
     with pytest.raises(ArtifactError) as ei:
         load_skip_artifact(None, model)
-    assert str(expected) in str(ei.value) and "--output" not in str(ei.value)
+    msg = str(ei.value)
+    assert str(expected) in msg and str(shipped) in msg and "--output" not in msg  # both places looked, in order
+    assert msg.index(str(expected)) < msg.index(str(shipped))
 
 
 def test_default_path_names():
     root = Path(loading.ARTIFACTS_DIR) / "self-sd"
-    assert default_skip_artifact_path("meta-llama/Llama-3.2-1B") == root / "meta-llama--Llama-3.2-1B.json"
-    assert default_skip_artifact_path("Qwen2-0.5B") == root / "Qwen2-0.5B.json"
-    assert default_skip_artifact_path("/some/where/my model/") == root / "my_model.json"
-    assert default_skip_artifact_path("./rel/dir") == root / "dir.json"
+    assert artifacts.shipped_artifact_path("self-sd", "meta-llama/Llama-3.2-1B", ".json") == root / "meta-llama--Llama-3.2-1B.json"
+    assert artifacts.shipped_artifact_path("self-sd", "Qwen2-0.5B", ".json") == root / "Qwen2-0.5B.json"
+    assert artifacts.shipped_artifact_path("self-sd", "/some/where/my model/", ".json") == root / "my_model.json"
+    assert artifacts.shipped_artifact_path("self-sd", "./rel/dir", ".json") == root / "dir.json"
 
 
 def test_bad_artifacts(tiny_model, tmp_path):

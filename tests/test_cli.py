@@ -155,10 +155,17 @@ def test_generate_turns_jsonl(capsys, tiny_model_dir, tmp_path):
         assert t["new_tokens"] == len(t["token_ids"]) <= 6
     # the second turn sees the first turn, its answer and the new question
     assert multi["turns"][1]["prompt_tokens"] > multi["turns"][0]["prompt_tokens"]
-    assert multi["new_tokens"] == sum(t["new_tokens"] for t in multi["turns"])
-    assert multi["text"] == multi["turns"][-1]["text"]
-    assert multi["token_ids"] == multi["turns"][-1]["token_ids"]
+    # top-level fields cover the whole record: totals, and the turns' outputs concatenated
+    assert multi["num_turns"] == 2
+    assert multi["new_tokens"] == sum(t["new_tokens"] for t in multi["turns"]) == len(multi["token_ids"])
+    assert multi["text"] == "".join(t["text"] for t in multi["turns"])
+    assert multi["token_ids"] == [x for t in multi["turns"] for x in t["token_ids"]]
+    assert multi["prompt_tokens"] == sum(t["prompt_tokens"] for t in multi["turns"])
+    assert multi["finish_reason"] == multi["turns"][-1]["finish_reason"]
     assert multi["stats"]["target_forwards"] == sum(t["stats"]["target_forwards"] for t in multi["turns"])
+    assert multi["stats"]["accept_lengths"] == [x for t in multi["turns"] for x in t["accept_lengths"]]
+    for t in multi["turns"]:  # per-turn values
+        assert sum(t["accept_lengths"]) == t["new_tokens"] and t["accept_lengths"] == t["stats"]["accept_lengths"]
     assert "turns" not in single and "category" not in single
     check_record(single, 6)
 
@@ -388,8 +395,13 @@ def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, p
     _, err = capsys.readouterr()
     assert rc == 130
     assert "Traceback" not in err
-    assert "selfspec: interrupted" in err
-    raw = out_file.read_text()
+    lines = [ln for ln in err.splitlines() if ln.startswith("selfspec:")]
+    assert len(lines) == 1 and lines[0].startswith("selfspec: interrupted"), err
+    # the target is written only by a finished run; the finished records are in the partial file the message names
+    assert not out_file.exists()
+    (partial,) = tmp_path.glob("partial.jsonl.*.partial")
+    assert str(partial) in lines[0] and "2 finished records" in lines[0]
+    raw = partial.read_text()
     assert raw.endswith("\n")
     lines = raw.splitlines()
     assert len(lines) == 2

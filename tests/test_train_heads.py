@@ -4,6 +4,7 @@ datasets loading, real safetensors artifacts with manifests, fingerprint refusal
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,10 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
     out, _ = _ok(["train-heads", "--kind", "lm-heads", *common, "--rank", "4", "--epochs", "2"])
     summary = json.loads(out)
     assert summary["layers"] == [0, 1, 2] and len(summary["report"]) == 3
-    heads_dir = store.default_heads_path(str(tiny_model_dir))
+    heads_dir = Path(summary["artifact"])  # the user's data directory, named with the model fingerprint
+    assert heads_dir.parent == Path(os.environ["SELFSPEC_HOME"]) / "artifacts" / "adadecode"
+    assert heads_dir.name.startswith(f"{tiny_model_dir.name}-") and len(heads_dir.name) == len(tiny_model_dir.name) + 17
+    assert not artifacts_dir.exists()  # nothing written into the shipped tree
     manifest = json.loads((heads_dir / "manifest.json").read_text())
     assert manifest["kind"] == "adadecode-heads" and manifest["model_fingerprint"] and manifest["rank"] == 4
     out, _ = _ok(["train-heads", "--kind", "exit-mlp", *common, "--epochs", "3"])

@@ -1,6 +1,7 @@
 """Entry point: ``selfspec <command>``. User errors become one line and exit status 2."""
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -8,7 +9,7 @@ import typer
 
 from ..errors import SelfSpecError
 from .bench import bench
-from .common import set_invocation
+from .common import pop_exit_note, set_invocation
 from .calibrate import calibrate
 from .generate import generate
 from .train_heads import train_heads
@@ -35,28 +36,60 @@ except ImportError:  # pragma: no cover - older typer
 _ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
 
 INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
+TERMINATED = "selfspec: terminated (SIGTERM); everything finished before it was kept"
+SIGTERM_STATUS = 128 + signal.SIGTERM  # 143, as a shell reports a process ended by SIGTERM
+
+_signals: list[int] = []
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM is handled like Ctrl-C: unwind (finished output is kept), one message, exit 143."""
+    _signals.append(signum)
+    raise KeyboardInterrupt
+
+
+def _interrupted() -> int:
+    term = bool(_signals)
+    note = pop_exit_note()
+    msg = TERMINATED if term else INTERRUPTED
+    print(msg + (f"; {note}" if note else ""), file=sys.stderr)
+    return SIGTERM_STATUS if term else 130
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (also used by tests)."""
     command = typer.main.get_command(app)
     set_invocation(sys.argv[1:] if argv is None else argv)
+    _signals.clear()
+    pop_exit_note()
+    try:
+        old = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        old = None
     try:
         rv = command.main(args=argv, prog_name="selfspec", standalone_mode=False)
         if rv == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns it silently
-            print(INTERRUPTED, file=sys.stderr)
+            return _interrupted()
         return rv if isinstance(rv, int) else 0
     except SelfSpecError as exc:
-        print(f"selfspec: error: {exc}", file=sys.stderr)
+        note = pop_exit_note()
+        print(f"selfspec: error: {exc}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 2
     except (KeyboardInterrupt, *_ABORTS):
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+        return _interrupted()
     except _CLICK_ERRORS as exc:
         exc.show()  # usage errors: click's own message (missing or unknown option, bad type)
         return 2
     except BrokenPipeError:
         return 0
+    except BaseException:
+        note = pop_exit_note()
+        if note:
+            print(f"selfspec: {note}", file=sys.stderr)
+        raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def run() -> None:

@@ -31,9 +31,9 @@ from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method
-from ..prompts import Prompt, read_prompts
+from ..prompts import PROMPT_FORMATS, Prompt, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
-from .common import MODEL_HELP, err_console, invocation, log, progress
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_not_input, err_console, invocation, log, progress
 
 # contenders that are a method with non-default options: name -> (method, MethodOptions fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -43,11 +43,27 @@ DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"
 
 
-def _load_prompts(prompt_file: str | None, suite: str | None) -> tuple[list[Prompt], dict[str, Any]]:
+# files bench writes into --output-dir (and only these are ever deleted, with --force)
+BENCH_FILES = ("results.json", "speedup_by_category.png", "accept_lengths.png")
+
+
+def bench_files(output_dir: Path) -> list[Path]:
+    """Files of an earlier bench run in ``output_dir``: its fixed names, records/*.jsonl,
+    answers/*.jsonl and *_skip_sets.png. Nothing else there is touched."""
+    if not output_dir.is_dir():
+        return []
+    found = [output_dir / n for n in BENCH_FILES if (output_dir / n).is_file()]
+    for sub in ("records", "answers"):
+        found += sorted(p for p in (output_dir / sub).glob("*.jsonl") if p.is_file())
+    found += sorted(p for p in output_dir.glob("*_skip_sets.png") if p.is_file())
+    return found
+
+
+def _load_prompts(prompt_file: str | None, suite: str | None, fmt: str = "auto") -> tuple[list[Prompt], dict[str, Any]]:
     if prompt_file is not None and suite is not None:
         raise ConfigError("give --prompt-file or --suite, not both")
     if prompt_file is not None:
-        return read_prompts(prompt_file), {"prompt_file": prompt_file}
+        return read_prompts(prompt_file, fmt), {"prompt_file": prompt_file}
     from ..bench.suites import load_suite
 
     name = suite or DEFAULT_SUITE
@@ -127,17 +143,19 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
 def bench(
     methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV; specee itself keeps KV) and peers ({', '.join(PEERS)})."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate) instead of a suite."),
+    prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl (as for generate)."),
     suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}: 2 Spec-Bench questions per group; spec-bench: all 480; pystdlib, pystdlib-mini: for --model pystdlib) or a local JSONL path, loaded with `datasets`."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt turn (64 keeps the default suite with every contender under 15 minutes on 2 CPU cores)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs of the first prompt, per contender."),
     repeats: int = typer.Option(1, "--repeats", help="Timed passes over all prompts (interleaved); tokens/s is the median."),
-    output_dir: Path = typer.Option(Path("bench-out"), "--output-dir", "-o", help="Where results.json, records, answers and plots go."),
+    output_dir: Path = typer.Option(Path("bench-out"), "--output-dir", "-o", help="Where results.json, records, answers and plots go. Refused when it holds an earlier bench run's files, unless --force."),
+    force: bool = typer.Option(False, "--force", help="Delete the files an earlier bench run wrote in --output-dir (only those) before running."),
     plot: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
     early_exit_layer: Optional[int] = typer.Option(None, "--early-exit-layer", help="hf-early-exit: layer the draft exits at (default: half the layers)."),
     assistant_model: Optional[str] = typer.Option(None, "--assistant-model", help="hf-assisted: a second model with the same tokenizer."),
     seed: int = typer.Option(0, "--seed", help="Seed of methods with random search (swift)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice). Use 1 when other work shares the cores: a 2-thread step stalls on a busy core."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
@@ -152,12 +170,23 @@ def bench(
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    if early_exit_layer is not None and "hf-early-exit" not in names:
+        raise ConfigError("--early-exit-layer is an option of the hf-early-exit peer; drop it or add hf-early-exit to --methods")
+    if assistant_model is not None and "hf-assisted" not in names:
+        raise ConfigError("--assistant-model is an option of the hf-assisted peer; drop it or add hf-assisted to --methods")
+    apply_threads(threads)
+    stale = bench_files(output_dir)
+    if stale and not force:
+        shown = ", ".join(str(p.relative_to(output_dir)) for p in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        raise ConfigError(f"--output-dir '{output_dir}' holds files of an earlier bench run ({shown}); pass --force to delete "
+                          "those files first, or choose another --output-dir")
+    for f in stale:  # only with --force
+        if prompt_file is not None and prompt_file != "-":
+            check_not_input(f, (prompt_file,), "--output-dir")
     cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # validates first
-    prompts, source = _load_prompts(prompt_file, suite)
+    prompts, source = _load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
 
@@ -194,6 +223,8 @@ def bench(
             descriptions[n] = PEERS[n]
             contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
+    for f in stale:
+        f.unlink(missing_ok=True)
     try:
         (output_dir / "records").mkdir(parents=True, exist_ok=True)
         (output_dir / "answers").mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from ..artifacts import default_skip_artifact_path, environment_info, model_name, now_iso, save_json_artifact
+from ..artifacts import (check_new_artifact, default_skip_artifact_path, environment_info, model_name, now_iso,
+                         save_json_artifact)
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
@@ -21,7 +22,8 @@ from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import MODEL_HELP, log, progress
+from ..prompts import PROMPT_FORMATS
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, log, progress, set_exit_note
 
 
 def _check_writable(path: Path, option: str) -> None:
@@ -38,17 +40,20 @@ def _check_writable(path: Path, option: str) -> None:
 def calibrate(
     method: Optional[str] = typer.Option(None, "--method", help=f"What to calibrate (required): {', '.join(CALIBRATE_METHODS)}."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Calibration prompts (as for generate; first turn of each)."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="Calibration prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Calibration prompts (as for generate; first turn of each). One of --prompt-file and --dataset is required."),
+    prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl (as for generate)."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Calibration prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets` (instead of --prompt-file)."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),
     num_prompts: int = typer.Option(8, "--num-prompts", help="Use at most this many prompts (in file order)."),
     trials: int = typer.Option(100, "--trials", help="Complete trials wanted in the study; a resumed study runs only the rest."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     sampler: str = typer.Option("tpe", "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)} (see docs/calibrate.md)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial."),
-    repeats: int = typer.Option(1, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (less noise on a busy machine)."),
+    repeats: int = typer.Option(3, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (machine noise only ever slows a pass down, so the minimum is robust to it)."),
     study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: artifacts/self-sd/<model name>.json."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/self-sd/<model name>-<fingerprint>.json (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
@@ -59,9 +64,12 @@ def calibrate(
         raise ConfigError(f"calibrate needs --method; choose one of: {', '.join(CALIBRATE_METHODS)}")
     if method not in CALIBRATE_METHODS:
         raise ConfigError(f"unknown --method '{method}' for calibrate; choose one of: {', '.join(CALIBRATE_METHODS)}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    apply_threads(threads)
     if method == "specee":
         return _calibrate_specee(model, prompt_file, dataset, dataset_field, num_prompts, max_new_tokens, output,
-                                 chat_template, dtype, device)
+                                 chat_template, dtype, device, force, prompt_format)
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     if sampler not in SAMPLERS:
@@ -69,14 +77,16 @@ def calibrate(
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates before any loading
-    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
     if output is not None:
+        check_new_artifact(output, force)
         _check_writable(output, "--output")
     if study_path is not None:
         _check_writable(study_path, "--study-path")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     out_path = output if output is not None else default_skip_artifact_path(mdl)
+    check_new_artifact(out_path, force)  # before the search, not after an hour of it
     _check_writable(out_path, "--output")
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
     _check_writable(db_path, "--study-path")
@@ -120,8 +130,7 @@ def calibrate(
                                        prompts_sha=prompts_digest(prompt_ids), on_trial=on_trial, log=log)
         except KeyboardInterrupt:
             stack.close()
-            print(f"selfspec: interrupted; {state['done']} finished trials are saved in {db_path}; "
-                  "run the same command again to resume", file=sys.stderr)
+            set_exit_note(f"{state['done']} finished trials are saved in {db_path}; run the same command again to resume")
             raise
 
     prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
@@ -170,17 +179,19 @@ def calibrate(
 
 def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset: Optional[str], dataset_field: str,
                       num_prompts: int, max_new_tokens: int, output: Optional[Path], chat_template: bool,
-                      dtype: str, device: str) -> None:
+                      dtype: str, device: str, force: bool = False, prompt_format: str = "auto") -> None:
     """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
     from ..calibrate.specee import exit_statistics
     from ..heads import store
 
     GenerationConfig(max_new_tokens=max_new_tokens)
-    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
     if output is not None:
+        check_new_artifact(output, force)
         _check_writable(output, "--output")
     mdl, tok = load_model(model, dtype=dtype, device=device)
     out_path = output if output is not None else store.default_schedule_path(mdl)
+    check_new_artifact(out_path, force)
     _check_writable(out_path, "--output")
     engine = Engine(mdl)
     # the schedule artifact itself is what we make: build with a placeholder schedule

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -48,20 +50,130 @@ def progress() -> Progress:
     )
 
 
+# ---------------------------------------------------------------- threads
+
+DEFAULT_THREADS = 1  # measured: docs/log.md, 2026-11-23
+THREADS_HELP = ("CPU threads for torch (default 1: a lone thread degrades gracefully when other work shares the "
+                "cores, where two threads on two busy cores stall each other; docs/log.md, 2026-11-23).")
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set torch's intra-op thread count (``None``: :data:`DEFAULT_THREADS`); returns it."""
+    import torch
+
+    n = DEFAULT_THREADS if threads is None else threads
+    if n < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(n)
+    return n
+
+
+# ---------------------------------------------------------------- exit notes
+
+_EXIT_NOTE: list[str] = []
+
+
+def set_exit_note(note: str) -> None:
+    """A clause the interrupt / error message of this run should carry (e.g. where partial output is)."""
+    _EXIT_NOTE[:] = [note]
+
+
+def pop_exit_note() -> str | None:
+    note = _EXIT_NOTE[0] if _EXIT_NOTE else None
+    _EXIT_NOTE.clear()
+    return note
+
+
+# ---------------------------------------------------------------- output files
+
+
+def check_not_input(path: Path, inputs: tuple[str | None, ...], option: str = "--output") -> None:
+    """Refuse an output path that is one of the input files (it would be destroyed)."""
+    for src in inputs:
+        if src is None or src == "-":
+            continue
+        s = Path(src)
+        try:
+            same = s.exists() and path.exists() and os.path.samefile(s, path)
+        except OSError:
+            same = False
+        if same or s.expanduser().resolve() == path.expanduser().resolve():
+            raise ConfigError(f"{option} '{path}' is the input file '{src}'; writing it would destroy the input; "
+                              f"choose another {option}")
+
+
+def _cut_to_last_line(path: Path) -> int:
+    """Drop a torn last line (an interrupted write); returns the number of complete lines."""
+    data = path.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        with path.open("r+b") as f:
+            f.truncate(len(keep))
+    return keep.count(b"\n")
+
+
+def check_output(path: Path | None, *, force: bool = False, append: bool = False,
+                 inputs: tuple[str | None, ...] = ()) -> None:
+    """Refuse, before any work, an --output that would destroy something (see :func:`output_stream`)."""
+    if path is None or str(path) == "-":
+        return
+    if force and append:
+        raise ConfigError("--force replaces --output and --append adds to it; pass one of them")
+    if path.parent and not path.parent.exists():
+        raise ConfigError(f"output directory '{path.parent}' does not exist; create it or choose another --output")
+    if path.is_dir():
+        raise ConfigError(f"--output '{path}' is a directory; pass a file path")
+    check_not_input(path, inputs)
+    if path.exists() and not (force or append):
+        raise ConfigError(f"--output '{path}' already exists; pass --force to replace it, --append to add to it, "
+                          "or choose another --output")
+
+
 @contextmanager
-def output_stream(path: Path | None) -> Iterator[IO[str]]:
-    """stdout, or a file opened for writing; each record is flushed as written."""
+def output_stream(path: Path | None, *, force: bool = False, append: bool = False,
+                  inputs: tuple[str | None, ...] = ()) -> Iterator[IO[str]]:
+    """stdout, or an output file; each record is flushed as it is written.
+
+    A file output is written to ``<name>.<random>.partial`` beside it, which replaces it
+    only when the run finishes; on an interrupt or error the partial file is kept (with
+    every finished record, whole lines only) and named in the exit message, and the
+    target is left untouched. An existing target needs ``force`` (replace) or ``append``
+    (records are added to its end, in place). The output may never be an input file.
+    """
     if path is None or str(path) == "-":
         yield sys.stdout
         return
-    if path.parent and not path.parent.exists():
-        raise ConfigError(f"output directory '{path.parent}' does not exist; create it or choose another --output")
+    check_output(path, force=force, append=append, inputs=inputs)
+    if append:
+        try:
+            f = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+        with f:
+            yield f
+        return
     try:
-        f = path.open("w", encoding="utf-8")
+        fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
     except OSError as exc:
         raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
-    with f:
+    tmp = Path(tmp_name)
+    from ..artifacts import _umask  # the mode a plain open() would give (mkstemp makes it 0600)
+
+    os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
+    f = os.fdopen(fd, "w", encoding="utf-8")
+    try:
         yield f
+        f.close()
+        os.replace(tmp, path)
+    except BaseException:
+        f.close()
+        n = _cut_to_last_line(tmp)
+        if n == 0:
+            tmp.unlink(missing_ok=True)
+        else:
+            note = f"{n} finished record{'s are' if n != 1 else ' is'} in {tmp} ('{path}' is unchanged)"
+            set_exit_note(note)
+        raise
 
 
 def write_record(stream: IO[str], record: dict[str, Any]) -> None:

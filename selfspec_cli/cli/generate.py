@@ -13,13 +13,50 @@ from ..errors import ConfigError
 from ..loading import load_model
 from ..methods import METHODS
 from ..methods.factory import MethodOptions, build_method, parse_layer_list
-from ..prompts import read_prompts
+from ..prompts import PROMPT_FORMATS, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
-from .common import MODEL_HELP, log, output_stream, progress, write_record
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_output, log, output_stream, progress, write_record
+
+# method-specific options: parameter name -> (flag, methods that use it)
+_LAYER_SKIPPING = ("self-sd", "asd", "swift")
+METHOD_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "layers": ("--layers", ("self-sd",)),
+    "skip_attn": ("--skip-attn", ("self-sd",)),
+    "skip_mlp": ("--skip-mlp", ("self-sd",)),
+    "max_draft": ("--max-draft", _LAYER_SKIPPING),
+    "draft_threshold": ("--draft-threshold", _LAYER_SKIPPING),
+    "skip_ratio": ("--skip-ratio", ("swift",)),
+    "context_window": ("--context-window", ("swift",)),
+    "tree_nodes": ("--tree-nodes", ("swift",)),
+    "save_layers": ("--save-layers", ("swift",)),
+    "asd_alpha": ("--asd-alpha", ("asd",)),
+    "asd_m": ("--asd-m", ("asd",)),
+    "asd_n": ("--asd-n", ("asd",)),
+    "heads": ("--heads", ("adadecode", "specee")),
+    "adadecode_threshold": ("--adadecode-threshold", ("adadecode",)),
+    "adadecode_layers": ("--adadecode-layers", ("adadecode",)),
+    "adadecode_max_pending": ("--adadecode-max-pending", ("adadecode",)),
+    "exit_mlps": ("--exit-mlps", ("specee",)),
+    "specee_schedule": ("--specee-schedule", ("specee",)),
+    "specee_kv_mode": ("--specee-kv-mode", ("specee",)),
+    "specee_threshold": ("--specee-threshold", ("specee",)),
+    "specee_eval": ("--specee-eval", ("specee",)),
+}
+
+
+def check_method_options(ctx: typer.Context, method: str) -> None:
+    """Refuse a method-specific option given on the command line with a method that ignores it."""
+    for name, (flag, methods) in METHOD_OPTIONS.items():
+        src = ctx.get_parameter_source(name)  # typer may bundle its own click: compare by name
+        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP") and method not in methods:
+            raise ConfigError(f"{flag} is an option of --method {' / '.join(methods)}, not of '{method}'; "
+                              f"drop it or choose one of those methods")
 
 
 def generate(
+    ctx: typer.Context,
     prompt_file: str = typer.Option(..., "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin."),
+    prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     method: str = typer.Option("ar", "--method", help=f"Decoding method: {', '.join(METHODS)}."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
@@ -31,8 +68,11 @@ def generate(
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
-    layers: Optional[Path] = typer.Option(None, "--layers", help="self-sd: skip-set artifact (default: the calibrated one for this model under artifacts/self-sd/)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --output (or --save-layers artifact)."),
+    append: bool = typer.Option(False, "--append", help="Add the records to the end of an existing --output instead of refusing."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    layers: Optional[Path] = typer.Option(None, "--layers", help="self-sd: skip-set artifact (default: this model's calibrated one, the user's under $SELFSPEC_HOME first, then the shipped one)."),
     skip_attn: Optional[str] = typer.Option(None, "--skip-attn", help="self-sd: inline attention sublayers to skip, e.g. 1,3,5 (0-based)."),
     skip_mlp: Optional[str] = typer.Option(None, "--skip-mlp", help="self-sd: inline MLP sublayers to skip, e.g. 2,4 (0-based)."),
     max_draft: Optional[int] = typer.Option(None, "--max-draft", help="Layer-skipping methods: most draft tokens per round."),
@@ -44,12 +84,12 @@ def generate(
     asd_alpha: float = typer.Option(0.985, "--asd-alpha", help="asd: cosine-similarity threshold."),
     asd_m: int = typer.Option(3, "--asd-m", help="asd: skip every m-th layer's MLP and attention."),
     asd_n: int = typer.Option(2, "--asd-n", help="asd: never skip the last n layers."),
-    heads: Optional[Path] = typer.Option(None, "--heads", help="adadecode, specee: trained heads artifact (default artifacts/adadecode/<model>/, made by `selfspec train-heads --kind lm-heads`)."),
+    heads: Optional[Path] = typer.Option(None, "--heads", help="adadecode, specee: trained heads artifact (default: this model's, made by `selfspec train-heads --kind lm-heads`; the user's first, then the shipped one)."),
     adadecode_threshold: Optional[float] = typer.Option(None, "--adadecode-threshold", help="adadecode: early-prediction confidence gamma (default 0.5; the paper uses 0.75)."),
     adadecode_layers: Optional[str] = typer.Option(None, "--adadecode-layers", help="adadecode: use only these head layers, e.g. 2,5 (default: all trained heads)."),
     adadecode_max_pending: Optional[int] = typer.Option(None, "--adadecode-max-pending", help="adadecode: most unverified early predictions (default 5)."),
-    exit_mlps: Optional[Path] = typer.Option(None, "--exit-mlps", help="specee: exit-predictor artifact (default artifacts/specee/<model>/)."),
-    specee_schedule: Optional[Path] = typer.Option(None, "--specee-schedule", help="specee: offline schedule (default artifacts/specee/<model>.schedule.json, made by `selfspec calibrate --method specee`)."),
+    exit_mlps: Optional[Path] = typer.Option(None, "--exit-mlps", help="specee: exit-predictor artifact (default: this model's, made by `selfspec train-heads --kind exit-mlp`)."),
+    specee_schedule: Optional[Path] = typer.Option(None, "--specee-schedule", help="specee: offline schedule (default: this model's, made by `selfspec calibrate --method specee`)."),
     specee_kv_mode: Optional[str] = typer.Option(None, "--specee-kv-mode", help="specee (LOSSY): 'deferred' (default; skipped layers filled later, KV preserved) or 'empty' (the paper: deeper KV left empty)."),
     specee_threshold: Optional[float] = typer.Option(None, "--specee-threshold", help="specee: one predictor decision threshold for every layer (default: the per-layer thresholds of the artifact, chosen for 97% held-out exit precision; the paper uses 0.5)."),
     specee_eval: bool = typer.Option(False, "--specee-eval", help="specee: also run the skipped layers (a full-depth shadow) and report early-exit agreement and the share identical to ar."),
@@ -58,11 +98,18 @@ def generate(
     Every method is lossless except specee (LOSSY: its records say lossless false)."""
     if method not in METHODS:
         raise ConfigError(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
-    if save_layers is not None and method != "swift":
-        raise ConfigError("--save-layers is for --method swift; drop it or use --method swift")
+    check_method_options(ctx, method)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates before any loading
-    prompts = read_prompts(prompt_file)
+    GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates before any loading
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    n_threads = apply_threads(threads)
+    if save_layers is not None:
+        from ..artifacts import check_new_artifact
+
+        check_new_artifact(save_layers, force, "--save-layers")
+    check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
+    prompts = read_prompts(prompt_file, prompt_format)
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     eos_ids = eos_token_ids(mdl, tok)
@@ -85,10 +132,11 @@ def generate(
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "
         f"method {method}; {len(prompts)} prompts[/dim]")
     total_tokens, total_time = 0, 0.0
-    with output_stream(output) as out, progress() as bar:
+    with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out, progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, dev, method, chat_template, meth.lossless)
+            rec["threads"] = n_threads
             write_record(out, rec)
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]

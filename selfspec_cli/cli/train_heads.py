@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 import typer
 
 from ..artifacts import environment_info, model_name
@@ -16,13 +15,15 @@ from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..engine import Engine
 from ..errors import ConfigError
 from ..heads import store
-from ..heads.data import CACHE_DIR, collect_on_policy
+from ..heads.data import collect_on_policy
 from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
                            train_lm_heads)
 from ..loading import load_model, model_fingerprint
 from ..methods.factory import parse_layer_list
 from ..runtime import encode_turn, eos_token_ids
-from .common import MODEL_HELP, log, progress
+from ..artifacts import check_new_artifact
+from ..prompts import PROMPT_FORMATS
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
@@ -32,6 +33,7 @@ def train_heads(
     kind: Optional[str] = typer.Option(None, "--kind", help="lm-heads (AdaDecode) or exit-mlp (SpecEE; needs lm-heads first: its drafter is the shallowest head)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: examples/chat-calibration.jsonl (64 prompts written for this project, none from Spec-Bench)."),
+    prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl (as for generate)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Training prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),
     num_prompts: int = typer.Option(1000, "--num-prompts", help="Use at most this many prompts (in file order)."),
@@ -43,10 +45,11 @@ def train_heads(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per step (default: 128 for lm-heads, 1024 for exit-mlp)."),
     heads_path: Optional[Path] = typer.Option(None, "--heads", help="exit-mlp: the lm-heads artifact whose shallowest head drafts (default: artifacts/adadecode/<model>/)."),
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation and shuffling."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory. Default: artifacts/adadecode/<model>/ or artifacts/specee/<model>/."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=f"On-disk cache of the on-policy data (default {CACHE_DIR})."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory. Default: <selfspec home>/artifacts/adadecode/<model>-<fingerprint>/ or .../specee/<model>-<fingerprint>/ (home: $SELFSPEC_HOME, else ~/.local/share/selfspec)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="On-disk cache of the on-policy data (default <selfspec home>/cache/onpolicy; home: $SELFSPEC_HOME, else ~/.local/share/selfspec)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
-    threads: int = typer.Option(0, "--threads", help="CPU threads for training (0: torch's default)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N (the data is collected there; training runs on CPU)."),
 ) -> None:
     """Train early-exit add-ons on the target's own greedy continuations; saves safetensors + manifest."""
@@ -61,11 +64,14 @@ def train_heads(
     for name, val in (("--epochs", epochs), ("--batch-size", batch_size)):
         if val is not None and val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
     if prompt_file is None and dataset is None:
         prompt_file = DEFAULT_PROMPTS
-    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts)
-    if threads > 0:
-        torch.set_num_threads(threads)
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
+    apply_threads(threads)
+    if output is not None:
+        check_new_artifact(output, force)
 
     t_start = time.perf_counter()
     mdl, tok = load_model(model, dtype="float32" if device in ("auto", "cpu") else "auto", device=device)
@@ -77,6 +83,8 @@ def train_heads(
         bad = [k for k in head_layers if not 0 <= k < L - 1]
         if bad or not head_layers:
             raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
+    out_path = output or (store.default_heads_path(mdl) if kind == "lm-heads" else store.default_exit_path(mdl))
+    check_new_artifact(out_path, force)  # before the slow data collection
     heads = drafter_manifest = None
     if kind == "exit-mlp":  # fail before the slow data collection
         heads, drafter_manifest = store.load_heads(heads_path, mdl)
@@ -114,7 +122,6 @@ def train_heads(
             cfg = HeadTrainConfig(layers=head_layers or default_head_layers(L), rank=rank, epochs=epochs or 30,
                                   batch_size=batch_size or 128, lr=lr or 5e-3, seed=seed)
             trained, reports = train_lm_heads(engine, data, cfg, on_progress)
-            out_path = output or store.default_heads_path(mdl)
             train_s = time.perf_counter() - t0
             manifest = {**common, "rank": rank, "head_layers_note": "0-based id of the layer after which the head reads",
                         "training": {"loss": "forward KL(p_final || p_head)", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
@@ -135,7 +142,6 @@ def train_heads(
             drafter_layer = min(heads)
             cfg_e = ExitTrainConfig(epochs=epochs or 100, batch_size=batch_size or 1024, lr=lr or 1e-3, seed=seed)
             predictors, ereports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
-            out_path = output or store.default_exit_path(mdl)
             train_s = time.perf_counter() - t0
             manifest = {**common, "drafter": {"kind": "adadecode-head", "layer": drafter_layer,
                                               "heads_artifact_id": drafter_manifest.get("artifact_id"), "top_k": 4},

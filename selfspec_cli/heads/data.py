@@ -28,8 +28,12 @@ import torch
 
 from ..engine import Engine
 from ..errors import ArtifactError
+from ..paths import user_cache_dir
 
-CACHE_DIR = Path(__file__).resolve().parents[2] / ".selfspec-cache" / "onpolicy"
+
+def default_cache_dir() -> Path:
+    """``<selfspec home>/cache/onpolicy`` (see :mod:`selfspec_cli.paths`)."""
+    return user_cache_dir() / "onpolicy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ def collect_on_policy(
     from safetensors.torch import load_file, save_file
 
     key = collection_key(fingerprint, prompt_ids, max_new_tokens)
-    directory = Path(cache_dir) if cache_dir is not None else CACHE_DIR
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = directory / f"{key}.safetensors"
     if path.is_file():
         try:

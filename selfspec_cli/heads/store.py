@@ -1,14 +1,17 @@
 """Artifacts of trained heads and predictors: safetensors + JSON manifest (through
 :func:`selfspec_cli.artifacts.save_tensors_artifact`, atomic, with the model
-fingerprint), and their default locations under ``artifacts/``:
+fingerprint), and their default locations. Written by default to the user's data
+directory (``<selfspec home>/artifacts/<kind>/<model name>-<fingerprint>...``, see
+:mod:`selfspec_cli.paths`); loaded from there first, then from the shipped
+``artifacts/<kind>/<model name>...`` (read-only):
 
-* ``artifacts/adadecode/<model>/`` — AdaDecode heads (kind ``adadecode-heads``),
+* ``adadecode/<model>/`` — AdaDecode heads (kind ``adadecode-heads``),
   tensors ``layer{k}.a``, ``layer{k}.b``, ``layer{k}.g`` for each head layer ``k``
   (0-based id of the layer after which the head reads the residual stream);
-* ``artifacts/specee/<model>/`` — SpecEE exit predictors (kind ``specee-exit-mlp``),
+* ``specee/<model>/`` — SpecEE exit predictors (kind ``specee-exit-mlp``),
   tensors ``layer{k}.w1`` ... ``layer{k}.b2``; the manifest names the drafter
   (the AdaDecode head it takes its 4 speculative tokens from);
-* ``artifacts/specee/<model>.schedule.json`` — SpecEE's offline schedule (kind
+* ``specee/<model>.schedule.json`` — SpecEE's offline schedule (kind
   ``specee-schedule``), made by ``selfspec calibrate --method specee``.
 
 A missing or foreign artifact is a one-line :class:`ArtifactError` naming the
@@ -31,15 +34,20 @@ SCHEDULE_KIND = "specee-schedule"
 
 
 def default_heads_path(model: Any) -> Path:
-    return Path(loading.ARTIFACTS_DIR) / "adadecode" / artifacts.sanitized_model_name(model)
+    """Where ``train-heads --kind lm-heads`` writes by default (fingerprint-keyed, user data directory)."""
+    return artifacts.user_artifact_path("adadecode", model)
 
 
 def default_exit_path(model: Any) -> Path:
-    return Path(loading.ARTIFACTS_DIR) / "specee" / artifacts.sanitized_model_name(model)
+    return artifacts.user_artifact_path("specee", model)
 
 
 def default_schedule_path(model: Any) -> Path:
-    return Path(loading.ARTIFACTS_DIR) / "specee" / f"{artifacts.sanitized_model_name(model)}.schedule.json"
+    return artifacts.user_artifact_path("specee", model, ".schedule.json")
+
+
+def _manifest_exists(p: Path) -> bool:
+    return artifacts.tensors_artifact_paths(p)[1].exists()
 
 
 def _model_flag(model: Any) -> str:
@@ -47,18 +55,28 @@ def _model_flag(model: Any) -> str:
     return "" if loading.is_default_model(name) else f" --model {name}"
 
 
-def train_command(kind: str, model: Any, path: Path | None = None, default: Path | None = None) -> str:
+def train_command(kind: str, model: Any, path: Path | None = None) -> str:
     cmd = f"selfspec train-heads --kind {kind}{_model_flag(model)}"
-    if path is not None and default is not None and Path(path) != default:
-        cmd += f" --output {path}"
+    if isinstance(model, torch.nn.Module):
+        cmd += artifacts.output_advice(path, model, "adadecode" if kind == "lm-heads" else "specee")
     return cmd
 
 
 def schedule_command(model: Any, path: Path | None = None) -> str:
     cmd = f"selfspec calibrate --method specee{_model_flag(model)} --prompt-file examples/calibration.jsonl"
-    if path is not None and Path(path) != default_schedule_path(model):
-        cmd += f" --output {path}"
+    if isinstance(model, torch.nn.Module):
+        cmd += artifacts.output_advice(path, model, "specee", ".schedule.json")
     return cmd
+
+
+def _resolve(path: Path | None, model: Any, kind: str, suffix: str, what: str, hint: str, exists: Any) -> Path:
+    """An explicit path, else the first default that exists (user's, then shipped); none: one error naming both."""
+    if path is not None:
+        return Path(path)
+    found, looked = artifacts.find_default_artifact(kind, model, suffix, exists)
+    if found is None:
+        raise ArtifactError(f"no {what} for this model (looked for {looked[0]} and {looked[1]}); {hint}")
+    return found
 
 
 def save_heads(path: Path, heads: dict[int, LowRankHead], manifest: dict[str, Any]) -> Path:
@@ -68,11 +86,13 @@ def save_heads(path: Path, heads: dict[int, LowRankHead], manifest: dict[str, An
     return artifacts.save_tensors_artifact(path, tensors, {"kind": HEADS_KIND, **manifest, "layers": sorted(heads)})
 
 
-def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, default: Path, what: str,
+def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, folder: str, what: str,
                     names: tuple[str, ...], build: Any) -> tuple[dict[int, Any], dict[str, Any]]:
     """Load a per-layer tensors artifact: ``build(*tensors[layer<k>.<name>] for name in names)`` per layer."""
-    p = Path(path) if path is not None else default
-    hint = f"create it with `{train_command(train_kind, model, p, default)}`"
+    label = {"lm-heads": "AdaDecode heads artifact", "exit-mlp": "SpecEE exit-predictor artifact"}[train_kind]
+    p = _resolve(path, model, folder, "", label, f"create it with `{train_command(train_kind, model)}`",
+                 _manifest_exists)
+    hint = f"create it with `{train_command(train_kind, model, p)}`"
     tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=kind, create_hint=hint)
     out: dict[int, Any] = {}
     L = int(model.config.num_hidden_layers)
@@ -89,7 +109,7 @@ def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, d
 
 
 def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
-    return _load_per_layer(path, model, HEADS_KIND, "lm-heads", default_heads_path(model), "head",
+    return _load_per_layer(path, model, HEADS_KIND, "lm-heads", "adadecode", "head",
                            ("a", "b", "g"), LowRankHead)
 
 
@@ -102,12 +122,13 @@ def save_exit_mlps(path: Path, predictors: dict[int, ExitPredictor], manifest: d
 
 
 def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], dict[str, Any]]:
-    return _load_per_layer(path, model, EXIT_KIND, "exit-mlp", default_exit_path(model), "predictor",
+    return _load_per_layer(path, model, EXIT_KIND, "exit-mlp", "specee", "predictor",
                            ("w1", "b1", "w2", "b2"), ExitPredictor)
 
 
 def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:
-    p = Path(path) if path is not None else default_schedule_path(model)
+    p = _resolve(path, model, "specee", ".schedule.json", "SpecEE schedule artifact",
+                 f"create it with `{schedule_command(model)}`", Path.exists)
     hint = f"create it with `{schedule_command(model, p)}`"
     manifest = artifacts._read_json(p, "SpecEE schedule artifact", hint)
     if manifest.get("kind") != SCHEDULE_KIND:

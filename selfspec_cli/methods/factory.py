@@ -80,10 +80,9 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
             attn, mlp = opts.skip_attn or (), opts.skip_mlp or ()
             manifest = None
         else:
-            from ..artifacts import default_skip_artifact_path, load_skip_artifact
+            from ..artifacts import load_skip_artifact
 
-            path = opts.layers or default_skip_artifact_path(engine.model)
-            attn, mlp, manifest = load_skip_artifact(path, engine.model)
+            attn, mlp, manifest = load_skip_artifact(opts.layers, engine.model)
         return SelfSD(engine, tokenizer, skip_attn=attn, skip_mlp=mlp,
                       draft=_draft(DraftConfig(), opts), artifact=manifest)
     if name == "asd":
@@ -124,13 +123,24 @@ def build_method(name: str, engine: Engine, tokenizer: Any, opts: MethodOptions 
         from ..heads.store import load_exit_mlps, load_heads, load_schedule
         from .specee import SpecEE, SpecEEConfig
 
-        heads, hman = load_heads(opts.heads, engine.model)
-        predictors, pman = load_exit_mlps(opts.exit_mlps, engine.model)
-        schedule, sman = load_schedule(opts.specee_schedule, engine.model)
+        from ..errors import ArtifactError
+
+        loaded: list[Any] = []
+        problems: list[str] = []
+        for load, path in ((load_heads, opts.heads), (load_exit_mlps, opts.exit_mlps), (load_schedule, opts.specee_schedule)):
+            try:
+                loaded.append(load(path, engine.model))
+            except ArtifactError as exc:  # report every missing or unusable artifact at once, in the order to make them
+                problems.append(str(exc))
+                loaded.append(None)
+        if len(problems) == 1:
+            raise ArtifactError(problems[0])
+        if problems:
+            raise ArtifactError(f"specee needs {len(problems)} artifacts that are missing or unusable (make them in this order): "
+                                + " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+        (heads, hman), (predictors, pman), (schedule, sman) = loaded
         drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
         if drafter not in heads:
-            from ..errors import ArtifactError
-
             raise ArtifactError(f"the exit predictors draft with a head after layer {drafter}, which the heads artifact lacks; "
                                 "retrain them with `selfspec train-heads --kind exit-mlp`")
         scfg = SpecEEConfig(evaluate=opts.specee_eval)
