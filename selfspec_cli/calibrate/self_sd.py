@@ -43,7 +43,7 @@ from ..decoding.speculative import DraftConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..methods.ar import AR
-from ..methods.self_sd import SelfSD
+from ..methods.self_sd import SelfSD, uniform_layers
 from ..runtime import timed
 
 STUDY_NAME = "self-sd"
@@ -140,17 +140,6 @@ def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[froz
     attn = frozenset(l for l in range(num_layers) if int(params[f"attn_{l}"]))
     mlp = frozenset(l for l in range(num_layers) if int(params[f"mlp_{l}"]))
     return attn, mlp
-
-
-def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
-    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
-    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
-    of those layers skips a ``ratio`` share of the 2L sublayers."""
-    interior = list(range(1, num_layers - 1))
-    if not interior:
-        return frozenset()
-    n = min(len(interior), max(1, round(ratio * num_layers)))
-    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from .bench import bench
 from .common import pop_exit_note, set_invocation
 from .calibrate import calibrate
 from .generate import generate
+from .profile import profile
 from .train_heads import train_heads
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app.command("generate")(generate)
 app.command("bench")(bench)
 app.command("calibrate")(calibrate)
 app.command("train-heads")(train_heads)
+app.command("profile")(profile)
 
 # typer >= 0.20 ships its own copy of click; catch both families
 try:

@@ -23,12 +23,15 @@ range of layers ``[start, end)``:
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+import time
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .adapter import ModelAdapter
 from .cache import KVCache
 
@@ -48,7 +51,7 @@ LAST_ROW = slice(-1, None)
 class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True) -> None:
         self.adapter = ModelAdapter(model)
         a = self.adapter
         self.model = model
@@ -63,6 +66,25 @@ class Engine:
         self._neg = torch.finfo(self.dtype).min
         self._rope_len = 0
         self._grow_rope(max(256, min(a.max_positions, 4096)))
+        # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
+        t0 = time.perf_counter()
+        module = kernels.load_extension() if fast_kernels and kernels.unavailable_reason(self.device) is None else None
+        self._lin: list[dict[str, kernels.Linear]] = [
+            {"qkv": kernels.Linear.make(w.w_qkv, w.b_qkv, module), "o": kernels.Linear.make(w.w_o, w.b_o, module),
+             "gate_up": kernels.Linear.make(w.w_gate_up, w.b_gate_up, module),
+             "down": kernels.Linear.make(w.w_down, w.b_down, module)}
+            for w in a.layers
+        ]
+        self.lm_head = kernels.Linear.make(a.lm_head, None, module)
+        self._plain = ([{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in self._lin],
+                       kernels.Linear.make(a.lm_head, None, None))
+        self.kernel_info = {**kernels.status(), "pack_s": round(time.perf_counter() - t0, 3)}
+        if module is None:
+            self.kernel_info["backend"] = "torch"
+            if not fast_kernels:
+                self.kernel_info["reason"] = "fast_kernels=False"
+            elif self.kernel_info.get("reason") is None:
+                self.kernel_info["reason"] = kernels.unavailable_reason(self.device)
 
     # -- setup -------------------------------------------------------------
     def _grow_rope(self, length: int) -> None:
@@ -72,6 +94,16 @@ class Engine:
         self._cos = cos
         self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self._rope_len = length
+
+    @contextlib.contextmanager
+    def plain_linear(self) -> Iterator[None]:
+        """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
+        saved = self._lin, self.lm_head
+        self._lin, self.lm_head = self._plain
+        try:
+            yield
+        finally:
+            self._lin, self.lm_head = saved
 
     def new_cache(self, capacity: int) -> KVCache:
         a = self.adapter
@@ -84,7 +116,7 @@ class Engine:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V)."""
         a = self.adapter
         x = F.rms_norm(hidden, (hidden.shape[-1],), a.final_norm, a.rms_eps)
-        return F.linear(x, a.lm_head).float()
+        return self.lm_head(x).float()
 
     # -- masks -------------------------------------------------------------
     def _mask(
@@ -167,10 +199,11 @@ class Engine:
 
         for l in range(start, end):
             w = a.layers[l]
+            lin = self._lin[l]
             if l not in skip_attn:
                 # 1) attention sublayer
                 x = F.rms_norm(h, (h.shape[-1],), w.attn_norm, eps)
-                qkv = F.linear(x, w.w_qkv, w.b_qkv)  # (T, (Hq + 2Hkv) D)
+                qkv = lin["qkv"](x)  # (T, (Hq + 2Hkv) D)
                 qk = qkv[:, :qkw].view(t, hq + hkv, d)
                 v = qkv[:, qkw:].view(t, hkv, d)
                 if w.qk_norm is not None:
@@ -189,7 +222,7 @@ class Engine:
                     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[key], enable_gqa=self._gqa)
                 o = o[0].transpose(0, 1).reshape(t, hq * d)
                 h_in = h
-                h = h + F.linear(o, w.w_o, w.b_o)
+                h = h + lin["o"](o)
                 if attn_cosine:  # ASD: how much this attention sublayer turns the residual stream
                     cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1).mean())
             elif attn_cosine:
@@ -197,8 +230,8 @@ class Engine:
             if l not in skip_mlp:
                 # 2) MLP sublayer
                 x = F.rms_norm(h, (h.shape[-1],), w.mlp_norm, eps)
-                gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
-                h = h + F.linear(F.silu(gate) * up, w.w_down, w.b_down)
+                gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+                h = h + lin["down"](F.silu(gate) * up)
             if l in output_hidden:
                 hidden_at[l] = h
 

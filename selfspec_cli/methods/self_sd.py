@@ -25,6 +25,17 @@ def check_skip_sets(num_layers: int, skip_attn: Iterable[int], skip_mlp: Iterabl
     return a, m
 
 
+def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
+    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
+    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
+    of those layers skips a ``ratio`` share of the 2L sublayers."""
+    interior = list(range(1, num_layers - 1))
+    if not interior:
+        return frozenset()
+    n = min(len(interior), max(1, round(ratio * num_layers)))
+    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
+
+
 class SelfSD(SelfSpeculative, Method):
     name = "self-sd"
     lossless = True

@@ -1,0 +1,229 @@
+"""What the engine costs on this machine, against what the hardware allows (``selfspec profile``).
+
+Every speedup selfspec can offer is bounded by two numbers of its engine: ``T(1)``, the
+time of one decode step, and ``v(k)``, the cost of one forward of ``k`` rows divided
+by ``T(1)`` (it decides whether verifying a draft can pay). This module measures:
+
+* the **floor**: bytes of weights one decode step must read (every layer matrix, the
+  norms and the LM head; not the embedding table, of which a step reads one row)
+  divided by the memory read bandwidth measured here (``torch.sum`` over a buffer far
+  larger than the last-level cache, with the same thread count as the engine);
+* ``step_ms`` = ``T(1)``: a one-row forward with logits, at a real prompt's context;
+* ``verify_cost[k]`` = ``v(k)`` for k = 1..16: a k-row forward with logits for every
+  row (what verification does), divided by ``T(1)``;
+* ``draft_cost[r]`` = ``c(r)``: a one-row forward that skips a uniform share ``r`` of
+  the sublayers (both sublayers of evenly spaced interior layers), divided by ``T(1)``;
+* ``lm_head_share``: final norm + LM head on one row, divided by ``T(1)``;
+* ``kernel_max_logit_diff``: the largest difference between the engine's fp32 logits
+  with the CPU kernel (engine/kernels.py) and with plain ``F.linear``;
+* a **redundancy map**: top-1 agreement with the full model of a one-token draft that
+  skips a single sublayer (each of the 2L in turn), and of the calibrated skip set,
+  with the full model's KV for the context, along greedy continuations of a few prompts.
+
+Invariants: forwards that are timed run on a cache that is cropped back after each one,
+so every measurement sees the same context; sizes are interleaved round by round (k=1,
+2, ..., 16, then again) so that drift in machine load spreads over all of them; every
+figure is a median. Nothing here changes the model.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..engine import Engine, KVCache
+from ..methods.self_sd import uniform_layers
+
+VERIFY_ROWS = tuple(range(1, 17))
+DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()  # touch every page before timing
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    del buf
+    return nbytes / best / 1e9
+
+
+def step_weight_bytes(engine: Engine) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices and norms, the final
+    norm and the LM head (one row of the embedding table is negligible)."""
+    a = engine.adapter
+    tensors: list[torch.Tensor | None] = [a.final_norm, a.lm_head]
+    for w in a.layers:
+        tensors += [w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm, w.mlp_norm, w.w_gate_up, w.b_gate_up,
+                    w.w_down, w.b_down]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
+    cache = engine.new_cache(len(ids) + extra + 1)
+    engine.forward(cache, torch.tensor(list(ids), device=engine.device), positions=0)
+    return cache
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
+                  rows: Sequence[int] = VERIFY_ROWS, ratios: Sequence[float] = DRAFT_RATIOS,
+                  on_round: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``."""
+    ctx = len(prompt_ids)
+    cache = _prefill(engine, prompt_ids, max(rows))
+    toks = torch.tensor(list(prompt_ids[-max(rows):]) * 2, device=engine.device)[: max(rows)]
+    L = engine.num_layers
+    draft_sets = {r: uniform_layers(L, r) for r in ratios}
+    head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
+    times: dict[str, list[float]] = {}
+
+    def timed(key: str, fn: Callable[[], Any]) -> None:
+        _sync(engine)
+        t0 = time.perf_counter()
+        fn()
+        _sync(engine)
+        times.setdefault(key, []).append(time.perf_counter() - t0)
+        cache.crop(ctx)
+
+    def verify(k: int) -> Callable[[], Any]:
+        return lambda: engine.forward(cache, toks[:k], positions=ctx, logits_rows=slice(None))
+
+    def draft(s: frozenset[int]) -> Callable[[], Any]:
+        return lambda: engine.forward(cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s)
+
+    for k in rows[:3]:  # warm-up: first calls allocate
+        verify(k)()
+        cache.crop(ctx)
+    for i in range(rounds):
+        for k in rows:
+            timed(f"v{k}", verify(k))
+        for r, s in draft_sets.items():
+            timed(f"c{r}", draft(s))
+        timed("head", lambda: engine.final_logits(head_in))
+        if on_round is not None:
+            on_round(i + 1, rounds)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    step = med["v1"]
+    return {
+        "context_tokens": ctx,
+        "step_ms": round(step, 3),
+        "verify_ms": {str(k): round(med[f"v{k}"], 3) for k in rows},
+        "verify_cost": {str(k): round(med[f"v{k}"] / step, 3) for k in rows},
+        "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
+        "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
+        "lm_head_ms": round(med["head"], 3),
+        "lm_head_share": round(med["head"] / step, 3),
+        "rounds": rounds,
+    }
+
+
+@torch.inference_mode()
+def kernel_logit_diff(engine: Engine, prompt_ids: Sequence[int], steps: int = 4) -> float | None:
+    """Largest |logit| difference between the engine with its CPU kernel and with F.linear,
+    over a prefill-free greedy walk of ``steps`` one-row steps (None when no kernel is in use)."""
+    if engine.kernel_info.get("backend") != "small_gemm":
+        return None
+    worst = 0.0
+    cache = _prefill(engine, prompt_ids, steps)
+    pos, tok = len(prompt_ids), torch.tensor(prompt_ids[-1:], device=engine.device)
+    for _ in range(steps):
+        fast = engine.forward(cache, tok, positions=pos).logits
+        cache.crop(pos)
+        with engine.plain_linear():
+            plain = engine.forward(cache, tok, positions=pos).logits
+        worst = max(worst, float((fast - plain).abs().max()))
+        tok = plain.argmax(-1)
+        pos += 1
+    return worst
+
+
+@torch.inference_mode()
+def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int,
+                   calibrated: tuple[frozenset[int], frozenset[int]] | None = None,
+                   on_token: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Top-1 agreement with the full model of one-token drafts that skip one sublayer (each in
+    turn) or the calibrated set, along the full model's greedy continuation of each prompt.
+    The context's KV always comes from the full model: the draft row is cropped away before
+    the full row is computed."""
+    L = engine.num_layers
+    sets: list[tuple[str, frozenset[int], frozenset[int]]] = [(f"attn{l}", frozenset([l]), frozenset()) for l in range(L)]
+    sets += [(f"mlp{l}", frozenset(), frozenset([l])) for l in range(L)]
+    if calibrated is not None:
+        sets.append(("calibrated", calibrated[0], calibrated[1]))
+    hits = {name: 0 for name, _, _ in sets}
+    total, done = 0, 0
+    for ids in prompts:
+        cache = _prefill(engine, ids[:-1], tokens + 1)
+        pos, tok = len(ids) - 1, torch.tensor(ids[-1:], device=engine.device)
+        for _ in range(tokens):
+            drafts = {}
+            for name, sa, sm in sets:
+                out = engine.forward(cache, tok, positions=pos, skip_attn=sa, skip_mlp=sm)
+                drafts[name] = int(out.logits[0].argmax())
+                cache.crop(pos)
+            full = int(engine.forward(cache, tok, positions=pos).logits[0].argmax())
+            for name, d in drafts.items():
+                hits[name] += d == full
+            total += 1
+            done += 1
+            if on_token is not None:
+                on_token(done, len(prompts) * tokens)
+            tok = torch.tensor([full], device=engine.device)
+            pos += 1
+    agree = {name: hits[name] / total for name in hits}
+    out: dict[str, Any] = {
+        "attn": [round(agree[f"attn{l}"], 4) for l in range(L)],
+        "mlp": [round(agree[f"mlp{l}"], 4) for l in range(L)],
+        "prompts": len(prompts), "tokens_per_prompt": tokens, "drafts_per_set": total,
+    }
+    if calibrated is not None:
+        out["calibrated"] = {"skip_attn": sorted(calibrated[0]), "skip_mlp": sorted(calibrated[1]),
+                             "agreement": round(agree["calibrated"], 4)}
+    return out
+
+
+def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
+    from .plots import _plt, _save
+
+    plt = _plt()
+    ks = [int(k) for k in profile["verify_cost"]]
+    vs = [profile["verify_cost"][str(k)] for k in ks]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(ks, vs, marker="o", label="measured v(k)")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one row")
+    ax.set_xlabel("rows in one forward (k)")
+    ax.set_ylabel("cost / one-row step")
+    ax.set_title(f"verification cost v(k): T(1) = {profile['step_ms']:.1f} ms, floor {profile['floor_ms']:.1f} ms",
+                 fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
+    from .plots import _plt, _save
+
+    plt = _plt()
+    grid = [red["attn"], red["mlp"]]
+    L = len(red["attn"])
+    fig, ax = plt.subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    ax.set_yticks([0, 1], ["attention", "MLP"])
+    ax.set_xticks(range(0, L, max(1, L // 15)))
+    ax.set_xlabel("layer")
+    sub = f"; calibrated set: {red['calibrated']['agreement']:.2f}" if red.get("calibrated") else ""
+    ax.set_title((title + ": " if title else "") + f"top-1 agreement when one sublayer is skipped{sub}", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    return _save(fig, path)

@@ -1,0 +1,157 @@
+"""``selfspec profile``: the engine's costs on this machine against the hardware's limits.
+
+Writes ``profile.json`` (keys documented in docs/profile.md), ``verify_cost.png`` and
+``redundancy.png`` into ``--output-dir``; a rich table goes to stderr and one JSON line
+with the headline figures to stdout.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import ArtifactError
+from ..artifacts import environment_info, load_skip_artifact, model_name, now_iso, save_json_artifact
+from ..bench import profile as prof
+from ..bench.suites import DEFAULT_SUITE, load_suite
+from ..engine import Engine
+from ..errors import ConfigError
+from ..loading import load_model, model_fingerprint
+from ..prompts import PROMPT_FORMATS, read_prompts
+from ..runtime import encode_turn
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, err_console, log, progress
+
+PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
+
+
+def profile(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    suite: Optional[str] = typer.Option(None, "--suite", help=f"Prompts for the context and the redundancy map (default {DEFAULT_SUITE})."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts from a file instead of a suite (first turn of each)."),
+    prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl."),
+    output_dir: Path = typer.Option(Path("profile-out"), "--output-dir", "-o", help="Where profile.json and the plots go."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier profile in --output-dir."),
+    rounds: int = typer.Option(7, "--rounds", help="Timing rounds; every figure is the median over rounds."),
+    redundancy_prompts: int = typer.Option(3, "--redundancy-prompts", help="Prompts for the redundancy map (0: skip the map)."),
+    redundancy_tokens: int = typer.Option(16, "--redundancy-tokens", help="Greedy tokens per prompt for the redundancy map."),
+    layers: Optional[Path] = typer.Option(None, "--layers", help="Skip-set artifact for the map's calibrated row (default: this model's calibrated set, if any)."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the chat template (as generate does)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+) -> None:
+    """Measure the engine against the machine: memory-bandwidth floor, decode step T(1), verification cost v(k),
+    draft cost c(r), the LM head's share, the kernel's logit difference and a layer-redundancy map."""
+    if rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {rounds}")
+    if redundancy_prompts < 0 or redundancy_tokens < 1:
+        raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    if prompt_file is not None and suite is not None:
+        raise ConfigError("give --prompt-file or --suite, not both")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
+    old = [output_dir / n for n in PROFILE_FILES if (output_dir / n).exists()]
+    if old and not force:
+        raise ConfigError(f"{output_dir} already holds a profile ({old[0].name}); pass --force to replace it, "
+                          "or choose another --output-dir")
+    n_threads = apply_threads(threads)
+    prompts = read_prompts(prompt_file, prompt_format) if prompt_file is not None else load_suite(suite or DEFAULT_SUITE)
+    if not prompts:
+        raise ConfigError("no prompts to profile with")
+
+    mdl, tok = load_model(model, dtype=dtype, device=device)
+    engine = Engine(mdl)
+    ids = [encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts]
+    calibrated = None
+    try:
+        sa, sm, _ = load_skip_artifact(layers, mdl)
+        calibrated = (sa, sm)
+    except ArtifactError as exc:
+        if layers is not None:
+            raise
+        log(f"[dim]no calibrated skip set for the redundancy map ({str(exc).split(';')[0]})[/dim]")
+    log(f"[dim]model {mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {engine.device}, "
+        f"{n_threads} thread(s); matrix products: {engine.kernel_info['backend']}"
+        f"{' (' + engine.kernel_info['reason'] + ')' if engine.kernel_info.get('reason') else ''}[/dim]")
+
+    t_start = time.perf_counter()
+    bw = prof.read_bandwidth_gbs()
+    wbytes = prof.step_weight_bytes(engine)
+    floor_ms = wbytes / (bw * 1e9) * 1e3
+    # the context: the median-length prompt of the set (a typical decode position)
+    ctx_ids = sorted(ids, key=len)[len(ids) // 2]
+    with progress() as bar:
+        task = bar.add_task("timing", total=rounds, info="")
+        costs = prof.measure_costs(engine, ctx_ids, rounds=rounds,
+                                   on_round=lambda i, n: bar.update(task, completed=i))
+        diff = prof.kernel_logit_diff(engine, ctx_ids)
+        red = None
+        if redundancy_prompts > 0:
+            chosen = ids[:: max(1, len(ids) // redundancy_prompts)][:redundancy_prompts]
+            rtask = bar.add_task("redundancy map", total=len(chosen) * redundancy_tokens, info="")
+            red = prof.redundancy_map(engine, chosen, redundancy_tokens, calibrated,
+                                      on_token=lambda i, n: bar.update(rtask, completed=i))
+
+    result: dict[str, Any] = {
+        "kind": "selfspec-profile",
+        "model": model_name(mdl),
+        "model_fingerprint": model_fingerprint(mdl),
+        "num_layers": engine.num_layers,
+        "weight_bytes": wbytes,
+        "bandwidth_gbs": round(bw, 2),
+        "floor_ms": round(floor_ms, 3),
+        **costs,
+        "step_over_floor": round(costs["step_ms"] / floor_ms, 3),
+        "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
+        "kernel": engine.kernel_info,
+        "kernel_max_logit_diff": diff,
+        "redundancy": red,
+        "environment": environment_info(engine.device, engine.dtype),
+        "created": now_iso(),
+        "profile_s": round(time.perf_counter() - t_start, 1),
+    }
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_json_artifact(output_dir / "profile.json", result)
+    if plots:
+        prof.verify_cost_plot(result, output_dir / "verify_cost.png")
+        if red is not None:
+            prof.redundancy_plot(red, output_dir / "redundancy.png", title=model_name(mdl))
+    err_console.print(_table(result))
+    log(f"wrote {output_dir / 'profile.json'}")
+    keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
+            "kernel_max_logit_diff")
+    sys.stdout.write(json.dumps({k: result[k] for k in keys}) + "\n")
+    sys.stdout.flush()
+
+
+def _table(r: dict[str, Any]) -> Table:
+    t = Table(title=f"profile: {r['model']} ({r['environment']['dtype']}, {r['environment']['threads']} thread(s), "
+                    f"kernel {r['kernel']['backend']})", title_justify="left")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("weights read per step", f"{r['weight_bytes'] / 1e6:.0f} MB")
+    t.add_row("read bandwidth", f"{r['bandwidth_gbs']:.1f} GB/s")
+    t.add_row("floor (bytes / bandwidth)", f"{r['floor_ms']:.1f} ms")
+    t.add_row("T(1): one decode step", f"{r['step_ms']:.1f} ms ({r['step_over_floor']:.2f}x floor)")
+    t.add_row("v(k) k=2,4,8,16", ", ".join(f"{r['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8, 16) if str(k) in r["verify_cost"]))
+    t.add_row("c(r) r=" + ",".join(r["draft_cost"]), ", ".join(f"{v:.2f}" for v in r["draft_cost"].values()))
+    t.add_row("LM head share", f"{r['lm_head_share']:.0%}")
+    if r.get("kernel_max_logit_diff") is not None:
+        t.add_row("kernel max |logit diff|", f"{r['kernel_max_logit_diff']:.1e}")
+    red = r.get("redundancy")
+    if red:
+        a, m = red["attn"], red["mlp"]
+        t.add_row("one skipped sublayer: agreement", f"attn {min(a):.2f}-{max(a):.2f}, mlp {min(m):.2f}-{max(m):.2f}")
+        if red.get("calibrated"):
+            c = red["calibrated"]
+            t.add_row("calibrated set: agreement",
+                      f"{c['agreement']:.2f} ({len(c['skip_attn'])} attn + {len(c['skip_mlp'])} mlp skipped)")
+    return t

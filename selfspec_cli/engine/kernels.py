@@ -1,0 +1,142 @@
+"""The engine's CPU fast path for the matrix products of decoding: prepacked weights and
+a small C++/AVX2 kernel (``csrc/small_gemm.cpp``) for the few rows of a decode or
+verification step.
+
+Why (measured on the 2-core AVX2 EPYC this project runs on; docs/log.md, issue 12):
+``F.linear`` with one row reads the 49152 x 576 LM head at about 11 GB/s and costs
+twice that for two rows; the kernel reads it at 27-33 GB/s, and for up to about
+four rows the extra rows cost FMAs, not memory traffic.
+
+Invariants:
+
+* **batch invariance**: for every row count up to :data:`MAX_ROWS` the kernel gives
+  each row bit-identical outputs, wherever it sits in the batch, so the matrix products
+  of a k-row verification forward match k one-row decode steps exactly (attention and
+  the norms still may differ in the last bit: at most 1e-6 on the tiny test models,
+  tests/test_kernels.py). Larger inputs (prompt prefill) take ``F.linear``; every
+  method prefills the same way.
+* the kernel changes fp32 logits only by summation order (a single FMA chain per
+  output instead of the BLAS blocking): about 1e-4 on SmolLM2's logits, reported by
+  ``selfspec profile`` as ``kernel_max_logit_diff``.
+* without a C++ compiler, AVX2/FMA, or on a GPU, every call is plain ``F.linear``
+  (same results as before this module existed); ``SELFSPEC_KERNELS=0`` forces that.
+* the extension is compiled once per machine (about 30 s; ``make setup`` does it) into
+  ``$SELFSPEC_CACHE/kernels`` and loaded from there afterwards (well under a second);
+  packing costs one copy of the weights, once per model load.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64  # up to this many rows go through the kernel (decode, verify, trees); more: F.linear
+_SOURCE = Path(__file__).with_name("csrc") / "small_gemm.cpp"
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def cache_root() -> Path:
+    """selfspec's cache: ``$SELFSPEC_CACHE``, by default ``${XDG_CACHE_HOME:-~/.cache}/selfspec``
+    (converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``)."""
+    root = os.environ.get("SELFSPEC_CACHE")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec")
+    return Path(root).expanduser()
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
+
+
+def unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the fast path cannot run here, or None when it can."""
+    if os.environ.get("SELFSPEC_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return "disabled by SELFSPEC_KERNELS=0"
+    if device is not None and device.type != "cpu":
+        return f"device {device.type} (the kernel is for CPUs)"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return f"CPU capability {cap} (the kernel needs AVX2 and FMA)"
+    return None
+
+
+def load_extension(verbose: bool = False) -> Any | None:
+    """Build (first time on this machine) or load the compiled kernel; None when it cannot
+    be had, with the reason in :func:`status`."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        reason = unavailable_reason()
+        module = None
+        if reason is None:
+            t0 = time.perf_counter()
+            try:
+                from torch.utils.cpp_extension import load
+
+                build = cache_dir() / f"torch-{torch.__version__}"
+                build.mkdir(parents=True, exist_ok=True)
+                module = load(name="selfspec_small_gemm", sources=[str(_SOURCE)], build_directory=str(build),
+                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=verbose)
+            except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
+                reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"
+                print(f"selfspec: {reason}; using F.linear (slower). Set SELFSPEC_KERNELS=0 to silence.", file=sys.stderr)
+            _state["load_s"] = round(time.perf_counter() - t0, 3)
+        _state["module"] = module
+        _state["reason"] = reason
+        return module
+
+
+def status() -> dict[str, Any]:
+    """What the fast path is doing in this process (for profile and bench records)."""
+    load_extension()
+    return {"backend": "small_gemm" if _state.get("module") is not None else "torch",
+            "reason": _state.get("reason"), "load_s": _state.get("load_s"), "max_rows": MAX_ROWS}
+
+
+@dataclass(slots=True)
+class Linear:
+    """``y = x W^T + b`` with ``W`` prepacked for the kernel when the fast path is on."""
+
+    weight: torch.Tensor  # (N, K), the model's own tensor (kept: F.linear fallback, HF peers)
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None
+    bias_f32: torch.Tensor | None
+    module: Any
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, module: Any | None) -> "Linear":
+        packed = bias_f32 = None
+        if module is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":
+            packed = module.pack(weight.detach())
+            bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        return cls(weight, bias, packed, bias_f32, module)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.shape[0] > MAX_ROWS or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        if x.dtype == torch.float32:
+            return self.module.linear(x, self.packed, self.weight.shape[0], self.bias_f32)
+        return self.module.linear(x.float(), self.packed, self.weight.shape[0], self.bias_f32).to(x.dtype)
+
+
+def main() -> None:
+    """``python -m selfspec_cli.engine.kernels``: build the kernel now (``make setup`` runs this)."""
+    t0 = time.perf_counter()
+    mod = load_extension(verbose=False)
+    st = status()
+    if mod is None:
+        print(f"selfspec kernels: not built ({st['reason']}); the engine uses F.linear", file=sys.stderr)
+    else:
+        print(f"selfspec kernels: ready in {time.perf_counter() - t0:.1f} s ({cache_dir()})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
