@@ -128,6 +128,18 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     }
 
 
+def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
+                 on_round: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """The floor and the measured costs in one record (what profile.json and bench's
+    ``engine_costs`` hold): bandwidth, weight bytes, floor, T(1), v(k), c(r), LM head share."""
+    bw = read_bandwidth_gbs()
+    wbytes = step_weight_bytes(engine)
+    floor_ms = wbytes / (bw * 1e9) * 1e3
+    costs = measure_costs(engine, prompt_ids, rounds=rounds, on_round=on_round)
+    return {"weight_bytes": wbytes, "bandwidth_gbs": round(bw, 2), "floor_ms": round(floor_ms, 3), **costs,
+            "step_over_floor": round(costs["step_ms"] / floor_ms, 3), "kernel": dict(engine.kernel_info)}
+
+
 @torch.inference_mode()
 def kernel_logit_diff(engine: Engine, prompt_ids: Sequence[int], steps: int = 4) -> float | None:
     """Largest |logit| difference between the engine with its CPU kernel and with F.linear,

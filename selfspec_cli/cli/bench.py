@@ -152,6 +152,7 @@ def bench(
     output_dir: Path = typer.Option(Path("bench-out"), "--output-dir", "-o", help="Where results.json, records, answers and plots go. Refused when it holds an earlier bench run's files, unless --force."),
     force: bool = typer.Option(False, "--force", help="Delete the files an earlier bench run wrote in --output-dir (only those) before running."),
     plot: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
+    costs: bool = typer.Option(True, "--costs/--no-costs", help="Measure the engine's costs first (floor, T(1), v(k), c(r), LM head share, as `selfspec profile` does; about 10 s) and record them in results.json."),
     early_exit_layer: Optional[int] = typer.Option(None, "--early-exit-layer", help="hf-early-exit: layer the draft exits at (default: half the layers)."),
     assistant_model: Optional[str] = typer.Option(None, "--assistant-model", help="hf-assisted: a second model with the same tokenizer."),
     seed: int = typer.Option(0, "--seed", help="Seed of methods with random search (swift)."),
@@ -235,6 +236,19 @@ def bench(
         f"{torch.get_num_threads()} threads); {len(prompts)} prompts ({', '.join(f'{c} {k}' for c, k in cats.items())}) "
         f"x {max_new_tokens} tokens; warm-up {warmup}, repeats {repeats}; contenders {', '.join(names)}[/dim]")
 
+    engine_costs = None
+    if costs:
+        from ..bench.profile import engine_costs as measure_engine_costs
+        from ..runtime import encode_turn
+
+        ids = sorted((encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts), key=len)
+        engine_costs = measure_engine_costs(engine, ids[len(ids) // 2], rounds=3)
+        log(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
+            f"T(1) {engine_costs['step_ms']:.1f} ms ({engine_costs['step_over_floor']:.2f}x floor), "
+            f"v(4) {engine_costs['verify_cost']['4']:.2f}, v(8) {engine_costs['verify_cost']['8']:.2f}, "
+            f"c(0.5) {engine_costs['draft_cost']['0.5']:.2f}, LM head {engine_costs['lm_head_share']:.0%}; "
+            f"matrix products: {engine.kernel_info['backend']}[/dim]")
+
     with ExitStack() as stack:
         files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
         running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
@@ -275,6 +289,7 @@ def bench(
         file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
                    reference=ref, baseline=base, files=file_map)
+    doc["engine_costs"] = engine_costs
     atomic_write(output_dir / "results.json", lambda f: f.write((json.dumps(doc, indent=2) + "\n").encode()))
 
     title = (f"selfspec bench: {source.get('suite') or source.get('prompt_file')}, {len(prompts)} prompts x "

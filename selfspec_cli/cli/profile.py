@@ -83,15 +83,11 @@ def profile(
         f"{' (' + engine.kernel_info['reason'] + ')' if engine.kernel_info.get('reason') else ''}[/dim]")
 
     t_start = time.perf_counter()
-    bw = prof.read_bandwidth_gbs()
-    wbytes = prof.step_weight_bytes(engine)
-    floor_ms = wbytes / (bw * 1e9) * 1e3
     # the context: the median-length prompt of the set (a typical decode position)
     ctx_ids = sorted(ids, key=len)[len(ids) // 2]
     with progress() as bar:
         task = bar.add_task("timing", total=rounds, info="")
-        costs = prof.measure_costs(engine, ctx_ids, rounds=rounds,
-                                   on_round=lambda i, n: bar.update(task, completed=i))
+        costs = prof.engine_costs(engine, ctx_ids, rounds=rounds, on_round=lambda i, n: bar.update(task, completed=i))
         diff = prof.kernel_logit_diff(engine, ctx_ids)
         red = None
         if redundancy_prompts > 0:
@@ -105,13 +101,8 @@ def profile(
         "model": model_name(mdl),
         "model_fingerprint": model_fingerprint(mdl),
         "num_layers": engine.num_layers,
-        "weight_bytes": wbytes,
-        "bandwidth_gbs": round(bw, 2),
-        "floor_ms": round(floor_ms, 3),
         **costs,
-        "step_over_floor": round(costs["step_ms"] / floor_ms, 3),
         "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
-        "kernel": engine.kernel_info,
         "kernel_max_logit_diff": diff,
         "redundancy": red,
         "environment": environment_info(engine.device, engine.dtype),

@@ -1,0 +1,82 @@
+"""``selfspec profile`` on a tiny real model: the documented keys, consistent figures, the
+plots, the redundancy map against a direct computation, and one-line errors."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from selfspec_cli.bench import profile as prof
+from selfspec_cli.cli.app import main
+from selfspec_cli.engine import Engine
+
+from .conftest import make_tiny_model
+from .test_cli import assert_user_error, write_lines
+
+PROMPTS = ["def add(a, b):", "import os\nimport sys", "class Stack:\n    def push(self, x):"]
+
+
+def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", PROMPTS)
+    out = tmp_path / "prof"
+    capsys.readouterr()
+    rc = main(["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(out), "--rounds", "2",
+               "--redundancy-prompts", "2", "--redundancy-tokens", "3", "--device", "cpu"])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads((out / "profile.json").read_text())
+    for key in ("floor_ms", "step_ms", "verify_cost", "draft_cost", "lm_head_share", "bandwidth_gbs", "weight_bytes",
+                "kernel", "kernel_max_logit_diff", "redundancy", "environment"):
+        assert key in doc, key
+    assert sorted(int(k) for k in doc["verify_cost"]) == list(range(1, 17))
+    assert doc["verify_cost"]["1"] == 1.0
+    assert set(doc["draft_cost"]) == {"0.2", "0.3", "0.4", "0.5", "0.6"}
+    assert doc["floor_ms"] > 0 and doc["step_ms"] > 0 and 0 < doc["lm_head_share"]
+    assert abs(doc["floor_ms"] - doc["weight_bytes"] / (doc["bandwidth_gbs"] * 1e9) * 1e3) < 0.01 * doc["floor_ms"] + 1e-3
+    red = doc["redundancy"]
+    assert len(red["attn"]) == len(red["mlp"]) == doc["num_layers"]
+    assert red["drafts_per_set"] == 2 * 3 and all(0 <= a <= 1 for a in red["attn"] + red["mlp"])
+    assert (out / "verify_cost.png").stat().st_size > 1000 and (out / "redundancy.png").stat().st_size > 1000
+    line = json.loads(stdout.strip().splitlines()[-1])
+    assert line["step_ms"] == doc["step_ms"] and line["verify_cost"] == doc["verify_cost"]
+    # a second run into the same directory needs --force
+    assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(out)],
+                      "already holds a profile", "--force")
+
+
+def test_profile_bad_inputs(capsys, tiny_model_dir, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", PROMPTS)
+    assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "--rounds", "0"], "--rounds")
+    assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "--suite", "spec-bench-mini"],
+                      "not both")
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(f)], "is a file")
+
+
+def test_redundancy_map_matches_direct_computation():
+    """Agreement of a single skipped sublayer, recomputed by hand: full-model greedy
+    continuation, and for each step a one-row draft over the full model's KV."""
+    model = make_tiny_model("llama-gqa", layers=3)
+    eng = Engine(model)
+    prompt = [5, 17, 42, 8, 99, 3]
+    red = prof.redundancy_map(eng, [prompt], tokens=4, calibrated=(frozenset({1}), frozenset({0, 2})))
+    with torch.inference_mode():
+        seq = list(prompt)
+        hits = {("attn", 1): 0, ("mlp", 2): 0, "cal": 0}
+        for _ in range(4):
+            full = model(torch.tensor([seq])).logits[0, -1].argmax().item()
+            for (kind, layer) in (("attn", 1), ("mlp", 2)):
+                c = eng.new_cache(32)
+                eng.forward(c, torch.tensor(seq[:-1]), positions=0)
+                sa, sm = ({layer}, set()) if kind == "attn" else (set(), {layer})
+                d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, skip_attn=sa, skip_mlp=sm).logits[0].argmax().item()
+                hits[(kind, layer)] += d == full
+            c = eng.new_cache(32)
+            eng.forward(c, torch.tensor(seq[:-1]), positions=0)
+            d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, skip_attn={1}, skip_mlp={0, 2}).logits[0].argmax().item()
+            hits["cal"] += d == full
+            seq.append(full)
+    assert red["attn"][1] == hits[("attn", 1)] / 4
+    assert red["mlp"][2] == hits[("mlp", 2)] / 4
+    assert red["calibrated"]["agreement"] == hits["cal"] / 4
