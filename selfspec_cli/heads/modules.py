@@ -19,6 +19,7 @@ both places. Nothing here touches a cache or a decoding loop.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,12 @@ def head_state(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, g: torch.Tenso
     return u + F.linear(F.linear(u, a), b)
 
 
-def head_logits(h: torch.Tensor, head: LowRankHead, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    """(R, d) residual rows after the head's layer -> (R, V) logits of the head."""
-    return F.linear(head_state(h, head.a, head.b, head.g, eps), lm_head)
+def head_logits(h: torch.Tensor, head: LowRankHead, lm_head: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+                eps: float) -> torch.Tensor:
+    """(R, d) residual rows after the head's layer -> (R, V) logits of the head. ``lm_head`` is
+    the (V, d) matrix, or the engine's prepacked LM head (``engine.lm_head``, same product)."""
+    u = head_state(h, head.a, head.b, head.g, eps)
+    return lm_head(u) if callable(lm_head) else F.linear(u, lm_head)
 
 
 def init_head(final_norm: torch.Tensor, rank: int, generator: torch.Generator | None = None) -> LowRankHead:

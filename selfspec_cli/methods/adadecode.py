@@ -92,7 +92,7 @@ class AdaDecode(Method):
 
     def _head(self, layer: int, row: torch.Tensor) -> torch.Tensor:
         a = self.engine.adapter
-        return head_logits(row, self.heads[layer], a.lm_head, a.rms_eps)[0].float()  # (V,)
+        return head_logits(row, self.heads[layer], self.engine.lm_head, a.rms_eps)[0].float()  # (V,)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:

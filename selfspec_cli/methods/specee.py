@@ -156,7 +156,7 @@ class SpecEE(Method):
                 if e == L:
                     break
                 if l == k0:  # 3) the drafter: the shallowest head's top-4 are the speculative tokens
-                    spec = head_logits(prev_last, self.drafter, a.lm_head, a.rms_eps)[0].topk(NUM_SPEC_TOKENS).indices
+                    spec = head_logits(prev_last, self.drafter, self.engine.lm_head, a.rms_eps)[0].topk(NUM_SPEC_TOKENS).indices
                     spec_rows = a.lm_head[spec]  # (4, d)
                 if not can_exit or l not in active:
                     continue
