@@ -99,3 +99,14 @@ def test_engine_logits_with_and_without_kernel(arch):
 def test_engine_without_kernel_reports_why():
     eng = Engine(make_tiny_model("llama-gqa"), fast_kernels=False)
     assert eng.kernel_info["backend"] == "torch" and eng.kernel_info["reason"]
+
+
+@needs_kernel
+def test_rms_norm_kernel_matches_and_is_row_wise():
+    g = torch.Generator().manual_seed(3)
+    for h in (64, 576, 100):
+        x, w = torch.randn(9, h, generator=g) * 3, torch.randn(h, generator=g)
+        got = ext.rms_norm(x, w, 1e-5)
+        want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+        assert float((got.double() - want).abs().max()) < 1e-5
+        assert torch.equal(torch.cat([ext.rms_norm(x[i:i + 1], w, 1e-5) for i in range(9)]), got)

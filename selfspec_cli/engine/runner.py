@@ -76,6 +76,7 @@ class Engine:
             for w in a.layers
         ]
         self.lm_head = kernels.Linear.make(a.lm_head, None, module)
+        self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         self._plain = ([{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in self._lin],
                        kernels.Linear.make(a.lm_head, None, None))
         self.kernel_info = {**kernels.status(), "pack_s": round(time.perf_counter() - t0, 3)}
@@ -95,15 +96,23 @@ class Engine:
         self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self._rope_len = length
 
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim: the kernel's one-call version for float32 decode rows,
+        else ``F.rms_norm``."""
+        if self._norm_kernel is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= kernels.MAX_ROWS:
+            return self._norm_kernel(x, w, self.adapter.rms_eps)
+        return F.rms_norm(x, (x.shape[-1],), w, self.adapter.rms_eps)
+
     @contextlib.contextmanager
     def plain_linear(self) -> Iterator[None]:
         """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
-        saved = self._lin, self.lm_head
+        saved = self._lin, self.lm_head, self._norm_kernel
         self._lin, self.lm_head = self._plain
+        self._norm_kernel = None
         try:
             yield
         finally:
-            self._lin, self.lm_head = saved
+            self._lin, self.lm_head, self._norm_kernel = saved
 
     def new_cache(self, capacity: int) -> KVCache:
         a = self.adapter
@@ -115,8 +124,7 @@ class Engine:
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V)."""
         a = self.adapter
-        x = F.rms_norm(hidden, (hidden.shape[-1],), a.final_norm, a.rms_eps)
-        return self.lm_head(x).float()
+        return self.lm_head(self._norm(hidden, a.final_norm)).float()
 
     # -- masks -------------------------------------------------------------
     def _mask(
@@ -202,7 +210,7 @@ class Engine:
             lin = self._lin[l]
             if l not in skip_attn:
                 # 1) attention sublayer
-                x = F.rms_norm(h, (h.shape[-1],), w.attn_norm, eps)
+                x = self._norm(h, w.attn_norm)
                 qkv = lin["qkv"](x)  # (T, (Hq + 2Hkv) D)
                 qk = qkv[:, :qkw].view(t, hq + hkv, d)
                 v = qkv[:, qkw:].view(t, hkv, d)
@@ -229,7 +237,7 @@ class Engine:
                 cosines.append(h.new_ones((), dtype=torch.float32))
             if l not in skip_mlp:
                 # 2) MLP sublayer
-                x = F.rms_norm(h, (h.shape[-1],), w.mlp_norm, eps)
+                x = self._norm(h, w.mlp_norm)
                 gate, up = lin["gate_up"](x).chunk(2, dim=-1)
                 h = h + lin["down"](F.silu(gate) * up)
             if l in output_hidden:

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace {
@@ -176,7 +177,43 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
   return out;
 }
 
+// RMSNorm of float32 rows: y = (x * rsqrt(mean(x^2) + eps)) * w, as Llama's RMSNorm orders it.
+// One call per norm instead of aten's five-op path (about 40 us a call at one row here,
+// 2.5 ms of a 28 ms step). Row-wise, so batch-invariant like linear().
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "rms_norm: x must be 2-D float32");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kFloat32 && w.size(0) == x.size(1), "rms_norm: bad weight");
+  torch::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t rows = xc.size(0), h = xc.size(1);
+  auto y = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * h;
+    float* yr = yp + r * h;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= h; i += 8) {
+      __m256 v = _mm256_loadu_ps(xr + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; i < h; ++i) ss += xr[i] * xr[i];
+    const float scale = 1.0f / std::sqrt(ss / float(h) + float(eps));
+    const __m256 sv = _mm256_set1_ps(scale);
+    i = 0;
+    for (; i + 8 <= h; i += 8)
+      _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), sv), _mm256_loadu_ps(wp + i)));
+    for (; i < h; ++i) yr[i] = (xr[i] * scale) * wp[i];
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("pack", &pack, "repack a (N, K) weight into 4x8 blocks");
   m.def("linear", &linear, "y = x W^T (+ b) for a few rows, batch-invariant");
 }
