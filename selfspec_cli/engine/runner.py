@@ -99,7 +99,7 @@ class Engine:
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim: the kernel's one-call version for float32 decode rows,
         else ``F.rms_norm``."""
-        if self._norm_kernel is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= kernels.MAX_ROWS:
+        if self._norm_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
             return self._norm_kernel(x, w, self.adapter.rms_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.adapter.rms_eps)
 
