@@ -114,7 +114,7 @@ def profile(
     if plots:
         prof.verify_cost_plot(result, output_dir / "verify_cost.png")
         if red is not None:
-            prof.redundancy_plot(red, output_dir / "redundancy.png", title=model_name(mdl))
+            prof.redundancy_plot(red, output_dir / "redundancy.png", title=Path(model_name(mdl)).name)
     err_console.print(_table(result))
     log(f"wrote {output_dir / 'profile.json'}")
     keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
