@@ -1,0 +1,131 @@
+"""Does Self-SD calibration's objective rank skip sets the same way under load as on an idle machine?
+
+The objective of ``selfspec calibrate --method self-sd`` is measured throughput, with each
+prompt's fastest of ``--repeats`` passes (default 3). This script measures a fixed list of
+candidates (plain decoding, uniform sets at several ratios, the shipped calibrated set and
+seeded random sets) three ways, interleaved candidate by candidate:
+
+1. idle, fastest of 3 passes (the reference);
+2. with a competing busy process (``python -c "while 1: pass"``), one pass;
+3. with the competitor, fastest of 3 passes (what calibrate does);
+
+and prints the rank correlation (Spearman, Kendall) of 2 and 3 against 1.
+
+    python scripts/objective_ranking.py --model pystdlib --output docs/bench/objective-ranking.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from selfspec_cli.artifacts import environment_info, load_skip_artifact, save_json_artifact
+from selfspec_cli.calibrate.data import load_calibration_prompts
+from selfspec_cli.calibrate.self_sd import measure_ar, measure_self_sd
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.engine import Engine
+from selfspec_cli.loading import load_model
+from selfspec_cli.methods.self_sd import uniform_layers
+from selfspec_cli.runtime import encode_turn, eos_token_ids
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    r = [0.0] * len(values)
+    for pos, i in enumerate(order):
+        r[i] = float(pos)
+    return r
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def kendall(a: list[float], b: list[float]) -> float:
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1)
+    return s / (n * (n - 1) / 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="pystdlib")
+    ap.add_argument("--prompts", default="examples/calibration.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=32)
+    ap.add_argument("--random-sets", type=int, default=3)
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    model, tok = load_model(args.model)
+    engine = Engine(model)
+    L = engine.num_layers
+    texts = load_calibration_prompts(args.prompts, None, "prompt", args.num_prompts, "auto")
+    ids = [encode_turn(tok, [{"role": "user", "content": t}], True) for t in texts]
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, tok))
+
+    cands: dict[str, tuple[frozenset[int], frozenset[int]] | None] = {"ar": None}
+    for r in (0.2, 0.3, 0.45, 0.6):
+        u = uniform_layers(L, r)
+        cands[f"uniform-{r:g}"] = (u, u)
+    try:
+        sa, sm, _ = load_skip_artifact(None, model)
+        cands["calibrated"] = (sa, sm)
+    except Exception as exc:  # noqa: BLE001 - a model without an artifact still gets the others
+        print(f"no calibrated set: {exc}", file=sys.stderr)
+    rng = random.Random(0)
+    for i in range(args.random_sets):
+        k = rng.randint(L // 4, L)
+        sub = [rng.randrange(2 * L) for _ in range(k)]
+        cands[f"random-{i}"] = (frozenset(s for s in sub if s < L), frozenset(s - L for s in sub if s >= L))
+
+    def run(repeats: int) -> dict[str, float]:
+        out = {}
+        for name, sets in cands.items():
+            m = measure_ar(engine, tok, ids, cfg, repeats) if sets is None else \
+                measure_self_sd(engine, tok, ids, cfg, sets[0], sets[1], repeats=repeats)
+            out[name] = m.tokens_per_s
+            print(f"  {name}: {out[name]:.1f} tok/s", file=sys.stderr, flush=True)
+        return out
+
+    print("idle, fastest of 3", file=sys.stderr)
+    idle = run(3)
+    busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+    try:
+        print("busy, 1 pass", file=sys.stderr)
+        busy1 = run(1)
+        print("busy, fastest of 3", file=sys.stderr)
+        busy3 = run(3)
+    finally:
+        busy.kill()
+    names = list(cands)
+    ref = [idle[n] for n in names]
+    result = {
+        "model": args.model, "prompts": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens,
+        "candidates": {n: {"idle_min3": idle[n], "busy_1pass": busy1[n], "busy_min3": busy3[n]} for n in names},
+        "spearman": {"busy_1pass": spearman(ref, [busy1[n] for n in names]),
+                     "busy_min3": spearman(ref, [busy3[n] for n in names])},
+        "kendall": {"busy_1pass": kendall(ref, [busy1[n] for n in names]),
+                    "busy_min3": kendall(ref, [busy3[n] for n in names])},
+        "ranking": {"idle_min3": sorted(names, key=lambda n: -idle[n]),
+                    "busy_1pass": sorted(names, key=lambda n: -busy1[n]),
+                    "busy_min3": sorted(names, key=lambda n: -busy3[n])},
+        "environment": environment_info(engine.device, engine.dtype),
+    }
+    print(json.dumps({k: result[k] for k in ("spearman", "kendall", "ranking")}, indent=1))
+    if args.output:
+        save_json_artifact(args.output, result)
+
+
+if __name__ == "__main__":
+    main()
