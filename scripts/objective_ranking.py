@@ -8,8 +8,9 @@ seeded random sets) three ways, interleaved candidate by candidate:
 1. idle, fastest of 3 passes (the reference);
 2. with a competing busy process (``python -c "while 1: pass"``), one pass;
 3. with the competitor, fastest of 3 passes (what calibrate does);
+4. idle again, fastest of 3 passes (how well an idle measurement reproduces its own ranking);
 
-and prints the rank correlation (Spearman, Kendall) of 2 and 3 against 1.
+and prints the rank correlation (Spearman, Kendall) of 2, 3 and 4 against 1.
 
     python scripts/objective_ranking.py --model pystdlib --output docs/bench/objective-ranking.json
 """
@@ -108,18 +109,21 @@ def main() -> None:
         busy3 = run(3)
     finally:
         busy.kill()
+        busy.wait()
+    print("idle again, fastest of 3", file=sys.stderr)
+    idle2 = run(3)
     names = list(cands)
     ref = [idle[n] for n in names]
     result = {
         "model": args.model, "prompts": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens,
-        "candidates": {n: {"idle_min3": idle[n], "busy_1pass": busy1[n], "busy_min3": busy3[n]} for n in names},
-        "spearman": {"busy_1pass": spearman(ref, [busy1[n] for n in names]),
-                     "busy_min3": spearman(ref, [busy3[n] for n in names])},
-        "kendall": {"busy_1pass": kendall(ref, [busy1[n] for n in names]),
-                    "busy_min3": kendall(ref, [busy3[n] for n in names])},
-        "ranking": {"idle_min3": sorted(names, key=lambda n: -idle[n]),
-                    "busy_1pass": sorted(names, key=lambda n: -busy1[n]),
-                    "busy_min3": sorted(names, key=lambda n: -busy3[n])},
+        "candidates": {n: {"idle_min3": idle[n], "busy_1pass": busy1[n], "busy_min3": busy3[n],
+                           "idle_again_min3": idle2[n]} for n in names},
+        "spearman": {k: spearman(ref, [v[n] for n in names])
+                     for k, v in (("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2))},
+        "kendall": {k: kendall(ref, [v[n] for n in names])
+                    for k, v in (("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2))},
+        "ranking": {k: sorted(names, key=lambda n: -v[n])
+                    for k, v in (("idle_min3", idle), ("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2))},
         "environment": environment_info(engine.device, engine.dtype),
     }
     print(json.dumps({k: result[k] for k in ("spearman", "kendall", "ranking")}, indent=1))
