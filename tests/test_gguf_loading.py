@@ -75,6 +75,26 @@ def test_generate_and_bench_accept_a_gguf(cache, tiny_gguf, tmp_path, capsys):
     assert json.loads((out / "results.json").read_text())["methods"]["hf"]["parity"]["parity"] == 1.0
 
 
+def test_calibrate_train_heads_and_profile_accept_a_gguf(cache, tiny_gguf, tmp_path, capsys):
+    """The other subcommands take the same file: each loads it from the cache and records the
+    converted model's fingerprint in what it writes."""
+    path, *_ = tiny_gguf
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def add(a, b):\nimport os\nclass Stack:\nfor i in range(3):\n")
+    art = tmp_path / "skip.json"
+    assert main(["calibrate", "--method", "self-sd", "--model", str(path), "-p", str(prompts), "--num-prompts", "2",
+                 "--trials", "1", "-n", "4", "--repeats", "1", "--output", str(art)]) == 0
+    fp = json.loads(art.read_text())["model_fingerprint"]
+    heads = tmp_path / "heads"
+    assert main(["train-heads", "--kind", "lm-heads", "--model", str(path), "-p", str(prompts), "--num-prompts", "4",
+                 "-n", "8", "--epochs", "1", "--layers", "0", "--output", str(heads)]) == 0
+    assert json.loads((heads / "manifest.json").read_text())["model_fingerprint"] == fp
+    assert main(["profile", "--model", str(path), "-p", str(prompts), "--rounds", "1", "--redundancy-prompts", "1",
+                 "--redundancy-tokens", "1", "--no-plots", "-o", str(tmp_path / "prof")]) == 0
+    assert json.loads((tmp_path / "prof" / "profile.json").read_text())["model_fingerprint"] == fp
+    capsys.readouterr()
+
+
 def test_not_a_gguf_file_gets_one_line(cache, tmp_path, capsys):
     bogus = tmp_path / "weights.gguf"
     bogus.write_bytes(b"not a gguf at all")
