@@ -152,7 +152,7 @@ def bench(
     output_dir: Path = typer.Option(Path("bench-out"), "--output-dir", "-o", help="Where results.json, records, answers and plots go. Refused when it holds an earlier bench run's files, unless --force."),
     force: bool = typer.Option(False, "--force", help="Delete the files an earlier bench run wrote in --output-dir (only those) before running."),
     plot: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
-    costs: bool = typer.Option(True, "--costs/--no-costs", help="Measure the engine's costs first (floor, T(1), v(k), c(r), LM head share, as `selfspec profile` does; about 10 s) and record them in results.json."),
+    costs: bool = typer.Option(True, "--costs/--no-costs", help="Measure the engine's costs first (floor, T(1), v(k), c(r), LM head share, as `selfspec profile` does, 7 rounds; about 10 s on the default model) and record them in results.json."),
     early_exit_layer: Optional[int] = typer.Option(None, "--early-exit-layer", help="hf-early-exit: layer the draft exits at (default: half the layers)."),
     assistant_model: Optional[str] = typer.Option(None, "--assistant-model", help="hf-assisted: a second model with the same tokenizer."),
     seed: int = typer.Option(0, "--seed", help="Seed of methods with random search (swift)."),
@@ -242,7 +242,7 @@ def bench(
         from ..runtime import encode_turn
 
         ids = sorted((encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts), key=len)
-        engine_costs = measure_engine_costs(engine, ids[len(ids) // 2], rounds=3)
+        engine_costs = measure_engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
         log(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
             f"T(1) {engine_costs['step_ms']:.1f} ms ({engine_costs['step_over_floor']:.2f}x floor), "
             f"v(4) {engine_costs['verify_cost']['4']:.2f}, v(8) {engine_costs['verify_cost']['8']:.2f}, "
