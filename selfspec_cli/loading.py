@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .engine.adapter import SUPPORTED_MODEL_TYPES
+from .engine.kernels import cache_root
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,8 +82,6 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", 
 def model_cache_dir() -> Path:
     """Where converted GGUF models live: ``$SELFSPEC_CACHE/models``, by default
     ``${XDG_CACHE_HOME:-~/.cache}/selfspec/models``."""
-    from .engine.kernels import cache_root
-
     return cache_root() / "models"
 
 

@@ -86,6 +86,8 @@ def test_engine_logits_with_and_without_kernel(arch):
         c2 = eng.new_cache(32)
         plain = eng.forward(c2, ids[:8], positions=0, logits_rows=slice(None)).logits
     assert float((fast - plain).abs().max()) < 1e-3
+    c4 = eng.new_cache(32)  # the block is left with the kernel back in place
+    assert torch.equal(eng.forward(c4, ids[:8], positions=0, logits_rows=slice(None)).logits, fast)
     # a k-row verify forward equals k one-row steps bit for bit (batch invariance through the whole stack)
     c3 = eng.new_cache(32)
     eng.forward(c3, ids[:4], positions=0)
@@ -95,9 +97,14 @@ def test_engine_logits_with_and_without_kernel(arch):
     assert float((many - ones).abs().max()) < 1e-5
 
 
-def test_engine_without_kernel_reports_why():
+def test_engine_without_kernel_reports_why(monkeypatch):
     eng = Engine(make_tiny_model("llama-gqa"), fast_kernels=False)
-    assert eng.kernel_info["backend"] == "torch" and eng.kernel_info["reason"]
+    assert eng.kernel_info == {"backend": "torch", "reason": "fast_kernels=False", "load_s": None,
+                               "pack_s": eng.kernel_info["pack_s"]}
+    monkeypatch.setenv("SELFSPEC_KERNELS", "0")
+    eng = Engine(make_tiny_model("llama-gqa"))
+    assert eng.kernel_info["backend"] == "torch" and "SELFSPEC_KERNELS" in eng.kernel_info["reason"]
+    assert all(lin.packed is None for lin in eng._lin[0].values()) and eng.lm_head.packed is None
 
 
 @needs_kernel

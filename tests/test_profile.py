@@ -54,6 +54,23 @@ def test_profile_bad_inputs(capsys, tiny_model_dir, tmp_path):
     assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(f)], "is a file")
 
 
+def test_verify_cost_uses_k_rows_even_for_a_short_prompt(monkeypatch):
+    """v(k) must time forwards of exactly k rows, also when the context prompt is shorter than 16."""
+    eng = Engine(make_tiny_model("llama-gqa", layers=2))
+    seen: list[int] = []
+    forward = eng.forward
+
+    def spy(cache, input_ids=None, **kw):
+        if kw.get("logits_rows") == slice(None):
+            seen.append(int(input_ids.shape[0]))
+        return forward(cache, input_ids, **kw)
+
+    monkeypatch.setattr(eng, "forward", spy)
+    costs = prof.measure_costs(eng, [5, 17, 42], rounds=1)
+    assert sorted(set(seen)) == list(range(1, 17))
+    assert sorted(int(k) for k in costs["verify_cost"]) == list(range(1, 17))
+
+
 def test_redundancy_map_matches_direct_computation():
     """Agreement of a single skipped sublayer, recomputed by hand: full-model greedy
     continuation, and for each step a one-row draft over the full model's KV."""

@@ -82,7 +82,8 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``."""
     ctx = len(prompt_ids)
     cache = _prefill(engine, prompt_ids, max(rows))
-    toks = torch.tensor(list(prompt_ids[-max(rows):]) * 2, device=engine.device)[: max(rows)]
+    # real tokens for the k-row forwards, the prompt's tail repeated when it is shorter than max(rows)
+    toks = torch.tensor(list(prompt_ids) * -(-max(rows) // len(prompt_ids)), device=engine.device)[-max(rows):]
     L = engine.num_layers
     draft_sets = {r: uniform_layers(L, r) for r in ratios}
     head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)

@@ -68,7 +68,10 @@ class Engine:
         self._grow_rope(max(256, min(a.max_positions, 4096)))
         # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
         t0 = time.perf_counter()
-        module = kernels.load_extension() if fast_kernels and kernels.unavailable_reason(self.device) is None else None
+        reason = kernels.unavailable_reason(self.device) if fast_kernels else "fast_kernels=False"
+        module = kernels.load_extension() if reason is None else None
+        if reason is None and module is None:
+            reason = kernels.status()["reason"]  # the build failed
         self._lin: list[dict[str, kernels.Linear]] = [
             {"qkv": kernels.Linear.make(w.w_qkv, w.b_qkv, module), "o": kernels.Linear.make(w.w_o, w.b_o, module),
              "gate_up": kernels.Linear.make(w.w_gate_up, w.b_gate_up, module),
@@ -77,15 +80,9 @@ class Engine:
         ]
         self.lm_head = kernels.Linear.make(a.lm_head, None, module)
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
-        self._plain = ([{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in self._lin],
-                       kernels.Linear.make(a.lm_head, None, None))
-        self.kernel_info = {**kernels.status(), "pack_s": round(time.perf_counter() - t0, 3)}
-        if module is None:
-            self.kernel_info["backend"] = "torch"
-            if not fast_kernels:
-                self.kernel_info["reason"] = "fast_kernels=False"
-            elif self.kernel_info.get("reason") is None:
-                self.kernel_info["reason"] = kernels.unavailable_reason(self.device)
+        self.kernel_info = {"backend": "torch" if module is None else "small_gemm", "reason": reason,
+                            "load_s": kernels.status()["load_s"] if module is not None else None,
+                            "pack_s": round(time.perf_counter() - t0, 3)}
 
     # -- setup -------------------------------------------------------------
     def _grow_rope(self, length: int) -> None:
@@ -97,8 +94,8 @@ class Engine:
         self._rope_len = length
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dim: the kernel's one-call version for float32 decode rows,
-        else ``F.rms_norm``."""
+        """RMSNorm over the last dim: the kernel's one-call version for float32 rows, else
+        ``F.rms_norm``."""
         if self._norm_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
             return self._norm_kernel(x, w, self.adapter.rms_eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.adapter.rms_eps)
@@ -107,7 +104,8 @@ class Engine:
     def plain_linear(self) -> Iterator[None]:
         """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
         saved = self._lin, self.lm_head, self._norm_kernel
-        self._lin, self.lm_head = self._plain
+        self._lin = [{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in saved[0]]
+        self.lm_head = kernels.Linear.make(self.adapter.lm_head, None, None)
         self._norm_kernel = None
         try:
             yield
