@@ -25,7 +25,7 @@ from selfspec_cli.artifacts import environment_info, save_json_artifact
 from selfspec_cli.bench.suites import load_suite
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
-from selfspec_cli.methods.factory import build_method
+from selfspec_cli.methods import build
 from selfspec_cli.runtime import encode_turn, eos_token_ids, run_prompt
 
 
@@ -67,7 +67,7 @@ def main() -> int:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, tok))
     results = {}
     for name in args.methods.split(","):
-        meth = build_method(name, engine, tok)
+        meth = build(name, engine, tok)
         same, differing, t1 = 0, [], time.perf_counter()
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, torch.device("cpu"), name)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec_cli.artifacts import environment_info, load_skip_artifact, save_json_artifact
+from selfspec_cli.artifacts import SkipSet, environment_info, save_json_artifact
 from selfspec_cli.calibrate.data import load_calibration_prompts
 from selfspec_cli.calibrate.self_sd import measure_ar, measure_self_sd
 from selfspec_cli.config import GenerationConfig
@@ -80,7 +80,8 @@ def main() -> None:
         u = uniform_layers(L, r)
         cands[f"uniform-{r:g}"] = (u, u)
     try:
-        sa, sm, _ = load_skip_artifact(None, model)
+        skip = SkipSet.load(None, model)
+        sa, sm = skip.attn, skip.mlp
         cands["calibrated"] = (sa, sm)
     except Exception as exc:  # noqa: BLE001 - a model without an artifact still gets the others
         print(f"no calibrated set: {exc}", file=sys.stderr)

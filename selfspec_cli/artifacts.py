@@ -32,6 +32,7 @@ import re
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -277,43 +278,73 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def load_skip_artifact(
-    path: str | os.PathLike | None, model: torch.nn.Module
-) -> tuple[frozenset[int], frozenset[int], dict[str, Any]]:
-    """Load a Self-SD skip set for ``model``: ``(skip_attn, skip_mlp, manifest)``.
+@dataclass(frozen=True)
+class SkipSet:
+    """A layer-skip set (0-based attention and MLP sublayers to skip) and its one on-disk
+    schema (``kind: "self-sd-layers"``, see the module docstring). ``manifest`` keeps the
+    file's other fields (objective, search, environment) when it was loaded."""
 
-    ``path`` None means the default: the user's fingerprint-keyed artifact, else the
-    shipped one (:func:`find_default_artifact`). Raises :class:`ArtifactError` when the
-    file is missing, malformed, of another kind, or made for another model.
-    """
-    if path is None:
-        found, looked = find_default_artifact("self-sd", model, ".json")
-        if found is None:
+    attn: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+    manifest: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attn", frozenset(int(i) for i in self.attn))
+        object.__setattr__(self, "mlp", frozenset(int(i) for i in self.mlp))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None, model: torch.nn.Module) -> SkipSet:
+        """The skip set for ``model`` at ``path``; None means the default: the user's
+        fingerprint-keyed artifact, else the shipped one (:func:`find_default_artifact`).
+        Raises :class:`ArtifactError` when the file is missing, malformed, of another
+        kind, or made for another model."""
+        if path is None:
+            found, looked = find_default_artifact("self-sd", model, ".json")
+            if found is None:
+                raise ArtifactError(
+                    f"no Self-SD skip-set artifact for this model (looked for {looked[0]} and {looked[1]}); "
+                    f"create it with `{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
+            p = found
+        else:
+            p = Path(path)
+        cmd = calibrate_command(model, p)
+        manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
+        kind = manifest.get("kind")
+        if kind != SKIP_KIND:
             raise ArtifactError(
-                f"no Self-SD skip-set artifact for this model (looked for {looked[0]} and {looked[1]}); "
-                f"create it with `{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
-        p = found
-    else:
-        p = Path(path)
-    cmd = calibrate_command(model, p)
-    manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
-    kind = manifest.get("kind")
-    if kind != SKIP_KIND:
-        raise ArtifactError(
-            f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); pass a file made by `{cmd}`"
-        )
-    _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
-    num_layers = int(model.config.num_hidden_layers)
-    sets = []
-    for key in ("skip_attn", "skip_mlp"):
-        ids = manifest.get(key)
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ArtifactError(f"'{p}': field '{key}' must be a list of layer ids; recalibrate with `{cmd}`")
-        bad = sorted(i for i in ids if not 0 <= i < num_layers)
-        if bad:
-            raise ArtifactError(f"'{p}': {key} ids {bad} are out of range for a {num_layers}-layer model; recalibrate with `{cmd}`")
-        sets.append(frozenset(ids))
-    return sets[0], sets[1], manifest
+                f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); pass a file made by `{cmd}`"
+            )
+        _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
+        num_layers = int(model.config.num_hidden_layers)
+        sets = []
+        for key in ("skip_attn", "skip_mlp"):
+            ids = manifest.get(key)
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ArtifactError(f"'{p}': field '{key}' must be a list of layer ids; recalibrate with `{cmd}`")
+            bad = sorted(i for i in ids if not 0 <= i < num_layers)
+            if bad:
+                raise ArtifactError(f"'{p}': {key} ids {bad} are out of range for a {num_layers}-layer model; recalibrate with `{cmd}`")
+            sets.append(frozenset(ids))
+        return cls(sets[0], sets[1], manifest)
+
+    def to_manifest(self, model: torch.nn.Module, *, objective: Mapping[str, Any], trials: int,
+                    search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+        """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""
+        return {
+            "kind": SKIP_KIND,
+            "format_version": FORMAT_VERSION,
+            "model_fingerprint": loading.model_fingerprint(model),
+            "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
+            "num_layers": int(model.config.num_hidden_layers),
+            "skip_attn": sorted(self.attn),
+            "skip_mlp": sorted(self.mlp),
+            "objective": dict(objective),
+            "trials": trials,
+            **extra,
+            "search": dict(search),
+            "environment": dict(environment),
+            "created": now_iso(),
+        }
 
 
 # ---------------------------------------------------------------- tensors artifacts (safetensors)

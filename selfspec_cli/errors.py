@@ -24,3 +24,13 @@ class ConfigError(SelfSpecError):
 
 class ArtifactError(SelfSpecError):
     """A saved artifact (skip set, trained heads, ...) is missing, corrupt, or made for another model."""
+
+
+class FieldError(ConfigError):
+    """A configuration field has a bad value. The message names the field (``field``), so
+    a front end can name its own option instead (the CLI names the flag)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+        self.detail = message

@@ -17,7 +17,7 @@ from selfspec_cli.cli.bench import _table
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding.loop import DecodeResult, DecodeStats
 from selfspec_cli.engine import Engine
-from selfspec_cli.methods.factory import build_method
+from selfspec_cli.methods import build
 from selfspec_cli.prompts import Prompt
 
 from .conftest import make_tiny_model
@@ -145,7 +145,7 @@ class _Tok:
 def test_injected_wrong_token_drops_the_parity_column(tiny):
     model, engine = tiny
     cfg = GenerationConfig(max_new_tokens=8)
-    ar = build_method("ar", engine, None)
+    ar = build("ar", engine, None)
 
     def corrupt(prompt_ids, cfg):
         res = ar.generate(prompt_ids, cfg)
@@ -180,7 +180,7 @@ def test_injected_wrong_token_drops_the_parity_column(tiny):
 @pytest.mark.parametrize("peer", ["hf-pld", "hf-early-exit"])
 def test_hf_assisted_peers_match_greedy_and_report_steps(tiny, peer):
     model, engine = tiny
-    ar = build_method("ar", engine, None)
+    ar = build("ar", engine, None)
     p = make_peer(peer, model)
     cfg = GenerationConfig(max_new_tokens=20, eos_token_ids=())
     # a repetitive prompt gives prompt lookup something to match
@@ -198,7 +198,7 @@ def test_hf_assisted_peers_match_greedy_and_report_steps(tiny, peer):
 def test_hf_assisted_peer_with_a_second_model(tiny):
     model, engine = tiny
     draft = make_tiny_model("llama-gqa", seed=1, layers=2)  # same vocabulary, different weights
-    ar = build_method("ar", engine, None)
+    ar = build("ar", engine, None)
     p = make_peer("hf-assisted", model, assistant=draft)
     cfg = GenerationConfig(max_new_tokens=16, eos_token_ids=())
     prompt = [5, 6, 7, 8, 9, 10]

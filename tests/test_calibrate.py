@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from selfspec_cli import artifacts, loading
-from selfspec_cli.artifacts import (default_skip_artifact_path, load_skip_artifact, load_tensors_artifact,
+from selfspec_cli.artifacts import (SkipSet, default_skip_artifact_path, load_tensors_artifact,
                                     save_json_artifact, save_tensors_artifact)
 from selfspec_cli.calibrate.data import prompts_from_dataset
 from selfspec_cli.calibrate.self_sd import seed_points, uniform_layers
@@ -252,13 +252,14 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
 def test_load_skip_artifact_same_model(calibrated, tiny_model):
     out, summary = calibrated
     model, tok = tiny_model
-    attn, mlp, man = load_skip_artifact(out, model)
+    s = SkipSet.load(out, model)
+    attn, mlp, man = s.attn, s.mlp, s.manifest
     assert attn == frozenset(summary["skip_attn"]) and mlp == frozenset(summary["skip_mlp"])
     assert man["kind"] == "self-sd-layers"
     eng = Engine(model)
     ids = tok(PROMPTS[0])["input_ids"]
     cfg = GenerationConfig(max_new_tokens=12)
-    assert SelfSD(eng, tok, skip_attn=attn, skip_mlp=mlp).generate(ids, cfg).token_ids == AR(eng, tok).generate(ids, cfg).token_ids
+    assert SelfSD(eng, tok, skip=SkipSet(attn, mlp)).generate(ids, cfg).token_ids == AR(eng, tok).generate(ids, cfg).token_ids
 
 
 def test_load_skip_artifact_other_model(calibrated, tiny_tokenizer, tmp_path, tiny_model, tiny_model_dir):
@@ -270,7 +271,7 @@ def test_load_skip_artifact_other_model(calibrated, tiny_tokenizer, tmp_path, ti
     fp_other, fp_ours = model_fingerprint(other), model_fingerprint(tiny_model[0])
     assert fp_other != fp_ours
     with pytest.raises(ArtifactError) as ei:
-        load_skip_artifact(out, other)
+        SkipSet.load(out, other)
     msg = str(ei.value)
     assert "made for another model" in msg and fp_ours in msg and fp_other in msg
     assert "selfspec calibrate --method self-sd --model" in msg and str(other_dir) in msg
@@ -278,13 +279,13 @@ def test_load_skip_artifact_other_model(calibrated, tiny_tokenizer, tmp_path, ti
     # the same checkpoint in another dtype is the same model: the artifact loads
     bf16, _ = load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu")
     assert model_fingerprint(bf16) == fp_ours
-    load_skip_artifact(out, bf16)
+    SkipSet.load(out, bf16)
 
 
 def test_missing_artifact_names_the_command(tiny_model, tmp_path, monkeypatch):
     model, _ = tiny_model
     with pytest.raises(ArtifactError) as ei:
-        load_skip_artifact(tmp_path / "nope.json", model)
+        SkipSet.load(tmp_path / "nope.json", model)
     msg = str(ei.value)
     assert "does not exist" in msg and "nope.json" in msg
     assert "selfspec calibrate --method self-sd --model" in msg and f"--output {tmp_path / 'nope.json'}" in msg
@@ -295,7 +296,7 @@ def test_missing_artifact_names_the_command(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "ARTIFACTS_DIR", tmp_path / "arts")
     shipped = tmp_path / "arts" / "self-sd" / f"{Path(model.config.name_or_path).name}.json"
     with pytest.raises(ArtifactError) as ei:
-        load_skip_artifact(None, model)
+        SkipSet.load(None, model)
     msg = str(ei.value)
     assert str(expected) in msg and str(shipped) in msg and "--output" not in msg  # both places looked, in order
     assert msg.index(str(expected)) < msg.index(str(shipped))
@@ -315,19 +316,19 @@ def test_bad_artifacts(tiny_model, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ArtifactError, match="not valid JSON.*selfspec calibrate"):
-        load_skip_artifact(bad, model)
+        SkipSet.load(bad, model)
     save_json_artifact(bad, {"kind": "specee-heads", "model_fingerprint": fp})
     with pytest.raises(ArtifactError, match="'specee-heads' artifact, not a Self-SD skip set"):
-        load_skip_artifact(bad, model)
+        SkipSet.load(bad, model)
     save_json_artifact(bad, ["a list"])
     with pytest.raises(ArtifactError, match="not a JSON object"):
-        load_skip_artifact(bad, model)
+        SkipSet.load(bad, model)
     save_json_artifact(bad, {"kind": "self-sd-layers", "model_fingerprint": fp, "skip_attn": [1, 9], "skip_mlp": []})
     with pytest.raises(ArtifactError, match=r"\[9\] are out of range"):
-        load_skip_artifact(bad, model)
+        SkipSet.load(bad, model)
     save_json_artifact(bad, {"kind": "self-sd-layers", "model_fingerprint": fp, "skip_attn": "1,2", "skip_mlp": []})
     with pytest.raises(ArtifactError, match="'skip_attn' must be a list"):
-        load_skip_artifact(bad, model)
+        SkipSet.load(bad, model)
 
 
 # ---------------------------------------------------------------- atomic writes and tensors artifacts

@@ -11,7 +11,7 @@ from selfspec_cli.decoding.loop import TokenSink
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError
-from selfspec_cli.methods import AR, METHODS
+from selfspec_cli.methods import AR, METHODS, Method
 
 from .conftest import ARCHS, VOCAB, make_tiny_model
 
@@ -150,8 +150,12 @@ def test_token_sink_truncates_bursts():
     assert sink.tokens == [1, 2, 3, 9]
     sink = TokenSink(GenerationConfig(max_new_tokens=3))
     assert sink.push([1, 2, 3, 4]) == 3 and sink.finish_reason == "length"
+    # ignore_eos: the EOS id is an ordinary token; only the length limit ends generation
     sink = TokenSink(GenerationConfig(max_new_tokens=5, eos_token_ids=(9,), ignore_eos=True))
-    sink.push([9, 9]) and not sink.done
+    assert sink.push([9, 9]) == 2 and not sink.done and sink.finish_reason is None
+    assert sink.push([9, 1, 9, 9]) == 3 and sink.finish_reason == "length"
+    assert sink.tokens == [9, 9, 9, 1, 9]
+    assert sink.push([9]) == 0 and sink.tokens == [9, 9, 9, 1, 9]
 
 
 def test_token_sink_stop_string(tiny_tokenizer):
@@ -170,5 +174,9 @@ def test_sampling_config_validation(kwargs):
 
 
 def test_registry_names_match_classes():
+    # the CLI's method names (README, `--method`): an empty or partial registry must fail
+    assert {"ar", "self-sd", "asd", "swift", "adadecode", "specee"} <= set(METHODS)
+    assert len(set(METHODS.values())) == len(METHODS)  # no class registered twice
     for key, cls in METHODS.items():
+        assert isinstance(cls, type) and issubclass(cls, Method) and cls is not Method
         assert cls.name == key

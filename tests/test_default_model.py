@@ -16,7 +16,7 @@ from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ModelLoadError
-from selfspec_cli.methods.factory import MethodOptions, build_method
+from selfspec_cli.methods import build
 from selfspec_cli.runtime import encode_turn, eos_token_ids
 
 try:
@@ -54,22 +54,22 @@ def test_default_model_is_smollm2_with_a_chat_template(default):
 
 
 @pytest.mark.parametrize("method,opts", [
-    ("ar", MethodOptions()),
-    ("self-sd", MethodOptions()),  # the committed calibrated skip set
-    ("asd", MethodOptions()),
-    ("swift", MethodOptions(context_window=8)),
-    ("adadecode", MethodOptions()),  # the committed heads
+    ("ar", {}),
+    ("self-sd", {}),  # the committed calibrated skip set
+    ("asd", {}),
+    ("swift", dict(context_window=8)),
+    ("adadecode", {}),  # the committed heads
 ])
 def test_lossless_methods_equal_hf_generate(default, method, opts):
     model, tok, eng, ids, cfg, want = default
-    meth = build_method(method, eng, tok, opts)
+    meth = build(method, eng, tok, **opts)
     for x, w in zip(ids, want):
         assert meth.generate(x, cfg).token_ids == w, method
 
 
 def test_specee_runs_with_its_committed_artifacts_and_says_lossy(default):
     model, tok, eng, ids, cfg, want = default
-    meth = build_method("specee", eng, tok)
+    meth = build("specee", eng, tok)
     assert not meth.lossless
     res = meth.generate(ids[0], cfg)
     assert 1 <= len(res.token_ids) <= N

@@ -7,7 +7,7 @@ from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.loading import REPO_ROOT, load_model
 from selfspec_cli.methods import AR
-from selfspec_cli.methods.factory import MethodOptions, build_method
+from selfspec_cli.methods import build
 from selfspec_cli.prompts import read_prompts
 
 from .conftest import needs_shipped_model
@@ -26,12 +26,12 @@ def shipped():
     return eng, tok, cfg, ids, [ar.generate(p, cfg).token_ids for p in ids]
 
 
-@pytest.mark.parametrize("opts", [MethodOptions(), MethodOptions(adadecode_threshold=0.75),
-                                  MethodOptions(adadecode_threshold=0.2, adadecode_max_pending=2)],
+@pytest.mark.parametrize("opts", [{}, dict(adadecode_threshold=0.75),
+                                  dict(adadecode_threshold=0.2, adadecode_max_pending=2)],
                          ids=["default", "paper-gamma", "low-gamma"])
 def test_adadecode_equals_ar_on_all_example_prompts(shipped, opts):
     eng, tok, cfg, ids, want = shipped
-    meth = build_method("adadecode", eng, tok, opts)
+    meth = build("adadecode", eng, tok, **opts)
     drafted = 0
     for p, w in zip(ids, want):
         res = meth.generate(p, cfg)
@@ -43,7 +43,7 @@ def test_adadecode_equals_ar_on_all_example_prompts(shipped, opts):
 @pytest.mark.parametrize("mode", ["empty", "deferred"])
 def test_specee_runs_out_of_the_box(shipped, mode):
     eng, tok, cfg, ids, want = shipped
-    meth = build_method("specee", eng, tok, MethodOptions(specee_kv_mode=mode, specee_eval=True))
+    meth = build("specee", eng, tok, specee_kv_mode=mode, specee_eval=True)
     res = meth.generate(ids[0], cfg)
     ev = res.stats.extra["evaluation"]
     assert not meth.lossless and len(res.token_ids) == len(want[0])
@@ -54,13 +54,13 @@ def test_specee_runs_out_of_the_box(shipped, mode):
 def test_offline_cost_is_read_from_the_committed_artifacts(shipped):
     """`selfspec bench` reports what each method's artifacts cost offline, from their manifests."""
     eng, tok, *_ = shipped
-    ada = build_method("adadecode", eng, tok, MethodOptions()).offline_info()
+    ada = build("adadecode", eng, tok).offline_info()
     assert ada["what"] == "lm-heads training" and ada["seconds"] > 0
-    spe = build_method("specee", eng, tok, MethodOptions()).offline_info()
+    spe = build("specee", eng, tok).offline_info()
     kinds = [p["what"] for p in spe["parts"]]
     assert "drafter-head training" in kinds and "exit-mlp training" in kinds
     assert spe["seconds"] == pytest.approx(sum(p["seconds"] for p in spe["parts"]), abs=0.2)
-    sd = build_method("self-sd", eng, tok, MethodOptions()).offline_info()
+    sd = build("self-sd", eng, tok).offline_info()
     assert sd["what"] == "self-sd calibration" and sd["seconds"] > 0 and sd["parts"][0]["trials"] > 0
     # inline skip sets come from no artifact: nothing to report
-    assert build_method("self-sd", eng, tok, MethodOptions(skip_attn=(3,), skip_mlp=())).offline_info() is None
+    assert build("self-sd", eng, tok, skip_attn=(3,), skip_mlp=()).offline_info() is None

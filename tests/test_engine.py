@@ -141,11 +141,14 @@ def test_skip_sets_equal_zeroed_sublayers(arch):
     eng.forward(cache, ids[:10], positions=0)
     rows = [eng.forward(cache, ids[i : i + 1], positions=i, skip_attn=skip_attn, skip_mlp=skip_mlp).logits for i in range(10, 16)]
     assert cache.lengths[1] == 10 and cache.lengths[3] == 10 and cache.lengths[0] == 16
-    # the draft attends to full-model K/V of the prefix, so compare to a mixed reference: rebuild it directly
-    mixed = eng.new_cache(32)
-    eng.forward(mixed, ids[:10], positions=0)
-    seq = [eng.forward(mixed, ids[i : i + 1], positions=i, skip_attn=skip_attn, skip_mlp=skip_mlp).logits for i in range(10, 16)]
-    assert_close(torch.cat(rows), torch.cat(seq), atol=0, rtol=0)
+    # the draft attends to full-model K/V of the prefix and to its own (skip-set) K/V of the
+    # drafted tokens: the independent reference is Hugging Face's forward of the zeroed model
+    # continuing from the full model's cache of the prefix. (Neither the zeroed model alone nor
+    # the full model alone matches: both differ from the draft rows by >= 0.1 here.)
+    with torch.no_grad():
+        past = model(ids[None, :10], use_cache=True).past_key_values
+        mixed = ref_model(ids[None, 10:], past_key_values=past).logits[0].float()
+    assert_close(torch.cat(rows), mixed, **TOL)
     cache.crop(10)
     assert cache.lengths == [10] * eng.num_layers
 

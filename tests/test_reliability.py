@@ -20,7 +20,7 @@ import pytest
 from selfspec_cli import artifacts, loading
 from selfspec_cli.artifacts import save_json_artifact
 from selfspec_cli.cli.app import main
-from selfspec_cli.heads import store
+from selfspec_cli.methods import head_store as store
 
 from .test_cli import PROMPTS, assert_user_error, gen_args, run_generate, write_jsonl, write_lines
 

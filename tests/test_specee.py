@@ -9,7 +9,7 @@ import torch
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError
-from selfspec_cli.heads.modules import NUM_FEATURES, PREDICTOR_HIDDEN, ExitPredictor, specee_features
+from selfspec_cli.methods.exit_heads import NUM_FEATURES, PREDICTOR_HIDDEN, ExitPredictor, specee_features
 from selfspec_cli.methods import AR
 from selfspec_cli.methods.specee import SpecEE, SpecEEConfig
 
@@ -33,7 +33,7 @@ def _specee(model, score=None, kv_mode="deferred", evaluate=True, layers=6):
     heads = random_heads(model, [1])
     preds = {l: (constant_predictor(score) if score is not None else random_predictor(l)) for l in range(1, layers - 1)}
     return SpecEE(Engine(model), drafter_layer=1, drafter=heads[1], predictors=preds, offline_layers=[2, 3],
-                  config=SpecEEConfig(kv_mode=kv_mode, evaluate=evaluate))
+                  config=SpecEEConfig(specee_kv_mode=kv_mode, specee_eval=evaluate))
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen3-qknorm"])
@@ -92,8 +92,8 @@ def test_specee_is_greedy_only_and_validates_mode():
     model = make_tiny_model("llama-gqa", layers=6)
     with pytest.raises(ConfigError, match="greedily"):
         _specee(model).generate(_prompt(6, 0), GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(temperature=1.0)))
-    with pytest.raises(ConfigError, match="kv-mode"):
-        SpecEEConfig(kv_mode="propagate-ish")
+    with pytest.raises(ConfigError, match="specee_kv_mode"):
+        SpecEEConfig(specee_kv_mode="propagate-ish")
 
 
 def test_features_match_between_first_and_later_layers():

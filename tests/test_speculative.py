@@ -5,12 +5,15 @@ import itertools
 
 import numpy as np
 import pytest
+
+from selfspec_cli.methods.asd import ASDConfig
 import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
-from selfspec_cli.decoding import speculative, verify
+from selfspec_cli.artifacts import SkipSet
+from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.sampling import processed_probs
-from selfspec_cli.decoding.speculative import AdaptiveThreshold, DraftConfig
+from selfspec_cli.decoding.layer_skip import AdaptiveThreshold, DraftConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError
 from selfspec_cli.methods import AR
@@ -30,7 +33,7 @@ def test_self_sd_greedy_equals_ar(arch, tree):
     model = make_tiny_model(arch, layers=6)
     eng = Engine(model)
     ar = AR(eng)
-    sd = SelfSD(eng, skip_attn=[1, 3], skip_mlp=[2, 4], draft=DraftConfig(max_draft=6, threshold=0.3, tree=tree))
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=6, threshold=0.3, tree=tree))
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2)]:
         prompt = _prompt(6, seed)
         cfg = GenerationConfig(max_new_tokens=n)
@@ -53,16 +56,16 @@ def test_tree_node_cap_bounds_every_tree_and_keeps_parity(cap, monkeypatch):
     # low threshold and wide top-k: without the cap these trees hold up to 6 x 4 nodes
     dc = DraftConfig(max_draft=6, threshold=0.0, adaptive=False, tree=True,
                      tree_topk=((1.0, 4),), tree_max_nodes=cap)
-    sd = SelfSD(eng, skip_attn=[1, 3], skip_mlp=[2, 4], draft=dc)
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=dc)
     sizes: list[int] = []
-    orig = SelfSD._draft
+    orig = SelfSD.propose
 
     def spy(self, ctx, budget):
         d = orig(self, ctx, budget)
         sizes.append(len(d.tokens))
         return d
 
-    monkeypatch.setattr(SelfSD, "_draft", spy)
+    monkeypatch.setattr(SelfSD, "propose", spy)
     res = sd.generate(prompt, want_cfg)
     assert res.token_ids == want
     assert sizes and max(sizes) <= cap
@@ -76,7 +79,7 @@ def test_self_sd_respects_eos_inside_an_accepted_burst():
     free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
     eos = free[9]
     cfg = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,))
-    sd = SelfSD(eng, skip_attn=[3], skip_mlp=[], draft=DraftConfig(max_draft=8, threshold=0.0))
+    sd = SelfSD(eng, skip=SkipSet([3], []), draft=DraftConfig(max_draft=8, threshold=0.0))
     res = sd.generate(prompt, cfg)
     assert res.token_ids == free[: free.index(eos) + 1] and res.finish_reason == "eos"
 
@@ -84,9 +87,9 @@ def test_self_sd_respects_eos_inside_an_accepted_burst():
 def test_skip_sets_out_of_range_rejected():
     eng = Engine(make_tiny_model("llama-gqa"))
     with pytest.raises(ConfigError, match="out of range"):
-        SelfSD(eng, skip_attn=[4], skip_mlp=[])
+        SelfSD(eng, skip=SkipSet([4], []))
     with pytest.raises(ConfigError, match="out of range"):
-        SelfSD(eng, skip_attn=[], skip_mlp=[-1])
+        SelfSD(eng, skip=SkipSet([], [-1]))
 
 
 def test_verify_rules_on_hand_built_logits():
@@ -121,8 +124,12 @@ def test_adaptive_threshold_moves_toward_target():
 
 
 # --- sampling: the joint law of generated tokens 2 and 3 must be the target's -----------
+# Every sample decodes 6 tokens, so the first round after the prefill has a draft budget
+# of 4 (at most max_draft): tokens 2 and 3 come from accepted drafts, rejections at index
+# 0 or 1, or bonus tokens, depending on the path.
 
 SMALL_VOCAB = 40
+PAIR_RUN = 6  # tokens decoded per sample: a draft budget of 4 in the first round
 SAMPLING = SamplingConfig(temperature=1.0, top_k=25, top_p=0.95)
 
 
@@ -142,7 +149,7 @@ def _exact_pair_law(model, prompt: list[int]) -> np.ndarray:
 def _pair_samples(method, prompt: list[int], n: int) -> list[int]:
     out = []
     for s in range(n):
-        cfg = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, s))
+        cfg = GenerationConfig(max_new_tokens=PAIR_RUN, sampling=SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, s))
         t = method.generate(prompt, cfg).token_ids
         out.append(t[1] * SMALL_VOCAB + t[2])
     return out
@@ -161,7 +168,7 @@ def small_vocab_setup():
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_self_sd_sampling_is_exact(small_vocab_setup, tree):
     model, prompt, law = small_vocab_setup
-    sd = SelfSD(Engine(model), skip_attn=[1, 2], skip_mlp=[2], draft=DraftConfig(max_draft=4, threshold=0.0, tree=tree))
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(max_draft=4, threshold=0.0, tree=tree))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
 
@@ -174,8 +181,8 @@ def test_sampling_test_catches_a_broken_acceptance_rule(small_vocab_setup, monke
         p = processed_probs(target_logits, cfg)
         return verify.Verdict(list(range(len(draft_tokens))), [*draft_tokens, int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen))])
 
-    monkeypatch.setattr(speculative, "verify_chain_sampling", accept_all)
-    sd = SelfSD(Engine(model), skip_attn=[1, 2], skip_mlp=[2], draft=DraftConfig(max_draft=4, threshold=0.0))
+    monkeypatch.setattr(driver, "verify_chain_sampling", accept_all)
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(max_draft=4, threshold=0.0))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
 
@@ -219,7 +226,7 @@ def test_asd_greedy_equals_ar(arch):
     model = make_tiny_model(arch, layers=8)
     eng = Engine(model)
     ar = AR(eng)
-    asd = ASD(eng, alpha=0.5, m=3, n=2)  # low alpha: random tiny models have low cosines
+    asd = ASD(eng, config=ASDConfig(asd_alpha=0.5, asd_m=3, asd_n=2))  # low alpha: random tiny models have low cosines
     for seed in range(3):
         prompt = _prompt(8, seed)
         cfg = GenerationConfig(max_new_tokens=30)
@@ -232,7 +239,7 @@ def test_asd_sampling_is_exact(small_vocab_setup):
     from selfspec_cli.methods.asd import ASD
 
     model, prompt, law = small_vocab_setup
-    asd = ASD(Engine(model), alpha=0.3, m=2, n=1, draft=DraftConfig(max_draft=4, threshold=0.0))
+    asd = ASD(Engine(model), config=ASDConfig(asd_alpha=0.3, asd_m=2, asd_n=1), draft=DraftConfig(max_draft=4, threshold=0.0))
     samples = _pair_samples(asd, prompt, 2500)
     assert asd.skip_sets()[0] or asd.skip_sets()[1]
     assert distribution_test(samples, law) > ALPHA
@@ -293,15 +300,16 @@ def test_swift_sampling_is_exact(small_vocab_setup):
 
 
 def test_swift_save_layers_loads_into_self_sd(tmp_path):
-    from selfspec_cli.artifacts import load_skip_artifact
+    from selfspec_cli.artifacts import SkipSet
 
     model = make_tiny_model("llama-gqa", layers=6)
     eng = Engine(model)
     sw = _swift(eng)
     sw.generate(_prompt(7, 0), GenerationConfig(max_new_tokens=30))
     path = sw.save_layers(tmp_path / "swift.json")
-    attn, mlp, manifest = load_skip_artifact(path, model)
+    s = SkipSet.load(path, model)
+    attn, mlp, manifest = s.attn, s.mlp, s.manifest
     assert (attn, mlp) == sw.skip_sets() and manifest["search"]["method"] == "swift"
-    sd = SelfSD(eng, skip_attn=attn, skip_mlp=mlp)
+    sd = SelfSD(eng, skip=SkipSet(attn, mlp))
     cfg = GenerationConfig(max_new_tokens=20)
     assert sd.generate(_prompt(5, 1), cfg).token_ids == AR(eng).generate(_prompt(5, 1), cfg).token_ids

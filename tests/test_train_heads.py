@@ -13,9 +13,9 @@ import torch
 from selfspec_cli import loading
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ArtifactError
-from selfspec_cli.heads import store
+from selfspec_cli.methods import head_store as store
 from selfspec_cli.heads.data import collect_on_policy
-from selfspec_cli.heads.modules import LowRankHead, head_logits, init_head
+from selfspec_cli.methods.exit_heads import LowRankHead, head_logits, init_head
 from selfspec_cli.heads.train import HeadTrainConfig, default_head_layers, train_lm_heads
 
 from .conftest import make_tiny_model

@@ -39,11 +39,12 @@ import torch
 
 from ..config import GenerationConfig
 from ..decoding.loop import DecodeResult
-from ..decoding.speculative import DraftConfig
+from ..artifacts import SkipSet
+from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..methods.ar import AR
-from ..methods.self_sd import SelfSD, uniform_layers
+from ..methods.self_sd import SelfSD, SelfSDConfig, uniform_layers
 from ..runtime import timed
 
 STUDY_NAME = "self-sd"
@@ -115,7 +116,8 @@ def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[in
                     repeats: int = 1) -> Measurement:
     """Throughput of Self-SD with this skip set. A fresh method per pass, so the
     adaptive draft threshold starts from the same value for every candidate."""
-    return measure(lambda: SelfSD(engine, tokenizer, skip_attn=skip_attn, skip_mlp=skip_mlp, draft=draft).generate,
+    conf = SelfSDConfig(max_draft=draft.max_draft, draft_threshold=draft.threshold)
+    return measure(lambda: SelfSD(engine, tokenizer, conf, SkipSet(skip_attn, skip_mlp)).generate,
                    prompt_ids, cfg, torch.device(engine.device), repeats)
 
 
@@ -483,8 +485,8 @@ def _dispose(storage: Any) -> None:
 # ---------------------------------------------------------------- the artifact
 
 
-def build_manifest(result: SelfSDCalibration, *, fingerprint: str, model_name_or_path: str, cfg: GenerationConfig,
-                   search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any], created: str) -> dict[str, Any]:
+def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: GenerationConfig,
+                   search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
     """The ``self-sd-layers`` manifest (see :mod:`selfspec_cli.artifacts`)."""
     ar = result.confirm.get("ar")
     best_c = result.confirm.get("best")
@@ -504,18 +506,9 @@ def build_manifest(result: SelfSDCalibration, *, fingerprint: str, model_name_or
         base_c = (result.baseline or {}).get("confirm")
         if base_c and base_c["tokens_per_s"]:
             objective["speedup_vs_baseline"] = round(best_c["tokens_per_s"] / base_c["tokens_per_s"], 4)
-    return {
-        "kind": "self-sd-layers",
-        "format_version": 1,
-        "model_fingerprint": fingerprint,
-        "model_name_or_path": model_name_or_path,
-        "num_layers": result.num_layers,
-        "skip_attn": sorted(result.skip_attn),
-        "skip_mlp": sorted(result.skip_mlp),
-        "objective": objective,
-        "trials": result.trials,
-        "search_time_s": result.search_time_s,
-        "search": {
+    return SkipSet(frozenset(result.skip_attn), frozenset(result.skip_mlp)).to_manifest(
+        model, objective=objective, trials=result.trials, search_time_s=result.search_time_s,
+        search={
             "sampler": search.sampler,
             "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
             "seed": search.seed,
@@ -530,6 +523,4 @@ def build_manifest(result: SelfSDCalibration, *, fingerprint: str, model_name_or
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
             "prompts": prompts,
         },
-        "environment": environment,
-        "created": created,
-    }
+        environment=environment)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import GenerationConfig
-from ..methods.specee import SpecEE, SpecEEConfig
+from ..methods.specee import SpecEE
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +52,8 @@ def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: Generation
                     on_prompt: Callable[[int, int], None] | None = None) -> ExitStatistics:
     """Decode with every predictor active (the offline set = all layers) and count exits."""
     layers = sorted(method.predictors)
-    full = SpecEE(method.engine, method.tokenizer, drafter_layer=method.k0, drafter=method.drafter,
-                  predictors=method.predictors, offline_layers=layers,
-                  config=SpecEEConfig(kv_mode=method.config.kv_mode, threshold=method.config.threshold),
-                  thresholds=method.thresholds)
+    full = SpecEE(method.engine, method.tokenizer, method.config, drafter_layer=method.k0, drafter=method.drafter,
+                  predictors=method.predictors, offline_layers=layers, thresholds=method.thresholds)
     exits = {l: 0 for l in layers}
     tokens = full_depth = 0
     for i, ids in enumerate(prompt_ids):

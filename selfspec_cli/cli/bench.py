@@ -7,10 +7,10 @@ goes to stderr; the last line on stdout is one JSON document with the headline f
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,13 +29,12 @@ from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
-from ..methods import METHODS
-from ..methods.factory import MethodOptions, build_method
+from ..methods import METHODS, Method, build, config_for
 from ..prompts import PROMPT_FORMATS, Prompt, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_not_input, err_console, invocation, log, progress
 
-# contenders that are a method with non-default options: name -> (method, MethodOptions fields, description suffix)
+# contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "specee-empty": ("specee", {"specee_kv_mode": "empty"}, " [empty KV: deeper layers never get an exited token's K/V, as in the paper]"),
 }
@@ -208,17 +207,25 @@ def bench(
     contenders: list[Contender] = []
     descriptions: dict[str, str] = {}
     offline: dict[str, dict[str, Any]] = {}
-    opts = MethodOptions(seed=seed)
+    built: dict[str, list[Method]] = {}  # the method instances of each pass, for their search histories
     for n in names:
         if n in METHODS or n in VARIANTS:
             base, extra, note = VARIANTS.get(n, (n, {}, ""))
-            o = replace(opts, **extra)
-            first = build_method(base, engine, tok, o)
-            descriptions[n] = getattr(first, "description", n) + note
+            if "seed" in {f.name for f in dataclasses.fields(METHODS[base].Config)}:
+                extra = {"seed": seed, **extra}
+            conf = config_for(base, extra)
+            first = build(base, engine, tok, conf)
+            descriptions[n] = first.description + note
             cost = first.offline_info()  # calibration / training time, from its artifacts
             if cost:
                 offline[n] = cost
-            contenders.append(Contender(n, (lambda b=base, o=o: build_method(b, engine, tok, o).generate), first.lossless))
+            built[n] = []
+
+            def make(b: str = base, c: Any = conf, n: str = n) -> Any:
+                built[n].append(build(b, engine, tok, c))
+                return built[n][-1].generate
+
+            contenders.append(Contender(n, make, first.lossless))
         else:
             peer = make_peer(n, mdl, early_exit_layer=early_exit_layer, assistant=assistant)
             descriptions[n] = PEERS[n]
@@ -286,7 +293,7 @@ def bench(
         write_jsonl(path, spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
         file_map["answers"][n] = str(path)
     if plot:
-        file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref)
+        file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref, built)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
                    reference=ref, baseline=base, files=file_map)
     doc["engine_costs"] = engine_costs
@@ -307,7 +314,7 @@ def bench(
 
 
 def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,
-           out: Path, ref: str | None) -> dict[str, str]:
+           out: Path, ref: str | None, built: dict[str, list[Method]]) -> dict[str, str]:
     made: dict[str, str] = {}
     p = plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref or "ar") if ref else None
     if p:
@@ -316,9 +323,8 @@ def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any
     p = plots.accept_length_histogram(logs, out / "accept_lengths.png")
     if p:
         made["accept_lengths"] = str(p)
-    for n, r in results.items():
-        owner = getattr(r.instances[-1], "__self__", None) if r.instances else None
-        history = getattr(owner, "history", None)
+    for n, methods in built.items():
+        history = methods[-1].search_history() if methods else None
         if history:
             p = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
                                     title=f"{n}: skipped sublayers over optimization steps (last pass)")

@@ -137,9 +137,8 @@ def calibrate(
                     "sha256": prompts_digest(prompt_ids), "chat_template": chat_template}
     if dataset is not None:
         prompts_info["dataset_field"] = dataset_field
-    manifest = build_manifest(result, fingerprint=fingerprint, model_name_or_path=model_name(mdl), cfg=cfg,
-                              search=search, prompts=prompts_info,
-                              environment=environment_info(engine.device, engine.dtype), created=now_iso())
+    manifest = build_manifest(result, model=mdl, cfg=cfg, search=search, prompts=prompts_info,
+                              environment=environment_info(engine.device, engine.dtype))
     save_json_artifact(out_path, manifest)
 
     obj = manifest["objective"]
@@ -182,7 +181,7 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
                       dtype: str, device: str, force: bool = False, prompt_format: str = "auto") -> None:
     """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
     from ..calibrate.specee import exit_statistics
-    from ..heads import store
+    from ..methods import head_store as store
 
     GenerationConfig(max_new_tokens=max_new_tokens)
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
@@ -206,7 +205,7 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     log(f"[dim]SpecEE exit statistics: {len(prompt_ids)} prompts x {max_new_tokens} tokens, every predictor on "
-        f"(layers {min(predictors)}..{max(predictors)}), kv mode {method.config.kv_mode}[/dim]")
+        f"(layers {min(predictors)}..{max(predictors)}), kv mode {method.config.specee_kv_mode}[/dim]")
     t0 = time.perf_counter()
     with progress() as bar:
         task = bar.add_task("calibrate specee", total=len(prompt_ids), info="")

@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from ..errors import ArtifactError
-from ..artifacts import environment_info, load_skip_artifact, model_name, now_iso, save_json_artifact
+from ..artifacts import SkipSet, environment_info, model_name, now_iso, save_json_artifact
 from ..bench import profile as prof
 from ..bench.suites import DEFAULT_SUITE, load_suite
 from ..engine import Engine
@@ -72,7 +72,8 @@ def profile(
     ids = [encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts]
     calibrated = None
     try:
-        sa, sm, _ = load_skip_artifact(layers, mdl)
+        skip = SkipSet.load(layers, mdl)
+        sa, sm = skip.attn, skip.mlp
         calibrated = (sa, sm)
     except ArtifactError as exc:
         if layers is not None:

@@ -14,12 +14,13 @@ from ..artifacts import environment_info, model_name
 from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..engine import Engine
 from ..errors import ConfigError
-from ..heads import store
+from ..methods import head_store as store
 from ..heads.data import collect_on_policy
 from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
                            train_lm_heads)
 from ..loading import load_model, model_fingerprint
-from ..methods.factory import parse_layer_list
+from ..errors import FieldError
+from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
 from ..artifacts import check_new_artifact
 from ..prompts import PROMPT_FORMATS
@@ -78,7 +79,10 @@ def train_heads(
     engine = Engine(mdl)
     L = engine.num_layers
     fingerprint = model_fingerprint(mdl)
-    head_layers = parse_layer_list(layers, "--layers")
+    try:
+        head_layers = layer_list(layers, "--layers")
+    except FieldError as exc:
+        raise ConfigError(str(exc)) from None
     if head_layers is not None:
         bad = [k for k in head_layers if not 0 <= k < L - 1]
         if bad or not head_layers:

@@ -1,4 +1,4 @@
-"""Bookkeeping shared by every decoding method: stopping rules and statistics.
+"""Bookkeeping of the decode driver: stopping rules and statistics.
 
 Methods produce tokens in bursts (one per step for plain decoding, several per
 verification for speculative methods). :class:`TokenSink` takes each burst and
@@ -17,13 +17,23 @@ from ..config import GenerationConfig
 
 @dataclass(slots=True)
 class DecodeStats:
-    """Per-prompt counters. One *step* is one full-depth target forward (prefill included);
-    ``accept_lengths[i]`` is the number of tokens step ``i`` added to the output."""
+    """Per-prompt counters, with one definition for every method (the driver fills them).
+
+    * a *round* is one call of the proposer and its verification (the prefill is
+      round 0); ``accept_lengths[i]`` is the number of tokens round ``i`` added to
+      the output, so their mean is M, tokens per round;
+    * ``target_forwards``: full-depth forwards of the target (prefill, verification
+      forwards, and rounds a lossy proposer ran at full depth);
+    * ``drafted_tokens``: draft positions proposed (a chain's length, a tree's depth);
+      ``accepted_draft_tokens``: drafted tokens that were accepted and kept;
+    * ``draft_rounds``: rounds that proposed at least one draft token.
+    """
 
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
-    drafted_tokens: int = 0  # draft forwards made (one chain token each; trees add siblings for free)
+    drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_rounds: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -37,6 +47,7 @@ class DecodeStats:
             out["drafted_tokens"] = self.drafted_tokens
             out["accepted_draft_tokens"] = self.accepted_draft_tokens
             out["acceptance_rate"] = self.accepted_draft_tokens / self.drafted_tokens
+            out["draft_round_share"] = self.draft_rounds / max(1, n - 1)
         out.update(self.extra)
         return out
 

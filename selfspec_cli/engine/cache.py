@@ -1,11 +1,19 @@
-"""A preallocated KV cache with per-layer lengths.
+"""A preallocated KV cache that records the sequence position of every slot.
 
-Invariant: for every layer ``l``, slots ``[0, lengths[l])`` of ``k[l]``/``v[l]`` hold
-the keys/values of sequence positions ``0 .. lengths[l]-1`` in order (after any
-rollback or tree compaction). Layers may have different lengths: a drafting round
-with a skip set writes only the layers it runs, and AdaDecode fills deep layers
-later. Nothing here copies the whole cache: ``crop`` only moves lengths, and
-``compact`` copies just the accepted slots, for all layers in one indexing op.
+Invariants, checked on every write (:meth:`KVCache.write` raises on a violation):
+
+* for every layer ``l``, slots ``[0, lengths[l])`` of ``k[l]``/``v[l]`` hold keys and
+  values in increasing position order, and ``positions[l][i]`` is the position of
+  slot ``i``;
+* a write appends rows whose positions are all greater than the layer's last stored
+  position (a chain, or a token tree whose root continues the sequence).
+
+Layers may hold different positions: a drafting round with a skip set writes only
+the layers it runs, AdaDecode fills deep layers later, and SpecEE's empty-KV mode
+never writes an exited token's deep layers (holes). Masks are therefore built from
+the stored positions, never from slot indices. Nothing here copies the whole cache:
+``crop`` only moves lengths, and ``compact`` copies just the accepted slots, for all
+layers in one indexing op.
 """
 from __future__ import annotations
 
@@ -13,6 +21,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+
+
+class CacheInvariantError(AssertionError):
+    """A write would break the position order of a layer (a bug in a caller)."""
 
 
 class KVCache:
@@ -30,7 +42,23 @@ class KVCache:
         with torch.inference_mode():
             self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S, D)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths: list[int] = [0] * num_layers
+        self.positions: list[list[int]] = [[] for _ in range(num_layers)]  # slot -> sequence position
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) for p in self.positions]
+
+    def length(self, layer: int) -> int:
+        return len(self.positions[layer])
+
+    def last_position(self, layer: int) -> int:
+        """The position of the layer's newest slot, -1 when it is empty."""
+        p = self.positions[layer]
+        return p[-1] if p else -1
+
+    def has_holes(self, layer: int) -> bool:
+        p = self.positions[layer]
+        return bool(p) and p[-1] != len(p) - 1
 
     @property
     def capacity(self) -> int:
@@ -52,23 +80,28 @@ class KVCache:
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``T`` rows (``k_new``, ``v_new``: (Hkv, T, D)) at layer ``layer``'s end and
-        return views of that layer's keys/values including them: (1, Hkv, len, D)."""
-        start = self.lengths[layer]
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+              positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``T`` rows (``k_new``, ``v_new``: (Hkv, T, D)) holding ``positions`` at the
+        layer's end and return views of its keys/values including them: (1, Hkv, len, D)."""
+        pos = self.positions[layer]
+        if pos and min(positions) <= pos[-1]:
+            raise CacheInvariantError(f"layer {layer}: rows at positions {min(positions)}.. written after position "
+                                      f"{pos[-1]}; roll the cache back first")
+        start = len(pos)
         end = start + k_new.shape[1]
-        assert end <= self.capacity, (end, self.capacity)
+        if end > self.capacity:
+            raise CacheInvariantError(f"layer {layer}: {end} slots exceed the capacity {self.capacity}")
         self.k[layer, :, start:end] = k_new
         self.v[layer, :, start:end] = v_new
-        self.lengths[layer] = end
+        pos.extend(positions)
         return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
 
     def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
-        """Roll back to at most ``length`` positions (in ``layers``, default all)."""
+        """Roll back to at most ``length`` slots (in ``layers``, default all)."""
         assert length >= 0, length
         for l in range(self.num_layers) if layers is None else layers:
-            if self.lengths[l] > length:
-                self.lengths[l] = length
+            del self.positions[l][length:]
 
     @torch.inference_mode()
     def compact(self, src_slots: Sequence[int], dst_start: int) -> None:
@@ -82,15 +115,15 @@ class KVCache:
             src = torch.tensor(slots, dtype=torch.long, device=self.k.device)
             self.k[:, :, dst_start : dst_start + n] = self.k.index_select(2, src)
             self.v[:, :, dst_start : dst_start + n] = self.v.index_select(2, src)
-        self.lengths = [dst_start + n] * self.num_layers
+        self.positions = [p[:dst_start] + [p[s] for s in slots] for p in self.positions]
 
     @contextmanager
     def scratch(self, length: int, rows: int) -> Iterator[KVCache]:
-        """Temporarily roll every layer back to ``length`` so that a side computation
+        """Temporarily roll every layer back to ``length`` slots so that a side computation
         (SWIFT's teacher-forced scoring of a candidate skip set) can write ``rows`` new
-        positions there; on exit the overwritten slots and all lengths are restored.
+        slots there; on exit the overwritten slots and all positions are restored.
         Costs a copy of ``rows`` slots, never of the whole cache."""
-        saved_lengths = list(self.lengths)
+        saved = [list(p) for p in self.positions]
         self.ensure_capacity(length + rows)
         with torch.inference_mode():
             k_saved = self.k[:, :, length : length + rows].clone()
@@ -102,4 +135,4 @@ class KVCache:
             with torch.inference_mode():
                 self.k[:, :, length : length + rows] = k_saved
                 self.v[:, :, length : length + rows] = v_saved
-            self.lengths = saved_lengths
+            self.positions = saved

@@ -13,9 +13,11 @@ range of layers ``[start, end)``:
   call that stopped at ``start`` (AdaDecode's deferred layers);
 * ``skip_attn``/``skip_mlp`` remove sublayers: a skipped sublayer adds nothing to
   the residual stream and a skipped attention writes no K/V;
-* each layer ``l`` appends its K/V at its own cache length ``cache.lengths[l]``
-  and attends to everything before it plus the new rows, causally for a chain or
-  through ``tree_mask`` for a token tree;
+* each layer ``l`` appends its K/V after its own newest slot and attends to
+  everything cached before it plus the new rows, causally for a chain or through
+  ``tree_mask`` for a token tree; the cache records each slot's position and
+  refuses rows that do not come after the layer's newest position, and sliding
+  windows are cut by stored positions (so layers with holes stay right);
 * ``positions`` are the rotary positions of the new rows: an int ``p`` means the
   chain ``p, p+1, ...``; a tensor gives explicit ids (trees);
 * hidden states (residual stream after layer ``l``) are returned for the layers in
@@ -127,14 +129,16 @@ class Engine:
     # -- masks -------------------------------------------------------------
     def _mask(
         self,
-        past: int,
-        q_pos: torch.Tensor | None,
+        k_positions: list[int],
+        q_pos: torch.Tensor,
         t: int,
         tree_mask: torch.Tensor | None,
         window: int | None,
     ) -> torch.Tensor | None:
-        """Additive mask (1, 1, T, past + T), or None when plain causal attention over
-        everything cached is right (single row, no window cut)."""
+        """Additive mask (1, 1, T, past + T), or None when plain attention over
+        everything cached is right (single row, no window cut). ``k_positions``: the
+        stored positions of the layer's cached slots (they may have holes)."""
+        past = len(k_positions)
         total = past + t
         if tree_mask is None and (window is None or total <= window):
             if t == 1:
@@ -145,8 +149,7 @@ class Engine:
         else:
             allowed[:, past:] = tree_mask
         if window is not None and total > window:
-            # key positions: cached slots hold positions 0..past-1; new rows hold q_pos
-            k_pos = torch.cat([torch.arange(past, device=self.device), q_pos])
+            k_pos = torch.cat([torch.tensor(k_positions, dtype=torch.long, device=self.device), q_pos])
             allowed &= (q_pos[:, None] - k_pos[None, :]) < window
         mask = torch.zeros(t, total, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, self._neg)
@@ -187,9 +190,11 @@ class Engine:
             cos = self._cos[positions : positions + t]
             sin = self._sin_signed[positions : positions + t]
             q_pos = None
+            q_list: list[int] = list(range(positions, positions + t))
         else:
             q_pos = positions
-            need = int(positions.max()) + 1
+            q_list = positions.tolist()
+            need = max(q_list) + 1
             if need > self._rope_len:
                 self._grow_rope(max(2 * self._rope_len, need))
             cos = self._cos[positions]
@@ -199,8 +204,8 @@ class Engine:
         hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
         eps = a.rms_eps
         hidden_at: dict[int, torch.Tensor] = {}
-        masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
-        cache.ensure_capacity(max(cache.lengths[start:end], default=0) + t)
+        masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
+        cache.ensure_capacity(max((cache.length(l) for l in range(start, end)), default=0) + t)
         cosines: list[torch.Tensor] = []
 
         for l in range(start, end):
@@ -216,15 +221,17 @@ class Engine:
                     qk = F.rms_norm(qk, (d,), None, eps) * w.qk_norm
                 qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
                 q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
-                past = cache.lengths[l]
-                keys, values = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1))
+                past = cache.length(l)
+                # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
+                key = (past, cache.last_position(l), w.sliding_window,
+                       l if w.sliding_window is not None and cache.has_holes(l) else -1)
+                keys, values = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list)
                 if q_pos is None and past == 0 and tree_mask is None and (w.sliding_window is None or t <= w.sliding_window):
                     o = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, enable_gqa=self._gqa)
                 else:
-                    key = (past, w.sliding_window)
                     if key not in masks:
-                        qp = q_pos if q_pos is not None else torch.arange(past, past + t, device=self.device)
-                        masks[key] = self._mask(past, qp, t, tree_mask, w.sliding_window)
+                        qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
+                        masks[key] = self._mask(cache.positions[l][:past], qp, t, tree_mask, w.sliding_window)
                     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[key], enable_gqa=self._gqa)
                 o = o[0].transpose(0, 1).reshape(t, hq * d)
                 h_in = h

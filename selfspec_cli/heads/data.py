@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ..engine import Engine
+from typing import Any
+
+from ..config import GenerationConfig
+from ..decoding.state import DecodeState
+from ..decoding.verify import Verdict
+from ..engine import Engine, ForwardOutput
+from ..methods.ar import AR
 from ..errors import ArtifactError
 from ..paths import user_cache_dir
 
@@ -80,27 +86,36 @@ def collection_key(fingerprint: str, prompt_ids: list[list[int]], max_new_tokens
     return hashlib.sha256(blob).hexdigest()[:20]
 
 
-@torch.inference_mode()
+class _HiddenRecorder(AR):
+    """Plain greedy decoding through the driver that keeps, for each round's input row,
+    the residual stream after every layer and the token the model picked."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.layers = range(engine.num_layers)
+        self.rows: list[torch.Tensor] = []
+        self.targets: list[int] = []
+
+    def verify_options(self) -> dict[str, Any]:
+        return {"output_hidden": self.layers}
+
+    def _take(self, out: ForwardOutput, token: int) -> None:
+        self.rows.append(torch.stack([out.hidden_at[l][-1] for l in self.layers]).float().cpu())  # (L, d)
+        self.targets.append(token)
+
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self._take(prefill, state.pending)
+
+    def update(self, state: DecodeState, draft: Any, verdict: Verdict, out: ForwardOutput | None) -> None:
+        self._take(out, verdict.tokens[0])
+
+
 def generate_with_hidden(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
                          eos_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy full-depth decoding of one prompt -> (hidden (n, L, d), target (n,))."""
-    L = engine.num_layers
-    layers = range(L)
-    cache = engine.new_cache(len(prompt_ids) + max_new_tokens + 1)
-    ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
-    out = engine.forward(cache, ids, positions=0, output_hidden=layers)
-    rows, targets = [], []
-    pos = len(ids)
-    for step in range(max_new_tokens):
-        stack = torch.stack([out.hidden_at[l][-1] for l in layers])  # (L, d)
-        token = int(out.logits[-1].argmax())
-        rows.append(stack.float().cpu())
-        targets.append(token)
-        if token in eos_ids or step == max_new_tokens - 1:
-            break
-        out = engine.forward(cache, ids.new_tensor([token]), positions=pos, output_hidden=layers)
-        pos += 1
-    return torch.stack(rows), torch.tensor(targets, dtype=torch.long)
+    rec = _HiddenRecorder(engine)
+    rec.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids))
+    return torch.stack(rec.rows), torch.tensor(rec.targets, dtype=torch.long)
 
 
 def collect_on_policy(

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..engine import Engine
 from .data import OnPolicyData
-from .modules import (NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, LowRankHead, exit_logit,
+from ..methods.exit_heads import (NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, LowRankHead, exit_logit,
                       head_logits, init_head, spec_local, specee_features)
 
 DEFAULT_THRESHOLDS = (0.5, 0.75, 0.9, 0.95)

@@ -1,6 +1,18 @@
-"""The registry of decoding methods: CLI value -> class."""
+"""The registry of decoding methods: name -> method class (a proposer with a frozen
+``Config`` dataclass). Adding a method is one new file plus one entry here.
+
+:func:`build` makes a method from its config, loading the typed artifacts the config
+names; :func:`config_for` makes a config from field values, refusing fields the
+method does not have.
+"""
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..engine import Engine
+from ..errors import ConfigError
 from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
@@ -9,13 +21,31 @@ from .self_sd import SelfSD
 from .specee import SpecEE
 from .swift import Swift
 
-METHODS: dict[str, type[Method]] = {
-    AR.name: AR,
-    SelfSD.name: SelfSD,
-    ASD.name: ASD,
-    Swift.name: Swift,
-    AdaDecode.name: AdaDecode,
-    SpecEE.name: SpecEE,
-}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, AdaDecode, SpecEE)}
 
-__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE"]
+
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def config_for(name: str, values: Mapping[str, Any] | None = None) -> Any:
+    """``name``'s config with ``values`` for some of its fields (the rest default)."""
+    cls = method_class(name).Config
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values or {}) - known)
+    if unknown:
+        raise ConfigError(f"method '{name}' has no option {', '.join(unknown)}; its options: {', '.join(sorted(known)) or 'none'}")
+    return cls(**(values or {}))
+
+
+def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, **values: Any) -> Method:
+    """Method ``name`` on ``engine``: from ``config``, or from field ``values``."""
+    if config is not None and values:
+        raise ConfigError("pass a config or field values, not both")
+    cls = method_class(name)
+    return cls.build(engine, tokenizer, config if config is not None else config_for(name, values))
+
+
+__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "build", "config_for", "method_class"]

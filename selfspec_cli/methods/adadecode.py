@@ -24,38 +24,46 @@ rows verify them in order:
   it as a control and rejects it.
 * if all are accepted the last row's final distribution gives one more token.
 
-Invariants: every emitted token except the newest is in the cache at every layer
-it has run; ``cache.lengths[s] == p - rows + 1`` when ``rows`` rows enter segment
-``s``; after verification every layer holds exactly the accepted prefix.
+As a proposer of the shared driver, one round is the run of the pending token (and
+the early tokens it triggers) until a token reaches the last layer; the round's
+draft is the early tokens with the final logits of all their rows (deferred rows),
+and the driver applies the chain rule and keeps the accepted prefix. Invariant
+(checked by the cache): the rows that enter a segment are the newest tokens fed,
+a contiguous suffix of the sequence.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult, DecodeStats, TokenSink
-from ..decoding.sampling import make_generator, processed_probs, select_token
-from ..decoding.verify import Verdict, verify_chain_greedy, verify_chain_sampling
-from ..engine import Engine
+from ..decoding.driver import Draft
+from ..decoding.sampling import processed_probs
+from ..decoding.state import DecodeState
+from ..engine import Engine, ForwardOutput
 from ..engine.runner import ALL_ROWS
-from ..errors import ConfigError
-from ..heads.modules import LowRankHead, head_logits
-from .base import Method
+from ..errors import FieldError
+from .base import Method, option, layer_list, training_cost
+from .exit_heads import LowRankHead, head_logits
+from .head_store import load_heads
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class AdaDecodeConfig:
-    threshold: float = 0.5  # gamma; the paper uses 0.75 (App. D), see docs/early-exit.md for 0.5 here
-    max_pending: int = 5  # most unverified early predictions (paper App. D)
-    layers: tuple[int, ...] | None = None  # head layers used (default: every head of the artifact)
+    heads: Path | None = option(None, "trained heads artifact (default: this model's, made by `selfspec train-heads "
+                                      "--kind lm-heads`; the user's first, then the shipped one)")
+    adadecode_threshold: float = option(0.5, "early-prediction confidence gamma (the paper uses 0.75; see docs/early-exit.md)")
+    adadecode_max_pending: int = option(5, "most unverified early predictions (paper App. D)")
+    adadecode_layers: tuple[int, ...] | None = option(None, "use only these head layers, e.g. 2,5 (default: every trained head)")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.threshold <= 1.0:
-            raise ConfigError(f"--adadecode-threshold must be in [0, 1], got {self.threshold}")
-        if self.max_pending < 1:
-            raise ConfigError(f"--adadecode-max-pending must be >= 1, got {self.max_pending}")
+        object.__setattr__(self, "adadecode_layers", layer_list(self.adadecode_layers, "adadecode_layers"))
+        if not 0.0 <= self.adadecode_threshold <= 1.0:
+            raise FieldError("adadecode_threshold", f"must be in [0, 1], got {self.adadecode_threshold}")
+        if self.adadecode_max_pending < 1:
+            raise FieldError("adadecode_max_pending", f"must be >= 1, got {self.adadecode_max_pending}")
 
 
 def proposal_law(head_probs: torch.Tensor, token: int) -> torch.Tensor:
@@ -72,106 +80,80 @@ class AdaDecode(Method):
     name = "adadecode"
     lossless = True
     description = "AdaDecode: early predictions at trained intermediate heads, deferred deep layers, verification"
+    Config = AdaDecodeConfig
 
-    def __init__(self, engine: Engine, tokenizer=None, *, heads: dict[int, LowRankHead],
-                 config: AdaDecodeConfig = AdaDecodeConfig()) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None, *,
+                 heads: dict[int, LowRankHead]) -> None:
         super().__init__(engine, tokenizer)
+        config = config or AdaDecodeConfig()
         L = engine.num_layers
-        use = sorted(heads) if config.layers is None else sorted(config.layers)
+        use = sorted(heads) if config.adadecode_layers is None else sorted(config.adadecode_layers)
         missing = [k for k in use if k not in heads]
         if missing:
-            raise ConfigError(f"--adadecode-layers {missing} have no trained head (heads at {sorted(heads)})")
+            raise FieldError("adadecode_layers", f"{missing} have no trained head (heads at {sorted(heads)})")
         bad = [k for k in use if not 0 <= k < L - 1]
         if bad:
-            raise ConfigError(f"head layers {bad} are out of range for a {L}-layer model")
+            raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
         self.config = config
+        self.lookahead = config.adadecode_max_pending
         self.heads = {k: heads[k].to(engine.device, engine.dtype) for k in use}
         # segments [s, e): each ends after a head layer (e - 1) or at the last layer
         bounds = [0, *[k + 1 for k in use], L]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
+        self.exits: dict[int, int] = {}
+
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None) -> AdaDecode:
+        config = config or AdaDecodeConfig()
+        heads, manifest = load_heads(config.heads, engine.model)
+        method = cls(engine, tokenizer, config, heads=heads)
+        method.offline_parts.append(training_cost("lm-heads training", manifest))
+        return method
 
     def _head(self, layer: int, row: torch.Tensor) -> torch.Tensor:
-        a = self.engine.adapter
-        return head_logits(row, self.heads[layer], self.engine.lm_head, a.rms_eps)[0].float()  # (V,)
+        return head_logits(row, self.heads[layer], self.engine.lm_head, self.engine.adapter.rms_eps)[0].float()  # (V,)
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        eng, c = self.engine, self.config
-        L = eng.num_layers
-        sink = TokenSink(cfg, self.tokenizer)
-        stats = DecodeStats()
-        gen = make_generator(cfg.sampling, eng.device)
-        greedy = cfg.sampling.greedy
-        eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
-        n = len(prompt_ids)
-        cache = eng.new_cache(n + cfg.max_new_tokens + c.max_pending + 2)
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=eng.device)
-        exits = {k: 0 for k in self.heads}
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self.exits = {k: 0 for k in self.heads}
 
-        # 1) prefill at full depth; its last row gives the first token exactly
-        logits = eng.forward(cache, ids, positions=0).logits[0]
-        token = select_token(logits, cfg.sampling, gen)
-        stats.target_forwards += 1
-        stats.accept_lengths.append(1)
-        sink.push([token])
+    def propose(self, state: DecodeState, budget: int) -> Draft:
+        """Run the pending token down the segments, predicting early where a head is
+        confident; ends when a token reaches the last layer, whose batch then holds every
+        early token's rows, and returns them with their final logits (deferred rows)."""
+        c, L, sampling = self.config, self.engine.num_layers, state.sampling
         waiting: dict[int, torch.Tensor] = {}  # segment start -> residual rows waiting to enter it
-        early: list[int] = []  # unverified early tokens, in order (each was fed as an input)
+        early: list[int] = []  # unverified early tokens, in order (each is fed as an input)
         early_q: list[torch.Tensor] = []  # sampling: their proposal laws
-        pos = n  # position of `token`, the next input
-        while not sink.done:
-            # 2) run the input token down the segments, joined by the rows waiting at each
-            h = eng.embed(ids.new_tensor([token]))
-            can_exit = len(early) < c.max_pending and len(early) + 2 <= sink.remaining and token not in eos
+        token = state.pending
+        while True:
+            h = self.engine.embed(state.ids([token]))
+            can_exit = len(early) < min(c.adadecode_max_pending, budget) and token not in state.eos
             exited = False
             for s, e in self.segments:
                 if s in waiting:
                     h = torch.cat([waiting.pop(s), h])
-                first = pos - h.shape[0] + 1
-                assert cache.lengths[s] == first, (s, cache.lengths[s], first)
-                out = eng.forward(cache, hidden=h, positions=first, start=s, end=e,
-                                  logits_rows=ALL_ROWS if e == L else None)
+                out = state.run(hidden=h, start=s, end=e, logits_rows=ALL_ROWS if e == L else None)
                 h = out.hidden
                 if e == L or not can_exit:
                     continue
-                # 3) early prediction at head layer e - 1
-                head = self._head(e - 1, h[-1:])
-                if greedy:
-                    conf, guess = head.softmax(-1).max(-1)
-                    q = None
-                else:
-                    q = processed_probs(head, cfg.sampling)
-                    conf, guess = q.max(-1)
-                if float(conf) > c.threshold:
-                    guess = int(guess)
+                head = self._head(e - 1, h[-1:])  # early prediction at head layer e - 1
+                q = head.softmax(-1) if sampling.greedy else processed_probs(head, sampling)
+                conf, guess = q.max(-1)
+                if float(conf) > c.adadecode_threshold:
+                    token = int(guess)
                     waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
-                    early.append(guess)
-                    if q is not None:
-                        early_q.append(proposal_law(q, guess))
-                    exits[e - 1] += 1
-                    stats.drafted_tokens += 1
-                    token, pos, exited = guess, pos + 1, True
+                    early.append(token)
+                    if not sampling.greedy:
+                        early_q.append(proposal_law(q, token))
+                    state.feed(token)
+                    self.exits[e - 1] += 1
+                    exited = True
                     break
-            if exited:
-                continue
-            # 4) verify every pending early token with the final logits of all rows
-            final = out.logits  # (len(early) + 1, V)
-            assert final.shape[0] == len(early) + 1 and not waiting, (final.shape, len(early), list(waiting))
-            if greedy:
-                verdict: Verdict = verify_chain_greedy(early, final)
-            else:
-                q_draft = torch.stack(early_q) if early_q else final[:0]
-                verdict = verify_chain_sampling(early, q_draft, final, cfg.sampling, gen)
-            accepted = len(verdict.accepted)
-            first = pos - len(early)
-            # 5) rollback: drop the rejected tail at every layer
-            cache.crop(first + accepted + 1)
-            stats.target_forwards += 1
-            stats.accepted_draft_tokens += accepted
-            stats.accept_lengths.append(len(verdict.tokens))
-            sink.push(verdict.tokens)
-            token, pos = verdict.tokens[-1], first + accepted + 1
-            early, early_q = [], []
-        stats.extra["early_exits"] = {str(k): v for k, v in exits.items()}
-        stats.extra["adadecode_threshold"] = c.threshold
-        stats.extra["head_layers"] = sorted(self.heads)
-        return sink.result(stats)
+            if not exited:
+                break
+        assert out.logits.shape[0] == len(early) + 1 and not waiting, (out.logits.shape, len(early), list(waiting))
+        return Draft(early, q=torch.stack(early_q) if early_q else None, logits=out.logits)
+
+    def describe(self) -> dict[str, Any]:
+        return {"early_exits": {str(k): v for k, v in self.exits.items()},
+                "adadecode_threshold": self.config.adadecode_threshold, "head_layers": sorted(self.heads)}

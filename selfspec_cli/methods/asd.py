@@ -14,14 +14,14 @@ uses Draft & Verify's adaptive draft exit; verification is exact.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..decoding.speculative import DraftConfig, RoundContext, SelfSpeculative
+from ..decoding.layer_skip import DraftConfig, LayerSkipProposer
+from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
-from ..errors import ConfigError
-from .base import Method
+from ..errors import FieldError
+from .base import DraftOptions, Method, option
 
 
 def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -33,31 +33,45 @@ def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[
     return frozenset(l - 1 for l in attn), frozenset(l - 1 for l in mlp)
 
 
-class ASD(SelfSpeculative, Method):
+@dataclass(frozen=True)
+class ASDConfig(DraftOptions):
+    asd_alpha: float = option(0.985, "cosine-similarity threshold")
+    asd_m: int = option(3, "skip every m-th layer's MLP and attention")
+    asd_n: int = option(2, "never skip the last n layers")
+
+    def __post_init__(self) -> None:
+        DraftOptions.__post_init__(self)
+        if not 0 < self.asd_alpha < 1:
+            raise FieldError("asd_alpha", f"must be in (0, 1), got {self.asd_alpha}")
+        if self.asd_m < 1:
+            raise FieldError("asd_m", f"must be >= 1, got {self.asd_m}")
+        if self.asd_n < 0:
+            raise FieldError("asd_n", f"must be >= 0, got {self.asd_n}")
+
+
+class ASD(LayerSkipProposer, Method):
     name = "asd"
     lossless = True
     description = "ASD: per-prompt skip set from attention cosine similarity (no search, no training)"
     needs_attn_cosine = True
+    Config = ASDConfig
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, *, alpha: float = 0.985, m: int = 3, n: int = 2,
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: ASDConfig | None = None,
                  draft: DraftConfig | None = None) -> None:
-        if not 0 < alpha < 1:
-            raise ConfigError(f"ASD alpha must be in (0, 1), got {alpha}")
-        if m < 1 or n < 0:
-            raise ConfigError(f"ASD needs m >= 1 and n >= 0, got m={m}, n={n}")
-        Method.__init__(self, engine, tokenizer)
-        SelfSpeculative.__init__(self, engine, draft or DraftConfig())
-        self.alpha, self.m, self.n = alpha, m, n
+        """``draft`` overrides the config's draft options."""
+        self.config = config or ASDConfig()
+        LayerSkipProposer.__init__(self, engine, tokenizer, draft or self.config.draft())
         self._skip: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         self._cosines: list[float] = []
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._skip
 
-    def on_prefill(self, ctx: RoundContext, prompt: torch.Tensor, out: ForwardOutput) -> None:
-        assert out.attn_cosine is not None
-        self._cosines = out.attn_cosine.tolist()
-        self._skip = admg(self._cosines, self.alpha, self.m, self.n)
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        assert prefill.attn_cosine is not None
+        c = self.config
+        self._cosines = prefill.attn_cosine.tolist()
+        self._skip = admg(self._cosines, c.asd_alpha, c.asd_m, c.asd_n)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "attn_cosine": [round(c, 5) for c in self._cosines]}

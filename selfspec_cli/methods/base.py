@@ -1,29 +1,53 @@
-"""What every decoding method provides."""
+"""What every decoding method provides: a proposer with a name, a frozen config and typed artifacts.
+
+A method is a :class:`~selfspec_cli.decoding.driver.Proposer` (``generate`` runs
+the shared driver) built by :meth:`Method.build` from its ``Config`` dataclass and
+the artifacts that config names. Config fields carry ``help`` metadata, from which
+the CLI makes its options; validation errors name fields (:class:`FieldError`).
+"""
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult
+from ..decoding.driver import Proposer
+from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
+from ..errors import FieldError
 
 
-class Method(ABC):
-    """A decoding method bound to one engine. ``generate`` decodes one prompt.
+def option(default: Any, help: str, *, flag: str | None = None) -> Any:
+    """A config field that the CLI exposes as ``--flag`` (default: the field name)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
 
-    ``lossless`` methods must return exactly what plain decoding returns (greedy) or
-    samples from exactly the target's processed distribution (sampling).
-    """
+
+@dataclass(frozen=True, slots=True)
+class NoConfig:
+    """A method without options."""
+
+
+class Method(Proposer):
+    """A decoding method bound to one engine. ``lossless`` methods return exactly what
+    plain decoding returns (greedy) or sample exactly the target's processed
+    distribution (sampling)."""
 
     name: ClassVar[str]
-    lossless: ClassVar[bool] = True
     description: ClassVar[str] = ""
+    Config: ClassVar[type] = NoConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
+        super().__init__(engine, tokenizer)
         self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
+
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: Any = None) -> Method:
+        """The method from its config, loading the artifacts the config names (or the
+        model's defaults). Methods with artifacts override this."""
+        return cls(engine, tokenizer, config or cls.Config())
+
+    def search_history(self) -> list[dict[str, Any]] | None:
+        """Candidates an online search evaluated (SWIFT), for plots; None for other methods."""
+        return None
 
     def offline_info(self) -> dict[str, Any] | None:
         """Offline time behind this method's artifacts (``selfspec bench`` reports it), or None."""
@@ -33,6 +57,37 @@ class Method(ABC):
         return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
                 "parts": parts}
 
-    @abstractmethod
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        ...
+
+def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Seconds a trained artifact cost (data collection + training), from its manifest."""
+    tr = manifest.get("training") or {}
+    parts = [tr.get("collect_seconds"), tr.get("train_seconds")]
+    secs = sum(float(x) for x in parts if x is not None) if any(x is not None for x in parts) else None
+    return {"what": what, "seconds": None if secs is None else round(secs, 1), "created": manifest.get("created")}
+
+
+def layer_list(text: str | tuple[int, ...] | None, name: str) -> tuple[int, ...] | None:
+    """'1,3,5' -> (1, 3, 5); '' -> (); None -> None (for tuple-of-layer fields given as text)."""
+    if text is None or isinstance(text, tuple):
+        return text
+    try:
+        return tuple(int(x) for x in str(text).replace(" ", "").split(",") if x != "")
+    except ValueError:
+        raise FieldError(name, f"must be comma-separated layer ids such as 1,3,5; got '{text}'") from None
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """Options every layer-skipping method shares."""
+
+    max_draft: int = option(12, "most draft tokens per round")
+    draft_threshold: float = option(0.6, "draft-exit confidence threshold (initial value when adaptive)")
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise FieldError("max_draft", f"must be >= 1, got {self.max_draft}")
+        if not 0 <= self.draft_threshold <= 1:
+            raise FieldError("draft_threshold", f"must be in [0, 1], got {self.draft_threshold}")
+
+    def draft(self, **kw: Any) -> DraftConfig:
+        return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, **kw)

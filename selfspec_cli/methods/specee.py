@@ -9,7 +9,7 @@ Per input token ``x`` at position ``p``:
    GEMV) and its top-4 are the *speculative tokens* for the next position — no
    separate draft model (the paper uses an EAGLE head, which we do not have);
 2. at every *scheduled* predictor layer ``l`` (>= k0, <= L-2) build the 12 features
-   of :func:`~selfspec_cli.heads.modules.specee_features` from the normalised state
+   of :func:`~selfspec_cli.methods.exit_heads.specee_features` from the normalised state
    at ``l`` and at ``l - 1`` (computed the same way as in training: the change is
    always against the immediately preceding layer, never against the previous
    *scheduled* layer, which is the reference code's train/inference mismatch);
@@ -41,185 +41,224 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult, DecodeStats, TokenSink
-from ..engine import Engine
+from ..decoding.driver import Draft
+from ..decoding.loop import DecodeResult
+from ..decoding.state import DecodeState
+from ..engine import Engine, ForwardOutput
 from ..engine.runner import LAST_ROW
-from ..errors import ConfigError
-from ..heads.modules import NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, specee_features
-from .base import Method
+from ..errors import ArtifactError, ConfigError, FieldError
+from .base import Method, option, training_cost
+from .exit_heads import NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, specee_features
+from .head_store import load_exit_mlps, load_heads, load_schedule
 
 KV_MODES = ("empty", "deferred")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class SpecEEConfig:
-    kv_mode: str = "deferred"
-    threshold: float | None = None  # predictor decision threshold; None: the artifact's per-layer ones (paper: 0.5)
+    heads: Path | None = option(None, "trained heads artifact; specee drafts with the shallowest head (default: this "
+                                      "model's, made by `selfspec train-heads --kind lm-heads`)")
+    exit_mlps: Path | None = option(None, "exit-predictor artifact (default: this model's, made by `selfspec "
+                                          "train-heads --kind exit-mlp`)")
+    specee_schedule: Path | None = option(None, "offline schedule (default: this model's, made by `selfspec "
+                                                "calibrate --method specee`)")
+    specee_kv_mode: str = option("deferred", "'deferred' (skipped layers filled later, KV preserved) or 'empty' "
+                                             "(the paper: deeper KV left empty)")
+    specee_threshold: float | None = option(None, "one predictor decision threshold for every layer (default: the "
+                                                  "artifact's per-layer thresholds; the paper uses 0.5)")
+    specee_eval: bool = option(False, "also run the skipped layers (a full-depth shadow) and report early-exit "
+                                      "agreement and the share identical to ar")
     online_window: int = 5  # N last exits (paper: 5)
     online_radius: int = 2  # +-2 layers (paper)
     max_pending: int = 5  # deferred mode: most tokens whose deep layers wait
-    evaluate: bool = False
 
     def __post_init__(self) -> None:
-        if self.kv_mode not in KV_MODES:
-            raise ConfigError(f"--specee-kv-mode must be one of {', '.join(KV_MODES)}; got '{self.kv_mode}'")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ConfigError(f"--specee-threshold must be in [0, 1], got {self.threshold}")
+        if self.specee_kv_mode not in KV_MODES:
+            raise FieldError("specee_kv_mode", f"must be one of {', '.join(KV_MODES)}; got '{self.specee_kv_mode}'")
+        if self.specee_threshold is not None and not 0.0 <= self.specee_threshold <= 1.0:
+            raise FieldError("specee_threshold", f"must be in [0, 1], got {self.specee_threshold}")
 
 
 class SpecEE(Method):
     name = "specee"
     lossless = False
     description = "SpecEE (LOSSY): speculative early exit with per-layer predictors and two-level scheduling"
+    Config = SpecEEConfig
 
-    def __init__(self, engine: Engine, tokenizer=None, *, drafter_layer: int, drafter: LowRankHead,
-                 predictors: dict[int, ExitPredictor], offline_layers: list[int],
-                 config: SpecEEConfig = SpecEEConfig(), thresholds: dict[int, float] | None = None) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None, *,
+                 drafter_layer: int, drafter: LowRankHead, predictors: dict[int, ExitPredictor],
+                 offline_layers: list[int], thresholds: dict[int, float] | None = None) -> None:
         super().__init__(engine, tokenizer)
+        config = config or SpecEEConfig()
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
             raise ConfigError(f"drafter layer {drafter_layer} is out of range for a {L}-layer model")
         self.config = config
+        self.lookahead = config.max_pending
         self.k0 = drafter_layer
         self.drafter = drafter.to(engine.device, engine.dtype)
         self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
         self.offline = frozenset(l for l in offline_layers if l in self.predictors)
         per_layer = thresholds or {}
-        self.thresholds = {l: (config.threshold if config.threshold is not None else per_layer.get(l, 0.5))
+        self.thresholds = {l: (config.specee_threshold if config.specee_threshold is not None else per_layer.get(l, 0.5))
                            for l in self.predictors}
 
-    def _active(self, history: deque[int]) -> set[int]:
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None) -> SpecEE:
+        config = config or SpecEEConfig()
+        loaded: list[Any] = []
+        problems: list[str] = []
+        for load, path in ((load_heads, config.heads), (load_exit_mlps, config.exit_mlps),
+                           (load_schedule, config.specee_schedule)):
+            try:
+                loaded.append(load(path, engine.model))
+            except ArtifactError as exc:  # report every missing or unusable artifact at once, in the order to make them
+                problems.append(str(exc))
+                loaded.append(None)
+        if len(problems) == 1:
+            raise ArtifactError(problems[0])
+        if problems:
+            raise ArtifactError(f"specee needs {len(problems)} artifacts that are missing or unusable (make them in this order): "
+                                + " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+        (heads, hman), (predictors, pman), (schedule, sman) = loaded
+        drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
+        if drafter not in heads:
+            raise ArtifactError(f"the exit predictors draft with a head after layer {drafter}, which the heads artifact lacks; "
+                                "retrain them with `selfspec train-heads --kind exit-mlp`")
+        thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
+        method = cls(engine, tokenizer, config, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
+                     offline_layers=schedule, thresholds=thresholds)
+        method.offline_parts += [training_cost("drafter-head training", hman), training_cost("exit-mlp training", pman),
+                                 {"what": "specee calibration", "seconds": sman.get("search_time_s")}]
+        return method
+
+    def _active(self) -> set[int]:
         r = self.config.online_radius
-        online = {x + d for x in history for d in range(-r, r + 1)}
+        online = {x + d for x in self._history for d in range(-r, r + 1)}
         return set(self.offline) | {l for l in online if l in self.predictors}
 
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig, on_tokens: Any = None) -> DecodeResult:
         if not cfg.sampling.greedy:
             raise ConfigError("specee decodes greedily, as the paper does; use --temperature 0")
-        eng, c = self.engine, self.config
-        a = eng.adapter
-        L, k0 = eng.num_layers, self.k0
-        sink = TokenSink(cfg, self.tokenizer)
-        stats = DecodeStats()
-        n = len(prompt_ids)
-        cache = eng.new_cache(n + cfg.max_new_tokens + c.max_pending + 2)
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=eng.device)
-        deferred = c.kv_mode == "deferred"
-        history: deque[int] = deque(maxlen=c.online_window)
-        exits = {l: 0 for l in self.predictors}
-        checks = verifications = failed_verifications = 0
-        layers_run = 0
-        # evaluation: a full-depth shadow decoder fed the same tokens
-        shadow = eng.new_cache(n + cfg.max_new_tokens + 1) if c.evaluate else None
-        ev = {"exits": 0, "exits_agree": 0, "tokens": 0, "tokens_agree": 0, "first_divergence": None}
+        return super().generate(prompt_ids, cfg, on_tokens)
 
-        # 1) prefill at full depth
-        logits = eng.forward(cache, ids, positions=0).logits[0]
-        if shadow is not None:
-            eng.forward(shadow, ids, positions=0, logits_rows=None)
-        token = int(logits.argmax())
-        stats.target_forwards += 1
-        stats.accept_lengths.append(1)
-        sink.push([token])
-        waiting: dict[int, torch.Tensor] = {}
-        pos = n
-        while not sink.done:
-            ref = None
-            if shadow is not None:
-                ref = int(eng.forward(shadow, ids.new_tensor([token]), positions=pos).logits[0].argmax())
-            active = self._active(history)
-            pending = sum(v.shape[0] for v in waiting.values())
-            can_exit = pending < c.max_pending
-            stops = {k0} | (active if can_exit else set())
-            bounds = sorted({0, L} | {l + 1 for l in stops} | set(waiting))
-            h = eng.embed(ids.new_tensor([token]))
-            prev_last: torch.Tensor | None = None  # current row after the previous segment's last layer
-            spec = spec_rows = None
-            exit_layer, new_token = None, None
-            for s, e in zip(bounds[:-1], bounds[1:]):
-                # 2) run a segment, joined by the rows waiting before it (deferred mode)
-                if s in waiting:
-                    h = torch.cat([waiting.pop(s), h])
-                l = e - 1
-                want_prev = l in active and l - 1 >= max(k0, s)
-                out = eng.forward(cache, hidden=h, positions=pos - h.shape[0] + 1, start=s, end=e,
-                                  output_hidden=(l - 1,) if want_prev else (), logits_rows=LAST_ROW if e == L else None)
-                layers_run += e - s
-                h_prev = out.hidden_at[l - 1][-1:] if want_prev else prev_last
-                h = out.hidden
-                prev_last = h[-1:]
-                if e == L:
-                    break
-                if l == k0:  # 3) the drafter: the shallowest head's top-4 are the speculative tokens
-                    spec = head_logits(prev_last, self.drafter, self.engine.lm_head, a.rms_eps)[0].topk(NUM_SPEC_TOKENS).indices
-                    spec_rows = a.lm_head[spec]  # (4, d)
-                if not can_exit or l not in active:
-                    continue
-                # 4) predictor on [s, q, dq] at this layer; the change is against layer l - 1
-                rows = prev_last if l == k0 else torch.cat([h_prev, prev_last])
-                z = torch.nn.functional.rms_norm(rows, (rows.shape[-1],), a.final_norm, a.rms_eps)
-                s_all = torch.nn.functional.linear(z, spec_rows).float()  # (1 or 2, 4)
-                feats = specee_features(s_all[-1:], None if l == k0 else s_all[:1])
-                checks += 1
-                if float(exit_probability(feats, self.predictors[l])) <= self.thresholds[l]:
-                    continue
-                # 5) verification over the full vocabulary
-                verifications += 1
-                best = int(eng.final_logits(prev_last)[0].argmax())
-                if best in spec.tolist():
-                    exit_layer, new_token = l, best
-                    break
-                failed_verifications += 1
-            if exit_layer is None:
-                new_token = int(out.logits[0].argmax())
-                history.append(L - 1)
-            else:
-                history.append(exit_layer)
-                exits[exit_layer] += 1
-                if deferred:  # the rest of this token's layers run with the next token that reaches them
-                    e = exit_layer + 1
-                    waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
-                # empty mode: layers > exit_layer never get this token's K/V
-            if ref is not None:
-                ev["tokens"] += 1
-                ev["tokens_agree"] += int(new_token == ref)
-                if exit_layer is not None:
-                    ev["exits"] += 1
-                    ev["exits_agree"] += int(new_token == ref)
-                if new_token != ref and ev["first_divergence"] is None:
-                    ev["first_divergence"] = len(sink.tokens)
-            stats.target_forwards += 1
-            stats.accept_lengths.append(1)
-            sink.push([new_token])
-            token, pos = new_token, pos + 1
-        steps = max(1, stats.target_forwards - 1)
-        total_exits = sum(exits.values())
-        stats.extra.update({
+    # -- proposer hooks -----------------------------------------------------
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self._history: deque[int] = deque(maxlen=self.config.online_window)  # per prompt (the reference keeps one forever)
+        self._waiting: dict[int, torch.Tensor] = {}  # deferred mode: segment start -> rows waiting to enter it
+        self._exits = {l: 0 for l in self.predictors}
+        self._counts = {"rounds": 0, "predictor_checks": 0, "verifications": 0, "failed_verifications": 0, "layers_run": 0}
+        self._shadow: DecodeState | None = None  # evaluation: a full-depth decoder fed the same tokens
+        self._ev = {"exits": 0, "exits_agree": 0, "tokens": 0, "tokens_agree": 0, "first_divergence": None}
+        if self.config.specee_eval:
+            self._shadow = DecodeState(self.engine, state.committed[: state.prompt_len], max_new_tokens=64, lookahead=0,
+                                       sampling=state.sampling, generator=None)
+            self._shadow.prefill(logits_rows=None)
+
+    def propose(self, state: DecodeState, budget: int) -> Draft:
+        """One token: run the pending token's layers segment by segment, exit where a
+        predictor fires and the full-vocabulary check agrees; the token is decided here."""
+        eng, c, a = self.engine, self.config, self.engine.adapter
+        L, k0, waiting, n = eng.num_layers, self.k0, self._waiting, self._counts
+        ref = None
+        if self._shadow is not None:
+            self._shadow.commit_decided([state.pending])
+            ref = int(self._shadow.run(state.ids([state.pending])).logits[0].argmax())
+        active = self._active()
+        can_exit = sum(v.shape[0] for v in waiting.values()) < c.max_pending
+        stops = {k0} | (active if can_exit else set())
+        bounds = sorted({0, L} | {l + 1 for l in stops} | set(waiting))
+        h = eng.embed(state.ids([state.pending]))
+        prev_last: torch.Tensor | None = None  # current row after the previous segment's last layer
+        spec = spec_rows = None
+        exit_layer = new_token = None
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            # 1) run a segment, joined by the rows waiting before it (deferred mode)
+            if s in waiting:
+                h = torch.cat([waiting.pop(s), h])
+            l = e - 1
+            want_prev = l in active and l - 1 >= max(k0, s)
+            out = state.run(hidden=h, start=s, end=e, output_hidden=(l - 1,) if want_prev else (),
+                            logits_rows=LAST_ROW if e == L else None)
+            n["layers_run"] += e - s
+            h_prev = out.hidden_at[l - 1][-1:] if want_prev else prev_last
+            h = out.hidden
+            prev_last = h[-1:]
+            if e == L:
+                break
+            if l == k0:  # 2) the drafter: the shallowest head's top-4 are the speculative tokens
+                spec = head_logits(prev_last, self.drafter, eng.lm_head, a.rms_eps)[0].topk(NUM_SPEC_TOKENS).indices
+                spec_rows = a.lm_head[spec]  # (4, d)
+            if not can_exit or l not in active:
+                continue
+            # 3) predictor on [s, q, dq] at this layer; the change is against layer l - 1
+            rows = prev_last if l == k0 else torch.cat([h_prev, prev_last])
+            z = torch.nn.functional.rms_norm(rows, (rows.shape[-1],), a.final_norm, a.rms_eps)
+            s_all = torch.nn.functional.linear(z, spec_rows).float()  # (1 or 2, 4)
+            feats = specee_features(s_all[-1:], None if l == k0 else s_all[:1])
+            n["predictor_checks"] += 1
+            if float(exit_probability(feats, self.predictors[l])) <= self.thresholds[l]:
+                continue
+            # 4) verification over the full vocabulary
+            n["verifications"] += 1
+            best = int(eng.final_logits(prev_last)[0].argmax())
+            if best in spec.tolist():
+                exit_layer, new_token = l, best
+                break
+            n["failed_verifications"] += 1
+        n["rounds"] += 1
+        if exit_layer is None:
+            new_token = int(out.logits[0].argmax())
+            self._history.append(L - 1)
+        else:
+            self._history.append(exit_layer)
+            self._exits[exit_layer] += 1
+            if c.specee_kv_mode == "deferred":  # the rest of this token's layers run with the next token reaching them
+                e = exit_layer + 1
+                waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
+            # empty mode: layers > exit_layer never get this token's K/V
+        if ref is not None:
+            ev = self._ev
+            ev["tokens"] += 1
+            ev["tokens_agree"] += int(new_token == ref)
+            if exit_layer is not None:
+                ev["exits"] += 1
+                ev["exits_agree"] += int(new_token == ref)
+            if new_token != ref and ev["first_divergence"] is None:
+                ev["first_divergence"] = len(state.output)
+        return Draft([new_token], decided=True, full_depth=exit_layer is None)
+
+    def describe(self) -> dict[str, Any]:
+        n = self._counts
+        rounds = max(1, n["rounds"])
+        out: dict[str, Any] = {
             "lossless": False,
-            "kv_mode": c.kv_mode,
-            "early_exits": {str(k): v for k, v in exits.items() if v},
-            "exit_rate": total_exits / steps,
-            "mean_layers_run_per_token": layers_run / steps,
-            "predictor_checks": checks,
-            "verifications": verifications,
-            "failed_verifications": failed_verifications,
-            "drafter_layer": k0,
+            "kv_mode": self.config.specee_kv_mode,
+            "early_exits": {str(k): v for k, v in self._exits.items() if v},
+            "exit_rate": sum(self._exits.values()) / rounds,
+            "mean_layers_run_per_token": n["layers_run"] / rounds,
+            "predictor_checks": n["predictor_checks"],
+            "verifications": n["verifications"],
+            "failed_verifications": n["failed_verifications"],
+            "drafter_layer": self.k0,
             "offline_layers": sorted(self.offline),
             "thresholds": {str(k): v for k, v in self.thresholds.items()},
-        })
-        if c.evaluate:
-            out_len = len(sink.tokens)
+        }
+        if self._shadow is not None:
+            ev = self._ev
+            ev_len = ev["tokens"] + 1  # the prefill's token plus every evaluated round's
             first_div = ev["first_divergence"]
-            stats.extra["evaluation"] = {
+            out["evaluation"] = {
                 "early_exits": ev["exits"],
                 "early_exit_agreement": ev["exits_agree"] / ev["exits"] if ev["exits"] else None,
                 "token_agreement": ev["tokens_agree"] / ev["tokens"] if ev["tokens"] else None,
-                "identical_prefix_tokens": out_len if first_div is None else first_div,
-                "identical_prefix_share": 1.0 if first_div is None else first_div / max(1, out_len),
+                "identical_prefix_tokens": ev_len if first_div is None else first_div,
+                "identical_prefix_share": 1.0 if first_div is None else first_div / max(1, ev_len),
             }
-        return sink.result(stats)
+        return out

@@ -28,26 +28,30 @@ import random
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..decoding.speculative import Draft, DraftConfig, RoundContext, SelfSpeculative
+from ..artifacts import SkipSet, environment_info, save_json_artifact
+from ..decoding.driver import Draft
+from ..decoding.layer_skip import PAPER_TREE_TOPK, LayerSkipProposer
+from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
-from ..errors import ConfigError
-from .base import Method
-
-PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
+from ..errors import ConfigError, FieldError
+from .base import DraftOptions, Method, option
 
 
-@dataclass(frozen=True, slots=True)
-class SwiftConfig:
-    skip_ratio: float = 0.45
-    context_window: int = 32  # gamma
+@dataclass(frozen=True)
+class SwiftConfig(DraftOptions):
+    max_draft: int = option(25, "most draft tokens per round")
+    draft_threshold: float = option(0.8, "draft-exit confidence threshold epsilon")
+    skip_ratio: float = option(0.45, "share of sublayers skipped (lowered automatically when acceptance stays low)")
+    context_window: int = option(32, "generated tokens used to score candidate skip sets (gamma)")
+    tree_nodes: int | None = option(None, "most candidate nodes in one verification tree (default: no cap, the "
+                                          "paper's GPU setting; on a CPU each verified row costs a few per cent of a step)")
     max_steps: int = 1000  # S
     bo_interval: int = 25  # beta
     max_score: float = 0.95
@@ -58,25 +62,27 @@ class SwiftConfig:
     ratio_step: float = 0.05
     min_ratio: float = 0.1
     seed: int = 0
-    draft: DraftConfig = field(default_factory=lambda: DraftConfig(
-        max_draft=25, threshold=0.8, adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK))
 
     def __post_init__(self) -> None:
+        DraftOptions.__post_init__(self)
         if not 0 < self.skip_ratio < 1:
-            raise ConfigError(f"SWIFT skip ratio must be in (0, 1), got {self.skip_ratio}")
+            raise FieldError("skip_ratio", f"must be in (0, 1), got {self.skip_ratio}")
         if self.context_window < 2:
-            raise ConfigError(f"SWIFT context window must be >= 2, got {self.context_window}")
+            raise FieldError("context_window", f"must be >= 2, got {self.context_window}")
+        if self.tree_nodes is not None and self.tree_nodes < 1:
+            raise FieldError("tree_nodes", f"must be >= 1, got {self.tree_nodes}")
 
 
-class Swift(SelfSpeculative, Method):
+class Swift(LayerSkipProposer, Method):
     name = "swift"
     lossless = True
     description = "SWIFT: skip set optimized on the fly during decoding (random search + interval BO)"
+    Config = SwiftConfig
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, *, config: SwiftConfig | None = None) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: SwiftConfig | None = None) -> None:
         self.cfg = config or SwiftConfig()
-        Method.__init__(self, engine, tokenizer)
-        SelfSpeculative.__init__(self, engine, self.cfg.draft)
+        LayerSkipProposer.__init__(self, engine, tokenizer, self.cfg.draft(
+            adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK, tree_max_nodes=self.cfg.tree_nodes))
         import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
 
         L = engine.num_layers
@@ -97,10 +103,8 @@ class Swift(SelfSpeculative, Method):
         self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
         self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.cfg.acceptance_window)
         self._rounds_since_ratio_change = 0
-        # per prompt
-        self._prompt_len = 0
-        self._generated: list[int] = []
-        self._window: torch.Tensor | None = None
+        self._windowed = False  # per prompt: the scoring window is cached
+        self.optimize_s = 0.0
 
     # -- skip sets ---------------------------------------------------------
     @property
@@ -116,15 +120,14 @@ class Swift(SelfSpeculative, Method):
         return self._as_sets(self.best)
 
     # -- optimization ------------------------------------------------------
-    def _score(self, ctx: RoundContext, idx: tuple[int, ...]) -> float:
-        """Matchness: teacher-forced skipped forward over the context window."""
-        assert self._window is not None
+    def _score(self, state: DecodeState, idx: tuple[int, ...]) -> float:
+        """Matchness: teacher-forced skipped forward over the context window (the first
+        ``gamma + 1`` generated tokens), in scratch slots."""
         attn, mlp = self._as_sets(idx)
-        w = self._window
-        with ctx.cache.scratch(self._prompt_len, len(w)):
-            logits = self.engine.forward(ctx.cache, w, positions=self._prompt_len, skip_attn=attn, skip_mlp=mlp,
-                                         logits_rows=slice(0, -1)).logits
-        return float((logits.argmax(-1) == w[1:]).float().mean())
+        n = self.cfg.context_window + 1
+        logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1)).logits
+        window = state.ids(state.output[1:n])
+        return float((logits.argmax(-1) == window).float().mean())
 
     def _random_candidate(self) -> tuple[int, ...]:
         return tuple(sorted(self.rng.sample(range(len(self.pool)), self.k)))
@@ -168,12 +171,12 @@ class Swift(SelfSpeculative, Method):
         mu, sd = gp.predict(np.stack([onehot(c) for c in cl]), return_std=True)
         return cl[int(np.argmax(mu + self.cfg.ucb_kappa * sd))]
 
-    def _optimization_step(self, ctx: RoundContext) -> None:
+    def _optimization_step(self, state: DecodeState) -> None:
         cfg = self.cfg
         self.step += 1
         use_bo = self.step % cfg.bo_interval == 0
         cand = self._bo_candidate() if use_bo else self._random_candidate()
-        score = self._score(ctx, cand)
+        score = self._score(state, cand)
         self.observations.append((cand, score))
         improved = score > self.best_score
         self.history.append({"step": self.step, "skip": [list(map(int, s)) for s in map(sorted, self._as_sets(cand))],
@@ -205,54 +208,45 @@ class Swift(SelfSpeculative, Method):
         self._rounds_since_ratio_change = 0
 
     # -- hooks -------------------------------------------------------------
-    def on_prefill(self, ctx: RoundContext, prompt: torch.Tensor, out: ForwardOutput) -> None:
-        self._prompt_len = ctx.pos
-        self._generated = [ctx.pending]
-        self._window = None
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self._windowed = False
+        self.optimize_s = 0.0
 
-    def after_round(self, ctx: RoundContext, draft: Draft, verdict: Verdict, emitted: list[int]) -> None:
-        self._generated.extend(emitted)
-        if draft.chain_len:
-            self._acceptance.append((len(verdict.accepted), draft.chain_len))
+    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
+        steps = draft.info.get("chain_len", 0)
+        if steps:
+            self._acceptance.append((len(verdict.accepted), steps))
         t0 = time.perf_counter()
-        gamma = self.cfg.context_window
-        if self._window is None and ctx.pos - self._prompt_len >= gamma + 1:
-            self._window = torch.tensor(self._generated[: gamma + 1], dtype=torch.long, device=self.engine.device)
+        if not self._windowed and len(state.output) >= self.cfg.context_window + 2:
+            # the window's gamma + 1 tokens are cached (the newest output token is pending)
+            self._windowed = True
             if self.optimizing and self.best_score >= 0:
-                self.best_score = self._score(ctx, self.best)  # re-score on this prompt's window
-        if self._window is not None and self.optimizing:
+                self.best_score = self._score(state, self.best)  # re-score on this prompt's window
+        if self._windowed and self.optimizing:
             if self.best_score < 0:
-                self.best_score = self._score(ctx, self.best)
-            self._optimization_step(ctx)
+                self.best_score = self._score(state, self.best)
+            self._optimization_step(state)
         self._maybe_lower_ratio()
-        ctx.timings["optimize_s"] = ctx.timings.get("optimize_s", 0.0) + time.perf_counter() - t0
+        self.optimize_s += time.perf_counter() - t0
 
     def describe(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
-        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp),
+        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "optimize_s": round(self.optimize_s, 6),
                 "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
                           "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio}}
 
+    def search_history(self) -> list[dict[str, Any]]:
+        return self.history
+
     def save_layers(self, path: str | Path) -> Path:
         """Write the best skip set found as a Self-SD artifact (``--method self-sd --layers``)."""
-        from ..artifacts import SKIP_KIND, environment_info, now_iso, save_json_artifact
-        from ..loading import model_fingerprint
-
         attn, mlp = self.skip_sets()
-        model = self.engine.model
-        manifest = {
-            "kind": SKIP_KIND,
-            "model_fingerprint": model_fingerprint(model),
-            "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
-            "num_layers": self.num_layers,
-            "skip_attn": sorted(attn),
-            "skip_mlp": sorted(mlp),
-            "objective": {"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
-            "trials": self.step,
-            "search": {"method": "swift", "skip_ratio": self.ratio, "context_window": self.cfg.context_window,
-                       "bo_interval": self.cfg.bo_interval, "seed": self.cfg.seed,
-                       "phase": "optimization" if self.optimizing else "acceleration"},
-            "environment": environment_info(self.engine.device, self.engine.dtype),
-            "created": now_iso(),
-        }
+        manifest = SkipSet(attn, mlp).to_manifest(
+            self.engine.model,
+            objective={"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
+            trials=self.step,
+            search={"method": "swift", "skip_ratio": self.ratio, "context_window": self.cfg.context_window,
+                    "bo_interval": self.cfg.bo_interval, "seed": self.cfg.seed,
+                    "phase": "optimization" if self.optimizing else "acceleration"},
+            environment=environment_info(self.engine.device, self.engine.dtype))
         return save_json_artifact(Path(path), manifest)

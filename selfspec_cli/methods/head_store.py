@@ -26,7 +26,7 @@ import torch
 
 from .. import artifacts, loading
 from ..errors import ArtifactError
-from .modules import ExitPredictor, LowRankHead
+from .exit_heads import ExitPredictor, LowRankHead
 
 HEADS_KIND = "adadecode-heads"
 EXIT_KIND = "specee-exit-mlp"

@@ -1,0 +1,179 @@
+"""The decode driver: one loop for every method, with pluggable proposers.
+
+:func:`decode` owns prefill, the stopping rules (:class:`~.loop.TokenSink`),
+statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
+:class:`~.state.DecodeState`), timing and streaming. Each round:
+
+1. ``draft = proposer.propose(state, budget)`` where ``budget`` is the most draft
+   tokens the round could still emit (``remaining - 1``: a round emits drafts + 1);
+2. the driver verifies the draft with the shared exact rules of :mod:`.verify`:
+
+   * a chain (``tokens``; ``q`` the laws they were sampled from, or None for
+     deterministic drafts) or a tree (``parents``): one full-depth forward of the
+     pending token and the drafts, then the chain or tree rule;
+   * deferred rows (``logits`` given): the proposer already ran the rows to full
+     depth (AdaDecode); only the chain rule is applied;
+   * ``decided``: a lossy proposer's own tokens (SpecEE), committed unverified;
+
+3. the state keeps the accepted K/V and commits the tokens, the sink applies the
+   stopping rules, and ``proposer.update(state, draft, verdict, out)`` learns
+   what was accepted (as transformers separates ``get_candidates`` from
+   ``update_candidate_strategy``).
+
+An empty draft makes the round a plain decoding step, so ``ar`` is the proposer
+that never drafts. Every lossless proposer gets exact greedy output and the
+target's exact sampling law from the rules, whatever it drafts.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import GenerationConfig
+from ..engine import Engine, ForwardOutput
+from .loop import DecodeResult, DecodeStats, TokenSink
+from .sampling import make_generator, select_token
+from .state import DecodeState
+from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
+
+
+@dataclass(slots=True)
+class Draft:
+    """What a proposer offers in one round (an empty chain: no draft)."""
+
+    tokens: list[int] = field(default_factory=list)  # chain drafts, or tree nodes
+    parents: list[int] | None = None  # tree: parent node of each node (-1: child of the pending token)
+    q: torch.Tensor | None = None  # chain sampled from these laws (k, V); None: deterministic drafts
+    logits: torch.Tensor | None = None  # deferred rows: target logits of [pending, *tokens], already computed
+    decided: bool = False  # lossy: the tokens are final, no verification
+    full_depth: bool = False  # decided tokens made by a full-depth forward
+    forwards: int = 0  # draft forwards made (defaults to the chain length)
+    info: dict[str, Any] = field(default_factory=dict)  # proposer-specific (e.g. hit the length limit)
+
+    @property
+    def depth(self) -> int:
+        """Draft positions proposed: the chain length, or the tree's number of levels."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        return max(depth) + 1 if depth else 0
+
+
+class Proposer:
+    """A drafting source bound to one engine. Subclasses override the hooks; the
+    base class never drafts, which is plain autoregressive decoding.
+
+    ``lookahead``: most cache slots a round writes past the pending token (for the
+    cache's capacity). ``needs_attn_cosine``: the prefill reports per-layer attention
+    cosines (ASD). ``lossless``: the proposer's output is exactly the target's.
+    """
+
+    lossless: bool = True
+    lookahead: int = 0
+    needs_attn_cosine: bool = False
+
+    def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        """After the prompt is cached and the first token committed."""
+
+    def propose(self, state: DecodeState, budget: int) -> Draft:
+        return Draft()
+
+    def verify_options(self) -> dict[str, Any]:
+        """Extra engine options for verification forwards (e.g. ``output_hidden``)."""
+        return {}
+
+    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput | None) -> None:
+        """After each round, with what was accepted (``state`` already committed it)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Proposer state reported in each prompt's ``stats``."""
+        return {}
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+        return decode(self, prompt_ids, cfg, on_tokens)
+
+
+def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
+           on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+    """Decode one prompt with ``proposer``; ``on_tokens`` streams each round's kept tokens."""
+    eng = proposer.engine
+    sink = TokenSink(cfg, proposer.tokenizer)
+    stats = DecodeStats()
+    gen = make_generator(cfg.sampling, eng.device)
+    eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
+    state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
+                        sampling=cfg.sampling, generator=gen, eos=eos)
+    timings = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = state.prefill(attn_cosine=proposer.needs_attn_cosine, **proposer.verify_options())
+        first = select_token(out.logits[-1], cfg.sampling, gen)
+        state.commit_decided([first])
+        _record(stats, sink, [first], 0, on_tokens)
+        stats.target_forwards += 1
+        timings["prefill_s"] = time.perf_counter() - t0
+        proposer.begin(state, out)
+        while not sink.done:
+            t1 = time.perf_counter()
+            draft = proposer.propose(state, sink.remaining - 1)
+            t2 = time.perf_counter()
+            verdict, out = _verify(state, draft, proposer)
+            timings["draft_s"] += t2 - t1
+            timings["verify_s"] += time.perf_counter() - t2
+            depth = draft.depth
+            if not draft.decided or draft.full_depth:
+                stats.target_forwards += 1
+            if depth and not draft.decided:
+                stats.draft_rounds += 1
+                stats.drafted_tokens += depth
+            _record(stats, sink, verdict.tokens, len(verdict.accepted), on_tokens)
+            proposer.update(state, draft, verdict, out)
+    stats.extra.update({k: round(v, 6) for k, v in timings.items()})
+    stats.extra.update(proposer.describe())
+    return sink.result(stats)
+
+
+def _record(stats: DecodeStats, sink: TokenSink, tokens: list[int], accepted: int,
+            on_tokens: Callable[[list[int]], None] | None) -> None:
+    kept = sink.push(tokens)
+    stats.accept_lengths.append(kept)
+    stats.accepted_draft_tokens += min(accepted, kept)
+    if on_tokens is not None and kept:
+        on_tokens(tokens[:kept])
+
+
+def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:
+    """Apply the shared exact rule to a draft and commit the result in ``state``."""
+    sampling = state.sampling
+    if draft.decided:
+        state.commit_decided(draft.tokens)
+        return Verdict([], list(draft.tokens)), None
+    out = None
+    if draft.logits is not None:
+        logits = draft.logits
+    else:
+        out = state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options())
+        logits = out.logits
+    if draft.parents is not None:
+        verdict = verify_tree(draft.tokens, draft.parents, logits, sampling, state.generator)
+    elif sampling.greedy:
+        verdict = verify_chain_greedy(draft.tokens, logits)
+    else:
+        q = draft.q
+        if q is None:  # deterministic drafts: a point mass at each drafted token
+            q = logits.new_zeros(len(draft.tokens), logits.shape[-1])
+            q[torch.arange(len(draft.tokens), device=q.device), torch.tensor(draft.tokens, dtype=torch.long, device=q.device)] = 1.0
+        verdict = verify_chain_sampling(draft.tokens, q, logits, sampling, state.generator)
+    state.commit(verdict.tokens, verdict.accepted, tree=draft.parents is not None)
+    return verdict, out

@@ -1,0 +1,150 @@
+"""The layer-skip proposer shared by Self-SD, SWIFT and ASD.
+
+A round, gpt-fast style: draft with the target itself over its own KV cache but
+with a *skip set* (attention and MLP sublayers that add nothing to the residual
+stream and write no K/V), one token at a time from the pending token, until the
+draft budget is spent or the draft's confidence drops below the threshold (that
+last token is still kept). The driver then drops the draft K/V, verifies the
+pending token plus the drafts at full depth, as a chain or as SWIFT's candidate
+tree (top-k siblings per depth, chosen by confidence), and keeps the accepted K/V.
+
+Subclasses choose the skip set (:meth:`LayerSkipProposer.skip_sets`) and may
+adapt it after each round. Greedy drafts are the draft's argmax; sampled chain
+drafts are drawn from the draft's processed distribution and handed to the driver
+with their laws, so the driver's speculative-sampling rule is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..engine import Engine
+from .driver import Draft, Proposer
+from .sampling import processed_probs, sample_from
+from .state import DecodeState
+from .verify import Verdict
+
+PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """How drafts are made and verified.
+
+    ``max_draft``: at most this many draft tokens per round. ``threshold``: initial
+    draft-exit threshold (stop after a token whose draft confidence is below it).
+    ``adaptive``: Draft & Verify's adaptive threshold. ``tree``: SWIFT's dynamic
+    verification; ``tree_topk`` maps confidence bins (upper bounds) to the number of
+    candidates kept at a depth; ``tree_max_nodes`` caps the candidate nodes of one tree
+    (None: no cap, the paper's GPU setting). On a CPU every verified row costs a few
+    per cent of a step, so a large tree can cost more than it wins.
+    """
+
+    max_draft: int = 12
+    threshold: float = 0.6
+    adaptive: bool = True
+    tree: bool = False
+    tree_topk: tuple[tuple[float, int], ...] = PAPER_TREE_TOPK
+    tree_max_nodes: int | None = None
+
+    def topk_for(self, confidence: float) -> int:
+        for upper, k in self.tree_topk:
+            if confidence <= upper:
+                return k
+        return self.tree_topk[-1][1]
+
+
+@dataclass(slots=True)
+class AdaptiveThreshold:
+    """Draft & Verify (Zhang et al. 2024) draft-exit threshold, carried across prompts:
+    acceptance EMA ``m <- 0.5 m + 0.5 (accepted / drafted)``; candidate
+    ``th' = th + 0.01`` if ``m < 0.9`` else ``th - 0.01`` (unchanged when the draft hit
+    its length limit, since the threshold did not end it); ``th <- 0.9 th + 0.1 th'``."""
+
+    value: float
+    ema: float = 1.0
+    target: float = 0.9
+    step: float = 0.01
+
+    def update(self, accepted: int, drafted: int, hit_limit: bool) -> None:
+        if drafted == 0:
+            return
+        self.ema = 0.5 * self.ema + 0.5 * (accepted / drafted)
+        if hit_limit:
+            return
+        cand = self.value + self.step if self.ema < self.target else self.value - self.step
+        self.value = min(1.0, max(0.0, 0.9 * self.value + 0.1 * cand))
+
+
+class LayerSkipProposer(Proposer):
+    """Layer-skipping drafts; subclasses choose the skip sets."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, draft: DraftConfig) -> None:
+        super().__init__(engine, tokenizer)
+        self.draft_cfg = draft
+        self.threshold = AdaptiveThreshold(draft.threshold)
+        self.lookahead = draft.max_draft if not draft.tree else (draft.tree_max_nodes or 64)
+
+    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        attn, mlp = self.skip_sets()
+        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4)}
+
+    def propose(self, state: DecodeState, budget: int) -> Draft:
+        dc = self.draft_cfg
+        budget = min(dc.max_draft, budget)
+        if budget <= 0:
+            return Draft()
+        skip_attn, skip_mlp = self.skip_sets()
+        sampling = state.sampling
+        tokens: list[int] = []
+        parents: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        chain_parent = -1
+        max_k = max(k for _, k in dc.tree_topk)
+        inp = torch.empty(1, dtype=torch.long, device=self.engine.device)
+        tok, steps, hit_limit = state.pending, 0, True
+        for _ in range(budget):
+            inp[0] = tok
+            logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp).logits[0]
+            probs = logits.softmax(-1) if sampling.greedy else processed_probs(logits, sampling)
+            steps += 1
+            if dc.tree:
+                # one top-k and one host sync: the top-1 probability picks how many siblings to keep
+                values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
+                values, indices = values.tolist(), indices.tolist()
+                conf, d = values[0], indices[0]
+                width = dc.topk_for(conf)
+                if dc.tree_max_nodes is not None:
+                    width = max(1, min(width, dc.tree_max_nodes - len(tokens)))
+                first_idx = len(tokens)
+                tokens.extend(indices[:width])
+                parents.extend([chain_parent] * width)
+                chain_parent = first_idx
+                if dc.tree_max_nodes is not None and len(tokens) >= dc.tree_max_nodes:
+                    break  # node budget spent (counts as the length limit: hit_limit stays True)
+            elif sampling.greedy:
+                conf_t, d_t = probs.max(-1)
+                conf, d = float(conf_t), int(d_t)
+                tokens.append(d)
+            else:
+                d = sample_from(probs, state.generator)
+                q_rows.append(probs)
+                conf = float(probs.max())
+                tokens.append(d)
+            state.feed(d)
+            tok = d
+            if conf < self.threshold.value:
+                hit_limit = False
+                break
+        return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None,
+                     forwards=steps, info={"hit_limit": hit_limit, "chain_len": steps})
+
+    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
+        steps = draft.info.get("chain_len", 0)
+        if self.draft_cfg.adaptive and steps:
+            self.threshold.update(len(verdict.accepted), steps, draft.info["hit_limit"])

@@ -1,0 +1,131 @@
+"""The decode state of one prompt: the KV cache, the committed tokens, the tokens in flight.
+
+Proposers and the driver touch the cache only through this object, so no method
+does position or cache-length arithmetic:
+
+* ``committed``: prompt + emitted tokens. The newest one, ``pending``, is not yet in
+  the cache; between rounds every other committed token is, at every layer a
+  lossless method has run (``pos`` is the pending token's position);
+* ``in_flight``: tokens fed to the model but not verified (layer-skip drafts,
+  AdaDecode's early predictions);
+* :meth:`run` (extend) runs the newest fed rows through a range of layers, at the
+  positions those tokens hold; :meth:`feed` adds a token in flight;
+* :meth:`verify_forward` drops whatever drafting wrote past ``pos`` and runs the
+  pending token plus a chain or tree of drafts at full depth; :meth:`commit` keeps
+  the accepted chain prefix or tree path (accept-path) and drops the rest;
+* :meth:`commit_decided` commits tokens a lossy proposer decided without a
+  verification forward (SpecEE), whose rows it has already run;
+* :meth:`replay` is a teacher-forced forward over committed tokens in scratch
+  slots (SWIFT's scoring), restored on exit.
+
+The cache records every slot's position and refuses out-of-order writes (see
+:mod:`selfspec_cli.engine.cache`), so a proposer that mixes up rows fails loudly.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import SamplingConfig
+from ..engine import Engine, ForwardOutput
+from ..engine.runner import ALL_ROWS
+from ..engine.tree import tree_mask_from_parents, tree_positions
+
+
+class DecodeState:
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], *, max_new_tokens: int, lookahead: int,
+                 sampling: SamplingConfig, generator: torch.Generator | None, eos: frozenset[int] = frozenset()) -> None:
+        if not prompt_ids:
+            raise ValueError("an empty prompt has nothing to condition on")
+        self.engine = engine
+        self.prompt_len = len(prompt_ids)
+        self.committed: list[int] = [int(t) for t in prompt_ids]
+        self.in_flight: list[int] = []
+        self.sampling = sampling
+        self.generator = generator
+        self.eos = eos
+        # the one place capacity is computed: prompt + output + what a round may write beyond it
+        self.cache = engine.new_cache(self.prompt_len + max_new_tokens + lookahead + 2)
+        self._ids = torch.tensor(self.committed, dtype=torch.long, device=engine.device)
+
+    # -- views -------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return self.committed[-1]
+
+    @property
+    def pos(self) -> int:
+        """Position of the pending token (== number of committed tokens in the cache)."""
+        return len(self.committed) - 1
+
+    @property
+    def output(self) -> list[int]:
+        return self.committed[self.prompt_len :]
+
+    def frontier(self, layer: int) -> int:
+        """Cached slots at ``layer`` (read-only view for reports and tests)."""
+        return self.cache.length(layer)
+
+    def ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(tokens), dtype=torch.long, device=self.engine.device)
+
+    # -- extend ------------------------------------------------------------
+    def prefill(self, **kw) -> ForwardOutput:
+        """The prompt at full depth; call once, before anything is committed after it."""
+        return self.engine.forward(self.cache, self._ids, positions=0, **kw)
+
+    def feed(self, token: int) -> None:
+        """Put a draft token in flight (it becomes the newest fed token)."""
+        self.in_flight.append(int(token))
+
+    def run(self, ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, **kw) -> ForwardOutput:
+        """Run the newest ``T`` fed tokens (as ids, or as residual rows from an earlier
+        call) through layers ``[start, end)``, at their own positions."""
+        t = ids.shape[0] if ids is not None else hidden.shape[0]
+        fed = len(self.committed) + len(self.in_flight)
+        return self.engine.forward(self.cache, ids, hidden=hidden, positions=fed - t, **kw)
+
+    def verify_forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None, **kw) -> ForwardOutput:
+        """Full-depth forward of the pending token and a chain (or tree, ``parents``) of
+        draft tokens; logits for every row. Drafting's slots past ``pos`` are dropped first."""
+        self.cache.crop(self.pos)
+        self.in_flight.clear()
+        inp = self.ids([self.pending, *tokens])
+        if parents is None:
+            return self.engine.forward(self.cache, inp, positions=self.pos, logits_rows=ALL_ROWS, **kw)
+        tree = [-1] + [p + 1 for p in parents]
+        dev = self.engine.device
+        return self.engine.forward(self.cache, inp, positions=tree_positions(tree, self.pos, dev),
+                                   tree_mask=tree_mask_from_parents(tree, dev), logits_rows=ALL_ROWS, **kw)
+
+    # -- commit / rollback -------------------------------------------------
+    def commit(self, tokens: Sequence[int], accepted: Sequence[int], tree: bool = False) -> None:
+        """Keep the pending token plus the accepted drafts (chain prefix, or tree path by
+        node index) in the cache, drop every other slot past ``pos``, and commit
+        ``tokens`` (the accepted drafts and the target's next token)."""
+        first = self.pos + 1
+        if tree:
+            self.cache.compact([first + i for i in accepted], first)
+        else:
+            self.cache.crop(first + len(accepted))
+        self.committed.extend(int(t) for t in tokens)
+        self.in_flight.clear()
+
+    def commit_decided(self, tokens: Sequence[int]) -> None:
+        """Commit tokens a (lossy) proposer chose itself; the rows it ran stay cached."""
+        self.committed.extend(int(t) for t in tokens)
+        self.in_flight.clear()
+
+    def rollback(self) -> None:
+        """Drop everything past ``pos`` at every layer, and the tokens in flight."""
+        self.cache.crop(self.pos)
+        self.in_flight.clear()
+
+    # -- scratch -----------------------------------------------------------
+    def replay(self, first: int, count: int, **kw) -> ForwardOutput:
+        """Teacher-forced forward over ``committed[first : first + count]`` written in
+        scratch slots from ``first`` on (the cache must hold positions ``0..first-1``
+        densely); everything is restored afterwards."""
+        with self.cache.scratch(first, count):
+            return self.engine.forward(self.cache, self.ids(self.committed[first : first + count]), positions=first, **kw)
