@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,12 +17,6 @@ from .config import GenerationConfig
 from .decoding.loop import DecodeResult
 from .errors import ConfigError
 from .prompts import Prompt
-
-
-@dataclass(slots=True)
-class PreparedPrompt:
-    prompt: Prompt
-    turn_texts: tuple[str, ...]
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ def test_self_sd_greedy_equals_ar(arch, tree):
     model = make_tiny_model(arch, layers=6)
     eng = Engine(model)
     ar = AR(eng)
-    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=6, threshold=0.3, tree=tree))
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.3, tree=tree))
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2)]:
         prompt = _prompt(6, seed)
         cfg = GenerationConfig(max_new_tokens=n)
@@ -54,7 +54,7 @@ def test_tree_node_cap_bounds_every_tree_and_keeps_parity(cap, monkeypatch):
     prompt = _prompt(6, 7)
     want = AR(eng).generate(prompt, want_cfg).token_ids
     # low threshold and wide top-k: without the cap these trees hold up to 6 x 4 nodes
-    dc = DraftConfig(max_draft=6, threshold=0.0, adaptive=False, tree=True,
+    dc = DraftConfig(cost_aware=False, max_draft=6, threshold=0.0, adaptive=False, tree=True,
                      tree_topk=((1.0, 4),), tree_max_nodes=cap)
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=dc)
     sizes: list[int] = []
@@ -79,7 +79,7 @@ def test_self_sd_respects_eos_inside_an_accepted_burst():
     free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
     eos = free[9]
     cfg = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,))
-    sd = SelfSD(eng, skip=SkipSet([3], []), draft=DraftConfig(max_draft=8, threshold=0.0))
+    sd = SelfSD(eng, skip=SkipSet([3], []), draft=DraftConfig(cost_aware=False, max_draft=8, threshold=0.0))
     res = sd.generate(prompt, cfg)
     assert res.token_ids == free[: free.index(eos) + 1] and res.finish_reason == "eos"
 
@@ -168,7 +168,7 @@ def small_vocab_setup():
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_self_sd_sampling_is_exact(small_vocab_setup, tree):
     model, prompt, law = small_vocab_setup
-    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(max_draft=4, threshold=0.0, tree=tree))
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0, tree=tree))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
 
@@ -182,7 +182,7 @@ def test_sampling_test_catches_a_broken_acceptance_rule(small_vocab_setup, monke
         return verify.Verdict(list(range(len(draft_tokens))), [*draft_tokens, int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen))])
 
     monkeypatch.setattr(driver, "verify_chain_sampling", accept_all)
-    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(max_draft=4, threshold=0.0))
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
 
@@ -239,7 +239,7 @@ def test_asd_sampling_is_exact(small_vocab_setup):
     from selfspec_cli.methods.asd import ASD
 
     model, prompt, law = small_vocab_setup
-    asd = ASD(Engine(model), config=ASDConfig(asd_alpha=0.3, asd_m=2, asd_n=1), draft=DraftConfig(max_draft=4, threshold=0.0))
+    asd = ASD(Engine(model), config=ASDConfig(asd_alpha=0.3, asd_m=2, asd_n=1), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
     samples = _pair_samples(asd, prompt, 2500)
     assert asd.skip_sets()[0] or asd.skip_sets()[1]
     assert distribution_test(samples, law) > ALPHA
@@ -250,7 +250,7 @@ def test_asd_sampling_is_exact(small_vocab_setup):
 def _swift(eng, **kw):
     from selfspec_cli.methods.swift import Swift, SwiftConfig
 
-    return Swift(eng, config=SwiftConfig(**{"context_window": 8, "bo_interval": 4, **kw}))
+    return Swift(eng, config=SwiftConfig(**{"context_window": 8, "bo_interval": 4, "paper_drafting": True, "optimize_budget": 1.0, **kw}))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -43,7 +43,6 @@ class ContenderResult:
     repeats: list[list[dict[str, Any]]] = field(default_factory=list)  # per timed pass: per-prompt records
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
-    instances: list[Any] = field(default_factory=list)  # generate callables of each pass (bound methods)
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -151,7 +150,6 @@ def run_bench(
                         on_prompt(c.name, rec)
             for c in contenders:
                 results[c.name].repeats.append(recs[c.name])
-                results[c.name].instances.append(gens[c.name])
     for name, res in results.items():
         if name in mem.peaks:
             res.peak_rss_mb = mem.peaks[name] / 2**20

@@ -12,7 +12,6 @@ import dataclasses
 import inspect
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import typer
@@ -21,60 +20,43 @@ from ..errors import ConfigError, FieldError
 from ..methods import METHODS
 
 
-@dataclass
-class FlagSpec:
-    name: str  # the field name (and the Python parameter)
-    flag: str
-    kind: Any  # the CLI type
-    help: str
-    defaults: dict[str, Any] = field(default_factory=dict)  # method -> its default
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-def _cli_type(hint: Any) -> Any:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if args else hint
-    if typing.get_origin(base) is tuple:
-        return str  # comma-separated layer ids, parsed by the config
-    return base
-
-
-def flag_specs() -> dict[str, FlagSpec]:
-    specs: dict[str, FlagSpec] = {}
+def option_fields() -> dict[str, tuple[Any, str, dict[str, Any]]]:
+    """field name -> (CLI type, help, {method: default}) over every method's config."""
+    out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for mname, cls in METHODS.items():
         hints = typing.get_type_hints(cls.Config)
         for f in dataclasses.fields(cls.Config):
-            if "help" not in f.metadata:
-                continue
-            spec = specs.get(f.name)
-            if spec is None:
-                flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-                spec = specs[f.name] = FlagSpec(f.name, flag, _cli_type(hints[f.name]), f.metadata["help"])
-            spec.defaults[mname] = f.default
-    return specs
+            if "help" in f.metadata:
+                args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+                kind = str if typing.get_origin(args[0]) is tuple else args[0]  # layer lists are text: 1,3,5
+                out.setdefault(f.name, (kind, f.metadata["help"], {}))[2][mname] = f.default
+    return out
 
 
-def _help(spec: FlagSpec) -> str:
-    defaults = {d for d in map(repr, spec.defaults.values())}
-    if spec.kind is bool or spec.defaults == {m: None for m in spec.defaults}:
+def _help(help: str, defaults: dict[str, Any]) -> str:
+    values = set(map(repr, defaults.values()))
+    if values == {"None"} or values <= {"False"}:
         tail = ""
-    elif len(defaults) == 1:
-        tail = f" (default {next(iter(spec.defaults.values()))})"
+    elif len(values) == 1:
+        tail = f" (default {next(iter(defaults.values()))})"
     else:
-        tail = " (default " + ", ".join(f"{m} {d}" for m, d in spec.defaults.items()) + ")"
-    return f"{', '.join(spec.defaults)}: {spec.help}{tail}."
+        tail = " (default " + ", ".join(f"{m} {d}" for m, d in defaults.items()) + ")"
+    return f"{', '.join(defaults)}: {help}{tail}."
 
 
 def with_method_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add one keyword parameter per method option to ``func``'s signature (``func``
-    takes them as ``**method_options``)."""
+    """Add one keyword parameter per method option to ``func`` (which takes ``**method_options``)."""
     sig = inspect.signature(func)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     annotations = dict(typing.get_type_hints(func))
-    for spec in flag_specs().values():
-        kind = bool if spec.kind is bool else Optional[spec.kind]
-        default = typer.Option(False if spec.kind is bool else None, spec.flag, help=_help(spec))
-        params.append(inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind))
-        annotations[spec.name] = kind
+    for name, (kind, help, defaults) in option_fields().items():
+        annotations[name] = bool if kind is bool else Optional[kind]
+        default = typer.Option(False if kind is bool else None, flag(name), help=_help(help, defaults))
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[name]))
     func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     func.__annotations__ = annotations
     return func
@@ -82,19 +64,14 @@ def with_method_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def given_options(ctx: typer.Context, values: dict[str, Any]) -> dict[str, Any]:
     """The method options the command line set (not left at their defaults)."""
-    out = {}
-    for name, value in values.items():
-        src = ctx.get_parameter_source(name)  # typer may bundle its own click: compare by name
-        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP"):
-            out[name] = value
-    return out
+    # typer may bundle its own click: compare parameter sources by name
+    return {n: v for n, v in values.items()
+            if getattr(ctx.get_parameter_source(n), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
 def flag_error(exc: FieldError) -> ConfigError:
     """A field's validation error, worded with the CLI's flags."""
-    specs = flag_specs()
-    flags = "/".join(specs[f].flag if f in specs else f for f in exc.field.split("/"))
-    return ConfigError(f"{flags} {exc.detail}")
+    return ConfigError(f"{'/'.join(map(flag, exc.field.split('/')))} {exc.detail}")
 
 
 def method_config(method: str, given: dict[str, Any], **fixed: Any) -> Any:
@@ -102,14 +79,11 @@ def method_config(method: str, given: dict[str, Any], **fixed: Any) -> Any:
     apply where the config has them."""
     cls = METHODS[method].Config
     names = {f.name for f in dataclasses.fields(cls)}
-    specs = flag_specs()
-    for name in given:
-        if name not in names:
-            users = " / ".join(specs[name].defaults)
-            raise ConfigError(f"{specs[name].flag} is an option of --method {users}, not of '{method}'; "
-                              "drop it or choose one of those methods")
-    values = {**{k: v for k, v in fixed.items() if k in names}, **given}
+    for name in given.keys() - names:
+        users = " / ".join(option_fields()[name][2])
+        raise ConfigError(f"{flag(name)} is an option of --method {users}, not of '{method}'; "
+                          "drop it or choose one of those methods")
     try:
-        return cls(**values)
+        return cls(**{k: v for k, v in fixed.items() if k in names}, **given)
     except FieldError as exc:
         raise flag_error(exc) from None

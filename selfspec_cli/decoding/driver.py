@@ -35,6 +35,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
+from ..engine.tree import tree_depths
 from .loop import DecodeResult, DecodeStats, TokenSink
 from .sampling import make_generator, select_token
 from .state import DecodeState
@@ -59,10 +60,7 @@ class Draft:
         """Draft positions proposed: the chain length, or the tree's number of levels."""
         if self.parents is None:
             return len(self.tokens)
-        depth: list[int] = []
-        for p in self.parents:
-            depth.append(0 if p < 0 else depth[p] + 1)
-        return max(depth) + 1 if depth else 0
+        return max(tree_depths(self.parents), default=-1) + 1
 
 
 class Proposer:
@@ -77,6 +75,7 @@ class Proposer:
     lossless: bool = True
     lookahead: int = 0
     needs_attn_cosine: bool = False
+    t1_s: float | None = None  # a plain step's seconds, when the proposer plans with measured costs
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
         self.engine = engine
@@ -140,6 +139,9 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             _record(stats, sink, verdict.tokens, len(verdict.accepted), on_tokens)
             proposer.update(state, draft, verdict, out)
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
+    decode_s = timings["draft_s"] + timings["verify_s"]
+    if proposer.t1_s and decode_s > 0:  # tokens per plain step's time: the gain the plan realized
+        stats.extra["realized_gain"] = round((len(sink.tokens) - 1) * proposer.t1_s / decode_s, 4)
     stats.extra.update(proposer.describe())
     return sink.result(stats)
 

@@ -9,18 +9,22 @@ pending token plus the drafts at full depth, as a chain or as SWIFT's candidate
 tree (top-k siblings per depth, chosen by confidence), and keeps the accepted K/V.
 
 Subclasses choose the skip set (:meth:`LayerSkipProposer.skip_sets`) and may
-adapt it after each round. Greedy drafts are the draft's argmax; sampled chain
+adapt it after each round. With ``cost_aware`` (the default) each round first asks
+the :class:`~.cost.Planner` how far drafting pays at the measured draft cost and
+acceptance, and does not draft at all when it does not pay. Greedy drafts are the draft's argmax; sampled chain
 drafts are drawn from the draft's processed distribution and handed to the driver
 with their laws, so the driver's speculative-sampling rule is exact.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..engine import Engine
+from .cost import Planner, VerifyCurve
 from .driver import Draft, Proposer
 from .sampling import processed_probs, sample_from
 from .state import DecodeState
@@ -48,6 +52,7 @@ class DraftConfig:
     tree: bool = False
     tree_topk: tuple[tuple[float, int], ...] = PAPER_TREE_TOPK
     tree_max_nodes: int | None = None
+    cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/cost.py)
 
     def topk_for(self, confidence: float) -> int:
         for upper, k in self.tree_topk:
@@ -86,19 +91,41 @@ class LayerSkipProposer(Proposer):
         self.draft_cfg = draft
         self.threshold = AdaptiveThreshold(draft.threshold)
         self.lookahead = draft.max_draft if not draft.tree else (draft.tree_max_nodes or 64)
+        self.planner: Planner | None = None  # made on first use (it measures the engine's verify curve)
+        self._step_s: float | None = None  # EMA of one draft forward, seconds
+
+    def draft_cost(self) -> float:
+        """c: one draft forward over one plain step, measured (before any draft: the share
+        of sublayers the skip set keeps)."""
+        if self._step_s is not None and self.planner is not None:
+            return self._step_s / self.planner.curve.t1_s
+        attn, mlp = self.skip_sets()
+        return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
+
+    def _plan(self, budget: int) -> int:
+        if self.planner is None:
+            self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft)
+            self.t1_s = self.planner.curve.t1_s
+        return self.planner.plan(self.draft_cost(), budget)
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
-        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4)}
+        out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4)}
+        if self.planner is not None:
+            out["cost_model"] = {"c": round(self.draft_cost(), 4), **self.planner.report()}
+        return out
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
         dc = self.draft_cfg
         budget = min(dc.max_draft, budget)
+        if budget > 0 and dc.cost_aware:
+            budget = self._plan(budget)
         if budget <= 0:
             return Draft()
+        t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
         sampling = state.sampling
         tokens: list[int] = []
@@ -108,6 +135,9 @@ class LayerSkipProposer(Proposer):
         max_k = max(k for _, k in dc.tree_topk)
         inp = torch.empty(1, dtype=torch.long, device=self.engine.device)
         tok, steps, hit_limit = state.pending, 0, True
+        node_cap = dc.tree_max_nodes
+        if dc.tree and dc.cost_aware:  # a planned depth k: verify at most 2k nodes
+            node_cap = min(node_cap or 2 * budget, 2 * budget)
         for _ in range(budget):
             inp[0] = tok
             logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp).logits[0]
@@ -119,13 +149,13 @@ class LayerSkipProposer(Proposer):
                 values, indices = values.tolist(), indices.tolist()
                 conf, d = values[0], indices[0]
                 width = dc.topk_for(conf)
-                if dc.tree_max_nodes is not None:
-                    width = max(1, min(width, dc.tree_max_nodes - len(tokens)))
+                if node_cap is not None:
+                    width = max(1, min(width, node_cap - len(tokens)))
                 first_idx = len(tokens)
                 tokens.extend(indices[:width])
                 parents.extend([chain_parent] * width)
                 chain_parent = first_idx
-                if dc.tree_max_nodes is not None and len(tokens) >= dc.tree_max_nodes:
+                if node_cap is not None and len(tokens) >= node_cap:
                     break  # node budget spent (counts as the length limit: hit_limit stays True)
             elif sampling.greedy:
                 conf_t, d_t = probs.max(-1)
@@ -141,6 +171,8 @@ class LayerSkipProposer(Proposer):
             if conf < self.threshold.value:
                 hit_limit = False
                 break
+        step_s = (time.perf_counter() - t0) / steps
+        self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
         return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None,
                      forwards=steps, info={"hit_limit": hit_limit, "chain_len": steps})
 
@@ -148,3 +180,5 @@ class LayerSkipProposer(Proposer):
         steps = draft.info.get("chain_len", 0)
         if self.draft_cfg.adaptive and steps:
             self.threshold.update(len(verdict.accepted), steps, draft.info["hit_limit"])
+        if self.planner is not None:
+            self.planner.observe(steps, len(verdict.accepted))

@@ -82,6 +82,8 @@ class DraftOptions:
 
     max_draft: int = option(12, "most draft tokens per round")
     draft_threshold: float = option(0.6, "draft-exit confidence threshold (initial value when adaptive)")
+    paper_drafting: bool = option(False, "draft as the paper does, without planning each round's draft length "
+                                         "from measured costs and acceptance (can be slower than ar)")
 
     def __post_init__(self) -> None:
         if self.max_draft < 1:
@@ -90,4 +92,4 @@ class DraftOptions:
             raise FieldError("draft_threshold", f"must be in [0, 1], got {self.draft_threshold}")
 
     def draft(self, **kw: Any) -> DraftConfig:
-        return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, **kw)
+        return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting, **kw)

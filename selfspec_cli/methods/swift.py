@@ -52,6 +52,8 @@ class SwiftConfig(DraftOptions):
     context_window: int = option(32, "generated tokens used to score candidate skip sets (gamma)")
     tree_nodes: int | None = option(None, "most candidate nodes in one verification tree (default: no cap, the "
                                           "paper's GPU setting; on a CPU each verified row costs a few per cent of a step)")
+    optimize_budget: float = option(0.03, "most share of decoding time the on-the-fly skip-set search may take "
+                                          "(the paper: no limit, 1.0)")
     max_steps: int = 1000  # S
     bo_interval: int = 25  # beta
     max_score: float = 0.95
@@ -69,6 +71,8 @@ class SwiftConfig(DraftOptions):
             raise FieldError("skip_ratio", f"must be in (0, 1), got {self.skip_ratio}")
         if self.context_window < 2:
             raise FieldError("context_window", f"must be >= 2, got {self.context_window}")
+        if not 0 <= self.optimize_budget <= 1:
+            raise FieldError("optimize_budget", f"must be in [0, 1], got {self.optimize_budget}")
         if self.tree_nodes is not None and self.tree_nodes < 1:
             raise FieldError("tree_nodes", f"must be >= 1, got {self.tree_nodes}")
 
@@ -105,6 +109,8 @@ class Swift(LayerSkipProposer, Method):
         self._rounds_since_ratio_change = 0
         self._windowed = False  # per prompt: the scoring window is cached
         self.optimize_s = 0.0
+        self._spent_s = self._decoded_s = 0.0  # search and decoding time over the run (the budget)
+        self._last = time.perf_counter()
 
     # -- skip sets ---------------------------------------------------------
     @property
@@ -211,27 +217,33 @@ class Swift(LayerSkipProposer, Method):
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self._windowed = False
         self.optimize_s = 0.0
+        self._last = time.perf_counter()
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
+        LayerSkipProposer.update(self, state, draft, verdict, out)
         steps = draft.info.get("chain_len", 0)
         if steps:
             self._acceptance.append((len(verdict.accepted), steps))
         t0 = time.perf_counter()
+        self._decoded_s += t0 - self._last
+        # the search counts its own cost: it runs only while it stays within its share of decoding time
+        within = self._spent_s <= self.cfg.optimize_budget * self._decoded_s
         if not self._windowed and len(state.output) >= self.cfg.context_window + 2:
             # the window's gamma + 1 tokens are cached (the newest output token is pending)
             self._windowed = True
             if self.optimizing and self.best_score >= 0:
                 self.best_score = self._score(state, self.best)  # re-score on this prompt's window
-        if self._windowed and self.optimizing:
+        if self._windowed and self.optimizing and within:
             if self.best_score < 0:
                 self.best_score = self._score(state, self.best)
             self._optimization_step(state)
         self._maybe_lower_ratio()
-        self.optimize_s += time.perf_counter() - t0
+        self._last = time.perf_counter()
+        self.optimize_s += self._last - t0
+        self._spent_s += self._last - t0
 
     def describe(self) -> dict[str, Any]:
-        attn, mlp = self.skip_sets()
-        return {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "optimize_s": round(self.optimize_s, 6),
+        return {**LayerSkipProposer.describe(self), "optimize_s": round(self.optimize_s, 6),
                 "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
                           "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio}}
 

@@ -1,0 +1,171 @@
+"""Cost-aware drafting: how far to draft, from measured costs and measured acceptance.
+
+A round that drafts a chain of ``k`` tokens and verifies it emits, in expectation,
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j
+
+tokens, where ``a_j`` is the probability that draft depth ``j`` is accepted given that
+depth ``j - 1`` was (tracked online per proposer, :class:`Acceptance`). In units of one
+plain decoding step T(1) the round costs ``k c + v(k + 1)``: ``c`` is one draft step
+(measured online; 0 for n-gram drafts) and ``v(m)`` one full-depth forward of ``m``
+rows (:class:`VerifyCurve`, measured once per engine). Plain decoding is ``E(0) /
+v(1) = 1``. :meth:`Planner.plan` picks the ``k`` that maximizes ``E(k) / (k c + v(k+1))``
+(SWIFT's Eq. 6 with a measured v), and ``k = 0``, no draft, whenever no draft pays.
+
+So that an estimate that once turned pessimistic can recover, a planner that chose
+not to draft probes with one draft token now and then; the probe interval doubles
+each time (up to ``max_probe_interval`` rounds), which bounds the probing cost to a
+few per cent of a step.
+
+Invariant: planning changes only how many tokens are drafted, never how they are
+verified, so every lossless proposer stays exact.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine import Engine
+
+CURVE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+_CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class VerifyCurve:
+    """``v(m)``: a full-depth forward of ``m`` rows over one of one row, and T(1) in seconds."""
+
+    t1_s: float
+    ratios: dict[int, float]
+
+    def v(self, m: int) -> float:
+        if m in self.ratios:
+            return self.ratios[m]
+        rows = sorted(self.ratios)
+        if m > rows[-1]:  # beyond the table: linear in the rows, from the last two points
+            a, b = rows[-2], rows[-1]
+            return self.ratios[b] + (m - b) * (self.ratios[b] - self.ratios[a]) / (b - a)
+        lo = max(r for r in rows if r < m)
+        hi = min(r for r in rows if r > m)
+        return self.ratios[lo] + (m - lo) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
+
+    @classmethod
+    def for_engine(cls, engine: Engine) -> VerifyCurve:
+        """Measured once per engine (about 30 forwards) and kept with it."""
+        curve = _CURVES.get(engine)
+        if curve is None:
+            curve = _CURVES[engine] = cls.measure(engine)
+        return curve
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, engine: Engine, context: int = 64, rounds: int = 3) -> VerifyCurve:
+        """Time forwards of 1..16 rows after a ``context``-token prefix; per size the
+        fastest of ``rounds`` interleaved passes (load from elsewhere only slows a call)."""
+        rows = CURVE_ROWS
+        cache = engine.new_cache(context + max(rows) + 1)
+        ids = torch.arange(context + max(rows), device=engine.device) % max(2, engine.vocab_size)
+        engine.forward(cache, ids[:context], positions=0, logits_rows=None)
+        best = {m: float("inf") for m in rows}
+        for r in range(rounds + 1):  # pass 0 warms up
+            for m in rows:
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
+                t0 = time.perf_counter()
+                engine.forward(cache, ids[context : context + m], positions=context, logits_rows=slice(None))
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
+                if r:
+                    best[m] = min(best[m], time.perf_counter() - t0)
+                cache.crop(context)
+        t1 = best[1]
+        # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper)
+        ratios, run = {}, 1.0
+        for m in rows:
+            run = max(run, best[m] / t1)
+            ratios[m] = round(run, 4)
+        return cls(t1, ratios)
+
+
+@dataclass
+class Acceptance:
+    """Per-depth acceptance ``a_j`` with a Beta(1, 1) prior, over all rounds so far."""
+
+    max_depth: int
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reached = [2.0] * (self.max_depth + 1)  # index j: depth j (index 0 unused)
+        self.accepted = [1.0] * (self.max_depth + 1)
+
+    def rate(self, depth: int) -> float:
+        d = min(depth, self.max_depth)
+        return self.accepted[d] / self.reached[d]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A chain of ``drafted`` tokens of which the first ``accepted`` were accepted."""
+        for j in range(1, min(drafted, accepted + 1) + 1):
+            d = min(j, self.max_depth)
+            self.reached[d] += 1
+            self.accepted[d] += j <= accepted
+
+
+@dataclass
+class Planner:
+    """Chooses the draft length of each round (see the module docstring)."""
+
+    curve: VerifyCurve
+    max_len: int
+    acceptance: Acceptance = None  # type: ignore[assignment]
+    max_probe_interval: int = 64
+    _idle: int = 0
+    _probe_interval: int = 4
+    predicted: list[float] = field(default_factory=list)  # predicted gain of each drafting round
+
+    def __post_init__(self) -> None:
+        self.acceptance = Acceptance(self.max_len)
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for j in range(1, k + 1):
+            run *= self.acceptance.rate(j)
+            e += run
+        return e
+
+    def gain(self, k: int, c: float) -> float:
+        """Expected tokens per T(1) of a round with ``k`` drafts, relative to plain decoding."""
+        return self.expected_tokens(k) / (k * c + self.curve.v(k + 1))
+
+    def plan(self, c: float, budget: int) -> int:
+        """The draft length for this round (0: do not draft)."""
+        limit = min(self.max_len, budget)
+        best_k, best = 0, 1.0
+        for k in range(1, limit + 1):
+            g = self.gain(k, c)
+            if g > best:
+                best_k, best = k, g
+        if best_k == 0 and limit > 0:
+            self._idle += 1
+            if self._idle >= self._probe_interval:  # probe: one draft token, then wait twice as long
+                self._idle = 0
+                self._probe_interval = min(2 * self._probe_interval, self.max_probe_interval)
+                best_k, best = 1, self.gain(1, c)
+        elif best_k:
+            self._idle, self._probe_interval = 0, 4
+        if best_k:
+            self.predicted.append(best)
+        return best_k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.acceptance.observe(drafted, accepted)
+
+    def report(self) -> dict[str, Any]:
+        return {"predicted_gain": round(statistics.fmean(self.predicted), 4) if self.predicted else None,
+                "acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)]}

@@ -1,0 +1,98 @@
+"""Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``) as a
+selfspec proposer: n-gram drafts from the context so far (prompt and output), free to make.
+
+Each round, the longest suffix of the committed tokens of ``pld_max_ngram`` down to
+``pld_min_ngram`` tokens that occurred earlier in the context is looked up (the most
+recent earlier occurrence wins), and the tokens that followed it are the draft. The
+draft is deterministic, so the driver verifies it exactly: greedy by prefix match,
+sampling by speculative sampling with a point-mass draft law (accept ``d`` with
+probability ``p(d)``, else resample from ``p`` without ``d``), which emits exactly the
+target's distribution.
+
+Cost-aware (default): drafting a lookup costs no model forward, but verifying ``k``
+drafts costs ``v(k + 1)`` plain steps; a :class:`~selfspec_cli.decoding.cost.Planner`
+per n-gram length tracks acceptance by depth and chooses how many of the looked-up
+tokens to verify (none when they do not pay).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..decoding.cost import Planner, VerifyCurve
+from ..decoding.driver import Draft
+from ..decoding.state import DecodeState
+from ..decoding.verify import Verdict
+from ..engine import Engine
+from ..errors import FieldError
+from .base import Method, option
+
+
+def lookup(context: list[int], max_ngram: int, min_ngram: int, max_len: int) -> tuple[list[int], int]:
+    """The continuation of the most recent earlier occurrence of the longest matching
+    suffix n-gram (``max_ngram`` down to ``min_ngram`` tokens), at most ``max_len``
+    tokens, and that n; ``([], 0)`` when nothing matches."""
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        tail = context[n_ctx - n :]
+        # candidate starts, latest first; the match must end before the suffix itself
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                cont = context[start + n : start + n + max_len]
+                if cont:
+                    return cont, n
+    return [], 0
+
+
+@dataclass(frozen=True)
+class PLDConfig:
+    pld_max_ngram: int = option(3, "longest suffix n-gram looked up in the context")
+    pld_min_ngram: int = option(1, "shortest suffix n-gram looked up")
+    max_draft: int = option(10, "most draft tokens per round")
+    paper_drafting: bool = option(False, "verify every looked-up token, as transformers' prompt lookup does, "
+                                         "without planning from measured costs (can be slower than ar)")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pld_min_ngram <= self.pld_max_ngram:
+            raise FieldError("pld_min_ngram/pld_max_ngram", f"need 1 <= min <= max, got {self.pld_min_ngram}, {self.pld_max_ngram}")
+        if self.max_draft < 1:
+            raise FieldError("max_draft", f"must be >= 1, got {self.max_draft}")
+
+
+class PromptLookup(Method):
+    name = "pld"
+    lossless = True
+    description = "prompt lookup: n-gram drafts from the prompt and the output so far, cost-aware"
+    Config = PLDConfig
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: PLDConfig | None = None) -> None:
+        super().__init__(engine, tokenizer)
+        self.config = config or PLDConfig()
+        self.lookahead = self.config.max_draft
+        self.planners: dict[int, Planner] = {}  # n-gram length -> its planner (longer matches draft better)
+
+    def planner(self, n: int) -> Planner:
+        if n not in self.planners:
+            curve = VerifyCurve.for_engine(self.engine)
+            self.t1_s = curve.t1_s
+            self.planners[n] = Planner(curve, self.config.max_draft)
+        return self.planners[n]
+
+    def candidate(self, state: DecodeState, budget: int) -> tuple[list[int], int]:
+        c = self.config
+        return lookup(state.committed, c.pld_max_ngram, c.pld_min_ngram, min(c.max_draft, budget))
+
+    def propose(self, state: DecodeState, budget: int) -> Draft:
+        cont, n = self.candidate(state, budget)
+        if not cont:
+            return Draft()
+        k = len(cont) if self.config.paper_drafting else self.planner(n).plan(0.0, len(cont))
+        return Draft(cont[:k], info={"ngram": n})
+
+    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
+        n = draft.info.get("ngram")
+        if n and n in self.planners:
+            self.planners[n].observe(len(draft.tokens), len(verdict.accepted))
+
+    def describe(self) -> dict[str, Any]:
+        return {"cost_model": {str(n): p.report() for n, p in sorted(self.planners.items())}} if self.planners else {}
