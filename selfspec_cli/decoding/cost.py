@@ -142,14 +142,20 @@ class Planner:
         """Expected tokens per T(1) of a round with ``k`` drafts, relative to plain decoding."""
         return self.expected_tokens(k) / (k * c + self.curve.v(k + 1))
 
-    def plan(self, c: float, budget: int) -> int:
-        """The draft length for this round (0: do not draft)."""
-        limit = min(self.max_len, budget)
+    def best(self, c: float, budget: int) -> tuple[int, float]:
+        """The draft length that maximizes the expected gain, and that gain (``(0, 1.0)``
+        when no draft pays); no side effects."""
         best_k, best = 0, 1.0
-        for k in range(1, limit + 1):
+        for k in range(1, min(self.max_len, budget) + 1):
             g = self.gain(k, c)
             if g > best:
                 best_k, best = k, g
+        return best_k, best
+
+    def plan(self, c: float, budget: int) -> int:
+        """The draft length for this round (0: do not draft), probing now and then."""
+        limit = min(self.max_len, budget)
+        best_k, best = self.best(c, budget)
         if best_k == 0 and limit > 0:
             self._idle += 1
             if self._idle >= self._probe_interval:  # probe: one draft token, then wait twice as long

@@ -91,8 +91,10 @@ class LayerSkipProposer(Proposer):
         self.draft_cfg = draft
         self.threshold = AdaptiveThreshold(draft.threshold)
         self.lookahead = draft.max_draft if not draft.tree else (draft.tree_max_nodes or 64)
-        self.planner: Planner | None = None  # made on first use (it measures the engine's verify curve)
+        self.planner: Planner | None = None
         self._step_s: float | None = None  # EMA of one draft forward, seconds
+        if draft.cost_aware:
+            self._planner()  # measures the engine's verify curve now (once per engine), not inside a timed decode
 
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share
@@ -102,11 +104,18 @@ class LayerSkipProposer(Proposer):
         attn, mlp = self.skip_sets()
         return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
 
-    def _plan(self, budget: int) -> int:
+    def _planner(self) -> Planner:
         if self.planner is None:
             self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft)
             self.t1_s = self.planner.curve.t1_s
-        return self.planner.plan(self.draft_cost(), budget)
+        return self.planner
+
+    def _plan(self, budget: int) -> int:
+        return self._planner().plan(self.draft_cost(), budget)
+
+    def expected_gain(self, budget: int) -> float:
+        """The best expected gain of drafting this round (1.0: drafting does not pay)."""
+        return self._planner().best(self.draft_cost(), budget)[1]
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         raise NotImplementedError

@@ -16,13 +16,14 @@ from ..errors import ConfigError
 from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
+from .auto import Auto
 from .base import Method
 from .pld import PromptLookup
 from .self_sd import SelfSD
 from .specee import SpecEE
 from .swift import Swift
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, AdaDecode, SpecEE, PromptLookup)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, AdaDecode, SpecEE, PromptLookup, Auto)}
 
 
 def method_class(name: str) -> type[Method]:
@@ -49,4 +50,4 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     return cls.build(engine, tokenizer, config if config is not None else config_for(name, values))
 
 
-__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "build", "config_for", "method_class"]
+__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "Auto", "build", "config_for", "method_class"]

@@ -70,6 +70,8 @@ class PromptLookup(Method):
         self.config = config or PLDConfig()
         self.lookahead = self.config.max_draft
         self.planners: dict[int, Planner] = {}  # n-gram length -> its planner (longer matches draft better)
+        if not self.config.paper_drafting:
+            self.t1_s = VerifyCurve.for_engine(engine).t1_s  # measured now (once per engine), not inside a timed decode
 
     def planner(self, n: int) -> Planner:
         if n not in self.planners:
