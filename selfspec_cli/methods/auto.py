@@ -1,0 +1,97 @@
+"""``--method auto``: per round, the drafting source with the best expected tokens per second.
+
+The sources: n-gram drafts from the context (:mod:`.pld`), layer-skip drafts with this
+model's calibrated Self-SD skip set when one exists (else ASD's per-prompt set, which
+needs no artifact), and none (a plain step). Before each round every source's planner
+(:mod:`selfspec_cli.decoding.cost`) gives the best expected gain over plain decoding at
+its measured draft cost and acceptance; the round goes to the source with the highest
+gain, which then plans its own draft length (and may still decline or probe). Each
+source keeps its own acceptance statistics, updated only by its own rounds.
+
+Lossless: whichever source drafts, the driver verifies with the exact rules.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ..artifacts import SkipSet
+from ..decoding.driver import Draft, Proposer
+from ..decoding.layer_skip import LayerSkipProposer
+from ..decoding.state import DecodeState
+from ..decoding.verify import Verdict
+from ..engine import Engine, ForwardOutput
+from ..errors import ArtifactError
+from .asd import ASD
+from .base import Method, option
+from .pld import PLDConfig, PromptLookup
+from .self_sd import SelfSD
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    ngram_only: bool = option(False, "n-gram drafts only, no layer-skip drafts")
+
+
+class Auto(Method):
+    name = "auto"
+    lossless = True
+    description = "auto: per round the best of n-gram drafts, layer-skip drafts and none, by expected tokens/s"
+    Config = AutoConfig
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None,
+                 layer_skip: LayerSkipProposer | None = None) -> None:
+        super().__init__(engine, tokenizer)
+        self.config = config or AutoConfig()
+        self.pld = PromptLookup(engine, tokenizer, PLDConfig())
+        self.layer_skip = layer_skip
+        self.needs_attn_cosine = bool(layer_skip and layer_skip.needs_attn_cosine)
+        self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0)
+        self.rounds: Counter[str] = Counter()
+        self._last: Proposer | None = None
+
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None) -> Auto:
+        config = config or AutoConfig()
+        layer_skip: LayerSkipProposer | None = None
+        if not config.ngram_only:
+            try:
+                layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
+            except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
+                layer_skip = ASD(engine, tokenizer)
+        return cls(engine, tokenizer, config, layer_skip)
+
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self.rounds = Counter()
+        self.pld.begin(state, prefill)
+        if self.layer_skip is not None:
+            self.layer_skip.begin(state, prefill)
+
+    def propose(self, state: DecodeState, budget: int) -> Draft:
+        options: list[tuple[float, str, Proposer]] = []
+        cont, n = self.pld.candidate(state, budget)
+        if cont:
+            options.append((self.pld.planner(n).best(0.0, len(cont))[1], "ngram", self.pld))
+        if self.layer_skip is not None and budget > 0:
+            options.append((self.layer_skip.expected_gain(budget), "layer_skip", self.layer_skip))
+        if not options:
+            self._last = None
+            self.rounds["none"] += 1
+            return Draft()
+        _, source, proposer = max(options, key=lambda o: o[0])
+        self._last = proposer
+        draft = proposer.propose(state, budget)
+        self.rounds[source if draft.tokens else "none"] += 1
+        self.t1_s = self.pld.t1_s or getattr(self.layer_skip, "t1_s", None)
+        return draft
+
+    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput | None) -> None:
+        if self._last is not None:
+            self._last.update(state, draft, verdict, out)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"auto_rounds": dict(self.rounds), "ngram": self.pld.describe()}
+        if self.layer_skip is not None:
+            out["layer_skip"] = {"method": self.layer_skip.name, **self.layer_skip.describe()}
+        return out
