@@ -1,16 +1,20 @@
 """Does Self-SD calibration's objective rank skip sets the same way under load as on an idle machine?
 
-The objective of ``selfspec calibrate --method self-sd`` is measured throughput, with each
-prompt's fastest of ``--repeats`` passes (default 3). This script measures a fixed list of
+Two objectives of ``selfspec calibrate --method self-sd``: measured throughput (each
+prompt's fastest of ``--repeats`` passes) and the timing-free proxy (``--objective proxy``,
+the default: predicted speedup from the decoded rounds' draft lengths, the draft cost from
+weight bytes and the engine's verify curve). This script measures a fixed list of
 candidates (plain decoding, uniform sets at several ratios, the shipped calibrated set and
-seeded random sets) three ways, interleaved candidate by candidate:
+seeded random sets) four ways, interleaved candidate by candidate, and computes the proxy
+in every pass:
 
 1. idle, fastest of 3 passes (the reference);
 2. with a competing busy process (``python -c "while 1: pass"``), one pass;
 3. with the competitor, fastest of 3 passes (what calibrate does);
 4. idle again, fastest of 3 passes (how well an idle measurement reproduces its own ranking);
 
-and prints the rank correlation (Spearman, Kendall) of 2, 3 and 4 against 1.
+and prints the rank correlation (Spearman, Kendall) of 2, 3 and 4 and of the proxy (idle
+and under load) against 1.
 
     python scripts/objective_ranking.py --model pystdlib --output docs/bench/objective-ranking.json
 """
@@ -76,7 +80,7 @@ def main() -> None:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, tok))
 
     cands: dict[str, tuple[frozenset[int], frozenset[int]] | None] = {"ar": None}
-    for r in (0.2, 0.3, 0.45, 0.6):
+    for r in (0.1, 0.2, 0.3, 0.45, 0.6):
         u = uniform_layers(L, r)
         cands[f"uniform-{r:g}"] = (u, u)
     try:
@@ -91,40 +95,48 @@ def main() -> None:
         sub = [rng.randrange(2 * L) for _ in range(k)]
         cands[f"random-{i}"] = (frozenset(s for s in sub if s < L), frozenset(s - L for s in sub if s >= L))
 
-    def run(repeats: int) -> dict[str, float]:
+    proxies: dict[str, dict[str, float]] = {}
+
+    def run(repeats: int, label: str) -> dict[str, float]:
         out = {}
         for name, sets in cands.items():
             m = measure_ar(engine, tok, ids, cfg, repeats) if sets is None else \
                 measure_self_sd(engine, tok, ids, cfg, sets[0], sets[1], repeats=repeats)
             out[name] = m.tokens_per_s
-            print(f"  {name}: {out[name]:.1f} tok/s", file=sys.stderr, flush=True)
+            proxies.setdefault(label, {})[name] = 1.0 if m.proxy is None else m.proxy
+            print(f"  {name}: {out[name]:.1f} tok/s, proxy {proxies[label][name]:.3f}", file=sys.stderr, flush=True)
         return out
 
     print("idle, fastest of 3", file=sys.stderr)
-    idle = run(3)
+    idle = run(3, "idle")
     busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
     try:
         print("busy, 1 pass", file=sys.stderr)
-        busy1 = run(1)
+        busy1 = run(1, "busy")
         print("busy, fastest of 3", file=sys.stderr)
-        busy3 = run(3)
+        busy3 = run(3, "busy3")
     finally:
         busy.kill()
         busy.wait()
     print("idle again, fastest of 3", file=sys.stderr)
-    idle2 = run(3)
+    idle2 = run(3, "idle2")
     names = list(cands)
     ref = [idle[n] for n in names]
+    proxy_idle, proxy_busy = proxies["idle"], proxies["busy"]
     result = {
         "model": args.model, "prompts": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens,
         "candidates": {n: {"idle_min3": idle[n], "busy_1pass": busy1[n], "busy_min3": busy3[n],
-                           "idle_again_min3": idle2[n]} for n in names},
+                           "idle_again_min3": idle2[n], "proxy_idle": proxy_idle[n], "proxy_busy": proxy_busy[n]}
+                       for n in names},
         "spearman": {k: spearman(ref, [v[n] for n in names])
-                     for k, v in (("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2))},
+                     for k, v in (("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2),
+                                 ("proxy_idle", proxy_idle), ("proxy_busy", proxy_busy))},
         "kendall": {k: kendall(ref, [v[n] for n in names])
-                    for k, v in (("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2))},
+                    for k, v in (("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2),
+                                 ("proxy_idle", proxy_idle), ("proxy_busy", proxy_busy))},
         "ranking": {k: sorted(names, key=lambda n: -v[n])
-                    for k, v in (("idle_min3", idle), ("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2))},
+                    for k, v in (("idle_min3", idle), ("busy_1pass", busy1), ("busy_min3", busy3), ("idle_again_min3", idle2),
+                                           ("proxy_idle", proxy_idle), ("proxy_busy", proxy_busy))},
         "environment": environment_info(engine.device, engine.dtype),
     }
     print(json.dumps({k: result[k] for k in ("spearman", "kendall", "ranking")}, indent=1))

@@ -25,6 +25,7 @@ A tensors artifact is a directory with ``tensors.safetensors`` and ``manifest.js
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -251,11 +252,9 @@ def environment_info(device: torch.device | str | None = None, dtype: torch.dtyp
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
     }
-    try:
-        import optuna
-
-        info["optuna"] = optuna.__version__
-    except ImportError:  # pragma: no cover - optuna is a dependency
+    try:  # the version only: optuna itself is imported where searches live
+        info["optuna"] = importlib.metadata.version("optuna")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - optuna is a dependency
         pass
     if dev.type == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(dev)

@@ -107,17 +107,6 @@ def test_summary_per_category_and_spec_bench_answers():
     assert ch["accept_lengths"] == [1, 3, 3, 3]
 
 
-def test_eq6_expected_speedup():
-    from selfspec_cli.bench.report import eq6_expected_speedup
-
-    assert eq6_expected_speedup(3.0, 0.8, 0.5) == pytest.approx(2.4 / 1.8)
-    # perfect drafts at zero cost: M tokens per forward
-    assert eq6_expected_speedup(4.0, 1.0, 1.0) == pytest.approx(4.0)
-    # nothing skipped: drafting costs a full forward per token, never a speedup
-    assert eq6_expected_speedup(3.0, 1.0, 0.0) == pytest.approx(1.0)
-    assert eq6_expected_speedup(None, 0.5, 0.5) is None and eq6_expected_speedup(2.0, None, 0.5) is None
-
-
 # ---------------------------------------------------------------- parity drops when a token is wrong
 
 
@@ -249,7 +238,8 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
         assert len(records) == 2 * len(lines)  # every timed pass, streamed
     assert doc["methods"]["swift"]["optimization_s"] is not None
     cm = doc["methods"]["swift"]["cost_model"]
-    assert 0 < cm["skip_ratio"] < 1 and cm["draft_cost_ratio_c"] > 0 and cm["verify_cost_ratio"] > 0
+    assert 0 < cm["skip_ratio"] < 1 and cm["predicted_speedup"] > 0 and 0 <= cm["draft_round_share"] <= 1
+    assert cm["measured_over_predicted"] == pytest.approx(doc["methods"]["swift"]["speedup_vs_ar"] / cm["predicted_speedup"], rel=0.01)
     assert 0 <= doc["methods"]["asd"]["cost_model"]["skip_ratio"] < 1
     assert "cost_model" not in doc["methods"]["hf-pld"]
     assert doc["methods"]["hf-pld"]["acceptance_rate"] is not None

@@ -46,35 +46,20 @@ def _subset(repeats: Sequence[Sequence[Mapping[str, Any]]], ids: set[Any]) -> li
     return [[r for r in rs if r["id"] in ids] for rs in repeats]
 
 
-def eq6_expected_speedup(m: float | None, alpha: float | None, skip_ratio: float | None) -> float | None:
-    """SWIFT's Eq. 6: E(Spd) = M alpha / ((M - 1) c + alpha), c = 1 - r. It assumes a draft
-    step costs (1 - r) of a full forward and verifying a block costs one full forward."""
-    if m is None or not alpha or skip_ratio is None:
-        return None
-    c = 1.0 - skip_ratio
-    return m * alpha / ((m - 1.0) * c + alpha)
-
-
-def _cost_model(res: ContenderResult, ref: ContenderResult | None, num_layers: int | None) -> dict[str, Any] | None:
-    """Skip ratio, Eq. 6 and measured costs of a layer-skipping method (None for others)."""
+def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] | None:
+    """What the drafting plans predicted (decoding/cost.py: expected tokens over cost in plain
+    steps, summed over every round of every prompt), the skip ratio of layer-skipping
+    methods; None for methods that do not plan."""
     last = res.records
-    if not last or not num_layers or "skip_attn" not in last[-1]["stats"]:
+    plans = [r["stats"]["plan"] for r in last if r.get("stats", {}).get("plan")]
+    if not plans:
         return None
+    out: dict[str, Any] = {"predicted_speedup": _r(sum(p["expected_tokens"] for p in plans) / sum(p["cost_steps"] for p in plans))}
     st = last[-1]["stats"]
-    r = (len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers)
-    out: dict[str, Any] = {"skip_ratio": round(r, 4)}
-    m, a = metrics.mean_accepted_length(last), metrics.acceptance_rate(last)
-    e = eq6_expected_speedup(m, a, r)
-    out["expected_speedup_eq6"] = _r(e)
-    if ref is not None and ref.repeats:
-        ar_tok_s = sum(x["wall_time_s"] for x in ref.records) / max(1, sum(x["new_tokens"] for x in ref.records))
-        log = metrics.step_log(last)
-        draft_s, verify_s = metrics.sum_stat(last, "draft_s"), metrics.sum_stat(last, "verify_s")
-        rounds = max(1, len(log["accept_lengths"]) - len(last))  # steps minus one prefill per prompt
-        if draft_s is not None and log["drafted"]:
-            out["draft_cost_ratio_c"] = _r(draft_s / log["drafted"] / ar_tok_s)
-        if verify_s is not None:
-            out["verify_cost_ratio"] = _r(verify_s / rounds / ar_tok_s)
+    if num_layers and "skip_attn" in st:
+        out["skip_ratio"] = _r((len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers))
+    shares = [r["stats"].get("draft_round_share") for r in last]
+    out["draft_round_share"] = _r(statistics.fmean(x or 0.0 for x in shares))
     return out
 
 
@@ -95,10 +80,10 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
         opt = [metrics.sum_stat(rs, "optimize_s") for rs in res.repeats]
         m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
         m["offline"] = dict((offline_cost or {}).get(name, {})) or None
-        cm = _cost_model(res, results.get(reference) if reference else None, num_layers)
+        cm = _cost_model(res, num_layers)
         if cm is not None:
-            if cm.get("expected_speedup_eq6") and m.get("speedup_vs_ar"):
-                cm["measured_over_expected"] = _r(m["speedup_vs_ar"] / cm["expected_speedup_eq6"])
+            if cm["predicted_speedup"] and m.get("speedup_vs_ar"):
+                cm["measured_over_predicted"] = _r(m["speedup_vs_ar"] / cm["predicted_speedup"])
             m["cost_model"] = cm
         m["peak_rss_mb"] = _r(res.peak_rss_mb, 1)
         m["peak_cuda_mb"] = _r(res.peak_cuda_mb, 1)

@@ -29,6 +29,7 @@ No typer or rich here: callers pass ``on_trial`` / ``log`` callbacks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ import torch
 from ..config import GenerationConfig
 from ..decoding.loop import DecodeResult
 from ..artifacts import SkipSet
+from ..decoding.cost import VerifyCurve
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -50,7 +52,8 @@ from ..runtime import timed
 STUDY_NAME = "self-sd"
 SAMPLERS = ("tpe", "gp", "random")
 SEED_RATIOS = (0.3, 0.45)
-DEFAULT_DRAFT = DraftConfig()  # SelfSD's own default
+DEFAULT_DRAFT = DraftConfig(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
+OBJECTIVES = ("proxy", "throughput")
 
 
 # ---------------------------------------------------------------- measuring
@@ -65,6 +68,8 @@ class Measurement:
     target_forwards: int
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_lengths: tuple[int, ...] = ()  # every round's draft depth, over all prompts (0: no draft)
+    proxy: float | None = None  # the hardware-aware proxy: predicted speedup over ar (see proxy_speedup)
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +91,7 @@ class Measurement:
             "wall_s": round(self.wall_s, 6),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
+            "proxy_speedup": None if self.proxy is None else round(self.proxy, 4),
         }
 
 
@@ -98,6 +104,7 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
     assert repeats >= 1, repeats
     best_wall = [float("inf")] * len(prompt_ids)
     tokens = forwards = drafted = accepted = 0
+    lengths: list[int] = []
     for r in range(repeats):
         generate = make_generate()
         for i, ids in enumerate(prompt_ids):
@@ -108,7 +115,33 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
                 forwards += res.stats.target_forwards
                 drafted += res.stats.drafted_tokens
                 accepted += res.stats.accepted_draft_tokens
-    return Measurement(tokens, sum(best_wall), forwards, drafted, accepted)
+                lengths += res.stats.draft_lengths
+    return Measurement(tokens, sum(best_wall), forwards, drafted, accepted, tuple(lengths))
+
+
+def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> float:
+    """c(S) without a timer: the weight bytes a draft step reads over those of a full step
+    (batch-1 decoding is memory-bound: docs/engine.md)."""
+    a = engine.adapter
+
+    def size(*ts: torch.Tensor | None) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    head = size(a.lm_head, a.final_norm)
+    attn = [size(w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm) for w in a.layers]
+    mlp = [size(w.mlp_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down) for w in a.layers]
+    kept = head + sum(b for l, b in enumerate(attn) if l not in skip_attn) + sum(b for l, b in enumerate(mlp) if l not in skip_mlp)
+    return kept / (head + sum(attn) + sum(mlp))
+
+
+def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) -> float:
+    """The hardware-aware proxy objective: tokens after each prompt's prefill over the cost of
+    the rounds that made them, in plain steps (a round drafting ``k`` tokens costs
+    ``k c + v(k + 1)``; plain decoding costs 1 a token). ``c`` from weight bytes and ``v``
+    from the engine's verify curve (measured once): no per-trial timing, so machine load
+    cannot reorder the candidates; the acceptance behind it is measured, by decoding."""
+    cost = sum(k * c + curve.v(k + 1) for k in m.draft_lengths)
+    return (m.tokens - prompts) / cost if cost > 0 else 1.0
 
 
 def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
@@ -116,9 +149,11 @@ def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[in
                     repeats: int = 1) -> Measurement:
     """Throughput of Self-SD with this skip set. A fresh method per pass, so the
     adaptive draft threshold starts from the same value for every candidate."""
-    conf = SelfSDConfig(max_draft=draft.max_draft, draft_threshold=draft.threshold)
-    return measure(lambda: SelfSD(engine, tokenizer, conf, SkipSet(skip_attn, skip_mlp)).generate,
-                   prompt_ids, cfg, torch.device(engine.device), repeats)
+    conf = SelfSDConfig(max_draft=draft.max_draft, draft_threshold=draft.threshold, paper_drafting=not draft.cost_aware)
+    m = measure(lambda: SelfSD(engine, tokenizer, conf, SkipSet(skip_attn, skip_mlp)).generate,
+                prompt_ids, cfg, torch.device(engine.device), repeats)
+    proxy = proxy_speedup(m, draft_cost_from_bytes(engine, skip_attn, skip_mlp), VerifyCurve.for_engine(engine), len(prompt_ids))
+    return dataclasses.replace(m, proxy=proxy)
 
 
 def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
@@ -183,6 +218,7 @@ class SearchConfig:
     seed: int = 0
     sampler: str = "tpe"
     repeats: int = 1  # passes per measurement; per prompt the fastest counts
+    objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
     seed_ratios: tuple[float, ...] = SEED_RATIOS
     draft: DraftConfig = DEFAULT_DRAFT
     confirm: bool = True  # re-measure best, uniform sets and ar after the search
@@ -192,6 +228,8 @@ class SearchConfig:
             raise ConfigError(f"--trials must be >= 1, got {self.n_trials}")
         if self.repeats < 1:
             raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"unknown --objective '{self.objective}'; choose one of: {', '.join(OBJECTIVES)}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"unknown --sampler '{self.sampler}'; choose one of: {', '.join(SAMPLERS)}")
 
@@ -228,11 +266,11 @@ class SelfSDCalibration:
 
 
 def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
-                 draft: DraftConfig, repeats: int) -> dict[str, Any]:
+                 draft: DraftConfig, repeats: int, objective: str) -> dict[str, Any]:
     """What must not change between runs that share a study (values would not compare)."""
     return {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": num_layers,
             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": n_prompts,
-            "repeats": repeats,
+            "repeats": repeats, "objective": objective,
             "draft": {"max_draft": draft.max_draft, "threshold": draft.threshold, "adaptive": draft.adaptive}}
 
 
@@ -364,7 +402,7 @@ def calibrate_self_sd(
     L = engine.num_layers
     say = log or (lambda _msg: None)
     points = seed_points(L, search.seed_ratios)
-    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft, search.repeats)
+    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft, search.repeats, search.objective)
     guard = _DeferredInterrupt()
     with _optuna_quiet(), guard.installed():
         study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
@@ -397,10 +435,9 @@ def calibrate_self_sd(
                 with guard.interruptible():
                     m = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
                 for k, v in m.as_dict().items():
-                    if k != "tokens_per_s":
-                        trial.set_user_attr(k, v)
+                    trial.set_user_attr(k, v)
                 trial.set_user_attr("skip_ratio", round((len(attn) + len(mlp)) / (2 * L), 4))
-                return m.tokens_per_s
+                return m.proxy if search.objective == "proxy" else m.tokens_per_s
 
             def callback(st: Any, frozen: Any) -> None:
                 if on_trial is not None and frozen.state == TrialState.COMPLETE:
@@ -490,11 +527,14 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
     """The ``self-sd-layers`` manifest (see :mod:`selfspec_cli.artifacts`)."""
     ar = result.confirm.get("ar")
     best_c = result.confirm.get("best")
+    proxy = search.objective == "proxy"
     objective: dict[str, Any] = {
-        "name": "self-sd greedy decoding throughput",
-        "value": round(result.best_value, 3),
-        "unit": "tokens/s",
-        "definition": "tokens produced / wall seconds of the decode calls, over the calibration prompts",
+        "name": "self-sd predicted speedup (hardware-aware proxy)" if proxy else "self-sd greedy decoding throughput",
+        "value": round(result.best_value, 4 if proxy else 3),
+        "unit": "x ar" if proxy else "tokens/s",
+        "definition": ("tokens after the prefills / sum over rounds of (k c + v(k+1)) plain steps: c from weight "
+                       "bytes, v measured once, the rounds' draft lengths k and acceptance by decoding" if proxy else
+                       "tokens produced / wall seconds of the decode calls, over the calibration prompts"),
         "best_trial": result.best_trial,
         "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
         "acceptance_rate": result.best_attrs.get("acceptance_rate"),

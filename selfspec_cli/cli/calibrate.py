@@ -15,7 +15,7 @@ from ..artifacts import (check_new_artifact, default_skip_artifact_path, environ
                          save_json_artifact)
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
-from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
+from ..calibrate.self_sd import OBJECTIVES, SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -49,7 +49,8 @@ def calibrate(
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     sampler: str = typer.Option("tpe", "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)} (see docs/calibrate.md)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial."),
-    repeats: int = typer.Option(3, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (machine noise only ever slows a pass down, so the minimum is robust to it)."),
+    objective: str = typer.Option("proxy", "--objective", help="proxy (default): the predicted speedup from measured acceptance and draft lengths, draft cost from weight bytes and the engine's measured verify curve; no per-trial timing, so machine load cannot reorder candidates (docs/calibrate.md). throughput: measured tokens/s."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (default 3 with --objective throughput, 1 with proxy)."),
     study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/self-sd/<model name>-<fingerprint>.json (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
@@ -74,8 +75,12 @@ def calibrate(
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     if sampler not in SAMPLERS:
         raise ConfigError(f"unknown --sampler '{sampler}'; choose one of: {', '.join(SAMPLERS)}")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(OBJECTIVES)}")
+    repeats = repeats if repeats is not None else (1 if objective == "proxy" else 3)
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates before any loading
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
     if output is not None:
@@ -100,7 +105,7 @@ def calibrate(
 
     engine = Engine(mdl)
     fingerprint = model_fingerprint(mdl)
-    search = SearchConfig(study_path=db_path, n_trials=trials, seed=seed, sampler=sampler, repeats=repeats)
+    search = SearchConfig(study_path=db_path, n_trials=trials, seed=seed, sampler=sampler, repeats=repeats, objective=objective)
     log(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
         f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens"
         f"{f' x {repeats} passes' if repeats > 1 else ''}; "
@@ -118,9 +123,9 @@ def calibrate(
             state["done"] = r.done
             info = ""
             if r.best_value is not None:
-                info = f"best {r.best_value:.1f} tok/s (trial {r.best_number})"
+                info = f"best {r.best_value:.2f} {unit} (trial {r.best_number})"
             if r.value is not None:
-                info += f"; last {r.value:.1f} tok/s"
+                info += f"; last {r.value:.2f} {unit}"
                 if r.mean_accepted_length is not None:
                     info += f", M {r.mean_accepted_length:.2f}"
             bar.update(task, completed=min(r.done, trials), info=info)
@@ -145,7 +150,7 @@ def calibrate(
     base = result.baseline or {}
     conf = result.confirm
     parts = [f"best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
-             f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.1f} tok/s in the search"]
+             f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search"]
     if conf:
         parts.append("re-measured: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items()) + " tok/s")
     log(f"[bold]{'; '.join(parts)}[/bold]")

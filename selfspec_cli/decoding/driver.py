@@ -54,6 +54,7 @@ class Draft:
     full_depth: bool = False  # decided tokens made by a full-depth forward
     forwards: int = 0  # draft forwards made (defaults to the chain length)
     info: dict[str, Any] = field(default_factory=dict)  # proposer-specific (e.g. hit the length limit)
+    plan: tuple[float, float] | None = None  # planned: expected tokens, cost in plain steps (decoding/cost.py)
 
     @property
     def depth(self) -> int:
@@ -114,6 +115,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
                         sampling=cfg.sampling, generator=gen, eos=eos)
     timings = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    expected = cost = 0.0  # the planners' predictions, summed over rounds
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = state.prefill(attn_cosine=proposer.needs_attn_cosine, **proposer.verify_options())
@@ -131,8 +133,11 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             timings["draft_s"] += t2 - t1
             timings["verify_s"] += time.perf_counter() - t2
             depth = draft.depth
+            e, c = draft.plan if draft.plan is not None else (1.0, 1.0) if not depth else (0.0, 0.0)
+            expected, cost = expected + e, cost + c
             if not draft.decided or draft.full_depth:
                 stats.target_forwards += 1
+            stats.draft_lengths.append(0 if draft.decided else depth)
             if depth and not draft.decided:
                 stats.draft_rounds += 1
                 stats.drafted_tokens += depth
@@ -140,8 +145,11 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             proposer.update(state, draft, verdict, out)
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
     decode_s = timings["draft_s"] + timings["verify_s"]
-    if proposer.t1_s and decode_s > 0:  # tokens per plain step's time: the gain the plan realized
+    if proposer.t1_s and decode_s > 0:  # tokens per plain step's time: the gain the plans realized
         stats.extra["realized_gain"] = round((len(sink.tokens) - 1) * proposer.t1_s / decode_s, 4)
+        if cost > 0:
+            stats.extra["predicted_gain"] = round(expected / cost, 4)
+            stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
     stats.extra.update(proposer.describe())
     return sink.result(stats)
 

@@ -106,7 +106,8 @@ class LayerSkipProposer(Proposer):
 
     def _planner(self) -> Planner:
         if self.planner is None:
-            self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft)
+            self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft,
+                                   width=2 if self.draft_cfg.tree else 1)
             self.t1_s = self.planner.curve.t1_s
         return self.planner
 
@@ -130,10 +131,12 @@ class LayerSkipProposer(Proposer):
     def propose(self, state: DecodeState, budget: int) -> Draft:
         dc = self.draft_cfg
         budget = min(dc.max_draft, budget)
+        plan = None
         if budget > 0 and dc.cost_aware:
             budget = self._plan(budget)
+            plan = self.planner.last
         if budget <= 0:
-            return Draft()
+            return Draft(plan=plan)
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
         sampling = state.sampling
@@ -183,7 +186,7 @@ class LayerSkipProposer(Proposer):
         step_s = (time.perf_counter() - t0) / steps
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
         return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None,
-                     forwards=steps, info={"hit_limit": hit_limit, "chain_len": steps})
+                     forwards=steps, info={"hit_limit": hit_limit, "chain_len": steps}, plan=plan)
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         steps = draft.info.get("chain_len", 0)

@@ -34,6 +34,7 @@ class DecodeStats:
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     draft_rounds: int = 0
+    draft_lengths: list[int] = field(default_factory=list)  # per round after the prefill: draft depth (0: none)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -131,24 +131,27 @@ class Engine:
         self,
         k_positions: list[int],
         q_pos: torch.Tensor,
+        q_max: int,
         t: int,
         tree_mask: torch.Tensor | None,
         window: int | None,
     ) -> torch.Tensor | None:
         """Additive mask (1, 1, T, past + T), or None when plain attention over
         everything cached is right (single row, no window cut). ``k_positions``: the
-        stored positions of the layer's cached slots (they may have holes)."""
+        stored positions of the layer's cached slots (they may have holes, so whether the
+        window cuts is decided by positions, never by the number of slots)."""
         past = len(k_positions)
         total = past + t
-        if tree_mask is None and (window is None or total <= window):
-            if t == 1:
-                return None
+        oldest = k_positions[0] if k_positions else int(q_pos.min())
+        cut = window is not None and q_max - oldest >= window
+        if tree_mask is None and not cut and t == 1:
+            return None
         allowed = torch.ones(t, total, dtype=torch.bool, device=self.device)
         if tree_mask is None:
             allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         else:
             allowed[:, past:] = tree_mask
-        if window is not None and total > window:
+        if cut:
             k_pos = torch.cat([torch.tensor(k_positions, dtype=torch.long, device=self.device), q_pos])
             allowed &= (q_pos[:, None] - k_pos[None, :]) < window
         mask = torch.zeros(t, total, dtype=self.dtype, device=self.device)
@@ -231,7 +234,7 @@ class Engine:
                 else:
                     if key not in masks:
                         qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
-                        masks[key] = self._mask(cache.positions[l][:past], qp, t, tree_mask, w.sliding_window)
+                        masks[key] = self._mask(cache.positions[l][:past], qp, max(q_list), t, tree_mask, w.sliding_window)
                     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[key], enable_gqa=self._gqa)
                 o = o[0].transpose(0, 1).reshape(t, hq * d)
                 h_in = h

@@ -88,8 +88,11 @@ class PromptLookup(Method):
         cont, n = self.candidate(state, budget)
         if not cont:
             return Draft()
-        k = len(cont) if self.config.paper_drafting else self.planner(n).plan(0.0, len(cont))
-        return Draft(cont[:k], info={"ngram": n})
+        if self.config.paper_drafting:
+            return Draft(cont, info={"ngram": n})
+        planner = self.planner(n)
+        k = planner.plan(0.0, len(cont))
+        return Draft(cont[:k], info={"ngram": n}, plan=planner.last)
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         n = draft.info.get("ngram")

@@ -1,0 +1,160 @@
+"""Prompt lookup, auto and the cost planner: exact greedy and sampling, and what the planner decides."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.decoding import driver, verify
+from selfspec_cli.decoding.cost import Planner, VerifyCurve
+from selfspec_cli.decoding.sampling import processed_probs
+from selfspec_cli.engine import Engine
+from selfspec_cli.methods import AR, build
+from selfspec_cli.methods.pld import PLDConfig, PromptLookup, lookup
+
+from .conftest import ARCHS, make_tiny_model
+from .test_decoding import ALPHA, distribution_test
+from .test_speculative import _pair_samples, _prompt, small_vocab_setup  # noqa: F401 (fixture)
+
+
+def test_lookup_takes_the_longest_most_recent_match():
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert lookup(ctx, 3, 1, 4) == ([7, 5, 1, 2], 3)  # [1,2,3] last seen before the tail at index 4
+    assert lookup([4, 5, 6], 3, 1, 4) == ([], 0)
+    assert lookup([4, 5, 4], 3, 1, 2) == ([5, 4], 1)  # only the unigram 4 matches
+    assert lookup([1, 2, 3, 9, 1, 2, 3], 3, 2, 10) == ([9, 1, 2, 3], 3)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("method", ["pld", "auto"])
+def test_greedy_equals_ar(arch, method):
+    model = make_tiny_model(arch, layers=4)
+    eng = Engine(model)
+    ar = AR(eng)
+    m = build(method, eng)
+    for seed in range(3):
+        prompt = _prompt(14, seed) * 2  # repeated text: n-gram drafts happen
+        cfg = GenerationConfig(max_new_tokens=40)
+        assert m.generate(prompt, cfg).token_ids == ar.generate(prompt, cfg).token_ids
+
+
+def test_paper_drafting_drafts_every_match_and_stays_exact():
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    prompt = _prompt(12, 5) * 3
+    cfg = GenerationConfig(max_new_tokens=30)
+    res = PromptLookup(eng, config=PLDConfig(paper_drafting=True)).generate(prompt, cfg)
+    assert res.token_ids == AR(eng).generate(prompt, cfg).token_ids
+    st = res.stats
+    # replay the rounds: each drafted exactly the lookup of the context it started from, within the budget
+    done = st.accept_lengths[0]
+    for r, drafted in enumerate(st.draft_lengths):
+        ctx = prompt + res.token_ids[:done]
+        want, _ = lookup(ctx, 3, 1, min(10, cfg.max_new_tokens - done - 1))
+        assert drafted == len(want), (r, drafted, want)
+        done += st.accept_lengths[r + 1]
+    assert st.draft_rounds == sum(1 for k in st.draft_lengths if k) > len(st.draft_lengths) // 2
+    assert st.accepted_draft_tokens <= st.drafted_tokens
+
+
+# False-positive rate per test: ALPHA = 1e-3. Drafts are deterministic (point masses).
+def test_pld_sampling_is_exact(small_vocab_setup):
+    model, prompt, law = small_vocab_setup
+    m = PromptLookup(Engine(model), config=PLDConfig(paper_drafting=True, max_draft=4))
+    samples = _pair_samples(m, prompt, 2500)
+    assert distribution_test(samples, law) > ALPHA
+
+
+def test_pld_sampling_test_catches_a_broken_rule(small_vocab_setup, monkeypatch):
+    """Control: accepting every drafted token (ignoring p) must fail the same test."""
+    model, prompt, law = small_vocab_setup
+
+    def accept_all(draft_tokens, q, target_logits, cfg, gen):
+        p = processed_probs(target_logits, cfg)
+        return verify.Verdict(list(range(len(draft_tokens))), [*draft_tokens, int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen))])
+
+    monkeypatch.setattr(driver, "verify_chain_sampling", accept_all)
+    m = PromptLookup(Engine(model), config=PLDConfig(paper_drafting=True, max_draft=4))
+    samples = _pair_samples(m, prompt, 2500)
+    assert distribution_test(samples, law) < ALPHA
+
+
+def test_auto_sampling_is_exact(small_vocab_setup):
+    model, prompt, law = small_vocab_setup
+    samples = _pair_samples(build("auto", Engine(model)), prompt, 2500)
+    assert distribution_test(samples, law) > ALPHA
+
+
+# --- the planner ------------------------------------------------------------------------------
+
+CURVE = VerifyCurve(0.01, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 6: 1.3, 8: 1.5, 16: 2.5})
+
+
+def _trained(rate: float, rounds: int = 200, k: int = 4) -> Planner:
+    p = Planner(CURVE, 8)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        acc = 0
+        while acc < k and torch.rand((), generator=g).item() < rate:
+            acc += 1
+        p.observe(k, acc)
+    return p
+
+
+def test_planner_follows_acceptance_and_cost():
+    good, bad = _trained(0.9), _trained(0.0)
+    assert good.best(0.0, 8)[0] >= 4 and good.best(0.0, 8)[1] > 2.0
+    assert bad.best(0.0, 8) == (0, 1.0)  # n-gram drafts that are never accepted do not pay
+    assert good.best(0.9, 8)[0] < good.best(0.0, 8)[0]  # expensive drafts: shorter
+    assert good.best(0.0, 2)[0] == 2  # never beyond the budget
+    # E(k) / (k c + v(k+1)) by hand for k = 1
+    a1 = good.acceptance.rate(1)
+    assert good.gain(1, 0.3) == pytest.approx((1 + a1) / (0.3 + 1.05))
+
+
+def test_planner_probes_with_doubling_intervals():
+    p = _trained(0.0)
+    probes = [i for i in range(200) if p.plan(0.5, 8)]
+    assert probes[:4] == [3, 11, 27, 59]  # waits 4, 8, 16, 32 rounds
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert max(gaps) == 64  # capped
+    assert p.last == (1.0, 1.0)  # the last plan drafted nothing: one token for one step
+
+
+def test_verify_curve_interpolates_and_is_monotone():
+    assert CURVE.v(5) == pytest.approx(1.225) and CURVE.v(32) == pytest.approx(2.5 + 16 * 1.0 / 8)
+    model = make_tiny_model("llama-gqa", layers=2)
+    c = VerifyCurve.measure(Engine(model), context=16, rounds=1)
+    vals = [c.ratios[m] for m in sorted(c.ratios)]
+    assert vals[0] == 1.0 and vals == sorted(vals) and c.t1_s > 0
+
+
+def test_driver_reports_predicted_and_realized_gain():
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    prompt = _prompt(12, 3) * 3
+    res = build("pld", eng).generate(prompt, GenerationConfig(max_new_tokens=30))
+    st = res.stats.as_dict()
+    plan = st["plan"]
+    assert st["predicted_gain"] == pytest.approx(plan["expected_tokens"] / plan["cost_steps"], rel=1e-3)
+    rounds = len(st["accept_lengths"]) - 1
+    assert plan["cost_steps"] >= rounds * 0.99  # every round costs at least one plain step
+    assert st["realized_gain"] > 0 and 0 <= st["draft_round_share"] <= 1
+
+
+# --- calibration's timing-free proxy -------------------------------------------------------
+
+
+def test_proxy_objective_is_the_rounds_cost_model():
+    from selfspec_cli.calibrate.self_sd import Measurement, draft_cost_from_bytes, proxy_speedup
+
+    # 2 prompts: 2 prefill tokens + 10 tokens in 6 rounds (drafts of 0, 2, 3, 0, 1, 4 tokens)
+    m = Measurement(tokens=12, wall_s=1.0, target_forwards=8, draft_lengths=(0, 2, 3, 0, 1, 4))
+    cost = sum(k * 0.5 + CURVE.v(k + 1) for k in m.draft_lengths)
+    assert proxy_speedup(m, 0.5, CURVE, prompts=2) == pytest.approx(10 / cost)
+    plain = Measurement(tokens=12, wall_s=1.0, target_forwards=12, draft_lengths=(0,) * 10)
+    assert proxy_speedup(plain, 0.5, CURVE, prompts=2) == pytest.approx(1.0)
+    eng = Engine(make_tiny_model("llama-gqa", layers=4))
+    assert draft_cost_from_bytes(eng, frozenset(), frozenset()) == pytest.approx(1.0)
+    half = draft_cost_from_bytes(eng, frozenset({1, 2}), frozenset({1, 2}))
+    assert 0.2 < half < 0.9 and draft_cost_from_bytes(eng, frozenset({1, 2}), frozenset()) > half
