@@ -51,14 +51,15 @@ def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] 
     steps, summed over every round of every prompt), the skip ratio of layer-skipping
     methods; None for methods that do not plan."""
     last = res.records
-    plans = [r["stats"]["plan"] for r in last if r.get("stats", {}).get("plan")]
+    turn_stats = [t.get("stats", {}) for r in last for t in (r.get("turns") or [r])]
+    plans = [st["plan"] for st in turn_stats if st.get("plan")]
     if not plans:
         return None
     out: dict[str, Any] = {"predicted_speedup": _r(sum(p["expected_tokens"] for p in plans) / sum(p["cost_steps"] for p in plans))}
     st = last[-1]["stats"]
     if num_layers and "skip_attn" in st:
         out["skip_ratio"] = _r((len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers))
-    shares = [r["stats"].get("draft_round_share") for r in last]
+    shares = [st.get("draft_round_share") for st in turn_stats]
     out["draft_round_share"] = _r(statistics.fmean(x or 0.0 for x in shares))
     return out
 
