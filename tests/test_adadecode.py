@@ -34,7 +34,7 @@ def test_adadecode_greedy_equals_ar(arch):
     eng = Engine(model)
     ar = AR(eng)
     # a low threshold: many early predictions, many of them wrong (rejections and rollbacks)
-    method = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02))
+    method = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.02))
     drafted = rejected = 0
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2), (4, 33)]:
         prompt = _prompt(6, seed)
@@ -57,7 +57,7 @@ def test_adadecode_pending_limit_and_eos():
     free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
     eos = free[9]
     for max_pending in (1, 2, 5):
-        m = AdaDecode(eng, heads=random_heads(model, [1, 3]), config=AdaDecodeConfig(adadecode_threshold=0.0, adadecode_max_pending=max_pending))
+        m = AdaDecode(eng, heads=random_heads(model, [1, 3]), config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.0, adadecode_max_pending=max_pending))
         res = m.generate(prompt, GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,)))
         assert res.token_ids == free[: free.index(eos) + 1] and res.finish_reason == "eos"
         assert max(res.stats.accept_lengths) <= max_pending + 1
@@ -66,7 +66,7 @@ def test_adadecode_pending_limit_and_eos():
 # False-positive rate per test: ALPHA = 1e-3.
 def test_adadecode_sampling_is_exact(small_vocab_setup):  # noqa: F811
     model, prompt, law = small_vocab_setup
-    m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(adadecode_threshold=0.0))
+    m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.0))
     samples = _pair_samples(m, prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
 
@@ -76,6 +76,27 @@ def test_sampling_test_catches_the_papers_rule(small_vocab_setup, monkeypatch): 
     token was taken deterministically) is biased, and the same test must reject it."""
     model, prompt, law = small_vocab_setup
     monkeypatch.setattr(ada, "proposal_law", lambda head_probs, token: head_probs)
-    m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(adadecode_threshold=0.0))
+    m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.0))
     samples = _pair_samples(m, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
+
+
+def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
+    """Default (cost-aware) AdaDecode: greedy output unchanged; a head whose exits are never
+    accepted stops being checked except for rare probes."""
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    m = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02))
+    assert m.head_cost > 0
+    ar = AR(eng)
+    for seed in range(3):
+        prompt = _prompt(10, seed)
+        cfg = GenerationConfig(max_new_tokens=40)
+        assert m.generate(prompt, cfg).token_ids == ar.generate(prompt, cfg).token_ids
+    # random heads at a low threshold fire and are mostly wrong: checks become rare probes
+    checks = {k: v[0] - 2 for k, v in m.head_stats.items()}
+    paper = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02, paper_drafting=True))
+    for seed in range(3):
+        paper.generate(_prompt(10, seed), GenerationConfig(max_new_tokens=40))
+    paper_checks = {k: v[0] - 2 for k, v in paper.head_stats.items()}
+    assert sum(checks.values()) < 0.5 * sum(paper_checks.values()), (checks, paper_checks)

@@ -67,7 +67,7 @@ def make_method(name: str, model, eng: Engine, tok):
     if name == "swift":
         return build("swift", eng, tok, context_window=4, tree_nodes=8, optimize_budget=0.0, **fixed)
     if name == "adadecode":
-        return AdaDecode(eng, tok, heads=random_heads(model, [1, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02))
+        return AdaDecode(eng, tok, heads=random_heads(model, [1, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02, paper_drafting=True))
     if name in SPECEE:
         heads = random_heads(model, [1])
         preds = {l: constant_predictor(20.0) for l in range(1, LAYERS - 1)}  # always fire; verification decides

@@ -33,12 +33,14 @@ a contiguous suffix of the sequence.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..decoding.cost import VerifyCurve
 from ..decoding.driver import Draft
 from ..decoding.sampling import processed_probs
 from ..decoding.state import DecodeState
@@ -57,6 +59,8 @@ class AdaDecodeConfig:
     adadecode_threshold: float = option(0.5, "early-prediction confidence gamma (the paper uses 0.75; see docs/early-exit.md)")
     adadecode_max_pending: int = option(5, "most unverified early predictions (paper App. D)")
     adadecode_layers: tuple[int, ...] | None = option(None, "use only these head layers, e.g. 2,5 (default: every trained head)")
+    paper_drafting: bool = option(False, "check every head for every token, as the paper does, instead of only the heads "
+                                         "whose measured exits pay for their check (can be slower than ar)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adadecode_layers", layer_list(self.adadecode_layers, "adadecode_layers"))
@@ -101,6 +105,43 @@ class AdaDecode(Method):
         bounds = [0, *[k + 1 for k in use], L]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
         self.exits: dict[int, int] = {}
+        # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
+        self.head_stats = {k: [2.0, 1.0, 0.5] for k in self.heads}
+        self._idle = {k: 0 for k in self.heads}
+        self._probe = {k: 4 for k in self.heads}
+        self.head_cost = 0.0 if config.paper_drafting else self._measure_head_cost()
+
+    def _measure_head_cost(self) -> float:
+        """One head check (low-rank correction + the LM head on one row) over a plain step."""
+        curve = VerifyCurve.for_engine(self.engine)
+        self.t1_s = curve.t1_s
+        k = min(self.heads)
+        row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
+        best = float("inf")
+        for i in range(4):
+            t0 = time.perf_counter()
+            self._head(k, row)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best / curve.t1_s
+
+    def _worth_checking(self, k: int) -> bool:
+        """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
+        lets the deeper layers ride along with the next token (saving their share of a step),
+        a rejected one wastes the guess's shallow layers; probe now and then when it does not."""
+        if self.config.paper_drafting:
+            return True
+        checks, exits, accepted = self.head_stats[k]
+        L = self.engine.num_layers
+        value = accepted / checks * (L - k - 1) / L - (exits - accepted) / checks * (k + 1) / L - self.head_cost
+        if value > 0:
+            self._idle[k], self._probe[k] = 0, 4
+            return True
+        self._idle[k] += 1
+        if self._idle[k] >= self._probe[k]:
+            self._idle[k], self._probe[k] = 0, min(2 * self._probe[k], 64)
+            return True
+        return False
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None) -> AdaDecode:
@@ -124,6 +165,7 @@ class AdaDecode(Method):
         waiting: dict[int, torch.Tensor] = {}  # segment start -> residual rows waiting to enter it
         early: list[int] = []  # unverified early tokens, in order (each is fed as an input)
         early_q: list[torch.Tensor] = []  # sampling: their proposal laws
+        made_by: list[int] = []  # the head layer of each early token
         token = state.pending
         while True:
             h = self.engine.embed(state.ids([token]))
@@ -134,8 +176,9 @@ class AdaDecode(Method):
                     h = torch.cat([waiting.pop(s), h])
                 out = state.run(hidden=h, start=s, end=e, logits_rows=ALL_ROWS if e == L else None)
                 h = out.hidden
-                if e == L or not can_exit:
+                if e == L or not can_exit or not self._worth_checking(e - 1):
                     continue
+                self.head_stats[e - 1][0] += 1
                 head = self._head(e - 1, h[-1:])  # early prediction at head layer e - 1
                 q = head.softmax(-1) if sampling.greedy else processed_probs(head, sampling)
                 conf, guess = q.max(-1)
@@ -147,13 +190,20 @@ class AdaDecode(Method):
                         early_q.append(proposal_law(q, token))
                     state.feed(token)
                     self.exits[e - 1] += 1
+                    self.head_stats[e - 1][1] += 1
+                    made_by.append(e - 1)
                     exited = True
                     break
             if not exited:
                 break
         assert out.logits.shape[0] == len(early) + 1 and not waiting, (out.logits.shape, len(early), list(waiting))
-        return Draft(early, q=torch.stack(early_q) if early_q else None, logits=out.logits)
+        return Draft(early, q=torch.stack(early_q) if early_q else None, logits=out.logits, info={"heads": made_by})
+
+    def update(self, state: DecodeState, draft: Draft, verdict: Any, out: Any) -> None:
+        for k in draft.info.get("heads", [])[: len(verdict.accepted)]:
+            self.head_stats[k][2] += 1
 
     def describe(self) -> dict[str, Any]:
         return {"early_exits": {str(k): v for k, v in self.exits.items()},
+                "head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()}, "head_cost": round(self.head_cost, 4),
                 "adadecode_threshold": self.config.adadecode_threshold, "head_layers": sorted(self.heads)}

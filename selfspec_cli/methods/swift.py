@@ -52,7 +52,7 @@ class SwiftConfig(DraftOptions):
     context_window: int = option(32, "generated tokens used to score candidate skip sets (gamma)")
     tree_nodes: int | None = option(None, "most candidate nodes in one verification tree (default: no cap, the "
                                           "paper's GPU setting; on a CPU each verified row costs a few per cent of a step)")
-    optimize_budget: float = option(0.03, "most share of decoding time the on-the-fly skip-set search may take "
+    optimize_budget: float = option(0.01, "most share of decoding time the on-the-fly skip-set search may take "
                                           "(the paper: no limit, 1.0)")
     max_steps: int = 1000  # S
     bo_interval: int = 25  # beta
