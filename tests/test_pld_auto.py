@@ -25,6 +25,27 @@ def test_lookup_takes_the_longest_most_recent_match():
     assert lookup([1, 2, 3, 9, 1, 2, 3], 3, 2, 10) == ([9, 1, 2, 3], 3)
 
 
+def _lookup_reference(context, max_ngram, min_ngram, max_len):
+    """The rule written plainly: longest n first, then the latest earlier occurrence."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == context[len(context) - n :] and context[start + n : start + n + max_len]:
+                return context[start + n : start + n + max_len], n
+    return [], 0
+
+
+def test_lookup_equals_the_plain_rule_on_random_contexts():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        n = int(torch.randint(1, 50, (), generator=g))
+        vocab = int(torch.randint(2, 10, (), generator=g))
+        ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
+        hi = int(torch.randint(1, 5, (), generator=g))
+        lo = int(torch.randint(1, hi + 1, (), generator=g))
+        k = int(torch.randint(1, 8, (), generator=g))
+        assert lookup(ctx, hi, lo, k) == _lookup_reference(ctx, hi, lo, k), (ctx, hi, lo, k)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("method", ["pld", "auto"])
 def test_greedy_equals_ar(arch, method):
