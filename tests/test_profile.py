@@ -37,6 +37,11 @@ def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
     assert len(red["attn"]) == len(red["mlp"]) == doc["num_layers"]
     assert red["drafts_per_set"] == 2 * 3 and all(0 <= a <= 1 for a in red["attn"] + red["mlp"])
     assert (out / "verify_cost.png").stat().st_size > 1000 and (out / "redundancy.png").stat().st_size > 1000
+    pred = doc["predicted_speedup"]
+    assert set(pred) == {"pld", "auto", "self-sd", "asd", "swift", "adadecode"}
+    for name in ("pld", "auto", "asd", "swift"):  # no artifacts needed: each decoded and planned
+        assert pred[name]["predicted_speedup"] > 0 and 0 <= pred[name]["draft_round_share"] <= 1, (name, pred[name])
+    assert "unavailable" in pred["self-sd"] and "unavailable" in pred["adadecode"]  # no skip set / heads for this model
     line = json.loads(stdout.strip().splitlines()[-1])
     assert line["step_ms"] == doc["step_ms"] and line["verify_cost"] == doc["verify_cost"]
     # a second run into the same directory needs --force
@@ -47,6 +52,7 @@ def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
 def test_profile_bad_inputs(capsys, tiny_model_dir, tmp_path):
     prompts = write_lines(tmp_path / "p.txt", PROMPTS)
     assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "--rounds", "0"], "--rounds")
+    assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "--predict", "pld,nope"], "--predict")
     assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "--suite", "spec-bench-mini"],
                       "not both")
     f = tmp_path / "file"

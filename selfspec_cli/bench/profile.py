@@ -240,3 +240,43 @@ def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
     ax.set_title((title + ": " if title else "") + f"top-1 agreement when one sublayer is skipped{sub}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
     return _save(fig, path)
+
+
+PREDICT_METHODS = ("pld", "auto", "self-sd", "asd", "swift", "adadecode")
+
+
+def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], methods: Sequence[str],
+                       max_new_tokens: int, eos_ids: tuple[int, ...] = (),
+                       on_method: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+    """Each cost-aware method's predicted speedup over plain decoding on this machine: its
+    rounds' expected tokens over their cost in plain steps (decoding/cost.py), summed over
+    greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and
+    draft costs, the acceptance what the method saw on these prompts. A method whose
+    artifacts are missing is reported with the reason."""
+    from ..config import GenerationConfig
+    from ..errors import SelfSpecError
+    from ..methods import build
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
+    out: dict[str, Any] = {}
+    for i, name in enumerate(methods):
+        if on_method is not None:
+            on_method(i, name)
+        try:
+            method = build(name, engine, tokenizer)
+        except SelfSpecError as exc:
+            out[name] = {"unavailable": str(exc).split(";")[0]}
+            continue
+        expected = cost = 0.0
+        drafted = rounds = 0
+        for ids in prompt_ids:
+            st = method.generate(list(ids), cfg).stats
+            plan = st.extra.get("plan")
+            if plan:
+                expected += plan["expected_tokens"]
+                cost += plan["cost_steps"]
+            drafted += st.draft_rounds
+            rounds += len(st.accept_lengths) - 1
+        out[name] = {"predicted_speedup": round(expected / cost, 4) if cost else None,
+                     "draft_round_share": round(drafted / rounds, 4) if rounds else 0.0}
+    return out

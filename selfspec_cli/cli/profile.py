@@ -23,7 +23,8 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS, read_prompts
-from ..runtime import encode_turn
+from ..methods import METHODS
+from ..runtime import encode_turn, eos_token_ids
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, err_console, log, progress
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
@@ -40,6 +41,8 @@ def profile(
     redundancy_prompts: int = typer.Option(3, "--redundancy-prompts", help="Prompts for the redundancy map (0: skip the map)."),
     redundancy_tokens: int = typer.Option(16, "--redundancy-tokens", help="Greedy tokens per prompt for the redundancy map."),
     layers: Optional[Path] = typer.Option(None, "--layers", help="Skip-set artifact for the map's calibrated row (default: this model's calibrated set, if any)."),
+    predict: str = typer.Option(",".join(prof.PREDICT_METHODS), "--predict", help="Methods whose speedup to predict from the measured costs and the acceptance they show on the prompts ('' for none)."),
+    predict_tokens: int = typer.Option(32, "--predict-tokens", help="Greedy tokens per prompt for the predictions (on --redundancy-prompts prompts, at least 1)."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the chat template (as generate does)."),
@@ -50,6 +53,12 @@ def profile(
     draft cost c(r), the LM head's share, the kernel's logit difference and a layer-redundancy map."""
     if rounds < 1:
         raise ConfigError(f"--rounds must be >= 1, got {rounds}")
+    predict_methods = [m for m in predict.replace(" ", "").split(",") if m]
+    unknown = [m for m in predict_methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"--predict: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if predict_tokens < 1:
+        raise ConfigError(f"--predict-tokens must be >= 1, got {predict_tokens}")
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
     if prompt_format not in PROMPT_FORMATS:
@@ -96,6 +105,14 @@ def profile(
             rtask = bar.add_task("redundancy map", total=len(chosen) * redundancy_tokens, info="")
             red = prof.redundancy_map(engine, chosen, redundancy_tokens, calibrated,
                                       on_token=lambda i, n: bar.update(rtask, completed=i))
+        predicted = None
+        if predict_methods:
+            sample = ids[:: max(1, len(ids) // max(1, redundancy_prompts))][: max(1, redundancy_prompts)]
+            ptask = bar.add_task("predicted speedups", total=len(predict_methods), info="")
+            predicted = prof.predicted_speedups(
+                engine, tok, sample, predict_methods, predict_tokens, eos_token_ids(mdl, tok),
+                on_method=lambda i, n: bar.update(ptask, completed=i, info=n))
+            bar.update(ptask, completed=len(predict_methods), info="")
 
     result: dict[str, Any] = {
         "kind": "selfspec-profile",
@@ -106,6 +123,7 @@ def profile(
         "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
         "kernel_max_logit_diff": diff,
         "redundancy": red,
+        "predicted_speedup": predicted,
         "environment": environment_info(engine.device, engine.dtype),
         "created": now_iso(),
         "profile_s": round(time.perf_counter() - t_start, 1),
@@ -146,4 +164,9 @@ def _table(r: dict[str, Any]) -> Table:
             c = red["calibrated"]
             t.add_row("calibrated set: agreement",
                       f"{c['agreement']:.2f} ({len(c['skip_attn'])} attn + {len(c['skip_mlp'])} mlp skipped)")
+    for name, p in (r.get("predicted_speedup") or {}).items():
+        if p.get("predicted_speedup") is not None:
+            t.add_row(f"predicted speedup: {name}", f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
+        else:
+            t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)"))
     return t
