@@ -149,8 +149,7 @@ def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[in
                     repeats: int = 1) -> Measurement:
     """Throughput of Self-SD with this skip set. A fresh method per pass, so the
     adaptive draft threshold starts from the same value for every candidate."""
-    conf = SelfSDConfig(max_draft=draft.max_draft, draft_threshold=draft.threshold, paper_drafting=not draft.cost_aware)
-    m = measure(lambda: SelfSD(engine, tokenizer, conf, SkipSet(skip_attn, skip_mlp)).generate,
+    m = measure(lambda: SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft).generate,
                 prompt_ids, cfg, torch.device(engine.device), repeats)
     proxy = proxy_speedup(m, draft_cost_from_bytes(engine, skip_attn, skip_mlp), VerifyCurve.for_engine(engine), len(prompt_ids))
     return dataclasses.replace(m, proxy=proxy)

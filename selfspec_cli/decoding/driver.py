@@ -114,8 +114,9 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
                         sampling=cfg.sampling, generator=gen, eos=eos)
-    timings = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+    timings = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "update_s": 0.0}
     expected = cost = 0.0  # the planners' predictions, summed over rounds
+    unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = state.prefill(attn_cosine=proposer.needs_attn_cosine, **proposer.verify_options())
@@ -133,8 +134,9 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             timings["draft_s"] += t2 - t1
             timings["verify_s"] += time.perf_counter() - t2
             depth = draft.depth
-            e, c = draft.plan if draft.plan is not None else (1.0, 1.0) if not depth else (0.0, 0.0)
+            e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
+            unplanned |= bool(depth) and draft.plan is None
             if not draft.decided or draft.full_depth:
                 stats.target_forwards += 1
             stats.draft_lengths.append(0 if draft.decided else depth)
@@ -142,12 +144,14 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
                 stats.draft_rounds += 1
                 stats.drafted_tokens += depth
             _record(stats, sink, verdict.tokens, len(verdict.accepted), on_tokens)
+            t3 = time.perf_counter()
             proposer.update(state, draft, verdict, out)
+            timings["update_s"] += time.perf_counter() - t3
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
-    decode_s = timings["draft_s"] + timings["verify_s"]
+    decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a proposer's own work counts
     if proposer.t1_s and decode_s > 0:  # tokens per plain step's time: the gain the plans realized
         stats.extra["realized_gain"] = round((len(sink.tokens) - 1) * proposer.t1_s / decode_s, 4)
-        if cost > 0:
+        if cost > 0 and not unplanned:
             stats.extra["predicted_gain"] = round(expected / cost, 4)
             stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
     stats.extra.update(proposer.describe())

@@ -118,9 +118,12 @@ class AdaDecode(Method):
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         best = float("inf")
+        sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
         for i in range(4):
+            sync()
             t0 = time.perf_counter()
             self._head(k, row)
+            sync()
             if i:
                 best = min(best, time.perf_counter() - t0)
         return best / curve.t1_s

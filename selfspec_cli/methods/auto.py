@@ -50,6 +50,7 @@ class Auto(Method):
         self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0)
         self.rounds: Counter[str] = Counter()
         self._last: Proposer | None = None
+        self._turn = 0
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None) -> Auto:
@@ -79,7 +80,13 @@ class Auto(Method):
             self._last = None
             self.rounds["none"] += 1
             return Draft()
-        _, source, proposer = max(options, key=lambda o: o[0])
+        best = max(g for g, _, _ in options)
+        if best <= 1.0 and len(options) > 1:
+            # no source pays: let them take turns, so that each one's own probes can still run
+            self._turn = (self._turn + 1) % len(options)
+            _, source, proposer = options[self._turn]
+        else:
+            _, source, proposer = max(options, key=lambda o: o[0])
         self._last = proposer
         draft = proposer.propose(state, budget)
         self.rounds[source if draft.tokens else "none"] += 1

@@ -88,6 +88,9 @@ class PromptLookup(Method):
             self.planners[n] = Planner(curve, self.config.max_draft)
         return self.planners[n]
 
+    def begin(self, state: DecodeState, prefill: Any) -> None:
+        self._last_lookup = (None, ([], 0))  # a new state may reuse a freed one's id
+
     def candidate(self, state: DecodeState, budget: int) -> tuple[list[int], int]:
         """This round's lookup (computed once per round: ``auto`` asks before proposing)."""
         c = self.config
