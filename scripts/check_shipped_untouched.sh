@@ -12,7 +12,7 @@ snapshot > "$WORK/before"
 head -2 examples/questions.jsonl > "$WORK/q.jsonl"
 run() { echo "+ $*" >&2; "$@" > /dev/null 2>> "$WORK/stderr" || { echo "FAILED: $*" >&2; tail -3 "$WORK/stderr" >&2; exit 1; }; }
 run selfspec generate --prompt-file "$WORK/q.jsonl" -n 4
-for m in self-sd asd swift adadecode specee; do run selfspec generate -p "$WORK/q.jsonl" -n 4 --method "$m"; done
+for m in self-sd asd swift adadecode specee pld auto; do run selfspec generate -p "$WORK/q.jsonl" -n 4 --method "$m"; done
 run selfspec calibrate --method self-sd --prompt-file examples/chat-calibration.jsonl --num-prompts 1 --trials 1 -n 4 --repeats 1
 run selfspec calibrate --method self-sd -m pystdlib --prompt-file examples/calibration.jsonl --num-prompts 1 --trials 1 -n 4 --repeats 1
 run selfspec train-heads --kind lm-heads --num-prompts 2 -n 8 --epochs 1
