@@ -5,16 +5,18 @@ import pytest
 import torch
 
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.decoding import driver, verify
+from selfspec_cli.decoding import driver
+from selfspec_cli.decoding.driver import Draft
+from selfspec_cli.decoding.state import DecodeState
 from selfspec_cli.decoding.cost import Planner, VerifyCurve
-from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import AR, build
+from selfspec_cli.methods.auto import Auto
 from selfspec_cli.methods.pld import PLDConfig, PromptLookup, lookup
 
 from .conftest import ARCHS, make_tiny_model
 from .test_decoding import ALPHA, distribution_test
-from .test_speculative import _pair_samples, _prompt, small_vocab_setup  # noqa: F401 (fixture)
+from .test_speculative import _pair_samples, _prompt, accept_all, small_vocab_setup  # noqa: F401 (fixture)
 
 
 def test_lookup_takes_the_longest_most_recent_match():
@@ -89,11 +91,6 @@ def test_pld_sampling_is_exact(small_vocab_setup):
 def test_pld_sampling_test_catches_a_broken_rule(small_vocab_setup, monkeypatch):
     """Control: accepting every drafted token (ignoring p) must fail the same test."""
     model, prompt, law = small_vocab_setup
-
-    def accept_all(draft_tokens, q, target_logits, cfg, gen):
-        p = processed_probs(target_logits, cfg)
-        return verify.Verdict(list(range(len(draft_tokens))), [*draft_tokens, int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen))])
-
     monkeypatch.setattr(driver, "verify_chain_sampling", accept_all)
     m = PromptLookup(Engine(model), config=PLDConfig(paper_drafting=True, max_draft=4))
     samples = _pair_samples(m, prompt, 2500)
@@ -128,6 +125,10 @@ def test_planner_follows_acceptance_and_cost():
     assert bad.best(0.0, 8) == (0, 1.0)  # n-gram drafts that are never accepted do not pay
     assert good.best(0.9, 8)[0] < good.best(0.0, 8)[0]  # expensive drafts: shorter
     assert good.best(0.0, 2)[0] == 2  # never beyond the budget
+    for p, c in ((good, 0.0), (good, 0.6), (bad, 0.0), (_trained(0.5), 0.3)):  # best() is the argmax of gain()
+        k, g = p.best(c, 8)
+        gains = [p.gain(j, c) for j in range(1, 9)]
+        assert (k == 0 and max(gains) <= 1.0) or (g == pytest.approx(max(gains)) and p.gain(k, c) == pytest.approx(g))
     # E(k) / (k c + v(k+1)) by hand for k = 1
     a1 = good.acceptance.rate(1)
     assert good.gain(1, 0.3) == pytest.approx((1 + a1) / (0.3 + 1.05))
@@ -179,3 +180,41 @@ def test_proxy_objective_is_the_rounds_cost_model():
     assert draft_cost_from_bytes(eng, frozenset(), frozenset()) == pytest.approx(1.0)
     half = draft_cost_from_bytes(eng, frozenset({1, 2}), frozenset({1, 2}))
     assert 0.2 < half < 0.9 and draft_cost_from_bytes(eng, frozenset({1, 2}), frozenset()) > half
+
+
+class _NeverPays:
+    """A layer-skip stand-in whose drafts never pay; records when it is asked to propose."""
+
+    name, needs_attn_cosine, lookahead = "stub", False, 0
+
+    def __init__(self) -> None:
+        self.proposed = 0
+
+    def expected_gain(self, budget: int) -> float:
+        return 0.9
+
+    def propose(self, state, budget):
+        self.proposed += 1
+        return Draft()
+
+    def begin(self, state, prefill) -> None: ...
+
+    def update(self, *a) -> None: ...
+
+    def describe(self) -> dict:
+        return {}
+
+
+def test_auto_lets_sources_take_turns_when_none_pays():
+    eng = Engine(make_tiny_model("llama-gqa", layers=2))
+    stub = _NeverPays()
+    auto = Auto(eng, layer_skip=stub)
+    state = DecodeState(eng, [3, 4, 3, 4, 3], max_new_tokens=8, lookahead=4, sampling=GenerationConfig().sampling,
+                        generator=None)
+    pld_calls = []
+    auto.pld.propose = lambda st, b: pld_calls.append(b) or Draft()
+    auto.pld.candidate = lambda st, b: ([4, 3], 3)  # a match every round...
+    auto.pld.planner(3).best = lambda c, b: (0, 1.0)  # ...that does not pay either
+    for _ in range(6):
+        auto.propose(state, 4)
+    assert stub.proposed == 3 and len(pld_calls) == 3  # each source gets every other round (and its own probes)

@@ -173,14 +173,15 @@ def test_self_sd_sampling_is_exact(small_vocab_setup, tree):
     assert distribution_test(samples, law) > ALPHA
 
 
+def accept_all(draft_tokens, q, target_logits, cfg, gen):
+    """A broken chain rule for the controls: every draft accepted (p and q ignored)."""
+    p = processed_probs(target_logits, cfg)
+    return verify.Verdict(list(range(len(draft_tokens))), [*draft_tokens, int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen))])
+
+
 def test_sampling_test_catches_a_broken_acceptance_rule(small_vocab_setup, monkeypatch):
     """Control: accepting every sampled draft (ignoring p/q) must fail the same test."""
     model, prompt, law = small_vocab_setup
-
-    def accept_all(draft_tokens, q, target_logits, cfg, gen):
-        p = processed_probs(target_logits, cfg)
-        return verify.Verdict(list(range(len(draft_tokens))), [*draft_tokens, int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen))])
-
     monkeypatch.setattr(driver, "verify_chain_sampling", accept_all)
     sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
     samples = _pair_samples(sd, prompt, 2500)

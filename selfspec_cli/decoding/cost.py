@@ -148,10 +148,13 @@ class Planner:
 
     def best(self, c: float, budget: int) -> tuple[int, float]:
         """The draft length that maximizes the expected gain, and that gain (``(0, 1.0)``
-        when no draft pays); no side effects."""
+        when no draft pays); no side effects. One pass: E(k) is built up as k grows."""
         best_k, best = 0, 1.0
+        e, run = 1.0, 1.0
         for k in range(1, min(self.max_len, budget) + 1):
-            g = self.gain(k, c)
+            run *= self.acceptance.rate(k)
+            e += run
+            g = e / (k * c + self.curve.v(self.width * k + 1))
             if g > best:
                 best_k, best = k, g
         return best_k, best

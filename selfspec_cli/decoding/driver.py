@@ -52,7 +52,7 @@ class Draft:
     logits: torch.Tensor | None = None  # deferred rows: target logits of [pending, *tokens], already computed
     decided: bool = False  # lossy: the tokens are final, no verification
     full_depth: bool = False  # decided tokens made by a full-depth forward
-    forwards: int = 0  # draft forwards made (defaults to the chain length)
+    forwards: int = 0  # draft forwards the proposer made (a layer-skip draft: one per chain token)
     info: dict[str, Any] = field(default_factory=dict)  # proposer-specific (e.g. hit the length limit)
     plan: tuple[float, float] | None = None  # planned: expected tokens, cost in plain steps (decoding/cost.py)
 

@@ -186,10 +186,10 @@ class LayerSkipProposer(Proposer):
         step_s = (time.perf_counter() - t0) / steps
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
         return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None,
-                     forwards=steps, info={"hit_limit": hit_limit, "chain_len": steps}, plan=plan)
+                     forwards=steps, info={"hit_limit": hit_limit}, plan=plan)
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
-        steps = draft.info.get("chain_len", 0)
+        steps = draft.forwards
         if self.draft_cfg.adaptive and steps:
             self.threshold.update(len(verdict.accepted), steps, draft.info["hit_limit"])
         if self.planner is not None:

@@ -63,10 +63,6 @@ class DecodeState:
     def output(self) -> list[int]:
         return self.committed[self.prompt_len :]
 
-    def frontier(self, layer: int) -> int:
-        """Cached slots at ``layer`` (read-only view for reports and tests)."""
-        return self.cache.length(layer)
-
     def ids(self, tokens: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(tokens), dtype=torch.long, device=self.engine.device)
 
@@ -89,8 +85,7 @@ class DecodeState:
     def verify_forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None, **kw) -> ForwardOutput:
         """Full-depth forward of the pending token and a chain (or tree, ``parents``) of
         draft tokens; logits for every row. Drafting's slots past ``pos`` are dropped first."""
-        self.cache.crop(self.pos)
-        self.in_flight.clear()
+        self.rollback()
         inp = self.ids([self.pending, *tokens])
         if parents is None:
             return self.engine.forward(self.cache, inp, positions=self.pos, logits_rows=ALL_ROWS, **kw)

@@ -221,7 +221,7 @@ class Swift(LayerSkipProposer, Method):
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         LayerSkipProposer.update(self, state, draft, verdict, out)
-        steps = draft.info.get("chain_len", 0)
+        steps = draft.forwards
         if steps:
             self._acceptance.append((len(verdict.accepted), steps))
         t0 = time.perf_counter()
