@@ -27,6 +27,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -81,9 +82,11 @@ def load_extension(verbose: bool = False) -> Any | None:
             try:
                 from torch.utils.cpp_extension import load
 
-                build = cache_dir() / f"torch-{torch.__version__}"
+                # one build per source and torch version: checkouts of different versions share the cache
+                tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+                build = cache_dir() / f"torch-{torch.__version__}-{tag}"
                 build.mkdir(parents=True, exist_ok=True)
-                module = load(name="selfspec_small_gemm", sources=[str(_SOURCE)], build_directory=str(build),
+                module = load(name=f"selfspec_small_gemm_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=verbose)
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
                 reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"

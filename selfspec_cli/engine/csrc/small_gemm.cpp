@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -212,8 +214,207 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// ---- the small ops around the products (issue 12: at one row they cost more than their arithmetic)
+//
+// exp for float32 lanes: Cephes' polynomial (as in avx_mathfun), relative error about 1e-7 over
+// [-88, 88]; arguments are clamped to that range.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, exp256(_mm256_set1_ps(v)));
+  return lanes[0];
+}
+
+// Sums of 8 vectors, one per lane: lane i of the result = the sum of a[i]'s lanes, always in the
+// order ((0+1)+(2+3))+((4+5)+(6+7)) whatever lane a key lands in.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// One (row, head) of attend() for head size 8 * DV: scores, probabilities, weighted values.
+template <int DV>
+inline void attend_one(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, const float* mrow,
+                       int64_t limit, float scale, float* s, float* o) {
+  __m256 qv[DV];
+#pragma GCC unroll 32
+  for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  const float skip_below = -1e30f;
+  // scores, 8 keys at a time; a short last group repeats its last key (and drops the extras),
+  // so every key's dot product is computed the same way whatever the number of keys
+  for (int64_t j0 = 0; j0 < limit; j0 += 8) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      const float* kr = kb + std::min<int64_t>(j0 + u, limit - 1) * ks1;
+      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+#pragma GCC unroll 32
+      for (int i = 1; i < DV; ++i) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kr + 8 * i), a);
+      acc[u] = a;
+    }
+    alignas(32) float dots[8];
+    _mm256_store_ps(dots, hsum8(acc));
+    const int64_t n = std::min<int64_t>(8, limit - j0);
+    for (int64_t u = 0; u < n; ++u) {
+      const float add = mrow ? mrow[j0 + u] : 0.0f;
+      s[j0 + u] = add < skip_below ? -INFINITY : dots[u] * scale + add;
+    }
+  }
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < limit; ++j) mx = std::max(mx, s[j]);
+  // probabilities (skipped keys: exactly 0), one scalar normalizer summed in key order
+  const __m256 mxv = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= limit; j += 8) {
+    const __m256 sv = _mm256_loadu_ps(s + j);
+    _mm256_storeu_ps(s + j, _mm256_and_ps(exp256(_mm256_sub_ps(sv, mxv)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ)));
+  }
+  for (; j < limit; ++j) s[j] = s[j] == -INFINITY ? 0.0f : exp1(s[j] - mx);
+  float sum = 0.0f;
+  for (j = 0; j < limit; ++j) sum += s[j];
+  __m256 acc[DV];
+#pragma GCC unroll 32
+  for (int i = 0; i < DV; ++i) acc[i] = _mm256_setzero_ps();
+  for (j = 0; j < limit; ++j) {
+    if (s[j] == 0.0f) continue;
+    const __m256 pv = _mm256_set1_ps(s[j]);
+    const float* vr = vb + j * vs1;
+#pragma GCC unroll 32
+    for (int i = 0; i < DV; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+#pragma GCC unroll 32
+  for (int i = 0; i < DV; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+}
+
+// Attention of T query rows over a layer's cached keys/values, float32, GQA, head size 16, 32, 64 or 128.
+// q row t, head h: qkv[t, h*D : (h+1)*D]; keys/values: k[g, j, :] for j < n_keys, g = h / (Hq/Hkv).
+// mask: (T, n_keys) additive (0 or a huge negative: the key is skipped), or None: causal, row t sees
+// keys j <= past + t. Invariant: a row's result depends only on its own query, its allowed keys
+// and their order (skipped keys add nothing, every dot product is reduced the same way, sums run
+// over j in order with one scalar normalizer), so a row of a k-row verification equals the same
+// row decoded alone, bit for bit.
+torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tensor v, int64_t n_keys,
+                     c10::optional<torch::Tensor> mask, int64_t past) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1, "attend: bad q");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "attend: k/v must be (Hkv, S, D) float32");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.size(1) >= n_keys && v.size(1) >= n_keys, "attend: bad k/v");
+  const int64_t t_n = qkv.size(0), hkv = k.size(0), d = k.size(2);
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "attend: head size ", d, " (16, 32, 64 or 128 supported)");
+  TORCH_CHECK(hq % hkv == 0 && qkv.size(1) >= hq * d, "attend: bad head counts");
+  torch::Tensor mc;
+  const float* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->contiguous();
+    TORCH_CHECK(mc.scalar_type() == torch::kFloat32 && mc.dim() == 2 && mc.size(0) == t_n && mc.size(1) == n_keys,
+                "attend: mask must be (T, n_keys) float32");
+    mp = mc.data_ptr<float>();
+  }
+  auto out = torch::empty({t_n, hq * d}, qkv.options());
+  const float* qp = qkv.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldq = qkv.stride(0), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t group = hq / hkv;
+  const float scale = 1.0f / std::sqrt(float(d));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n_keys));
+  at::parallel_for(0, t_n * hq, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n_keys + 8);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t t = idx / hq, h = idx % hq, g = h / group;
+      const int64_t limit = mp ? n_keys : std::min<int64_t>(n_keys, past + t + 1);
+      const float* mrow = mp ? mp + t * n_keys : nullptr;
+      const float* q = qp + t * ldq + h * d;
+      float* o = op + t * hq * d + h * d;
+      const float* kg = kp + g * ks0;
+      const float* vg = vp + g * vs0;
+      switch (d) {
+        case 16: attend_one<2>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
+        case 32: attend_one<4>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
+        case 64: attend_one<8>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
+        default: attend_one<16>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
+      }
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place on the first `heads` heads of each row of x (T, >= heads*D):
+// x = x * cos + flip_halves(x) * sin_signed (sin_signed = [-sin1, sin2]), cos/sin (T, D).
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "rope_: bad x");
+  const int64_t t_n = x.size(0), d = cos.size(1), half = d / 2;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == t_n && x.size(1) >= heads * d && half % 8 == 0,
+              "rope_: bad shapes");
+  torch::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  float* xp = x.data_ptr<float>();
+  const int64_t ld = x.stride(0);
+  for (int64_t t = 0; t < t_n; ++t) {
+    const float* c = cc.data_ptr<float>() + t * d;
+    const float* sn = sc.data_ptr<float>() + t * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* r = xp + t * ld + h * d;
+      for (int64_t i = 0; i < half; i += 8) {
+        const __m256 a = _mm256_loadu_ps(r + i), b = _mm256_loadu_ps(r + half + i);
+        const __m256 na = _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)), _mm256_mul_ps(b, _mm256_loadu_ps(sn + i)));
+        const __m256 nb = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
+                                        _mm256_mul_ps(a, _mm256_loadu_ps(sn + half + i)));
+        _mm256_storeu_ps(r + i, na);
+        _mm256_storeu_ps(r + half + i, nb);
+      }
+    }
+  }
+}
+
+// SwiGLU's product: gu (T, 2I) = [gate | up] -> silu(gate) * up, (T, I).
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat32 && gu.size(1) % 2 == 0, "silu_mul: bad input");
+  torch::Tensor g = gu.contiguous();
+  const int64_t t_n = g.size(0), n = g.size(1) / 2;
+  auto y = torch::empty({t_n, n}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t t = 0; t < t_n; ++t) {
+    const float* a = gp + t * 2 * n;
+    const float* u = a + n;
+    float* o = yp + t * n;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(a + i);
+      const __m256 sg = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) o[i] = (a[i] / (1.0f + exp1(-a[i]))) * u[i];
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("pack", &pack, "repack a (N, K) weight into 4x8 blocks");
   m.def("linear", &linear, "y = x W^T (+ b) for a few rows, batch-invariant");
+  m.def("attend", &attend, "attention of a few query rows over cached keys/values");
+  m.def("rope_", &rope_, "rotary embedding in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }
