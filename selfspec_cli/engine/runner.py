@@ -21,7 +21,8 @@ range of layers ``[start, end)``:
 * ``positions`` are the rotary positions of the new rows: an int ``p`` means the
   chain ``p, p+1, ...``; a tensor gives explicit ids (trees);
 * hidden states (residual stream after layer ``l``) are returned for the layers in
-  ``output_hidden`` and logits only for the rows in ``logits_rows``.
+  ``output_hidden`` and logits only for the rows in ``logits_rows``, over the whole
+  vocabulary or over a subset's ``head`` (:meth:`Engine.subset_head`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class ForwardOutput:
 
 
 ALL_ROWS = slice(None)
+KERNEL_HEAD_SIZES = (16, 32, 64, 128)  # what csrc's attend() and rope_() take
+ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
 
 
@@ -66,6 +69,7 @@ class Engine:
         self._qk_width = (self._hq + self._hkv) * self._d
         self._gqa = self._hq != self._hkv
         self._neg = torch.finfo(self.dtype).min
+        self._unit_d = torch.ones(self._d, dtype=self.dtype, device=self.device)  # per-head norms' own weight
         self._rope_len = 0
         self._grow_rope(max(256, min(a.max_positions, 4096)))
         # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
@@ -81,10 +85,15 @@ class Engine:
             for w in a.layers
         ]
         self.lm_head = kernels.Linear.make(a.lm_head, None, module)
+        self._module = module
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
+        # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
+        self._ops = module if module is not None and self.dtype == torch.float32 and self._d in KERNEL_HEAD_SIZES else None
         self.kernel_info = {"backend": "torch" if module is None else "small_gemm", "reason": reason,
                             "load_s": kernels.status()["load_s"] if module is not None else None,
-                            "pack_s": round(time.perf_counter() - t0, 3)}
+                            "pack_s": round(time.perf_counter() - t0, 3),
+                            # every op row-wise: a k-row forward equals k one-row steps bit for bit
+                            "batch_invariant": self._ops is not None}
 
     # -- setup -------------------------------------------------------------
     def _grow_rope(self, length: int) -> None:
@@ -105,14 +114,14 @@ class Engine:
     @contextlib.contextmanager
     def plain_linear(self) -> Iterator[None]:
         """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
-        saved = self._lin, self.lm_head, self._norm_kernel
+        saved = self._lin, self.lm_head, self._norm_kernel, self._ops
         self._lin = [{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in saved[0]]
         self.lm_head = kernels.Linear.make(self.adapter.lm_head, None, None)
-        self._norm_kernel = None
+        self._norm_kernel = self._ops = None
         try:
             yield
         finally:
-            self._lin, self.lm_head, self._norm_kernel = saved
+            self._lin, self.lm_head, self._norm_kernel, self._ops = saved
 
     def new_cache(self, capacity: int) -> KVCache:
         a = self.adapter
@@ -121,10 +130,17 @@ class Engine:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.adapter.embed)
 
-    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V)."""
+    def final_logits(self, hidden: torch.Tensor, head: kernels.Linear | None = None) -> torch.Tensor:
+        """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or
+        (R, N) through ``head`` (a :meth:`subset_head`)."""
         a = self.adapter
-        return self.lm_head(self._norm(hidden, a.final_norm)).float()
+        return (head or self.lm_head)(self._norm(hidden, a.final_norm)).float()
+
+    def subset_head(self, ids: torch.Tensor) -> kernels.Linear:
+        """The LM head's rows for the tokens ``ids`` only (prepacked once): logits column ``i``
+        is token ``ids[i]``'s logit, bit-identical to the full head's (same kernel, same
+        per-output order). FR-Spec's draft vocabulary (methods/fr_spec.py)."""
+        return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module)
 
     # -- masks -------------------------------------------------------------
     def _mask(
@@ -175,6 +191,7 @@ class Engine:
         output_hidden: Collection[int] = (),
         logits_rows: slice | torch.Tensor | None = LAST_ROW,
         attn_cosine: bool = False,
+        head: kernels.Linear | None = None,
     ) -> ForwardOutput:
         a = self.adapter
         end = self.num_layers if end is None else end
@@ -202,6 +219,9 @@ class Engine:
                 self._grow_rope(max(2 * self._rope_len, need))
             cos = self._cos[positions]
             sin = self._sin_signed[positions]
+        ops = self._ops if h.dtype == torch.float32 else None
+        few_rows = ops is not None and t <= ATTEND_MAX_ROWS  # the kernel's attention; SDPA for long prefills
+        cos2, sin2 = cos, sin  # (T, D)
         cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D)
 
         hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
@@ -218,25 +238,36 @@ class Engine:
                 # 1) attention sublayer
                 x = self._norm(h, w.attn_norm)
                 qkv = lin["qkv"](x)  # (T, (Hq + 2Hkv) D)
-                qk = qkv[:, :qkw].view(t, hq + hkv, d)
                 v = qkv[:, qkw:].view(t, hkv, d)
-                if w.qk_norm is not None:
-                    qk = F.rms_norm(qk, (d,), None, eps) * w.qk_norm
-                qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
-                q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+                q_rows = qkv  # (T, >= (Hq + Hkv) D): each row's q heads, then its k heads
+                if w.qk_norm is not None:  # Qwen3: RMSNorm per head before the rotary
+                    normed = self._norm(qkv[:, :qkw].reshape(t * (hq + hkv), d), self._unit_d)  # row-wise
+                    q_rows = (normed.view(t, hq + hkv, d) * w.qk_norm).view(t, qkw)
+                if ops is not None:
+                    ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
+                    qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+                else:
+                    qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+                    qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
                 past = cache.length(l)
                 # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
                 key = (past, cache.last_position(l), w.sliding_window,
                        l if w.sliding_window is not None and cache.has_holes(l) else -1)
                 keys, values = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list)
-                if q_pos is None and past == 0 and tree_mask is None and (w.sliding_window is None or t <= w.sliding_window):
-                    o = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, enable_gqa=self._gqa)
-                else:
+                mask = None
+                if not (q_pos is None and past == 0 and tree_mask is None
+                        and (w.sliding_window is None or t <= w.sliding_window)):
                     if key not in masks:
                         qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
                         masks[key] = self._mask(cache.positions[l][:past], qp, max(q_list), t, tree_mask, w.sliding_window)
-                    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[key], enable_gqa=self._gqa)
-                o = o[0].transpose(0, 1).reshape(t, hq * d)
+                    mask = masks[key]  # None: one row sees everything cached
+                if few_rows:  # mask None = causal after the `past` cached slots
+                    o = ops.attend(q_rows, hq, cache.k[l], cache.v[l], past + t, None if mask is None else mask[0, 0], past)
+                else:
+                    q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+                    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1,
+                                                       enable_gqa=self._gqa)
+                    o = o[0].transpose(0, 1).reshape(t, hq * d)
                 h_in = h
                 h = h + lin["o"](o)
                 if attn_cosine:  # ASD: how much this attention sublayer turns the residual stream
@@ -246,13 +277,16 @@ class Engine:
             if l not in skip_mlp:
                 # 2) MLP sublayer
                 x = self._norm(h, w.mlp_norm)
-                gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-                h = h + lin["down"](F.silu(gate) * up)
+                if ops is not None:
+                    h = h + lin["down"](ops.silu_mul(lin["gate_up"](x)))
+                else:
+                    gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+                    h = h + lin["down"](F.silu(gate) * up)
             if l in output_hidden:
                 hidden_at[l] = h
 
         logits = None
         if logits_rows is not None and end == self.num_layers:
-            logits = self.final_logits(h[logits_rows])
+            logits = self.final_logits(h[logits_rows], head)
         return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
                              attn_cosine=torch.stack(cosines) if cosines else None)
