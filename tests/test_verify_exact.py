@@ -250,6 +250,10 @@ class ChainHarness:
         monkeypatch.setattr(verify_mod, "sample_from", self._sample_from)
 
     # tamper points (identity: the real rule)
+    def verifier_q(self, k: int) -> torch.Tensor:
+        """The laws the verifier is told the drafts came from (the real ones: self.q)."""
+        return self.q[:k]
+
     def threshold(self, i: int, d_i: int, t: float) -> float:
         return t
 
@@ -281,10 +285,12 @@ class ChainHarness:
         branch = [0.0] * (k + 1)
         for d in itertools.product(range(V), repeat=k):
             wd = math.prod(float(q[i, d[i]]) for i in range(k))
+            if wd == 0.0:
+                continue  # a draft that is never proposed (restricted draft vocabulary)
 
             def run(d=d) -> Verdict:
                 self.draft, self.high, self.n_rand, self.n_samples = d, {}, 0, 0
-                verdict = verify_chain_sampling(list(d), q, logits, SAMPLING, None)
+                verdict = verify_chain_sampling(list(d), self.verifier_q(k), logits, SAMPLING, None)
                 assert self.n_rand <= 1 and self.n_samples == 1
                 return verdict
 
@@ -373,6 +379,36 @@ class UnclampedRatio(ChainHarness):
 def test_chain_checker_catches_broken_rules(monkeypatch, broken, k):
     assert ChainHarness(monkeypatch).deviation(k) <= EXACT
     assert broken(monkeypatch).deviation(k) > BROKEN
+
+
+# FR-Spec: drafts restricted to a draft vocabulary S; their laws are zero outside S
+SUBSET = [0, 2]
+RESTRICTED_Q = torch.zeros_like(CHAIN_Q)
+RESTRICTED_Q[:, SUBSET] = CHAIN_Q[:, SUBSET] / CHAIN_Q[:, SUBSET].sum(-1, keepdim=True)
+
+
+class VerifierToldTheFullLaw(ChainHarness):
+    """Bug: drafts sampled from the law restricted to S, but the verifier handed the
+    unrestricted softmax (what the draft would have been without the subset)."""
+
+    def verifier_q(self, k):
+        return CHAIN_Q[:k]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_restricted_draft_vocabulary_is_exact(monkeypatch, k):
+    h = ChainHarness(monkeypatch, q=RESTRICTED_Q)
+    law, branch = h.law(k)
+    assert all(b > 1e-3 for b in branch), branch  # rejection at every index and full acceptance occur
+    assert law_deviation(law, lambda y: CHAIN_P[len(y)].tolist(), k + 1) <= EXACT
+    # tokens outside S are never drafted, yet emitted with their target probability
+    first = [sum(w for x, w in law.items() if x[0] == v) for v in range(V)]
+    assert max(abs(a - b) for a, b in zip(first, CHAIN_P[0].tolist())) <= EXACT
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_restricted_vocabulary_checker_catches_the_wrong_law(monkeypatch, k):
+    assert VerifierToldTheFullLaw(monkeypatch, q=RESTRICTED_Q).deviation(k) > BROKEN
 
 
 def test_chain_checker_accepts_the_unclamped_ratio(monkeypatch):

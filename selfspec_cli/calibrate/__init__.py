@@ -4,6 +4,8 @@
   measured throughput (``selfspec calibrate --method self-sd``);
 * :mod:`.specee`: SpecEE's offline predictor schedule from exit-frequency statistics
   (``selfspec calibrate --method specee``);
+* :mod:`.fr_spec`: FR-Spec's frequency-ranked draft vocabulary and its size
+  (``selfspec calibrate --method fr-spec``);
 * :mod:`.data`: calibration prompts from a prompt file or a local dataset.
 
 No typer or rich here; the CLI passes progress callbacks.
@@ -13,7 +15,7 @@ from __future__ import annotations
 from .data import load_calibration_prompts
 from .self_sd import SearchConfig, SelfSDCalibration, TrialReport, calibrate_self_sd
 
-CALIBRATE_METHODS = ("self-sd", "specee")
+CALIBRATE_METHODS = ("self-sd", "specee", "fr-spec")
 
 __all__ = ["CALIBRATE_METHODS", "SearchConfig", "SelfSDCalibration", "TrialReport", "calibrate_self_sd",
            "load_calibration_prompts"]

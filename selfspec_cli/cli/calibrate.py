@@ -44,11 +44,11 @@ def calibrate(
     prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl (as for generate)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Calibration prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets` (instead of --prompt-file)."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),
-    num_prompts: int = typer.Option(8, "--num-prompts", help="Use at most this many prompts (in file order)."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use at most this many prompts (in file order; default 8, fr-spec 64)."),
     trials: int = typer.Option(100, "--trials", help="Complete trials wanted in the study; a resumed study runs only the rest."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed."),
     sampler: str = typer.Option("tpe", "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)} (see docs/calibrate.md)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial (default 32, fr-spec 128)."),
     objective: str = typer.Option("proxy", "--objective", help="proxy (default): the predicted speedup from measured acceptance and draft lengths, draft cost from weight bytes and the engine's measured verify curve; no per-trial timing, so machine load cannot reorder candidates (docs/calibrate.md). throughput: measured tokens/s."),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (default 3 with --objective throughput, 1 with proxy)."),
     study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
@@ -60,7 +60,8 @@ def calibrate(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
     """Self-SD: search skipped sublayers by Bayesian optimization of measured throughput. SpecEE: exit-frequency
-    statistics per layer and the predictor subset they select. Saves a JSON artifact."""
+    statistics per layer and the predictor subset they select. FR-Spec: the model's own output tokens ranked by
+    frequency, and the draft-vocabulary size chosen by measured coverage and head cost. Saves an artifact."""
     if method is None:  # checked here, not by click: a missing option must also be a one-line error
         raise ConfigError(f"calibrate needs --method; choose one of: {', '.join(CALIBRATE_METHODS)}")
     if method not in CALIBRATE_METHODS:
@@ -68,6 +69,11 @@ def calibrate(
     if prompt_format not in PROMPT_FORMATS:
         raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
     apply_threads(threads)
+    num_prompts = num_prompts if num_prompts is not None else (64 if method == "fr-spec" else 8)
+    max_new_tokens = max_new_tokens if max_new_tokens is not None else (128 if method == "fr-spec" else 32)
+    if method == "fr-spec":
+        return _calibrate_fr_spec(model, prompt_file, dataset, dataset_field, num_prompts, max_new_tokens, output,
+                                  chat_template, dtype, device, force, prompt_format)
     if method == "specee":
         return _calibrate_specee(model, prompt_file, dataset, dataset_field, num_prompts, max_new_tokens, output,
                                  chat_template, dtype, device, force, prompt_format)
@@ -231,4 +237,46 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
     log(f"[bold]selected predictor layers {st.selected_layers} ({manifest['selected_exit_share']:.0%} of exits)[/bold]")
     log(f"wrote {out_path}")
     sys.stdout.write(json.dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}) + "\n")
+    sys.stdout.flush()
+
+
+def _calibrate_fr_spec(model: Optional[str], prompt_file: Optional[str], dataset: Optional[str], dataset_field: str,
+                       num_prompts: int, max_new_tokens: int, output: Optional[Path], chat_template: bool,
+                       dtype: str, device: str, force: bool, prompt_format: str) -> None:
+    """FR-Spec's draft vocabulary: count the model's greedy output tokens, rank, choose the size by measurement."""
+    from ..artifacts import save_tensors_artifact
+    from ..calibrate.fr_spec import calibrate_draft_vocab
+    from ..methods import fr_spec
+
+    GenerationConfig(max_new_tokens=max_new_tokens)
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
+    if output is not None:
+        check_new_artifact(output, force)
+        _check_writable(output / "manifest.json", "--output")
+    mdl, tok = load_model(model, dtype=dtype, device=device)
+    out_path = output if output is not None else fr_spec.default_path(mdl)
+    check_new_artifact(out_path, force)
+    engine = Engine(mdl)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
+    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
+    log(f"[dim]FR-Spec draft vocabulary: {len(prompt_ids)} prompts x {max_new_tokens} tokens, greedy, "
+        f"vocabulary {engine.vocab_size}[/dim]")
+    with progress() as bar:
+        task = bar.add_task("calibrate fr-spec", total=len(prompt_ids), info="")
+        res = calibrate_draft_vocab(engine, tok, prompt_ids, cfg, on_prompt=lambda i, n: bar.update(task, completed=i))
+    manifest = {"kind": fr_spec.KIND, "model_fingerprint": model_fingerprint(mdl), "model_name_or_path": model_name(mdl),
+                "vocab_size": engine.vocab_size, **res.summary(),
+                "prompts": {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
+                            "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens,
+                            "chat_template": chat_template},
+                "environment": environment_info(engine.device, engine.dtype), "search_time_s": round(res.decode_s, 1)}
+    save_tensors_artifact(out_path, {"ranked_ids": res.ranked_ids, "counts": res.counts, "expected": res.expected},
+                          manifest)
+    for r in res.candidates:
+        log(f"  n {r['n']:>6}: held-out coverage {r['held_out_coverage']:.4f}, head {r['head_ms']:.2f} ms "
+            f"({r['head_share_of_step']:.1%} of a step), draft cost at half body {r['draft_cost_half_body']:.3f}")
+    log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({res.tokens} tokens counted, "
+        f"{int((res.counts > 0).sum())} distinct)[/bold]")
+    log(f"wrote {out_path}")
+    sys.stdout.write(json.dumps({"method": "fr-spec", "artifact": str(out_path), **res.summary()}) + "\n")
     sys.stdout.flush()

@@ -1,0 +1,131 @@
+"""FR-Spec (Zhao et al. 2025, arXiv:2502.14856): a frequency-ranked draft vocabulary.
+
+A draft forward ends in the LM head; on SmolLM2 (49152 x 576) that is 12-20 % of a
+step and a larger share of a layer-skipping draft. FR-Spec drafts over the ``N``
+most frequent tokens only: the draft's logits come from the head's rows for those
+tokens (:meth:`~selfspec_cli.engine.Engine.subset_head`), verification keeps the
+full head. Unlike the paper, which ranks tokens by their frequency in a pretraining
+corpus, the ranking here counts the model's own greedy outputs on calibration
+prompts (``selfspec calibrate --method fr-spec``): what a draft has to propose is
+what this model says. Ties, and the tokens the outputs never used, are ordered by the
+model's expected frequency at those positions (the sum of its next-token
+probabilities over every output position), so a few thousand counted tokens still
+rank the whole vocabulary sensibly.
+
+Exactness (what the layer-skip proposer relies on, decoding/layer_skip.py):
+
+* **greedy**: the draft proposes the argmax over the subset; verification compares
+  each draft token with the full model's argmax over the whole vocabulary and keeps
+  the longest agreeing prefix plus the full model's own next token. The output is
+  the full model's greedy output whatever the draft proposes, so restricting the
+  draft changes only how many drafts are accepted, never the tokens.
+* **sampling**: let ``S`` be the subset and ``q`` the draft's processed distribution
+  over ``S``, extended by ``q(x) = 0`` for ``x`` outside ``S``; the draft token is
+  sampled from this ``q`` and the verifier is handed the same ``q``. Speculative
+  sampling accepts ``x ~ q`` with probability ``min(1, p(x)/q(x))`` and otherwise
+  samples from ``r(x) ∝ max(0, p(x) - q(x))``. Then
+  ``P(emit x) = q(x) min(1, p(x)/q(x)) + P(reject) r(x) = min(q(x), p(x)) + (p(x) - min(q(x), p(x)))``
+  because ``P(reject) = Σ_y max(0, q(y) - p(y)) = Σ_y max(0, p(y) - q(y))`` (both laws
+  sum to one) is exactly ``r``'s normalizer; so
+  ``P(emit x) = p(x)`` for every ``x``. For ``x`` outside ``S``, ``q(x) = 0``: ``x``
+  is never drafted and is emitted only through the residual with probability
+  ``p(x)``. Nothing in the argument needs ``q`` to cover the vocabulary; it only
+  needs the draft to be sampled from the very ``q`` the verifier sees
+  (tests/test_verify_exact.py enumerates this, and the broken variant that hands the
+  verifier the unrestricted law fails there).
+
+The artifact: ``ranked_ids`` (the whole vocabulary, most frequent first), ``counts``
+(per token id, in the calibration outputs), ``expected`` (the model's expected
+counts) and a manifest with the chosen size ``n``
+and the measurements behind it.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..artifacts import find_default_artifact, load_tensors_artifact, user_artifact_path
+from ..errors import ArtifactError, FieldError
+
+KIND = "fr-spec-vocab"
+CREATE_HINT = "create it with `selfspec calibrate --method fr-spec`"
+
+
+def rank_vocabulary(counts: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids, most frequent first; ties (unseen tokens included) by ``prior`` (higher
+    first, e.g. the model's expected frequency), then in token-id order."""
+    ids = torch.arange(counts.numel())
+    if prior is not None:  # stable sorts: the last key sorted is the primary one
+        ids = ids[torch.sort(-prior.double(), stable=True).indices]
+    order = torch.sort(-counts[ids].to(torch.int64), stable=True).indices
+    return ids[order]
+
+
+def coverage(ranked: torch.Tensor, counts: torch.Tensor, n: int) -> float:
+    """Share of the counted tokens that fall in the top ``n`` of ``ranked``."""
+    total = int(counts.sum())
+    return float(counts[ranked[:n]].sum()) / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """The ranked vocabulary and the size drafts use."""
+
+    ranked_ids: torch.Tensor  # (V,) int64
+    n: int
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.ranked_ids[: self.n]
+
+    def with_size(self, n: int | None) -> DraftVocab:
+        if n is None:
+            return self
+        if not 1 <= n <= self.ranked_ids.numel():
+            raise FieldError("draft_vocab_size", f"must be in 1..{self.ranked_ids.numel()} (the vocabulary), got {n}")
+        return DraftVocab(self.ranked_ids, n, self.manifest)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module) -> DraftVocab:
+        tensors, manifest = load_tensors_artifact(path, model, kind=KIND, create_hint=CREATE_HINT)
+        ranked = tensors.get("ranked_ids")
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if ranked is None or ranked.dim() != 1 or ranked.numel() != vocab:
+            raise ArtifactError(f"'{path}' does not rank this model's {vocab}-token vocabulary; {CREATE_HINT}")
+        return cls(ranked.to(torch.int64), int(manifest.get("n", vocab)), manifest)
+
+
+def default_path(model: torch.nn.Module) -> Path:
+    return user_artifact_path(KIND, model)
+
+
+def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -> DraftVocab | None:
+    """The draft vocabulary a config names: ``'full'`` (or None): none; ``'auto'``: this
+    model's calibrated one when there is one (the user's first, then a shipped one),
+    else none; anything else: a path that must hold one."""
+    if spec is None or spec == "full":
+        if size is not None:
+            raise FieldError("draft_vocab_size", "needs a draft vocabulary (draft_vocab 'auto' with an artifact, or a path)")
+        return None
+    if spec == "auto":
+        found, _ = find_default_artifact(KIND, model, exists=lambda p: (p / "manifest.json").is_file())
+        if found is None:
+            return None
+        return DraftVocab.load(found, model).with_size(size)
+    return DraftVocab.load(spec, model).with_size(size)
+
+
+def ranked_from_outputs(outputs: Iterable[list[int]], vocab_size: int,
+                        prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ranked ids, counts per token id)`` from generated token sequences."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for seq in outputs:
+        if seq:
+            counts += torch.bincount(torch.tensor(seq, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return rank_vocabulary(counts, prior), counts

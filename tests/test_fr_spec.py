@@ -1,0 +1,138 @@
+"""FR-Spec's draft vocabulary (methods/fr_spec.py, calibrate/fr_spec.py): the subset head,
+exact greedy and sampling with restricted drafts, the artifact and its calibration.
+(The verification rule with a restricted law is enumerated exactly in test_verify_exact.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec_cli.artifacts import SkipSet, save_tensors_artifact
+from selfspec_cli.calibrate.fr_spec import calibrate_draft_vocab, held_out_coverage
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer
+from selfspec_cli.engine import Engine
+from selfspec_cli.errors import ArtifactError, FieldError
+from selfspec_cli.loading import model_fingerprint
+from selfspec_cli.methods import AR, build, fr_spec
+from selfspec_cli.methods.self_sd import SelfSD
+
+from .conftest import ARCHS, VOCAB, make_tiny_model
+from .test_decoding import ALPHA, distribution_test
+from .test_speculative import SMALL_VOCAB, _pair_samples, _prompt, small_vocab_setup  # noqa: F401 (fixture)
+
+
+def _subset(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+def test_subset_head_columns_are_the_full_heads():
+    eng = Engine(make_tiny_model("llama-gqa"))
+    ids = _subset(VOCAB, 37)
+    x = torch.randn(3, eng.adapter.hidden_size)
+    full, sub = eng.final_logits(x), eng.final_logits(x, eng.subset_head(ids))
+    assert sub.shape == (3, 37)
+    if eng.kernel_info["backend"] == "small_gemm":  # one FMA chain per output: bit for bit
+        assert torch.equal(sub, full[:, ids])
+    else:
+        assert torch.allclose(sub, full[:, ids], atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_with_a_draft_vocabulary_equals_ar(arch, tree):
+    model = make_tiny_model(arch, layers=6)
+    eng = Engine(model)
+    ar = AR(eng)
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.0, tree=tree))
+    sd.use_draft_vocab(_subset(VOCAB, VOCAB // 3))
+    drafted = 0
+    for seed, n in [(0, 40), (1, 17), (2, 2)]:
+        prompt = _prompt(6, seed)
+        cfg = GenerationConfig(max_new_tokens=n)
+        res = sd.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids
+        drafted += res.stats.drafted_tokens
+    assert drafted > 0
+    assert sd.describe()["draft_vocab"] == VOCAB // 3
+
+
+def test_drafts_come_only_from_the_draft_vocabulary(monkeypatch):
+    eng = Engine(make_tiny_model("llama-gqa", layers=6))
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.0))
+    ids = _subset(VOCAB, 20, seed=3)
+    sd.use_draft_vocab(ids)
+    seen: list[int] = []
+    real = LayerSkipProposer.propose
+
+    def spy(self, state, budget):
+        d = real(self, state, budget)
+        seen.extend(d.tokens)
+        return d
+
+    monkeypatch.setattr(LayerSkipProposer, "propose", spy)
+    sd.generate(_prompt(6, 0), GenerationConfig(max_new_tokens=30))
+    assert seen and set(seen) <= set(ids.tolist())
+    sd.use_draft_vocab(None)  # back to the whole vocabulary
+    assert sd.vocab_ids is None and sd.describe()["draft_vocab"] == "full"
+
+
+# False-positive rate per test: ALPHA = 1e-3.
+def _restricted(model) -> SelfSD:
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
+    sd.use_draft_vocab(_subset(SMALL_VOCAB, SMALL_VOCAB // 2, seed=5))
+    return sd
+
+
+def test_sampling_with_a_draft_vocabulary_is_exact(small_vocab_setup):
+    model, prompt, law = small_vocab_setup
+    samples = _pair_samples(_restricted(model), prompt, 2500)
+    assert distribution_test(samples, law) > ALPHA
+
+
+def test_sampling_test_catches_a_misplaced_restricted_law(small_vocab_setup, monkeypatch):
+    """Control: the subset's probabilities written at columns 0..N-1 instead of at their
+    token ids (an indexing bug) must fail the same test."""
+    model, prompt, law = small_vocab_setup
+    monkeypatch.setattr(LayerSkipProposer, "_full_law",
+                        lambda self, p: torch.cat([p, p.new_zeros(self.engine.vocab_size - p.numel())]))
+    samples = _pair_samples(_restricted(model), prompt, 2500)
+    assert distribution_test(samples, law) < ALPHA
+
+
+def test_ranking_and_coverage():
+    counts = torch.tensor([0, 5, 2, 5, 0, 1])
+    ranked = fr_spec.rank_vocabulary(counts)
+    assert ranked.tolist() == [1, 3, 2, 5, 0, 4]  # by count, ties (and unseen tokens) in id order
+    assert fr_spec.coverage(ranked, counts, 2) == 10 / 13
+    prior = torch.tensor([0.1, 0.0, 0.0, 0.9, 0.3, 0.0])  # ties by the expected counts, then by id
+    assert fr_spec.rank_vocabulary(counts, prior).tolist() == [3, 1, 2, 5, 4, 0]
+    outs = [[1, 1, 2], [1, 3], [3, 3, 2], [1]]
+    # fold A = prompts 0, 2 (top-1: token 1, tied with 2 and 3 at two, lowest id) covers 2 of fold B's
+    # 3 tokens; fold B = prompts 1, 3 (top-1: token 1) covers 2 of fold A's 6
+    assert held_out_coverage(outs, 6, 1) == pytest.approx((2 / 3 + 2 / 6) / 2)
+    assert held_out_coverage(outs, 6, 6) == 1.0
+
+
+def test_calibrated_artifact_round_trip(tmp_path):
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    prompts = [_prompt(6, s) for s in range(4)]
+    res = calibrate_draft_vocab(eng, None, prompts, GenerationConfig(max_new_tokens=12))
+    assert sorted(res.ranked_ids.tolist()) == list(range(VOCAB)) and res.tokens == 4 * 12
+    assert res.n in [r["n"] for r in res.candidates] and res.candidates[-1]["n"] == VOCAB
+    assert res.candidates[-1]["held_out_coverage"] == 1.0
+    path = tmp_path / "vocab"
+    save_tensors_artifact(path, {"ranked_ids": res.ranked_ids, "counts": res.counts},
+                          {"kind": fr_spec.KIND, "model_fingerprint": model_fingerprint(model),
+                           **res.summary()})
+    vocab = fr_spec.resolve(str(path), model, size=50)
+    assert vocab.n == 50 and torch.equal(vocab.ids, res.ranked_ids[:50])
+    m = build("self-sd", eng, None, skip_attn=(1, 3), skip_mlp=(2, 4), draft_vocab=str(path), draft_vocab_size=50)
+    assert m.describe()["draft_vocab"] == 50
+    cfg = GenerationConfig(max_new_tokens=20)
+    assert m.generate(prompts[0], cfg).token_ids == AR(eng).generate(prompts[0], cfg).token_ids
+    with pytest.raises(FieldError):
+        fr_spec.resolve(str(path), model, size=VOCAB + 1)
+    with pytest.raises(ArtifactError):  # another model's artifact
+        fr_spec.resolve(str(path), make_tiny_model("llama-gqa", seed=1, layers=6))
+    assert fr_spec.resolve("full", model) is None
