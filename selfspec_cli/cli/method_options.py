@@ -55,7 +55,10 @@ def with_method_options(func: Callable[..., Any]) -> Callable[..., Any]:
     annotations = dict(typing.get_type_hints(func))
     for name, (kind, help, defaults) in option_fields().items():
         annotations[name] = bool if kind is bool else Optional[kind]
-        default = typer.Option(False if kind is bool else None, flag(name), help=_help(help, defaults))
+        names = flag(name)
+        if kind is bool and True in defaults.values():  # a switch some method has on: offer --no-x too
+            names += "/--no-" + name.replace("_", "-")
+        default = typer.Option(False if kind is bool else None, names, help=_help(help, defaults))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[name]))
     func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     func.__annotations__ = annotations

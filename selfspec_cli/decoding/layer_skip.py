@@ -18,6 +18,7 @@ with their laws, so the driver's speculative-sampling rule is exact.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,26 @@ class AdaptiveThreshold:
         self.value = min(1.0, max(0.0, 0.9 * self.value + 0.1 * cand))
 
 
+def merge_branch(tokens: list[int], parents: list[int], branch: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Add the chain ``branch`` (continuing the pending token) to a draft tree, sharing the
+    nodes it agrees with: ``(tokens, parents, the branch's node indices)``."""
+    tokens, parents = list(tokens), list(parents)
+    children: dict[int, dict[int, int]] = {}
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        children.setdefault(p, {}).setdefault(t, i)
+    node, path = -1, []
+    for t in branch:
+        nxt = children.get(node, {}).get(t)
+        if nxt is None:
+            nxt = len(tokens)
+            tokens.append(t)
+            parents.append(node)
+            children.setdefault(node, {})[t] = nxt
+        path.append(nxt)
+        node = nxt
+    return tokens, parents, path
+
+
 class LayerSkipProposer(Proposer):
     """Layer-skipping drafts; subclasses choose the skip sets."""
 
@@ -93,8 +114,36 @@ class LayerSkipProposer(Proposer):
         self.lookahead = draft.max_draft if not draft.tree else (draft.tree_max_nodes or 64)
         self.planner: Planner | None = None
         self._step_s: float | None = None  # EMA of one draft forward, seconds
+        # hybrid drafts: an n-gram source (state, budget) -> (continuation, n); its continuation joins
+        # the layer-skip draft as a second branch of one tree (deterministic nodes, the exact tree rule)
+        self.ngram: Callable[[DecodeState, int], tuple[list[int], int]] | None = None
+        self._ngram_planner: Planner | None = None
+        self.vocab_ids: list[int] | None = None  # FR-Spec: drafts score only these tokens (methods/fr_spec.py)
+        self._vocab_head = None
+        self._vocab_index: torch.Tensor | None = None
         if draft.cost_aware:
             self._planner()  # measures the engine's verify curve now (once per engine), not inside a timed decode
+
+    def use_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft over the tokens ``ids`` only (None: the whole vocabulary). Verification keeps
+        the full head, so greedy output is unchanged; sampled drafts are drawn from the
+        draft law restricted to ``ids`` and handed over as that law (zero elsewhere), which
+        keeps speculative sampling exact (proof: methods/fr_spec.py)."""
+        if ids is None or int(ids.numel()) >= self.engine.vocab_size:
+            self.vocab_ids = self._vocab_head = self._vocab_index = None
+            return
+        ids = ids.to(torch.int64)
+        self.vocab_ids = ids.tolist()
+        self._vocab_index = ids.to(self.engine.device)
+        self._vocab_head = self.engine.subset_head(ids)
+        self._step_s = None  # the draft cost is re-measured
+
+    def _full_law(self, probs: torch.Tensor) -> torch.Tensor:
+        """A draft law over the subset as a law over the whole vocabulary (zero outside)."""
+        if self._vocab_index is None:
+            return probs
+        full = probs.new_zeros(self.engine.vocab_size)
+        return full.index_copy_(0, self._vocab_index, probs)
 
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share
@@ -123,19 +172,28 @@ class LayerSkipProposer(Proposer):
 
     def describe(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
-        out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4)}
+        out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4),
+               "draft_vocab": len(self.vocab_ids) if self.vocab_ids is not None else "full"}
         if self.planner is not None:
             out["cost_model"] = {"c": round(self.draft_cost(), 4), **self.planner.report()}
         return out
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
         dc = self.draft_cfg
+        cont = self.ngram(state, budget)[0] if self.ngram is not None and budget > 0 else []
         budget = min(dc.max_draft, budget)
         plan = None
         if budget > 0 and dc.cost_aware:
             budget = self._plan(budget)
             plan = self.planner.last
+        if cont and dc.cost_aware:  # how many looked-up tokens pay (they cost no draft forward)
+            if self._ngram_planner is None:
+                self._ngram_planner = Planner(self._planner().curve, self.lookahead)
+            cont = cont[: self._ngram_planner.plan(0.0, len(cont))]
         if budget <= 0:
+            if cont:  # layer skipping does not pay this round, the n-gram branch alone may
+                return Draft(cont, forwards=0, info={"hit_limit": True, "chain_nodes": 0, "ngram_path": list(range(len(cont)))},
+                             plan=plan)
             return Draft(plan=plan)
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
@@ -147,18 +205,22 @@ class LayerSkipProposer(Proposer):
         max_k = max(k for _, k in dc.tree_topk)
         inp = torch.empty(1, dtype=torch.long, device=self.engine.device)
         tok, steps, hit_limit = state.pending, 0, True
+        vocab = self.vocab_ids
         node_cap = dc.tree_max_nodes
         if dc.tree and dc.cost_aware:  # a planned depth k: verify at most 2k nodes
             node_cap = min(node_cap or 2 * budget, 2 * budget)
         for _ in range(budget):
             inp[0] = tok
-            logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp).logits[0]
+            # logits over the whole vocabulary, or over the draft vocabulary (column i: token vocab[i])
+            logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head).logits[0]
             probs = logits.softmax(-1) if sampling.greedy else processed_probs(logits, sampling)
             steps += 1
             if dc.tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep
                 values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
                 values, indices = values.tolist(), indices.tolist()
+                if vocab is not None:
+                    indices = [vocab[i] for i in indices]
                 conf, d = values[0], indices[0]
                 width = dc.topk_for(conf)
                 if node_cap is not None:
@@ -169,13 +231,15 @@ class LayerSkipProposer(Proposer):
                 chain_parent = first_idx
                 if node_cap is not None and len(tokens) >= node_cap:
                     break  # node budget spent (counts as the length limit: hit_limit stays True)
-            elif sampling.greedy:
+            elif sampling.greedy or cont:  # hybrid trees hold deterministic nodes only
                 conf_t, d_t = probs.max(-1)
                 conf, d = float(conf_t), int(d_t)
+                d = d if vocab is None else vocab[d]
                 tokens.append(d)
             else:
                 d = sample_from(probs, state.generator)
-                q_rows.append(probs)
+                d = d if vocab is None else vocab[d]
+                q_rows.append(self._full_law(probs))  # the law d was drawn from, over the whole vocabulary
                 conf = float(probs.max())
                 tokens.append(d)
             state.feed(d)
@@ -185,12 +249,23 @@ class LayerSkipProposer(Proposer):
                 break
         step_s = (time.perf_counter() - t0) / steps
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
-        return Draft(tokens, parents if dc.tree else None, torch.stack(q_rows) if q_rows else None,
-                     forwards=steps, info={"hit_limit": hit_limit}, plan=plan)
+        info: dict[str, Any] = {"hit_limit": hit_limit, "chain_nodes": len(tokens)}
+        tree = parents if dc.tree else None
+        if cont:
+            chain_parents = parents if dc.tree else list(range(-1, len(tokens) - 1))
+            merged, merged_parents, info["ngram_path"] = merge_branch(tokens, chain_parents, cont)
+            if len(merged) > len(tokens):  # the n-gram branch left the layer-skip draft somewhere
+                tokens, tree = merged, merged_parents
+        return Draft(tokens, tree, torch.stack(q_rows) if q_rows else None, forwards=steps, info=info, plan=plan)
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         steps = draft.forwards
+        # the layer-skip draft's own acceptance: accepted nodes among its chain (or tree) nodes
+        own = sum(1 for i in verdict.accepted if i < draft.info.get("chain_nodes", len(draft.tokens)))
         if self.draft_cfg.adaptive and steps:
-            self.threshold.update(len(verdict.accepted), steps, draft.info["hit_limit"])
+            self.threshold.update(own, steps, draft.info["hit_limit"])
         if self.planner is not None:
-            self.planner.observe(steps, len(verdict.accepted))
+            self.planner.observe(steps, own)
+        path = draft.info.get("ngram_path")
+        if path and self._ngram_planner is not None:
+            self._ngram_planner.observe(len(path), len(set(path) & set(verdict.accepted)))

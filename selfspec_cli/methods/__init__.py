@@ -11,14 +11,16 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ..decoding.layer_skip import LayerSkipProposer
 from ..engine import Engine
 from ..errors import ConfigError
+from . import fr_spec
 from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
-from .base import Method
-from .pld import PromptLookup
+from .base import DraftOptions, Method
+from .pld import PLDConfig, PromptLookup, lookup
 from .self_sd import SelfSD
 from .specee import SpecEE
 from .swift import Swift
@@ -47,7 +49,16 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     if config is not None and values:
         raise ConfigError("pass a config or field values, not both")
     cls = method_class(name)
-    return cls.build(engine, tokenizer, config if config is not None else config_for(name, values))
+    config = config if config is not None else config_for(name, values)
+    method = cls.build(engine, tokenizer, config)
+    if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
+        vocab = fr_spec.resolve(config.draft_vocab, engine.model, config.draft_vocab_size)
+        method.use_draft_vocab(None if vocab is None else vocab.ids)
+        if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults
+            pld = PLDConfig()
+            method.ngram = lambda state, budget: lookup(state.committed, pld.pld_max_ngram, pld.pld_min_ngram,
+                                                        min(pld.max_draft, budget))
+    return method
 
 
 __all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "Auto", "build", "config_for", "method_class"]

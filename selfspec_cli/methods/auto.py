@@ -23,6 +23,7 @@ from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError
+from . import fr_spec
 from .asd import ASD
 from .base import Method, option
 from .pld import PLDConfig, PromptLookup
@@ -32,6 +33,8 @@ from .self_sd import SelfSD
 @dataclass(frozen=True)
 class AutoConfig:
     ngram_only: bool = option(False, "n-gram drafts only, no layer-skip drafts")
+    hybrid: bool = option(True, "when layer-skip drafts are chosen, merge the n-gram continuation into the same "
+                                "tree (--no-hybrid: one source per round)")
 
 
 class Auto(Method):
@@ -46,6 +49,8 @@ class Auto(Method):
         self.config = config or AutoConfig()
         self.pld = PromptLookup(engine, tokenizer, PLDConfig())
         self.layer_skip = layer_skip
+        if layer_skip is not None and self.config.hybrid:
+            layer_skip.ngram = self.pld.candidate  # hybrid trees (decoding/layer_skip.py)
         self.needs_attn_cosine = bool(layer_skip and layer_skip.needs_attn_cosine)
         self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0)
         self.rounds: Counter[str] = Counter()
@@ -61,6 +66,8 @@ class Auto(Method):
                 layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
             except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
                 layer_skip = ASD(engine, tokenizer)
+            vocab = fr_spec.resolve("auto", engine.model)  # FR-Spec's draft vocabulary when calibrated
+            layer_skip.use_draft_vocab(None if vocab is None else vocab.ids)
         return cls(engine, tokenizer, config, layer_skip)
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:

@@ -84,6 +84,13 @@ class DraftOptions:
     draft_threshold: float = option(0.6, "draft-exit confidence threshold (initial value when adaptive)")
     paper_drafting: bool = option(False, "draft as the paper does, without planning each round's draft length "
                                          "from measured costs and acceptance (can be slower than ar)")
+    hybrid: bool = option(False, "hybrid drafts: merge the n-gram continuation of the context (prompt lookup) "
+                                 "into each draft as a second branch of one tree, verified in one forward")
+    draft_vocab: str = option("auto", "FR-Spec draft vocabulary: auto (this model's calibrated one when there is one, "
+                                      "else the full vocabulary), full, or an artifact path (selfspec calibrate "
+                                      "--method fr-spec)")
+    draft_vocab_size: int | None = option(None, "draft over this many most frequent tokens (default: the size the "
+                                                "calibration chose)")
 
     def __post_init__(self) -> None:
         if self.max_draft < 1:
