@@ -8,7 +8,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,6 +32,11 @@ def invocation() -> str:
     """The command line of this run, as a user would retype it."""
     args = _INVOCATION if _INVOCATION is not None else sys.argv[1:]
     return "selfspec " + shlex.join(args)
+
+
+def check_choice(value: str, choices: Iterable[str], option: str, where: str = "") -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
 
 
 def log(msg: str) -> None:

@@ -7,7 +7,6 @@ with the headline figures to stdout.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -138,8 +137,7 @@ def profile(
     log(f"wrote {output_dir / 'profile.json'}")
     keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
             "kernel_max_logit_diff")
-    sys.stdout.write(json.dumps({k: result[k] for k in keys}) + "\n")
-    sys.stdout.flush()
+    print(json.dumps({k: result[k] for k in keys}), flush=True)
 
 
 def _table(r: dict[str, Any]) -> Table:

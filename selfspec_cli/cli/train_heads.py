@@ -3,7 +3,6 @@ SpecEE's exit predictors (``--kind exit-mlp``) on the target's own greedy output
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,12 +18,11 @@ from ..heads.data import collect_on_policy
 from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
                            train_lm_heads)
 from ..loading import load_model, model_fingerprint
-from ..errors import FieldError
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
 from ..artifacts import check_new_artifact
 from ..prompts import PROMPT_FORMATS
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, log, progress
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
@@ -56,8 +54,7 @@ def train_heads(
     """Train early-exit add-ons on the target's own greedy continuations; saves safetensors + manifest."""
     if kind is None:
         raise ConfigError(f"train-heads needs --kind; choose one of: {', '.join(KINDS)}")
-    if kind not in KINDS:
-        raise ConfigError(f"unknown --kind '{kind}'; choose one of: {', '.join(KINDS)}")
+    check_choice(kind, KINDS, "--kind")
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if rank < 1:
@@ -65,8 +62,7 @@ def train_heads(
     for name, val in (("--epochs", epochs), ("--batch-size", batch_size)):
         if val is not None and val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     if prompt_file is None and dataset is None:
         prompt_file = DEFAULT_PROMPTS
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
@@ -79,10 +75,7 @@ def train_heads(
     engine = Engine(mdl)
     L = engine.num_layers
     fingerprint = model_fingerprint(mdl)
-    try:
-        head_layers = layer_list(layers, "--layers")
-    except FieldError as exc:
-        raise ConfigError(str(exc)) from None
+    head_layers = layer_list(layers, "--layers")  # a FieldError is a ConfigError worded with the flag
     if head_layers is not None:
         bad = [k for k in head_layers if not 0 <= k < L - 1]
         if bad or not head_layers:
@@ -142,7 +135,6 @@ def train_heads(
             summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), "rank": rank,
                        "report": [r.as_dict() for r in reports]}
         else:
-            assert heads is not None and drafter_manifest is not None
             drafter_layer = min(heads)
             cfg_e = ExitTrainConfig(epochs=epochs or 100, batch_size=batch_size or 1024, lr=lr or 1e-3, seed=seed)
             predictors, ereports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
@@ -170,5 +162,4 @@ def train_heads(
     log(f"wrote {out_path} (data {collect_s:.1f}s, training {train_s:.1f}s, total {total:.1f}s)")
     summary.update({"rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
                     "thresholds": list(DEFAULT_THRESHOLDS)})
-    sys.stdout.write(json.dumps(summary) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(summary), flush=True)
