@@ -24,7 +24,7 @@ import torch
 
 from .engine.adapter import SUPPORTED_MODEL_TYPES
 from .engine.kernels import cache_root
-from .errors import ConfigError, ModelLoadError, UnsupportedModelError
+from .errors import ConfigError, ModelLoadError, UnsupportedModelError, first_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
@@ -186,8 +186,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"transformers could not load the GGUF file '{path}' ({first})") from None
+        raise ModelLoadError(f"transformers could not load the GGUF file '{path}' ({first_line(exc)})") from None
     check_supported(model.config)
     # the weights are dequantized now: drop the GGUF quantizer so the model saves as plain fp32
     model.hf_quantizer = None
@@ -294,10 +293,9 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
     try:
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (offline? set HF_HUB_OFFLINE=1 to fail at once)"
         raise ModelLoadError(
-            f"could not load the model config from '{where}' ({first}); pass --model a local directory or "
+            f"could not load the model config from '{where}' ({first_line(exc)}); pass --model a local directory or "
             f".gguf file, or check the hub id and network access{offline}"
         ) from None
     check_supported(config)
@@ -305,8 +303,7 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
         tokenizer = AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first})") from None
+        raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
     model.to(dev).eval()
     return model, tokenizer
 

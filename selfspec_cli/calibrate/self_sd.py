@@ -44,7 +44,7 @@ from ..artifacts import SkipSet
 from ..decoding.cost import VerifyCurve
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..methods.ar import AR
 from ..methods.self_sd import SelfSD, SelfSDConfig, uniform_layers
 from ..runtime import timed
@@ -349,10 +349,8 @@ def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
         study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
                                     direction="maximize", load_if_exists=True)
     except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"cannot open the Optuna study '{study_path}' ({first[:200]}); pass another --study-path or delete that file"
-        ) from None
+        raise ConfigError(f"cannot open the Optuna study '{study_path}' ({first_line(exc)[:200]}); "
+                          "pass another --study-path or delete that file") from None
     saved = study.user_attrs.get("setup")
     if saved is None:
         study.set_user_attr("setup", setup)

@@ -24,15 +24,16 @@ from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
 from ..bench.runner import Contender, ContenderResult, run_bench
-from ..bench.suites import DEFAULT_SUITE
+from ..bench.suites import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build, config_for
-from ..prompts import PROMPT_FORMATS, Prompt, read_prompts
+from ..prompts import PROMPT_FORMATS
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_not_input, err_console, invocation, log, progress
+from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
+                     log, progress, write_record)
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -56,17 +57,6 @@ def bench_files(output_dir: Path) -> list[Path]:
         found += sorted(p for p in (output_dir / sub).glob("*.jsonl") if p.is_file())
     found += sorted(p for p in output_dir.glob("*_skip_sets.png") if p.is_file())
     return found
-
-
-def _load_prompts(prompt_file: str | None, suite: str | None, fmt: str = "auto") -> tuple[list[Prompt], dict[str, Any]]:
-    if prompt_file is not None and suite is not None:
-        raise ConfigError("give --prompt-file or --suite, not both")
-    if prompt_file is not None:
-        return read_prompts(prompt_file, fmt), {"prompt_file": prompt_file}
-    from ..bench.suites import load_suite
-
-    name = suite or DEFAULT_SUITE
-    return load_suite(name), {"suite": name}
 
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
@@ -170,8 +160,7 @@ def bench(
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     if early_exit_layer is not None and "hf-early-exit" not in names:
         raise ConfigError("--early-exit-layer is an option of the hf-early-exit peer; drop it or add hf-early-exit to --methods")
     if assistant_model is not None and "hf-assisted" not in names:
@@ -183,10 +172,9 @@ def bench(
         raise ConfigError(f"--output-dir '{output_dir}' holds files of an earlier bench run ({shown}); pass --force to delete "
                           "those files first, or choose another --output-dir")
     for f in stale:  # only with --force
-        if prompt_file is not None and prompt_file != "-":
-            check_not_input(f, (prompt_file,), "--output-dir")
+        check_not_input(f, (prompt_file,), "--output-dir")
     cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # validates first
-    prompts, source = _load_prompts(prompt_file, suite, prompt_format)
+    prompts, source = load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
 
@@ -261,8 +249,7 @@ def bench(
         running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
 
         def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
-            files[name].write(json.dumps(rec, ensure_ascii=False) + "\n")
-            files[name].flush()
+            write_record(files[name], rec)
 
         with progress() as bar:
             task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..artifacts import environment_info, model_name
+from ..artifacts import check_new_artifact, environment_info, model_name
 from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..engine import Engine
 from ..errors import ConfigError
@@ -20,7 +21,6 @@ from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig,
 from ..loading import load_model, model_fingerprint
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
-from ..artifacts import check_new_artifact
 from ..prompts import PROMPT_FORMATS
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress
 
@@ -125,7 +125,7 @@ def train_heads(
                                      "lr": cfg.lr, "schedule": f"cosine, {cfg.warmup_share:.0%} warmup", "seed": seed,
                                      "early_stopping": "epoch with the lowest validation KL (validation prompts)",
                                      "collect_seconds": collect_s, "train_seconds": train_s},
-                        "report": [r.as_dict() for r in reports]}
+                        "report": [asdict(r) for r in reports]}
             store.save_heads(out_path, trained, manifest)
             for r in reports:
                 pcs = ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}"
@@ -133,7 +133,7 @@ def train_heads(
                 log(f"head after layer {r.layer} (epoch {r.best_epoch} kept): test KL {r.kl_before:.3f} -> {r.kl_after:.3f}, "
                     f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; {pcs}")
             summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), "rank": rank,
-                       "report": [r.as_dict() for r in reports]}
+                       "report": [asdict(r) for r in reports]}
         else:
             drafter_layer = min(heads)
             cfg_e = ExitTrainConfig(epochs=epochs or 100, batch_size=batch_size or 1024, lr=lr or 1e-3, seed=seed)
@@ -150,14 +150,14 @@ def train_heads(
                         "threshold_rule": (f"lowest threshold >= 0.5 whose exit precision on the validation prompts has one-sided lower "
                                            f"bounds (z {cfg_e.confidence_z}: Wilson over rows and a bootstrap over prompts) "
                                            f">= {cfg_e.target_precision}"),
-                        "report": [r.as_dict() for r in ereports]}
+                        "report": [asdict(r) for r in ereports]}
             store.save_exit_mlps(out_path, predictors, manifest)
             for r in ereports:
                 log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
                     f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
                     f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
             summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(predictors), "drafter_layer": drafter_layer,
-                       "report": [r.as_dict() for r in ereports]}
+                       "report": [asdict(r) for r in ereports]}
     total = time.perf_counter() - t_start
     log(f"wrote {out_path} (data {collect_s:.1f}s, training {train_s:.1f}s, total {total:.1f}s)")
     summary.update({"rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
