@@ -222,14 +222,6 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- resolving --model
 
 
-def _check_model_dir(path: Path, spec: str) -> str:
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
-    if not os.access(path / "config.json", os.R_OK):
-        raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
-    return str(path)
-
-
 def resolve_model_path(spec: str | None, log: Any = None) -> str:
     """The local directory or hub id to load. ``None`` or ``smollm2`` is the default
     model (converted from its GGUF on first use), ``pystdlib`` the shipped code model,
@@ -250,7 +242,11 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
             "or a hub id"
         )
     if path.is_dir():
-        return _check_model_dir(path, spec)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
+        if not os.access(path / "config.json", os.R_OK):
+            raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
+        return str(path)
     if _looks_local(spec) or spec.endswith(".gguf"):
         raise ModelLoadError(f"model '{spec}' does not exist; pass --model a .gguf file, a local Hugging Face directory, "
                              f"a hub id, or one of: {', '.join(NAMED_MODELS)}")

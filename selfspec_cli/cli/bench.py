@@ -59,6 +59,10 @@ def bench_files(output_dir: Path) -> list[Path]:
     return found
 
 
+def _f(x: Any, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{suffix}"
+
+
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
     t = Table(title=title, title_justify="left")
     cols = ["method", "tok/s", "min-max"]
@@ -76,8 +80,7 @@ def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_ba
                f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
         row += [f"{m['speedup_vs_ar']:.2f}x"] if has_ref else []
         row += [f"{m['speedup_vs_hf']:.2f}x"] if has_base else []
-        row += [f"{m['mean_accepted_length']:.2f}" if m["mean_accepted_length"] is not None else "-",
-                f"{m['acceptance_rate']:.2f}" if m["acceptance_rate"] is not None else "-",
+        row += [_f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
                 f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-",
                 differs,
                 f"{m['optimization_s']:.1f}" if m["optimization_s"] is not None else "-",
@@ -101,7 +104,7 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
             if not b:
                 cells.append("-")
                 continue
-            s = f"{b['speedup_vs_ar']:.2f}" if b["speedup_vs_ar"] is not None else "-"
+            s = _f(b["speedup_vs_ar"])
             if has_base and b["speedup_vs_hf"] is not None:
                 s += f" / {b['speedup_vs_hf']:.2f}"
             if b["mean_accepted_length"] is not None:
@@ -119,13 +122,9 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
               title_justify="left")
     for c in ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted", "skip ratio"):
         t.add_column(c, justify="left" if c == "method" else "right")
-
-    def f(x: Any, suffix: str = "") -> str:
-        return "-" if x is None else f"{x:.2f}{suffix}"
-
     for n, cm in rows.items():
-        t.add_row(n, f"{cm['draft_round_share']:.0%}", f(cm.get("predicted_speedup"), "x"),
-                  f(summary[n].get("speedup_vs_ar"), "x"), f(cm.get("measured_over_predicted")), f(cm.get("skip_ratio")))
+        t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),
+                  _f(summary[n].get("speedup_vs_ar"), "x"), _f(cm.get("measured_over_predicted")), _f(cm.get("skip_ratio")))
     return t
 
 

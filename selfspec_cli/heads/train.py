@@ -295,9 +295,7 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
     L = engine.num_layers
     lm_head, final_norm, eps = _frozen(engine)
     layers = tuple(range(drafter_layer, L - 1))
-    feats: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
-    verified: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
-    labels: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    feats, verified, labels = ({l: [] for l in layers} for _ in range(3))  # layer -> per-chunk tensors
     for i in range(0, data.num_rows, chunk):
         h = data.hidden[i:i + chunk]
         target = data.target[i:i + chunk]
@@ -312,8 +310,7 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
             ok = (spec == full[:, None]).any(dim=-1)
             verified[l].append(ok)
             labels[l].append((ok & (full == target)).float())
-    return ExitDataset(layers, {l: torch.cat(v) for l, v in feats.items()},
-                       {l: torch.cat(v) for l, v in verified.items()}, {l: torch.cat(v) for l, v in labels.items()})
+    return ExitDataset(layers, *({l: torch.cat(v) for l, v in d.items()} for d in (feats, verified, labels)))
 
 
 def _init_predictor(gen: torch.Generator) -> ExitPredictor:
