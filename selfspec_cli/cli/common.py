@@ -149,18 +149,17 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
         yield sys.stdout
         return
     check_output(path, force=force, append=append, inputs=inputs)
-    if append:
-        try:
+    try:
+        if append:
             f = path.open("a", encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+        else:
+            fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
+    except OSError as exc:
+        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+    if append:
         with f:
             yield f
         return
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
-    except OSError as exc:
-        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
     tmp = Path(tmp_name)
     from ..artifacts import _umask  # the mode a plain open() would give (mkstemp makes it 0600)
 

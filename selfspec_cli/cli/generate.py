@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 import typer
 
+from ..artifacts import check_new_artifact
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -52,8 +53,6 @@ def generate(
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     n_threads = apply_threads(threads)
     if save_layers is not None:
-        from ..artifacts import check_new_artifact
-
         check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = read_prompts(prompt_file, prompt_format)

@@ -50,14 +50,13 @@ def profile(
 ) -> None:
     """Measure the engine against the machine: memory-bandwidth floor, decode step T(1), verification cost v(k),
     draft cost c(r), the LM head's share, the kernel's logit difference and a layer-redundancy map."""
-    if rounds < 1:
-        raise ConfigError(f"--rounds must be >= 1, got {rounds}")
+    for name, val in (("--rounds", rounds), ("--predict-tokens", predict_tokens)):
+        if val < 1:
+            raise ConfigError(f"{name} must be >= 1, got {val}")
     predict_methods = [m for m in predict.replace(" ", "").split(",") if m]
     unknown = [m for m in predict_methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"--predict: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    if predict_tokens < 1:
-        raise ConfigError(f"--predict-tokens must be >= 1, got {predict_tokens}")
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")

@@ -55,11 +55,8 @@ def train_heads(
     if kind is None:
         raise ConfigError(f"train-heads needs --kind; choose one of: {', '.join(KINDS)}")
     check_choice(kind, KINDS, "--kind")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if rank < 1:
-        raise ConfigError(f"--rank must be >= 1, got {rank}")
-    for name, val in (("--epochs", epochs), ("--batch-size", batch_size)):
+    for name, val in (("--max-new-tokens", max_new_tokens), ("--rank", rank), ("--epochs", epochs),
+                      ("--batch-size", batch_size)):
         if val is not None and val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
@@ -127,17 +124,16 @@ def train_heads(
                                      "collect_seconds": collect_s, "train_seconds": train_s},
                         "report": [asdict(r) for r in reports]}
             store.save_heads(out_path, trained, manifest)
+            extra = {"rank": rank}
             for r in reports:
                 pcs = ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}"
                                 for th, v in r.precision_coverage.items())
                 log(f"head after layer {r.layer} (epoch {r.best_epoch} kept): test KL {r.kl_before:.3f} -> {r.kl_after:.3f}, "
                     f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; {pcs}")
-            summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), "rank": rank,
-                       "report": [asdict(r) for r in reports]}
         else:
             drafter_layer = min(heads)
             cfg_e = ExitTrainConfig(epochs=epochs or 100, batch_size=batch_size or 1024, lr=lr or 1e-3, seed=seed)
-            predictors, ereports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
+            trained, reports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
             train_s = time.perf_counter() - t0
             manifest = {**common, "drafter": {"kind": "adadecode-head", "layer": drafter_layer,
                                               "heads_artifact_id": drafter_manifest.get("artifact_id"), "top_k": 4},
@@ -146,20 +142,20 @@ def train_heads(
                         "training": {"loss": "BCE, positives weighted n_neg/n_pos", "epochs": cfg_e.epochs,
                                      "batch_size": cfg_e.batch_size, "lr": cfg_e.lr, "seed": seed,
                                      "collect_seconds": collect_s, "train_seconds": train_s},
-                        "thresholds": {str(r.layer): r.threshold for r in ereports},
+                        "thresholds": {str(r.layer): r.threshold for r in reports},
                         "threshold_rule": (f"lowest threshold >= 0.5 whose exit precision on the validation prompts has one-sided lower "
                                            f"bounds (z {cfg_e.confidence_z}: Wilson over rows and a bootstrap over prompts) "
                                            f">= {cfg_e.target_precision}"),
-                        "report": [asdict(r) for r in ereports]}
-            store.save_exit_mlps(out_path, predictors, manifest)
-            for r in ereports:
+                        "report": [asdict(r) for r in reports]}
+            store.save_exit_mlps(out_path, trained, manifest)
+            extra = {"drafter_layer": drafter_layer}
+            for r in reports:
                 log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
                     f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
                     f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
-            summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(predictors), "drafter_layer": drafter_layer,
-                       "report": [asdict(r) for r in ereports]}
     total = time.perf_counter() - t_start
     log(f"wrote {out_path} (data {collect_s:.1f}s, training {train_s:.1f}s, total {total:.1f}s)")
-    summary.update({"rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
-                    "thresholds": list(DEFAULT_THRESHOLDS)})
+    summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), **extra, "report": manifest["report"],
+               "rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
+               "thresholds": list(DEFAULT_THRESHOLDS)}
     print(json.dumps(summary), flush=True)
