@@ -301,19 +301,13 @@ def bench(
 
 def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,
            out: Path, ref: str | None, built: dict[str, list[Method]]) -> dict[str, str]:
-    made: dict[str, str] = {}
-    p = plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref or "ar") if ref else None
-    if p:
-        made["speedup_by_category"] = str(p)
     logs = {n: step_log(r.records)["accept_lengths"] for n, r in results.items() if summary[n]["acceptance_rate"] is not None}
-    p = plots.accept_length_histogram(logs, out / "accept_lengths.png")
-    if p:
-        made["accept_lengths"] = str(p)
+    made = {"speedup_by_category": plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref)
+            if ref else None,
+            "accept_lengths": plots.accept_length_histogram(logs, out / "accept_lengths.png")}
     for n, methods in built.items():
         history = methods[-1].search_history() if methods else None
         if history:
-            p = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
-                                    title=f"{n}: skipped sublayers over optimization steps (last pass)")
-            if p:
-                made[f"{n}_skip_sets"] = str(p)
-    return made
+            made[f"{n}_skip_sets"] = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
+                                                         title=f"{n}: skipped sublayers over optimization steps (last pass)")
+    return {name: str(p) for name, p in made.items() if p}  # a plot with nothing to show is not written
