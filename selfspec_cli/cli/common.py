@@ -8,7 +8,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Collection, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,7 +34,8 @@ def invocation() -> str:
     return "selfspec " + shlex.join(args)
 
 
-def check_choice(value: str, choices: Iterable[str], option: str, where: str = "") -> None:
+def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:
+    """Refuse a value of ``option`` that is not one of ``choices``, in one line that lists them."""
     if value not in choices:
         raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
 
