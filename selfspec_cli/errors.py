@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first message line (its type's name when it has none), for one-line errors."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class SelfSpecError(Exception):
     """A problem the user can fix; the message names the problem and the fix."""
 

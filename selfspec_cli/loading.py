@@ -24,7 +24,7 @@ import torch
 
 from .engine.adapter import SUPPORTED_MODEL_TYPES
 from .engine.kernels import cache_root
-from .errors import ConfigError, ModelLoadError, UnsupportedModelError
+from .errors import ConfigError, ModelLoadError, UnsupportedModelError, first_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
@@ -186,8 +186,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"transformers could not load the GGUF file '{path}' ({first})") from None
+        raise ModelLoadError(f"transformers could not load the GGUF file '{path}' ({first_line(exc)})") from None
     check_supported(model.config)
     # the weights are dequantized now: drop the GGUF quantizer so the model saves as plain fp32
     model.hf_quantizer = None
@@ -223,14 +222,6 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- resolving --model
 
 
-def _check_model_dir(path: Path, spec: str) -> str:
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
-    if not os.access(path / "config.json", os.R_OK):
-        raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
-    return str(path)
-
-
 def resolve_model_path(spec: str | None, log: Any = None) -> str:
     """The local directory or hub id to load. ``None`` or ``smollm2`` is the default
     model (converted from its GGUF on first use), ``pystdlib`` the shipped code model,
@@ -251,7 +242,11 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
             "or a hub id"
         )
     if path.is_dir():
-        return _check_model_dir(path, spec)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
+        if not os.access(path / "config.json", os.R_OK):
+            raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
+        return str(path)
     if _looks_local(spec) or spec.endswith(".gguf"):
         raise ModelLoadError(f"model '{spec}' does not exist; pass --model a .gguf file, a local Hugging Face directory, "
                              f"a hub id, or one of: {', '.join(NAMED_MODELS)}")
@@ -294,10 +289,9 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
     try:
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (offline? set HF_HUB_OFFLINE=1 to fail at once)"
         raise ModelLoadError(
-            f"could not load the model config from '{where}' ({first}); pass --model a local directory or "
+            f"could not load the model config from '{where}' ({first_line(exc)}); pass --model a local directory or "
             f".gguf file, or check the hub id and network access{offline}"
         ) from None
     check_supported(config)
@@ -305,8 +299,7 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
         tokenizer = AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first})") from None
+        raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
     model.to(dev).eval()
     return model, tokenizer
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,6 +17,8 @@ from .config import GenerationConfig
 from .decoding.loop import DecodeResult
 from .errors import ConfigError
 from .prompts import Prompt
+
+T = TypeVar("T")
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -58,7 +60,8 @@ def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx
         )
 
 
-def timed(fn: Callable[[], DecodeResult], device: torch.device) -> tuple[DecodeResult, float]:
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """``fn()`` and its wall time, with a device synchronize on each side on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()

@@ -61,9 +61,7 @@ def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[S
 
 def _stats(rec: Record) -> list[Mapping[str, Any]]:
     """Per-turn stats of a record (multi-turn records keep them under ``turns``)."""
-    if "turns" in rec:
-        return [t["stats"] for t in rec["turns"]]
-    return [rec["stats"]]
+    return [t["stats"] for t in rec["turns"]] if "turns" in rec else [rec["stats"]]
 
 
 def step_log(records: Iterable[Record]) -> dict[str, Any]:
@@ -89,9 +87,7 @@ def mean_accepted_length(records: Iterable[Record]) -> float | None:
 
 def acceptance_rate(records: Iterable[Record]) -> float | None:
     log = step_log(records)
-    if not log["drafted"]:
-        return None
-    return log["accepted"] / log["drafted"]
+    return log["accepted"] / log["drafted"] if log["drafted"] else None
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

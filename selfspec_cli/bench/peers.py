@@ -64,18 +64,6 @@ class HFGenerate:
         self.kwargs = generate_kwargs
         self.assisted = bool(generate_kwargs)
 
-    def _call(self, ids: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
-        eos = None if cfg.ignore_eos else list(cfg.eos_token_ids) or None
-        return self.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=cfg.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=(cfg.eos_token_ids[0] if cfg.eos_token_ids else 0),
-            **self.kwargs,
-        )
-
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
         if not cfg.sampling.greedy:
@@ -86,7 +74,10 @@ class HFGenerate:
             original: Callable[..., Any] = self.model._get_candidate_generator
             self.model._get_candidate_generator = lambda *a, **k: recorder.wrap(original(*a, **k))
         try:
-            out = self._call(ids, cfg)
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=cfg.max_new_tokens,
+                                      eos_token_id=None if cfg.ignore_eos else list(cfg.eos_token_ids) or None,
+                                      pad_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else 0, **self.kwargs)
         finally:
             if recorder is not None:
                 del self.model._get_candidate_generator  # back to the class method

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,16 +67,10 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
     cur_score = float("-inf")
     for j, h in enumerate(history):
         attn, mlp = h["skip"]
-        for l in attn:
-            cand[l, j] = 1
-        for l in mlp:
-            cand[num_layers + l, j] = 1
         if h.get("best") or cur_best is None:
             cur_best, cur_score = (attn, mlp), h["score"]
-        for l in cur_best[0]:
-            best[l, j] = 1
-        for l in cur_best[1]:
-            best[num_layers + l, j] = 1
+        cand[[*attn, *(num_layers + l for l in mlp)], j] = 1  # rows: attention 0..L-1, then MLP
+        best[[*cur_best[0], *(num_layers + l for l in cur_best[1])], j] = 1
         scores.append(h["score"])
         best_scores.append(cur_score)
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(max(6.0, min(14.0, steps / 25)), 6.5), sharex=True,
@@ -108,11 +103,8 @@ def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title
     fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
     top = max(max(v) for v in logs.values())
     for ax, (name, lengths) in zip(axes.flat, logs.items()):
-        counts = [0] * (top + 1)
-        for x in lengths:
-            counts[x] += 1
-        total = len(lengths)
-        ax.bar(range(1, top + 1), [c / total for c in counts[1:]], color="tab:blue")
+        counts, total = Counter(lengths), len(lengths)
+        ax.bar(range(1, top + 1), [counts[k] / total for k in range(1, top + 1)], color="tab:blue")
         ax.set_title(f"{name}: M = {sum(lengths) / total:.2f}", fontsize=9)
         ax.set_xlabel("tokens per target forward", fontsize=8)
         ax.set_ylabel("share of forwards", fontsize=8)

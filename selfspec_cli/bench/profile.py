@@ -28,7 +28,6 @@ figure is a median. Nothing here changes the model.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 
 from ..engine import Engine, KVCache
 from ..methods.self_sd import uniform_layers
+from ..runtime import timed
 
 VERIFY_ROWS = tuple(range(1, 17))
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
@@ -45,11 +45,7 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()  # touch every page before timing
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
+    best = min(timed(buf.sum, buf.device)[1] for _ in range(repeats))
     del buf
     return nbytes / best / 1e9
 
@@ -71,11 +67,6 @@ def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
     return cache
 
 
-def _sync(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-
-
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
                   rows: Sequence[int] = VERIFY_ROWS, ratios: Sequence[float] = DRAFT_RATIOS,
                   on_round: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -89,12 +80,8 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
     times: dict[str, list[float]] = {}
 
-    def timed(key: str, fn: Callable[[], Any]) -> None:
-        _sync(engine)
-        t0 = time.perf_counter()
-        fn()
-        _sync(engine)
-        times.setdefault(key, []).append(time.perf_counter() - t0)
+    def time_it(key: str, fn: Callable[[], Any]) -> None:
+        times.setdefault(key, []).append(timed(fn, engine.device)[1])
         cache.crop(ctx)
 
     def verify(k: int) -> Callable[[], Any]:
@@ -108,10 +95,10 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         cache.crop(ctx)
     for i in range(rounds):
         for k in rows:
-            timed(f"v{k}", verify(k))
+            time_it(f"v{k}", verify(k))
         for r, s in draft_sets.items():
-            timed(f"c{r}", draft(s))
-        timed("head", lambda: engine.final_logits(head_in))
+            time_it(f"c{r}", draft(s))
+        time_it("head", lambda: engine.final_logits(head_in))
         if on_round is not None:
             on_round(i + 1, rounds)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -175,7 +162,7 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     if calibrated is not None:
         sets.append(("calibrated", calibrated[0], calibrated[1]))
     hits = {name: 0 for name, _, _ in sets}
-    total, done = 0, 0
+    total = 0
     for ids in prompts:
         cache = _prefill(engine, ids[:-1], tokens + 1)
         pos, tok = len(ids) - 1, torch.tensor(ids[-1:], device=engine.device)
@@ -189,9 +176,8 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
             for name, d in drafts.items():
                 hits[name] += d == full
             total += 1
-            done += 1
             if on_token is not None:
-                on_token(done, len(prompts) * tokens)
+                on_token(total, len(prompts) * tokens)
             tok = torch.tensor([full], device=engine.device)
             pos += 1
     agree = {name: hits[name] / total for name in hits}

@@ -35,10 +35,8 @@ def _block(repeats: Sequence[Sequence[Mapping[str, Any]]], ref: Sequence[Sequenc
     out["new_tokens"] = sum(r["new_tokens"] for r in last)
     out["prompts"] = len(last)
     if ref is not None:
-        # parity of every pass against the reference's first pass: a flaky method shows up too
-        passes = [metrics.parity(rs, ref[0]) for rs in repeats]
-        worst = min(passes, key=lambda p: (p["parity"], p["token_parity"]))
-        out["parity"] = worst
+        # parity of every pass against the reference's first pass (the worst): a flaky method shows up too
+        out["parity"] = min((metrics.parity(rs, ref[0]) for rs in repeats), key=lambda p: (p["parity"], p["token_parity"]))
     return out
 
 
@@ -75,9 +73,8 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
     cats = metrics.by_category(first.records)
     out: dict[str, dict[str, Any]] = {}
     for name, res in results.items():
-        m = _block(res.repeats, ref, base)
-        m = {"kind": res.kind, "lossless": res.lossless,
-             "description": (descriptions or {}).get(name), **m}
+        m = {"kind": res.kind, "lossless": res.lossless, "description": (descriptions or {}).get(name),
+             **_block(res.repeats, ref, base)}
         opt = [metrics.sum_stat(rs, "optimize_s") for rs in res.repeats]
         m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
         m["offline"] = dict((offline_cost or {}).get(name, {})) or None
@@ -117,18 +114,9 @@ def document(summary: Mapping[str, Any], *, setup: Mapping[str, Any], environmen
 
 def headline(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The last stdout line: the figures a script wants, one JSON document."""
-    methods = {}
-    for name, m in doc["methods"].items():
-        par = m.get("parity") or {}
-        methods[name] = {
-            "tokens_per_s": m["tokens_per_s"],
-            "speedup_vs_ar": m["speedup_vs_ar"],
-            "speedup_vs_hf": m["speedup_vs_hf"],
-            "mean_accepted_length": m["mean_accepted_length"],
-            "acceptance_rate": m["acceptance_rate"],
-            "parity": par.get("parity"),
-            "lossless": m["lossless"],
-        }
+    keys = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "mean_accepted_length", "acceptance_rate")
+    methods = {name: {**{k: m[k] for k in keys}, "parity": (m.get("parity") or {}).get("parity"), "lossless": m["lossless"]}
+               for name, m in doc["methods"].items()}
     return {
         "schema": SCHEMA,
         "results": doc.get("files", {}).get("results"),

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, PromptFileError
-from ..prompts import Prompt
+from ..errors import ConfigError, PromptFileError, first_line
+from ..prompts import Prompt, read_prompts
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPEC_BENCH_FILE = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
@@ -111,11 +111,8 @@ def _read_rows(path: Path, label: str) -> tuple[list[str], list[dict]]:
         try:
             ds = datasets.load_dataset("json", data_files=str(path), split="train")
         except Exception as exc:  # datasets raises many types for unreadable files  # noqa: BLE001
-            text = str(exc).strip()
-            first = text.splitlines()[0][:200] if text else type(exc).__name__
-            raise PromptFileError(
-                f"cannot read suite '{label}' ({first}); each line must be a JSON object with 'id', 'category' and 'turns'"
-            ) from None
+            raise PromptFileError(f"cannot read suite '{label}' ({first_line(exc)[:200]}); each line must be a JSON object "
+                                  "with 'id', 'category' and 'turns'") from None
     return list(ds.column_names), ds.to_list()
 
 
@@ -159,3 +156,13 @@ def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
             raise PromptFileError(f"{where}: 'category' must be a non-empty string")
         prompts.append(Prompt(id=pid, turns=_turns(row, where), category=cat))
     return prompts
+
+
+def load_prompts(prompt_file: str | None, suite: str | None, fmt: str = "auto") -> tuple[list[Prompt], dict[str, Any]]:
+    """The prompts of ``--prompt-file`` or ``--suite`` (default :data:`DEFAULT_SUITE`), and which source it was."""
+    if prompt_file is not None and suite is not None:
+        raise ConfigError("give --prompt-file or --suite, not both")
+    if prompt_file is not None:
+        return read_prompts(prompt_file, fmt), {"prompt_file": prompt_file}
+    name = suite or DEFAULT_SUITE
+    return load_suite(name), {"suite": name}

@@ -12,10 +12,4 @@ No typer or rich here; the CLI passes progress callbacks.
 """
 from __future__ import annotations
 
-from .data import load_calibration_prompts
-from .self_sd import SearchConfig, SelfSDCalibration, TrialReport, calibrate_self_sd
-
 CALIBRATE_METHODS = ("self-sd", "specee", "fr-spec")
-
-__all__ = ["CALIBRATE_METHODS", "SearchConfig", "SelfSDCalibration", "TrialReport", "calibrate_self_sd",
-           "load_calibration_prompts"]

@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..errors import ConfigError, PromptFileError
+from ..errors import ConfigError, PromptFileError, first_line
 from ..prompts import read_prompts
 
 # file suffix -> datasets packaged builder
@@ -38,8 +38,7 @@ def prompts_from_dataset(path: str, field: str = "prompt", num_prompts: int = 8)
     try:
         ds = datasets.load_dataset(builder, data_files=str(p), split="train")
     except Exception as exc:  # datasets raises many types for unreadable files  # noqa: BLE001
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PromptFileError(f"cannot read dataset '{path}' ({first}); check that it is valid {builder.upper()}") from None
+        raise PromptFileError(f"cannot read dataset '{path}' ({first_line(exc)}); check that it is valid {builder.upper()}") from None
     if field not in ds.column_names:
         raise PromptFileError(
             f"dataset '{path}' has no column '{field}' (columns: {', '.join(ds.column_names)}); pass --dataset-field"

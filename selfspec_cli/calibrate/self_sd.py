@@ -44,7 +44,7 @@ from ..artifacts import SkipSet
 from ..decoding.cost import VerifyCurve
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, first_line
 from ..methods.ar import AR
 from ..methods.self_sd import SelfSD, SelfSDConfig, uniform_layers
 from ..runtime import timed
@@ -202,9 +202,7 @@ def make_sampler(name: str, seed: int):
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if name == "gp":
         return optuna.samplers.GPSampler(seed=seed)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    raise ConfigError(f"unknown --sampler '{name}'; choose one of: {', '.join(SAMPLERS)}")
+    return optuna.samplers.RandomSampler(seed=seed)  # "random" (SearchConfig checks the name)
 
 
 # ---------------------------------------------------------------- the study
@@ -212,7 +210,7 @@ def make_sampler(name: str, seed: int):
 
 @dataclass(frozen=True, slots=True)
 class SearchConfig:
-    study_path: Path
+    study_path: Path | None  # None: not chosen yet (the CLI validates the rest before it loads the model)
     n_trials: int = 100  # COMPLETE trials wanted in the study, resumed ones included
     seed: int = 0
     sampler: str = "tpe"
@@ -351,10 +349,8 @@ def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
         study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
                                     direction="maximize", load_if_exists=True)
     except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"cannot open the Optuna study '{study_path}' ({first[:200]}); pass another --study-path or delete that file"
-        ) from None
+        raise ConfigError(f"cannot open the Optuna study '{study_path}' ({first_line(exc)[:200]}); "
+                          "pass another --study-path or delete that file") from None
     saved = study.user_attrs.get("setup")
     if saved is None:
         study.set_user_attr("setup", setup)
@@ -406,7 +402,10 @@ def calibrate_self_sd(
     with _optuna_quiet(), guard.installed():
         study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
         try:
-            done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+            def complete() -> list[Any]:
+                return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+            done = len(complete())
             remaining = max(0, search.n_trials - done)
             if done:
                 say(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
@@ -420,8 +419,7 @@ def calibrate_self_sd(
                 return b.value, b.number
 
             if on_trial is not None:
-                bv, bn = best()
-                on_trial(TrialReport(done, search.n_trials, None, None, bv, bn))
+                on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
             # warm-up, untimed: first-call allocations must not favour later trials
             warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
@@ -440,30 +438,25 @@ def calibrate_self_sd(
 
             def callback(st: Any, frozen: Any) -> None:
                 if on_trial is not None and frozen.state == TrialState.COMPLETE:
-                    _report(st, frozen)
+                    on_trial(TrialReport(len(complete()), search.n_trials, frozen.number, frozen.value, *best(),
+                                         frozen.user_attrs.get("mean_accepted_length"),
+                                         frozen.user_attrs.get("acceptance_rate")))
                 guard.check()  # a Ctrl-C during Optuna's bookkeeping stops here, the trial saved
-
-            def _report(st: Any, frozen: Any) -> None:
-                n = len(st.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-                bv, bn = best()
-                on_trial(TrialReport(n, search.n_trials, frozen.number, frozen.value, bv, bn,
-                                     frozen.user_attrs.get("mean_accepted_length"),
-                                     frozen.user_attrs.get("acceptance_rate")))
 
             if remaining:
                 study.optimize(objective, n_trials=remaining, callbacks=[callback], gc_after_trial=False)
             guard.check()
-            complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            finished = complete()
             best_t = study.best_trial
-            durations = [t.duration.total_seconds() for t in complete if t.duration is not None]
-            seeds_in_study = _seed_values(complete, points, L)
+            durations = [t.duration.total_seconds() for t in finished if t.duration is not None]
+            seeds_in_study = _seed_values(finished, points, L)
         finally:
             _dispose(storage)
 
     attn, mlp = skip_sets_from_params(best_t.params, L)
     result = SelfSDCalibration(
         num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
-        best_attrs=dict(best_t.user_attrs), trials=len(complete), new_trials=len(complete) - done,
+        best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
         study_path=Path(search.study_path), baseline=None, seed_points=seeds_in_study,
         search_time_s=round(sum(durations), 3) if durations else None,
     )
@@ -472,12 +465,10 @@ def calibrate_self_sd(
         rp = search.repeats
         result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, rp).as_dict()
         result.confirm["best"] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, rp).as_dict()
-        for p in points:
-            if (p.skip_attn, p.skip_mlp) == (attn, mlp):  # the best trial is this starting point
-                result.confirm[p.name] = result.confirm["best"]
-                continue
-            result.confirm[p.name] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, p.skip_attn, p.skip_mlp,
-                                                     search.draft, rp).as_dict()
+        for p in points:  # a starting point that is the best set is not measured twice
+            same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
+            result.confirm[p.name] = result.confirm["best"] if same else measure_self_sd(
+                engine, tokenizer, prompt_ids, cfg, p.skip_attn, p.skip_mlp, search.draft, rp).as_dict()
     if points:
         # the better uniform set: by the back-to-back re-measurement when there is one
         def score(p: SeedPoint) -> float:

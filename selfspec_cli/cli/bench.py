@@ -24,15 +24,16 @@ from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
 from ..bench.runner import Contender, ContenderResult, run_bench
-from ..bench.suites import DEFAULT_SUITE
+from ..bench.suites import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build, config_for
-from ..prompts import PROMPT_FORMATS, Prompt, read_prompts
+from ..prompts import PROMPT_FORMATS
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_not_input, err_console, invocation, log, progress
+from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
+                     log, progress, write_record)
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -58,15 +59,8 @@ def bench_files(output_dir: Path) -> list[Path]:
     return found
 
 
-def _load_prompts(prompt_file: str | None, suite: str | None, fmt: str = "auto") -> tuple[list[Prompt], dict[str, Any]]:
-    if prompt_file is not None and suite is not None:
-        raise ConfigError("give --prompt-file or --suite, not both")
-    if prompt_file is not None:
-        return read_prompts(prompt_file, fmt), {"prompt_file": prompt_file}
-    from ..bench.suites import load_suite
-
-    name = suite or DEFAULT_SUITE
-    return load_suite(name), {"suite": name}
+def _f(x: Any, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{suffix}"
 
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
@@ -86,8 +80,7 @@ def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_ba
                f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
         row += [f"{m['speedup_vs_ar']:.2f}x"] if has_ref else []
         row += [f"{m['speedup_vs_hf']:.2f}x"] if has_base else []
-        row += [f"{m['mean_accepted_length']:.2f}" if m["mean_accepted_length"] is not None else "-",
-                f"{m['acceptance_rate']:.2f}" if m["acceptance_rate"] is not None else "-",
+        row += [_f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
                 f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-",
                 differs,
                 f"{m['optimization_s']:.1f}" if m["optimization_s"] is not None else "-",
@@ -111,7 +104,7 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
             if not b:
                 cells.append("-")
                 continue
-            s = f"{b['speedup_vs_ar']:.2f}" if b["speedup_vs_ar"] is not None else "-"
+            s = _f(b["speedup_vs_ar"])
             if has_base and b["speedup_vs_hf"] is not None:
                 s += f" / {b['speedup_vs_hf']:.2f}"
             if b["mean_accepted_length"] is not None:
@@ -129,13 +122,9 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
               title_justify="left")
     for c in ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted", "skip ratio"):
         t.add_column(c, justify="left" if c == "method" else "right")
-
-    def f(x: Any, suffix: str = "") -> str:
-        return "-" if x is None else f"{x:.2f}{suffix}"
-
     for n, cm in rows.items():
-        t.add_row(n, f"{cm['draft_round_share']:.0%}", f(cm.get("predicted_speedup"), "x"),
-                  f(summary[n].get("speedup_vs_ar"), "x"), f(cm.get("measured_over_predicted")), f(cm.get("skip_ratio")))
+        t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),
+                  _f(summary[n].get("speedup_vs_ar"), "x"), _f(cm.get("measured_over_predicted")), _f(cm.get("skip_ratio")))
     return t
 
 
@@ -170,8 +159,7 @@ def bench(
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     if early_exit_layer is not None and "hf-early-exit" not in names:
         raise ConfigError("--early-exit-layer is an option of the hf-early-exit peer; drop it or add hf-early-exit to --methods")
     if assistant_model is not None and "hf-assisted" not in names:
@@ -183,10 +171,9 @@ def bench(
         raise ConfigError(f"--output-dir '{output_dir}' holds files of an earlier bench run ({shown}); pass --force to delete "
                           "those files first, or choose another --output-dir")
     for f in stale:  # only with --force
-        if prompt_file is not None and prompt_file != "-":
-            check_not_input(f, (prompt_file,), "--output-dir")
+        check_not_input(f, (prompt_file,), "--output-dir")
     cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # validates first
-    prompts, source = _load_prompts(prompt_file, suite, prompt_format)
+    prompts, source = load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
 
@@ -261,8 +248,7 @@ def bench(
         running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
 
         def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
-            files[name].write(json.dumps(rec, ensure_ascii=False) + "\n")
-            files[name].flush()
+            write_record(files[name], rec)
 
         with progress() as bar:
             task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
@@ -315,19 +301,13 @@ def bench(
 
 def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,
            out: Path, ref: str | None, built: dict[str, list[Method]]) -> dict[str, str]:
-    made: dict[str, str] = {}
-    p = plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref or "ar") if ref else None
-    if p:
-        made["speedup_by_category"] = str(p)
     logs = {n: step_log(r.records)["accept_lengths"] for n, r in results.items() if summary[n]["acceptance_rate"] is not None}
-    p = plots.accept_length_histogram(logs, out / "accept_lengths.png")
-    if p:
-        made["accept_lengths"] = str(p)
+    made = {"speedup_by_category": plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref)
+            if ref else None,
+            "accept_lengths": plots.accept_length_histogram(logs, out / "accept_lengths.png")}
     for n, methods in built.items():
         history = methods[-1].search_history() if methods else None
         if history:
-            p = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
-                                    title=f"{n}: skipped sublayers over optimization steps (last pass)")
-            if p:
-                made[f"{n}_skip_sets"] = str(p)
-    return made
+            made[f"{n}_skip_sets"] = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
+                                                         title=f"{n}: skipped sublayers over optimization steps (last pass)")
+    return {name: str(p) for name, p in made.items() if p}  # a plot with nothing to show is not written

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -15,15 +15,22 @@ from ..artifacts import (check_new_artifact, default_skip_artifact_path, environ
                          save_json_artifact)
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
-from ..calibrate.self_sd import OBJECTIVES, SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
-from ..config import GenerationConfig, SamplingConfig
+from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
+from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
-from ..prompts import Prompt
+from ..methods import fr_spec
+from ..methods import head_store as store
+from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from ..prompts import PROMPT_FORMATS
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, log, progress, set_exit_note
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress, set_exit_note
+
+
+def _check_output(path: Path, force: bool, directory: bool = False) -> Path:
+    check_new_artifact(path, force)
+    _check_writable(path / "manifest.json" if directory else path, "--output")
+    return path
 
 
 def _check_writable(path: Path, option: str) -> None:
@@ -64,54 +71,46 @@ def calibrate(
     frequency, and the draft-vocabulary size chosen by measured coverage and head cost. Saves an artifact."""
     if method is None:  # checked here, not by click: a missing option must also be a one-line error
         raise ConfigError(f"calibrate needs --method; choose one of: {', '.join(CALIBRATE_METHODS)}")
-    if method not in CALIBRATE_METHODS:
-        raise ConfigError(f"unknown --method '{method}' for calibrate; choose one of: {', '.join(CALIBRATE_METHODS)}")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    check_choice(method, CALIBRATE_METHODS, "--method", " for calibrate")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     apply_threads(threads)
     num_prompts = num_prompts if num_prompts is not None else (64 if method == "fr-spec" else 8)
     max_new_tokens = max_new_tokens if max_new_tokens is not None else (128 if method == "fr-spec" else 32)
-    if method == "fr-spec":
-        return _calibrate_fr_spec(model, prompt_file, dataset, dataset_field, num_prompts, max_new_tokens, output,
-                                  chat_template, dtype, device, force, prompt_format)
-    if method == "specee":
-        return _calibrate_specee(model, prompt_file, dataset, dataset_field, num_prompts, max_new_tokens, output,
-                                 chat_template, dtype, device, force, prompt_format)
-    if trials < 1:
-        raise ConfigError(f"--trials must be >= 1, got {trials}")
-    if sampler not in SAMPLERS:
-        raise ConfigError(f"unknown --sampler '{sampler}'; choose one of: {', '.join(SAMPLERS)}")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(OBJECTIVES)}")
-    repeats = repeats if repeats is not None else (1 if objective == "proxy" else 3)
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
-    unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
+    search = None
+    if method == "self-sd":  # SearchConfig validates the search options before any loading
+        repeats = repeats if repeats is not None else (1 if objective == "proxy" else 3)
+        search = SearchConfig(study_path=study_path, n_trials=trials, seed=seed, sampler=sampler, repeats=repeats,
+                              objective=objective)
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates before any loading
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
     if output is not None:
-        check_new_artifact(output, force)
-        _check_writable(output, "--output")
-    if study_path is not None:
+        _check_output(output, force, directory=method == "fr-spec")
+    if search is not None and study_path is not None:
         _check_writable(study_path, "--study-path")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    out_path = output if output is not None else default_skip_artifact_path(mdl)
-    check_new_artifact(out_path, force)  # before the search, not after an hour of it
-    _check_writable(out_path, "--output")
+    default_path = {"self-sd": default_skip_artifact_path, "specee": store.default_schedule_path,
+                    "fr-spec": fr_spec.default_path}[method]
+    out_path = _check_output(output or default_path(mdl), force, directory=method == "fr-spec")  # before the search
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
+    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
+    prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
+                    "sha256": prompts_digest(prompt_ids)}
+    engine = Engine(mdl)
+    if method == "fr-spec":
+        prompts_info.update(max_new_tokens=max_new_tokens, chat_template=chat_template)
+        return _calibrate_fr_spec(engine, tok, prompt_ids, cfg, out_path, prompts_info)
+    if search is None:
+        return _calibrate_specee(engine, tok, prompt_ids, cfg, out_path, prompts_info)
+
+    ctx = context_length(mdl)
+    for i, t in enumerate(texts):
+        check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, cfg, ctx, chat_template)
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
     _check_writable(db_path, "--study-path")
-
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(), eos_token_ids=eos_token_ids(mdl, tok))
-    ctx = context_length(mdl)
-    prompts = [Prompt(id=i + 1, turns=(t,)) for i, t in enumerate(texts)]
-    for p in prompts:
-        check_prompt_fits(p, tok, cfg, ctx, chat_template)
-    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
-
-    engine = Engine(mdl)
+    search = dataclasses.replace(search, study_path=db_path)
     fingerprint = model_fingerprint(mdl)
-    search = SearchConfig(study_path=db_path, n_trials=trials, seed=seed, sampler=sampler, repeats=repeats, objective=objective)
+    unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
     log(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
         f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens"
         f"{f' x {repeats} passes' if repeats > 1 else ''}; "
@@ -138,14 +137,13 @@ def calibrate(
 
         try:
             result = calibrate_self_sd(engine, tok, prompt_ids, cfg, search, fingerprint=fingerprint,
-                                       prompts_sha=prompts_digest(prompt_ids), on_trial=on_trial, log=log)
+                                       prompts_sha=prompts_info["sha256"], on_trial=on_trial, log=log)
         except KeyboardInterrupt:
             stack.close()
             set_exit_note(f"{state['done']} finished trials are saved in {db_path}; run the same command again to resume")
             raise
 
-    prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
-                    "sha256": prompts_digest(prompt_ids), "chat_template": chat_template}
+    prompts_info["chat_template"] = chat_template
     if dataset is not None:
         prompts_info["dataset_field"] = dataset_field
     manifest = build_manifest(result, model=mdl, cfg=cfg, search=search, prompts=prompts_info,
@@ -183,52 +181,35 @@ def calibrate(
         "trials": result.trials,
         "new_trials": result.new_trials,
     }
-    sys.stdout.write(json.dumps(summary) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(summary), flush=True)
 
 
-def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset: Optional[str], dataset_field: str,
-                      num_prompts: int, max_new_tokens: int, output: Optional[Path], chat_template: bool,
-                      dtype: str, device: str, force: bool = False, prompt_format: str = "auto") -> None:
+def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
+                      prompts_info: dict[str, Any]) -> None:
     """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
     from ..calibrate.specee import exit_statistics
-    from ..methods import head_store as store
-
-    GenerationConfig(max_new_tokens=max_new_tokens)
-    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
-    if output is not None:
-        check_new_artifact(output, force)
-        _check_writable(output, "--output")
-    mdl, tok = load_model(model, dtype=dtype, device=device)
-    out_path = output if output is not None else store.default_schedule_path(mdl)
-    check_new_artifact(out_path, force)
-    _check_writable(out_path, "--output")
-    engine = Engine(mdl)
-    # the schedule artifact itself is what we make: build with a placeholder schedule
     from ..methods.specee import SpecEE
 
+    mdl = engine.model
+    # the schedule artifact itself is what we make: build with a placeholder schedule
     heads, heads_manifest = store.load_heads(None, mdl)
     predictors, pman = store.load_exit_mlps(None, mdl)
     drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
     thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
     method = SpecEE(engine, tok, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors, offline_layers=[],
                     thresholds=thresholds)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
-    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
-    log(f"[dim]SpecEE exit statistics: {len(prompt_ids)} prompts x {max_new_tokens} tokens, every predictor on "
+    log(f"[dim]SpecEE exit statistics: {len(prompt_ids)} prompts x {cfg.max_new_tokens} tokens, every predictor on "
         f"(layers {min(predictors)}..{max(predictors)}), kv mode {method.config.specee_kv_mode}[/dim]")
     t0 = time.perf_counter()
     with progress() as bar:
         task = bar.add_task("calibrate specee", total=len(prompt_ids), info="")
         st = exit_statistics(method, prompt_ids, cfg, on_prompt=lambda i, n: bar.update(task, completed=i))
     search_s = round(time.perf_counter() - t0, 3)
-    fingerprint = model_fingerprint(mdl)
-    manifest = {"kind": store.SCHEDULE_KIND, "format_version": 1, "model_fingerprint": fingerprint,
+    manifest = {"kind": store.SCHEDULE_KIND, "format_version": 1, "model_fingerprint": model_fingerprint(mdl),
                 "model_name_or_path": model_name(mdl), "num_layers": engine.num_layers, **st.as_dict(),
                 "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
                 "heads_artifact_id": heads_manifest.get("artifact_id"),
-                "prompts": {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
-                            "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens},
+                "prompts": {**prompts_info, "max_new_tokens": cfg.max_new_tokens},
                 "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
                 "search_time_s": search_s}
     save_json_artifact(out_path, manifest)
@@ -236,40 +217,24 @@ def _calibrate_specee(model: Optional[str], prompt_file: Optional[str], dataset:
     log(f"exit probability per layer: {probs}; exit rate {manifest['exit_rate']:.3f}")
     log(f"[bold]selected predictor layers {st.selected_layers} ({manifest['selected_exit_share']:.0%} of exits)[/bold]")
     log(f"wrote {out_path}")
-    sys.stdout.write(json.dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}) + "\n")
-    sys.stdout.flush()
+    print(json.dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}), flush=True)
 
 
-def _calibrate_fr_spec(model: Optional[str], prompt_file: Optional[str], dataset: Optional[str], dataset_field: str,
-                       num_prompts: int, max_new_tokens: int, output: Optional[Path], chat_template: bool,
-                       dtype: str, device: str, force: bool, prompt_format: str) -> None:
+def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
+                       prompts_info: dict[str, Any]) -> None:
     """FR-Spec's draft vocabulary: count the model's greedy output tokens, rank, choose the size by measurement."""
     from ..artifacts import save_tensors_artifact
     from ..calibrate.fr_spec import calibrate_draft_vocab
-    from ..methods import fr_spec
 
-    GenerationConfig(max_new_tokens=max_new_tokens)
-    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
-    if output is not None:
-        check_new_artifact(output, force)
-        _check_writable(output / "manifest.json", "--output")
-    mdl, tok = load_model(model, dtype=dtype, device=device)
-    out_path = output if output is not None else fr_spec.default_path(mdl)
-    check_new_artifact(out_path, force)
-    engine = Engine(mdl)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
-    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
-    log(f"[dim]FR-Spec draft vocabulary: {len(prompt_ids)} prompts x {max_new_tokens} tokens, greedy, "
+    log(f"[dim]FR-Spec draft vocabulary: {len(prompt_ids)} prompts x {cfg.max_new_tokens} tokens, greedy, "
         f"vocabulary {engine.vocab_size}[/dim]")
     with progress() as bar:
         task = bar.add_task("calibrate fr-spec", total=len(prompt_ids), info="")
         res = calibrate_draft_vocab(engine, tok, prompt_ids, cfg, on_prompt=lambda i, n: bar.update(task, completed=i))
-    manifest = {"kind": fr_spec.KIND, "model_fingerprint": model_fingerprint(mdl), "model_name_or_path": model_name(mdl),
-                "vocab_size": engine.vocab_size, **res.summary(),
-                "prompts": {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
-                            "sha256": prompts_digest(prompt_ids), "max_new_tokens": max_new_tokens,
-                            "chat_template": chat_template},
-                "environment": environment_info(engine.device, engine.dtype), "search_time_s": round(res.decode_s, 1)}
+    manifest = {"kind": fr_spec.KIND, "model_fingerprint": model_fingerprint(engine.model),
+                "model_name_or_path": model_name(engine.model), "vocab_size": engine.vocab_size, **res.summary(),
+                "prompts": prompts_info, "environment": environment_info(engine.device, engine.dtype),
+                "search_time_s": round(res.decode_s, 1)}
     save_tensors_artifact(out_path, {"ranked_ids": res.ranked_ids, "counts": res.counts, "expected": res.expected},
                           manifest)
     for r in res.candidates:
@@ -278,5 +243,4 @@ def _calibrate_fr_spec(model: Optional[str], prompt_file: Optional[str], dataset
     log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({res.tokens} tokens counted, "
         f"{int((res.counts > 0).sum())} distinct)[/bold]")
     log(f"wrote {out_path}")
-    sys.stdout.write(json.dumps({"method": "fr-spec", "artifact": str(out_path), **res.summary()}) + "\n")
-    sys.stdout.flush()
+    print(json.dumps({"method": "fr-spec", "artifact": str(out_path), **res.summary()}), flush=True)

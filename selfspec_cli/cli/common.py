@@ -8,7 +8,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Collection, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,6 +32,12 @@ def invocation() -> str:
     """The command line of this run, as a user would retype it."""
     args = _INVOCATION if _INVOCATION is not None else sys.argv[1:]
     return "selfspec " + shlex.join(args)
+
+
+def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:
+    """Refuse a value of ``option`` that is not one of ``choices``, in one line that lists them."""
+    if value not in choices:
+        raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
 
 
 def log(msg: str) -> None:
@@ -144,18 +150,17 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
         yield sys.stdout
         return
     check_output(path, force=force, append=append, inputs=inputs)
-    if append:
-        try:
+    try:
+        if append:
             f = path.open("a", encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+        else:
+            fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
+    except OSError as exc:
+        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+    if append:
         with f:
             yield f
         return
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
-    except OSError as exc:
-        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
     tmp = Path(tmp_name)
     from ..artifacts import _umask  # the mode a plain open() would give (mkstemp makes it 0600)
 

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 import typer
 
+from ..artifacts import check_new_artifact
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -16,7 +17,7 @@ from ..methods import METHODS, build
 from ..prompts import PROMPT_FORMATS, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
 from .method_options import flag_error, given_options, method_config, with_method_options
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_output, log, output_stream, progress, write_record
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
@@ -43,19 +44,15 @@ def generate(
 ) -> None:
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
     Every method is lossless except specee (LOSSY: its records say lossless false)."""
-    if method not in METHODS:
-        raise ConfigError(f"unknown --method '{method}'; choose one of: {', '.join(METHODS)}")
+    check_choice(method, METHODS, "--method")
     if save_layers is not None and method != "swift":
         raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates before any loading
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     n_threads = apply_threads(threads)
     if save_layers is not None:
-        from ..artifacts import check_new_artifact
-
         check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = read_prompts(prompt_file, prompt_format)

@@ -7,7 +7,6 @@ with the headline figures to stdout.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -18,14 +17,14 @@ from rich.table import Table
 from ..errors import ArtifactError
 from ..artifacts import SkipSet, environment_info, model_name, now_iso, save_json_artifact
 from ..bench import profile as prof
-from ..bench.suites import DEFAULT_SUITE, load_suite
+from ..bench.suites import DEFAULT_SUITE, load_prompts
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
-from ..prompts import PROMPT_FORMATS, read_prompts
+from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS
 from ..runtime import encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, err_console, log, progress
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -51,20 +50,16 @@ def profile(
 ) -> None:
     """Measure the engine against the machine: memory-bandwidth floor, decode step T(1), verification cost v(k),
     draft cost c(r), the LM head's share, the kernel's logit difference and a layer-redundancy map."""
-    if rounds < 1:
-        raise ConfigError(f"--rounds must be >= 1, got {rounds}")
+    for name, val in (("--rounds", rounds), ("--predict-tokens", predict_tokens)):
+        if val < 1:
+            raise ConfigError(f"{name} must be >= 1, got {val}")
     predict_methods = [m for m in predict.replace(" ", "").split(",") if m]
     unknown = [m for m in predict_methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"--predict: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    if predict_tokens < 1:
-        raise ConfigError(f"--predict-tokens must be >= 1, got {predict_tokens}")
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
-    if prompt_file is not None and suite is not None:
-        raise ConfigError("give --prompt-file or --suite, not both")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
     old = [output_dir / n for n in PROFILE_FILES if (output_dir / n).exists()]
@@ -72,7 +67,7 @@ def profile(
         raise ConfigError(f"{output_dir} already holds a profile ({old[0].name}); pass --force to replace it, "
                           "or choose another --output-dir")
     n_threads = apply_threads(threads)
-    prompts = read_prompts(prompt_file, prompt_format) if prompt_file is not None else load_suite(suite or DEFAULT_SUITE)
+    prompts, _ = load_prompts(prompt_file, suite, prompt_format)
     if not prompts:
         raise ConfigError("no prompts to profile with")
 
@@ -82,8 +77,7 @@ def profile(
     calibrated = None
     try:
         skip = SkipSet.load(layers, mdl)
-        sa, sm = skip.attn, skip.mlp
-        calibrated = (sa, sm)
+        calibrated = (skip.attn, skip.mlp)
     except ArtifactError as exc:
         if layers is not None:
             raise
@@ -99,15 +93,16 @@ def profile(
         task = bar.add_task("timing", total=rounds, info="")
         costs = prof.engine_costs(engine, ctx_ids, rounds=rounds, on_round=lambda i, n: bar.update(task, completed=i))
         diff = prof.kernel_logit_diff(engine, ctx_ids)
+        # the redundancy map's prompts, evenly spread (at least one, for the predictions)
+        n_sample = max(1, redundancy_prompts)
+        sample = ids[:: max(1, len(ids) // n_sample)][:n_sample]
         red = None
         if redundancy_prompts > 0:
-            chosen = ids[:: max(1, len(ids) // redundancy_prompts)][:redundancy_prompts]
-            rtask = bar.add_task("redundancy map", total=len(chosen) * redundancy_tokens, info="")
-            red = prof.redundancy_map(engine, chosen, redundancy_tokens, calibrated,
+            rtask = bar.add_task("redundancy map", total=len(sample) * redundancy_tokens, info="")
+            red = prof.redundancy_map(engine, sample, redundancy_tokens, calibrated,
                                       on_token=lambda i, n: bar.update(rtask, completed=i))
         predicted = None
         if predict_methods:
-            sample = ids[:: max(1, len(ids) // max(1, redundancy_prompts))][: max(1, redundancy_prompts)]
             ptask = bar.add_task("predicted speedups", total=len(predict_methods), info="")
             predicted = prof.predicted_speedups(
                 engine, tok, sample, predict_methods, predict_tokens, eos_token_ids(mdl, tok),
@@ -138,8 +133,7 @@ def profile(
     log(f"wrote {output_dir / 'profile.json'}")
     keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
             "kernel_max_logit_diff")
-    sys.stdout.write(json.dumps({k: result[k] for k in keys}) + "\n")
-    sys.stdout.flush()
+    print(json.dumps({k: result[k] for k in keys}), flush=True)
 
 
 def _table(r: dict[str, Any]) -> Table:

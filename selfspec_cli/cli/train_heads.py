@@ -3,14 +3,14 @@ SpecEE's exit predictors (``--kind exit-mlp``) on the target's own greedy output
 from __future__ import annotations
 
 import json
-import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..artifacts import environment_info, model_name
+from ..artifacts import check_new_artifact, environment_info, model_name
 from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..engine import Engine
 from ..errors import ConfigError
@@ -19,12 +19,10 @@ from ..heads.data import collect_on_policy
 from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
                            train_lm_heads)
 from ..loading import load_model, model_fingerprint
-from ..errors import FieldError
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
-from ..artifacts import check_new_artifact
 from ..prompts import PROMPT_FORMATS
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, log, progress
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
@@ -56,17 +54,12 @@ def train_heads(
     """Train early-exit add-ons on the target's own greedy continuations; saves safetensors + manifest."""
     if kind is None:
         raise ConfigError(f"train-heads needs --kind; choose one of: {', '.join(KINDS)}")
-    if kind not in KINDS:
-        raise ConfigError(f"unknown --kind '{kind}'; choose one of: {', '.join(KINDS)}")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if rank < 1:
-        raise ConfigError(f"--rank must be >= 1, got {rank}")
-    for name, val in (("--epochs", epochs), ("--batch-size", batch_size)):
+    check_choice(kind, KINDS, "--kind")
+    for name, val in (("--max-new-tokens", max_new_tokens), ("--rank", rank), ("--epochs", epochs),
+                      ("--batch-size", batch_size)):
         if val is not None and val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ConfigError(f"unknown --prompt-format '{prompt_format}'; choose one of: {', '.join(PROMPT_FORMATS)}")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     if prompt_file is None and dataset is None:
         prompt_file = DEFAULT_PROMPTS
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
@@ -79,10 +72,7 @@ def train_heads(
     engine = Engine(mdl)
     L = engine.num_layers
     fingerprint = model_fingerprint(mdl)
-    try:
-        head_layers = layer_list(layers, "--layers")
-    except FieldError as exc:
-        raise ConfigError(str(exc)) from None
+    head_layers = layer_list(layers, "--layers")  # a FieldError is a ConfigError worded with the flag
     if head_layers is not None:
         bad = [k for k in head_layers if not 0 <= k < L - 1]
         if bad or not head_layers:
@@ -132,20 +122,18 @@ def train_heads(
                                      "lr": cfg.lr, "schedule": f"cosine, {cfg.warmup_share:.0%} warmup", "seed": seed,
                                      "early_stopping": "epoch with the lowest validation KL (validation prompts)",
                                      "collect_seconds": collect_s, "train_seconds": train_s},
-                        "report": [r.as_dict() for r in reports]}
+                        "report": [asdict(r) for r in reports]}
             store.save_heads(out_path, trained, manifest)
+            extra = {"rank": rank}
             for r in reports:
                 pcs = ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}"
                                 for th, v in r.precision_coverage.items())
                 log(f"head after layer {r.layer} (epoch {r.best_epoch} kept): test KL {r.kl_before:.3f} -> {r.kl_after:.3f}, "
                     f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; {pcs}")
-            summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), "rank": rank,
-                       "report": [r.as_dict() for r in reports]}
         else:
-            assert heads is not None and drafter_manifest is not None
             drafter_layer = min(heads)
             cfg_e = ExitTrainConfig(epochs=epochs or 100, batch_size=batch_size or 1024, lr=lr or 1e-3, seed=seed)
-            predictors, ereports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
+            trained, reports = train_exit_mlps(engine, data, drafter_layer, heads[drafter_layer], cfg_e, on_progress)
             train_s = time.perf_counter() - t0
             manifest = {**common, "drafter": {"kind": "adadecode-head", "layer": drafter_layer,
                                               "heads_artifact_id": drafter_manifest.get("artifact_id"), "top_k": 4},
@@ -154,21 +142,20 @@ def train_heads(
                         "training": {"loss": "BCE, positives weighted n_neg/n_pos", "epochs": cfg_e.epochs,
                                      "batch_size": cfg_e.batch_size, "lr": cfg_e.lr, "seed": seed,
                                      "collect_seconds": collect_s, "train_seconds": train_s},
-                        "thresholds": {str(r.layer): r.threshold for r in ereports},
+                        "thresholds": {str(r.layer): r.threshold for r in reports},
                         "threshold_rule": (f"lowest threshold >= 0.5 whose exit precision on the validation prompts has one-sided lower "
                                            f"bounds (z {cfg_e.confidence_z}: Wilson over rows and a bootstrap over prompts) "
                                            f">= {cfg_e.target_precision}"),
-                        "report": [r.as_dict() for r in ereports]}
-            store.save_exit_mlps(out_path, predictors, manifest)
-            for r in ereports:
+                        "report": [asdict(r) for r in reports]}
+            store.save_exit_mlps(out_path, trained, manifest)
+            extra = {"drafter_layer": drafter_layer}
+            for r in reports:
                 log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
                     f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
                     f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
-            summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(predictors), "drafter_layer": drafter_layer,
-                       "report": [r.as_dict() for r in ereports]}
     total = time.perf_counter() - t_start
     log(f"wrote {out_path} (data {collect_s:.1f}s, training {train_s:.1f}s, total {total:.1f}s)")
-    summary.update({"rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
-                    "thresholds": list(DEFAULT_THRESHOLDS)})
-    sys.stdout.write(json.dumps(summary) + "\n")
-    sys.stdout.flush()
+    summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), **extra, "report": manifest["report"],
+               "rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
+               "thresholds": list(DEFAULT_THRESHOLDS)}
+    print(json.dumps(summary), flush=True)

@@ -90,12 +90,6 @@ class HeadReport:
     best_epoch: int = 0  # early stopping: epoch kept (0: the logit-lens initialisation)
     val_kl: float = float("nan")  # validation KL of the kept epoch
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "kl_before": self.kl_before, "kl_after": self.kl_after,
-                "top1_before": self.top1_before, "top1_after": self.top1_after,
-                "precision_coverage": self.precision_coverage, "train_seconds": self.train_seconds,
-                "best_epoch": self.best_epoch, "val_kl": self.val_kl}
-
 
 @torch.no_grad()
 def evaluate_head(x: torch.Tensor, teacher_logp: torch.Tensor, target: torch.Tensor, head: LowRankHead,
@@ -139,11 +133,13 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
     for layer in layers:
         t0 = time.perf_counter()
         x_all = data.hidden[:, layer]
+
+        def evaluate(rows: torch.Tensor, head: LowRankHead, thresholds: Sequence[float] = ()) -> dict[str, Any]:
+            return evaluate_head(x_all[rows], teacher[rows], data.target[rows], head, lm_head, eps, thresholds)
+
         init = init_head(final_norm, cfg.rank, gen)
-        before = evaluate_head(x_all[hold_idx], teacher[hold_idx], data.target[hold_idx], init, lm_head, eps, cfg.thresholds)
-        a = init.a.clone().requires_grad_(True)
-        b = init.b.clone().requires_grad_(True)
-        g = init.g.clone().requires_grad_(True)
+        before = evaluate(hold_idx, init, cfg.thresholds)
+        a, b, g = (t.clone().requires_grad_(True) for t in (init.a, init.b, init.g))
         opt = torch.optim.Adam([a, b, g], lr=cfg.lr)
         n = len(train_idx)
         steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
@@ -152,7 +148,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
         step = 0
         # early stopping: keep the epoch with the lowest validation KL (epoch 0: the logit
         # lens), so a learning rate or an epoch count that hurts cannot make the head worse
-        best_kl = evaluate_head(x_all[val_idx], teacher[val_idx], data.target[val_idx], init, lm_head, eps, ())["kl"]
+        best_kl = evaluate(val_idx, init)["kl"]
         best, best_epoch = (init.a, init.b, init.g), 0
         for epoch in range(cfg.epochs):
             perm = train_idx[torch.randperm(n, generator=gen)]
@@ -170,20 +166,18 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
                 loss_sum += float(loss.detach()) * len(rows)
                 step += 1
             cand = LowRankHead(a.detach().clone(), b.detach().clone(), g.detach().clone())
-            val_kl = evaluate_head(x_all[val_idx], teacher[val_idx], data.target[val_idx], cand, lm_head, eps, ())["kl"]
+            val_kl = evaluate(val_idx, cand)["kl"]
             if val_kl < best_kl:
                 best_kl, best, best_epoch = val_kl, (cand.a, cand.b, cand.g), epoch + 1
             if progress:
                 progress(f"head@{layer}", epoch + 1, cfg.epochs,
                          f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
         head = LowRankHead(*best)
-        after = evaluate_head(x_all[hold_idx], teacher[hold_idx], data.target[hold_idx], head, lm_head, eps, cfg.thresholds)
+        after = evaluate(hold_idx, head, cfg.thresholds)
         heads[layer] = head
-        pc = {th: {"precision": after["precision_coverage"][th]["precision"],
-                   "coverage": after["precision_coverage"][th]["coverage"],
-                   "precision_before": before["precision_coverage"][th]["precision"],
+        pc = {th: {**v, "precision_before": before["precision_coverage"][th]["precision"],
                    "coverage_before": before["precision_coverage"][th]["coverage"]}
-              for th in after["precision_coverage"]}
+              for th, v in after["precision_coverage"].items()}
         reports.append(HeadReport(layer, before["kl"], after["kl"], before["top1"], after["top1"], pc,
                                   time.perf_counter() - t0, best_epoch, best_kl))
     return heads, reports
@@ -215,12 +209,6 @@ class ExitReport:
     precision_at_threshold: float = float("nan")
     recall_at_threshold: float = float("nan")
     fire_share_at_threshold: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "rows": self.rows, "positive_share": self.positive_share,
-                "precision": self.precision, "recall": self.recall, "fire_share": self.fire_share,
-                "threshold": self.threshold, "precision_at_threshold": self.precision_at_threshold,
-                "recall_at_threshold": self.recall_at_threshold, "fire_share_at_threshold": self.fire_share_at_threshold}
 
 
 def _rates(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, threshold: float) -> tuple[float, float, float, int]:
@@ -307,9 +295,7 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
     L = engine.num_layers
     lm_head, final_norm, eps = _frozen(engine)
     layers = tuple(range(drafter_layer, L - 1))
-    feats: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
-    verified: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
-    labels: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    feats, verified, labels = ({l: [] for l in layers} for _ in range(3))  # layer -> per-chunk tensors
     for i in range(0, data.num_rows, chunk):
         h = data.hidden[i:i + chunk]
         target = data.target[i:i + chunk]
@@ -324,8 +310,7 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
             ok = (spec == full[:, None]).any(dim=-1)
             verified[l].append(ok)
             labels[l].append((ok & (full == target)).float())
-    return ExitDataset(layers, {l: torch.cat(v) for l, v in feats.items()},
-                       {l: torch.cat(v) for l, v in verified.items()}, {l: torch.cat(v) for l, v in labels.items()})
+    return ExitDataset(layers, *({l: torch.cat(v) for l, v in d.items()} for d in (feats, verified, labels)))
 
 
 def _init_predictor(gen: torch.Generator) -> ExitPredictor:

@@ -33,7 +33,6 @@ a contiguous suffix of the sequence.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..engine.runner import ALL_ROWS
 from ..errors import FieldError
+from ..runtime import timed
 from .base import Method, option, layer_list, training_cost
 from .exit_heads import LowRankHead, head_logits
 from .head_store import load_heads
@@ -117,16 +117,8 @@ class AdaDecode(Method):
         self.t1_s = curve.t1_s
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
-        best = float("inf")
-        sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
-        for i in range(4):
-            sync()
-            t0 = time.perf_counter()
-            self._head(k, row)
-            sync()
-            if i:
-                best = min(best, time.perf_counter() - t0)
-        return best / curve.t1_s
+        self._head(k, row)  # warm-up: the first call allocates
+        return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / curve.t1_s
 
     def _worth_checking(self, k: int) -> bool:
         """Check head ``k`` when its expected saving beats the check's cost: an accepted exit

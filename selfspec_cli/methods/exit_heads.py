@@ -42,17 +42,12 @@ class LowRankHead:
         return LowRankHead(self.a.to(device, dtype), self.b.to(device, dtype), self.g.to(device, dtype))
 
 
-def head_state(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """(R, d) residual rows -> (R, d) corrected normalised state ``u + B A u`` (before ``E*``)."""
-    u = F.rms_norm(h, (h.shape[-1],), g, eps)
-    return u + F.linear(F.linear(u, a), b)
-
-
 def head_logits(h: torch.Tensor, head: LowRankHead, lm_head: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
                 eps: float) -> torch.Tensor:
     """(R, d) residual rows after the head's layer -> (R, V) logits of the head. ``lm_head`` is
     the (V, d) matrix, or the engine's prepacked LM head (``engine.lm_head``, same product)."""
-    u = head_state(h, head.a, head.b, head.g, eps)
+    u = F.rms_norm(h, (h.shape[-1],), head.g, eps)
+    u = u + F.linear(F.linear(u, head.a), head.b)  # the corrected normalised state u + B A u, before E*
     return lm_head(u) if callable(lm_head) else F.linear(u, lm_head)
 
 

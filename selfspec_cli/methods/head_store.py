@@ -19,6 +19,7 @@ command that makes it.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +80,15 @@ def _resolve(path: Path | None, model: Any, kind: str, suffix: str, what: str, h
     return found
 
 
-def save_heads(path: Path, heads: dict[int, LowRankHead], manifest: dict[str, Any]) -> Path:
-    tensors: dict[str, torch.Tensor] = {}
-    for k, h in heads.items():
-        tensors[f"layer{k}.a"], tensors[f"layer{k}.b"], tensors[f"layer{k}.g"] = h.a.float(), h.b.float(), h.g.float()
-    return artifacts.save_tensors_artifact(path, tensors, {"kind": HEADS_KIND, **manifest, "layers": sorted(heads)})
+def _save_per_layer(path: Path, kind: str, items: dict[int, Any], manifest: dict[str, Any]) -> Path:
+    """Tensors ``layer<k>.<field>`` of each layer's dataclass (float32), the layers in the manifest."""
+    tensors = {f"layer{k}.{f.name}": getattr(v, f.name).float() for k, v in items.items() for f in fields(v)}
+    return artifacts.save_tensors_artifact(path, tensors, {"kind": kind, **manifest, "layers": sorted(items)})
 
 
 def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, folder: str, what: str,
-                    names: tuple[str, ...], build: Any) -> tuple[dict[int, Any], dict[str, Any]]:
-    """Load a per-layer tensors artifact: ``build(*tensors[layer<k>.<name>] for name in names)`` per layer."""
+                    build: Any) -> tuple[dict[int, Any], dict[str, Any]]:
+    """Load a per-layer tensors artifact: the dataclass ``build`` from tensors ``layer<k>.<field>``, per layer."""
     label = {"lm-heads": "AdaDecode heads artifact", "exit-mlp": "SpecEE exit-predictor artifact"}[train_kind]
     p = _resolve(path, model, folder, "", label, f"create it with `{train_command(train_kind, model)}`",
                  _manifest_exists)
@@ -100,7 +100,7 @@ def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, f
         if not 0 <= int(k) < L - 1:
             raise ArtifactError(f"'{p}': {what} layer {k} is out of range for a {L}-layer model; {hint}")
         try:
-            out[int(k)] = build(*(tensors[f"layer{k}.{n}"] for n in names))
+            out[int(k)] = build(*(tensors[f"layer{k}.{f.name}"] for f in fields(build)))
         except KeyError:
             raise ArtifactError(f"'{p}' lacks the tensors of {what} layer {k}; {hint}") from None
     if not out:
@@ -108,22 +108,20 @@ def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, f
     return out, manifest
 
 
+def save_heads(path: Path, heads: dict[int, LowRankHead], manifest: dict[str, Any]) -> Path:
+    return _save_per_layer(path, HEADS_KIND, heads, manifest)
+
+
 def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
-    return _load_per_layer(path, model, HEADS_KIND, "lm-heads", "adadecode", "head",
-                           ("a", "b", "g"), LowRankHead)
+    return _load_per_layer(path, model, HEADS_KIND, "lm-heads", "adadecode", "head", LowRankHead)
 
 
 def save_exit_mlps(path: Path, predictors: dict[int, ExitPredictor], manifest: dict[str, Any]) -> Path:
-    tensors: dict[str, torch.Tensor] = {}
-    for k, p in predictors.items():
-        for name in ("w1", "b1", "w2", "b2"):
-            tensors[f"layer{k}.{name}"] = getattr(p, name).float()
-    return artifacts.save_tensors_artifact(path, tensors, {"kind": EXIT_KIND, **manifest, "layers": sorted(predictors)})
+    return _save_per_layer(path, EXIT_KIND, predictors, manifest)
 
 
 def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], dict[str, Any]]:
-    return _load_per_layer(path, model, EXIT_KIND, "exit-mlp", "specee", "predictor",
-                           ("w1", "b1", "w2", "b2"), ExitPredictor)
+    return _load_per_layer(path, model, EXIT_KIND, "exit-mlp", "specee", "predictor", ExitPredictor)
 
 
 def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:

@@ -225,11 +225,9 @@ class SpecEE(Method):
             # empty mode: layers > exit_layer never get this token's K/V
         if ref is not None:
             ev = self._ev
-            ev["tokens"] += 1
-            ev["tokens_agree"] += int(new_token == ref)
-            if exit_layer is not None:
-                ev["exits"] += 1
-                ev["exits_agree"] += int(new_token == ref)
+            for kind in ("tokens", "exits") if exit_layer is not None else ("tokens",):
+                ev[kind] += 1
+                ev[f"{kind}_agree"] += int(new_token == ref)
             if new_token != ref and ev["first_divergence"] is None:
                 ev["first_divergence"] = len(state.output)
         return Draft([new_token], decided=True, full_depth=exit_layer is None)
@@ -243,9 +241,7 @@ class SpecEE(Method):
             "early_exits": {str(k): v for k, v in self._exits.items() if v},
             "exit_rate": sum(self._exits.values()) / rounds,
             "mean_layers_run_per_token": n["layers_run"] / rounds,
-            "predictor_checks": n["predictor_checks"],
-            "verifications": n["verifications"],
-            "failed_verifications": n["failed_verifications"],
+            **{k: n[k] for k in ("predictor_checks", "verifications", "failed_verifications")},
             "drafter_layer": self.k0,
             "offline_layers": sorted(self.offline),
             "thresholds": {str(k): v for k, v in self.thresholds.items()},
