@@ -13,6 +13,8 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
   row (what verification does), divided by ``T(1)``;
 * ``draft_cost[r]`` = ``c(r)``: a one-row forward that skips a uniform share ``r`` of
   the sublayers (both sublayers of evenly spaced interior layers), divided by ``T(1)``;
+  ``draft_cost_draft_vocab[r]`` the same with the model's FR-Spec draft vocabulary (when
+  one is calibrated: methods/fr_spec.py);
 * ``lm_head_share``: final norm + LM head on one row, divided by ``T(1)``;
 * ``kernel_max_logit_diff``: the largest difference between the engine's fp32 logits
   with the CPU kernel (engine/kernels.py) and with plain ``F.linear``;
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine, KVCache
+from ..methods import fr_spec
 from ..methods.self_sd import uniform_layers
 from ..runtime import timed
 
@@ -69,8 +72,10 @@ def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
 
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
                   rows: Sequence[int] = VERIFY_ROWS, ratios: Sequence[float] = DRAFT_RATIOS,
-                  on_round: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``."""
+                  on_round: Callable[[int, int], None] | None = None,
+                  draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
+    """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``; with a
+    ``draft_vocab`` (FR-Spec's token ids) also c(r) of drafts that score only those tokens."""
     ctx = len(prompt_ids)
     cache = _prefill(engine, prompt_ids, max(rows))
     # real tokens for the k-row forwards, the prompt's tail repeated when it is shorter than max(rows)
@@ -87,8 +92,10 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     def verify(k: int) -> Callable[[], Any]:
         return lambda: engine.forward(cache, toks[:k], positions=ctx, logits_rows=slice(None))
 
-    def draft(s: frozenset[int]) -> Callable[[], Any]:
-        return lambda: engine.forward(cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s)
+    sub = engine.subset_head(draft_vocab) if draft_vocab is not None else None
+
+    def draft(s: frozenset[int], head: Any = None) -> Callable[[], Any]:
+        return lambda: engine.forward(cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s, head=head)
 
     for k in rows[:3]:  # warm-up: first calls allocate
         verify(k)()
@@ -98,11 +105,16 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
             time_it(f"v{k}", verify(k))
         for r, s in draft_sets.items():
             time_it(f"c{r}", draft(s))
+            if sub is not None:
+                time_it(f"cv{r}", draft(s, sub))
         time_it("head", lambda: engine.final_logits(head_in))
         if on_round is not None:
             on_round(i + 1, rounds)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     step = med["v1"]
+    vocab = {} if sub is None else {
+        "draft_vocab_size": int(draft_vocab.numel()),
+        "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
     return {
         "context_tokens": ctx,
         "step_ms": round(step, 3),
@@ -113,6 +125,7 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         "lm_head_ms": round(med["head"], 3),
         "lm_head_share": round(med["head"] / step, 3),
         "rounds": rounds,
+        **vocab,
     }
 
 
@@ -123,7 +136,9 @@ def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
     bw = read_bandwidth_gbs()
     wbytes = step_weight_bytes(engine)
     floor_ms = wbytes / (bw * 1e9) * 1e3
-    costs = measure_costs(engine, prompt_ids, rounds=rounds, on_round=on_round)
+    vocab = fr_spec.resolve("auto", engine.model)  # this model's FR-Spec draft vocabulary, if calibrated
+    costs = measure_costs(engine, prompt_ids, rounds=rounds, on_round=on_round,
+                          draft_vocab=None if vocab is None else vocab.ids)
     return {"weight_bytes": wbytes, "bandwidth_gbs": round(bw, 2), "floor_ms": round(floor_ms, 3), **costs,
             "step_over_floor": round(costs["step_ms"] / floor_ms, 3), "kernel": dict(engine.kernel_info)}
 
