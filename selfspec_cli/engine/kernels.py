@@ -82,8 +82,9 @@ def load_extension(verbose: bool = False) -> Any | None:
             try:
                 from torch.utils.cpp_extension import load
 
-                # one build per source and torch version: checkouts of different versions share the cache
-                tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+                # one build per source file (its path and bytes) and torch version: two checkouts sharing
+                # the cache never load, or rebuild over, each other's extension
+                tag = hashlib.sha256(str(_SOURCE.resolve()).encode() + _SOURCE.read_bytes()).hexdigest()[:12]
                 build = cache_dir() / f"torch-{torch.__version__}-{tag}"
                 build.mkdir(parents=True, exist_ok=True)
                 module = load(name=f"selfspec_small_gemm_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
