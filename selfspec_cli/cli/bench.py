@@ -38,6 +38,9 @@ from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, chec
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "specee-empty": ("specee", {"specee_kv_mode": "empty"}, " [empty KV: deeper layers never get an exited token's K/V, as in the paper]"),
+    "self-sd-hybrid": ("self-sd", {"hybrid": True}, " [hybrid: the n-gram continuation merged into the draft tree]"),
+    "self-sd-full-vocab": ("self-sd", {"draft_vocab": "full"}, " [drafts over the full vocabulary, no FR-Spec subset]"),
+    "auto-single": ("auto", {"hybrid": False}, " [one drafting source per round, no hybrid trees]"),
 }
 DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"
@@ -129,7 +132,7 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
 
 
 def bench(
-    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV; specee itself keeps KV) and peers ({', '.join(PEERS)})."),
+    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV, Self-SD with hybrid drafts or without the draft vocabulary, auto without hybrid trees) and peers ({', '.join(PEERS)})."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Prompts (as for generate) instead of a suite."),
     prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl (as for generate)."),
     suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}: 2 Spec-Bench questions per group; spec-bench: all 480; pystdlib, pystdlib-mini: for --model pystdlib) or a local JSONL path, loaded with `datasets`."),

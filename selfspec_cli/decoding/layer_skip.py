@@ -191,9 +191,9 @@ class LayerSkipProposer(Proposer):
                 self._ngram_planner = Planner(self._planner().curve, self.lookahead)
             cont = cont[: self._ngram_planner.plan(0.0, len(cont))]
         if budget <= 0:
-            if cont:  # layer skipping does not pay this round, the n-gram branch alone may
+            if cont:  # layer skipping does not pay this round, the n-gram branch alone may (its own plan)
                 return Draft(cont, forwards=0, info={"hit_limit": True, "chain_nodes": 0, "ngram_path": list(range(len(cont)))},
-                             plan=plan)
+                             plan=self._ngram_planner.last if self._ngram_planner is not None else plan)
             return Draft(plan=plan)
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
