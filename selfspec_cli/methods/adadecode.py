@@ -88,8 +88,8 @@ class AdaDecode(Method):
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None, *,
                  heads: dict[int, LowRankHead]) -> None:
-        super().__init__(engine, tokenizer)
-        config = config or AdaDecodeConfig()
+        super().__init__(engine, tokenizer, config)
+        config = self.config
         L = engine.num_layers
         use = sorted(heads) if config.adadecode_layers is None else sorted(config.adadecode_layers)
         missing = [k for k in use if k not in heads]
@@ -98,7 +98,6 @@ class AdaDecode(Method):
         bad = [k for k in use if not 0 <= k < L - 1]
         if bad:
             raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
-        self.config = config
         self.lookahead = config.adadecode_max_pending
         self.heads = {k: heads[k].to(engine.device, engine.dtype) for k in use}
         # segments [s, e): each ends after a head layer (e - 1) or at the last layer

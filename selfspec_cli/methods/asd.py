@@ -59,8 +59,9 @@ class ASD(LayerSkipProposer, Method):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: ASDConfig | None = None,
                  draft: DraftConfig | None = None) -> None:
         """``draft`` overrides the config's draft options."""
-        self.config = config or ASDConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, draft or self.config.draft())
+        config = config or ASDConfig()
+        LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
+        self.config = config
         self._skip: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         self._cosines: list[float] = []
 

@@ -35,8 +35,9 @@ class Method(Proposer):
     description: ClassVar[str] = ""
     Config: ClassVar[type] = NoConfig
 
-    def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
         super().__init__(engine, tokenizer)
+        self.config = config or self.Config()
         self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
 
     @classmethod

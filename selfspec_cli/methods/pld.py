@@ -73,8 +73,7 @@ class PromptLookup(Method):
     Config = PLDConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: PLDConfig | None = None) -> None:
-        super().__init__(engine, tokenizer)
-        self.config = config or PLDConfig()
+        super().__init__(engine, tokenizer, config)
         self.lookahead = self.config.max_draft
         self.planners: dict[int, Planner] = {}  # n-gram length -> its planner (longer matches draft better)
         self._last_lookup: tuple[Any, tuple[list[int], int]] = (None, ([], 0))

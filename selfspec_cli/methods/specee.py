@@ -94,12 +94,11 @@ class SpecEE(Method):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None, *,
                  drafter_layer: int, drafter: LowRankHead, predictors: dict[int, ExitPredictor],
                  offline_layers: list[int], thresholds: dict[int, float] | None = None) -> None:
-        super().__init__(engine, tokenizer)
-        config = config or SpecEEConfig()
+        super().__init__(engine, tokenizer, config)
+        config = self.config
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
             raise ConfigError(f"drafter layer {drafter_layer} is out of range for a {L}-layer model")
-        self.config = config
         self.lookahead = config.max_pending
         self.k0 = drafter_layer
         self.drafter = drafter.to(engine.device, engine.dtype)
