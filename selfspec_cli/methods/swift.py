@@ -40,8 +40,8 @@ from ..decoding.layer_skip import PAPER_TREE_TOPK, LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
-from ..errors import ConfigError, FieldError
-from .base import DraftOptions, Method, option
+from ..errors import ConfigError
+from .base import DraftOptions, Method, option, require
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,10 @@ class SwiftConfig(DraftOptions):
 
     def __post_init__(self) -> None:
         DraftOptions.__post_init__(self)
-        if not 0 < self.skip_ratio < 1:
-            raise FieldError("skip_ratio", f"must be in (0, 1), got {self.skip_ratio}")
-        if self.context_window < 2:
-            raise FieldError("context_window", f"must be >= 2, got {self.context_window}")
-        if not 0 <= self.optimize_budget <= 1:
-            raise FieldError("optimize_budget", f"must be in [0, 1], got {self.optimize_budget}")
-        if self.tree_nodes is not None and self.tree_nodes < 1:
-            raise FieldError("tree_nodes", f"must be >= 1, got {self.tree_nodes}")
+        require(0 < self.skip_ratio < 1, "skip_ratio", "in (0, 1)", self.skip_ratio)
+        require(self.context_window >= 2, "context_window", ">= 2", self.context_window)
+        require(0 <= self.optimize_budget <= 1, "optimize_budget", "in [0, 1]", self.optimize_budget)
+        require(self.tree_nodes is None or self.tree_nodes >= 1, "tree_nodes", ">= 1", self.tree_nodes)
 
 
 class Swift(LayerSkipProposer, Method):
