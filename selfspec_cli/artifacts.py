@@ -93,16 +93,30 @@ def is_shipped(path: str | os.PathLike) -> bool:
     return paths.is_inside(path, loading.ARTIFACTS_DIR)
 
 
-def default_artifact_candidates(kind: str, model: torch.nn.Module, suffix: str = "") -> list[Path]:
-    """Default places an artifact is loaded from, in order: the user's (fingerprint-keyed), then the shipped one."""
-    return [user_artifact_path(kind, model, suffix), shipped_artifact_path(kind, model, suffix)]
-
-
 def find_default_artifact(kind: str, model: torch.nn.Module, suffix: str = "",
                           exists: Callable[[Path], bool] = Path.exists) -> tuple[Path | None, list[Path]]:
-    """``(first existing default candidate or None, every candidate looked at)``."""
-    cands = default_artifact_candidates(kind, model, suffix)
+    """``(first existing default candidate or None, every candidate looked at)``: the default
+    places an artifact is loaded from are, in order, the user's (fingerprint-keyed) and the shipped one."""
+    cands = [user_artifact_path(kind, model, suffix), shipped_artifact_path(kind, model, suffix)]
     return next((c for c in cands if exists(c)), None), cands
+
+
+def resolve_artifact(path: str | os.PathLike | None, model: torch.nn.Module, kind: str, suffix: str,
+                     what: str, hint: str, exists: Callable[[Path], bool] = Path.exists) -> Path:
+    """An explicit path, else the first default that exists (user's, then shipped); none: one
+    error naming both."""
+    if path is not None:
+        return Path(path)
+    found, looked = find_default_artifact(kind, model, suffix, exists)
+    if found is None:
+        raise ArtifactError(f"no {what} for this model (looked for {looked[0]} and {looked[1]}); {hint}")
+    return found
+
+
+def model_flag(model_or_spec: Any) -> str:
+    """`` --model NAME`` for a suggested command, or nothing for the default model."""
+    name = model_name(model_or_spec)
+    return "" if loading.is_default_model(name) else f" --model {name}"
 
 
 def output_advice(path: Path | None, model: torch.nn.Module, kind: str, suffix: str = "") -> str:
@@ -136,11 +150,7 @@ def default_skip_artifact_path(model: torch.nn.Module) -> Path:
 
 def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
     """The command that (re)creates a skip-set artifact, for error messages."""
-    name = model_name(model_or_spec)
-    cmd = "selfspec calibrate --method self-sd"
-    if not loading.is_default_model(name):  # the default model needs no --model
-        cmd += f" --model {name}"
-    cmd += " --prompt-file <prompts>"
+    cmd = f"selfspec calibrate --method self-sd{model_flag(model_or_spec)} --prompt-file <prompts>"
     if isinstance(model_or_spec, torch.nn.Module):
         cmd += output_advice(path, model_or_spec, "self-sd", ".json")
     return cmd
@@ -294,18 +304,11 @@ class SkipSet:
     @classmethod
     def load(cls, path: str | os.PathLike | None, model: torch.nn.Module) -> SkipSet:
         """The skip set for ``model`` at ``path``; None means the default: the user's
-        fingerprint-keyed artifact, else the shipped one (:func:`find_default_artifact`).
+        fingerprint-keyed artifact, else the shipped one (:func:`resolve_artifact`).
         Raises :class:`ArtifactError` when the file is missing, malformed, of another
         kind, or made for another model."""
-        if path is None:
-            found, looked = find_default_artifact("self-sd", model, ".json")
-            if found is None:
-                raise ArtifactError(
-                    f"no Self-SD skip-set artifact for this model (looked for {looked[0]} and {looked[1]}); "
-                    f"create it with `{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
-            p = found
-        else:
-            p = Path(path)
+        p = resolve_artifact(path, model, "self-sd", ".json", "Self-SD skip-set artifact", f"create it with "
+                             f"`{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
         cmd = calibrate_command(model, p)
         manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
         kind = manifest.get("kind")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .engine.adapter import SUPPORTED_MODEL_TYPES
+from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported
 from .engine.kernels import cache_root
 from .errors import ConfigError, ModelLoadError, UnsupportedModelError, first_line
 
@@ -76,7 +76,6 @@ def _looks_local(spec: str) -> bool:
 # ---------------------------------------------------------------- GGUF files
 
 GGUF_MAGIC = b"GGUF"
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def model_cache_dir() -> Path:
@@ -172,11 +171,9 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     if (target / "config.json").is_file() and (target / "selfspec-source.json").is_file():
         return target
     arch = gguf_architecture(path)
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture '{arch}' in '{path}' is not supported; selfspec runs GGUF files of: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    _require_gguf_packages()
+    if arch not in SUPPORTED_MODEL_TYPES:  # (gguf_architecture checked the packages)
+        raise UnsupportedModelError(f"GGUF architecture '{arch}' in '{path}' is not supported; "
+                                    f"selfspec runs GGUF files of: {', '.join(SUPPORTED_MODEL_TYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if log is not None:
@@ -261,14 +258,6 @@ def is_default_model(name: str | os.PathLike) -> bool:
             DEFAULT_MODEL_FILE[: -len(".gguf")])
     except OSError:
         return False
-
-
-def check_supported(config: Any) -> None:
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported architecture '{mt}'; selfspec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
 
 
 def _stderr_log(msg: str) -> None:

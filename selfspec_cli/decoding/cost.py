@@ -26,7 +26,6 @@ verified, so every lossless proposer stays exact.
 """
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
+from ..runtime import timed
 
 CURVE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
@@ -77,14 +77,10 @@ class VerifyCurve:
         best = {m: float("inf") for m in rows}
         for r in range(rounds + 1):  # pass 0 warms up
             for m in rows:
-                if engine.device.type == "cuda":
-                    torch.cuda.synchronize(engine.device)
-                t0 = time.perf_counter()
-                engine.forward(cache, ids[context : context + m], positions=context, logits_rows=slice(None))
-                if engine.device.type == "cuda":
-                    torch.cuda.synchronize(engine.device)
+                dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context,
+                                                  logits_rows=slice(None)), engine.device)[1]
                 if r:
-                    best[m] = min(best[m], time.perf_counter() - t0)
+                    best[m] = min(best[m], dt)
                 cache.crop(context)
         t1 = best[1]
         # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper)

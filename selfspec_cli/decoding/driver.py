@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
@@ -186,8 +187,7 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
     else:
         q = draft.q
         if q is None:  # deterministic drafts: a point mass at each drafted token
-            q = logits.new_zeros(len(draft.tokens), logits.shape[-1])
-            q[torch.arange(len(draft.tokens), device=q.device), torch.tensor(draft.tokens, dtype=torch.long, device=q.device)] = 1.0
+            q = F.one_hot(state.ids(draft.tokens), logits.shape[-1]).to(logits.dtype)
         verdict = verify_chain_sampling(draft.tokens, q, logits, sampling, state.generator)
     state.commit(verdict.tokens, verdict.accepted, tree=draft.parents is not None)
     return verdict, out

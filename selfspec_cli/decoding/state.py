@@ -104,8 +104,7 @@ class DecodeState:
             self.cache.compact([first + i for i in accepted], first)
         else:
             self.cache.crop(first + len(accepted))
-        self.committed.extend(int(t) for t in tokens)
-        self.in_flight.clear()
+        self.commit_decided(tokens)
 
     def commit_decided(self, tokens: Sequence[int]) -> None:
         """Commit tokens a (lossy) proposer chose itself; the rows it ran stay cached."""

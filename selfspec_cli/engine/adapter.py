@@ -15,6 +15,7 @@ biases (Qwen2), per-head q/k RMSNorm (Qwen3), per-layer sliding windows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,15 @@ from torch import nn
 from ..errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_supported(config: Any) -> str:
+    """The config's ``model_type``; an architecture selfspec does not run is refused."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"unsupported architecture '{mt}'; selfspec supports: "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return mt
 
 
 @dataclass(slots=True)
@@ -63,14 +73,9 @@ class ModelAdapter:
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
-        model_type = getattr(cfg, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported architecture '{model_type}'; selfspec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        self.model_type = model_type = check_supported(cfg)
         self.model = model
         self.config = cfg
-        self.model_type = model_type
         inner = model.model
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size

@@ -47,7 +47,7 @@ from ..engine import Engine, ForwardOutput
 from ..engine.runner import ALL_ROWS
 from ..errors import FieldError
 from ..runtime import timed
-from .base import Method, option, layer_list, training_cost
+from .base import Method, layer_list, option, require, training_cost
 from .exit_heads import LowRankHead, head_logits
 from .head_store import load_heads
 
@@ -64,10 +64,9 @@ class AdaDecodeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adadecode_layers", layer_list(self.adadecode_layers, "adadecode_layers"))
-        if not 0.0 <= self.adadecode_threshold <= 1.0:
-            raise FieldError("adadecode_threshold", f"must be in [0, 1], got {self.adadecode_threshold}")
-        if self.adadecode_max_pending < 1:
-            raise FieldError("adadecode_max_pending", f"must be >= 1, got {self.adadecode_max_pending}")
+        require(0.0 <= self.adadecode_threshold <= 1.0, "adadecode_threshold", "in [0, 1]",
+                self.adadecode_threshold)
+        require(self.adadecode_max_pending >= 1, "adadecode_max_pending", ">= 1", self.adadecode_max_pending)
 
 
 def proposal_law(head_probs: torch.Tensor, token: int) -> torch.Tensor:
@@ -88,8 +87,8 @@ class AdaDecode(Method):
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None, *,
                  heads: dict[int, LowRankHead]) -> None:
-        super().__init__(engine, tokenizer)
-        config = config or AdaDecodeConfig()
+        super().__init__(engine, tokenizer, config)
+        config = self.config
         L = engine.num_layers
         use = sorted(heads) if config.adadecode_layers is None else sorted(config.adadecode_layers)
         missing = [k for k in use if k not in heads]
@@ -98,7 +97,6 @@ class AdaDecode(Method):
         bad = [k for k in use if not 0 <= k < L - 1]
         if bad:
             raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
-        self.config = config
         self.lookahead = config.adadecode_max_pending
         self.heads = {k: heads[k].to(engine.device, engine.dtype) for k in use}
         # segments [s, e): each ends after a head layer (e - 1) or at the last layer

@@ -6,16 +6,10 @@ sample of the processed distribution).
 """
 from __future__ import annotations
 
-from typing import Any
-
-from ..engine import Engine
-from .base import Method, NoConfig
+from .base import Method
 
 
 class AR(Method):
     name = "ar"
     lossless = True
     description = "plain autoregressive decoding (the baseline)"
-
-    def __init__(self, engine: Engine, tokenizer: Any = None, config: NoConfig | None = None) -> None:
-        super().__init__(engine, tokenizer)

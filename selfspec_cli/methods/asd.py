@@ -20,8 +20,7 @@ from typing import Any
 from ..decoding.layer_skip import DraftConfig, LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
-from ..errors import FieldError
-from .base import DraftOptions, Method, option
+from .base import DraftOptions, Method, option, require
 
 
 def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -41,12 +40,9 @@ class ASDConfig(DraftOptions):
 
     def __post_init__(self) -> None:
         DraftOptions.__post_init__(self)
-        if not 0 < self.asd_alpha < 1:
-            raise FieldError("asd_alpha", f"must be in (0, 1), got {self.asd_alpha}")
-        if self.asd_m < 1:
-            raise FieldError("asd_m", f"must be >= 1, got {self.asd_m}")
-        if self.asd_n < 0:
-            raise FieldError("asd_n", f"must be >= 0, got {self.asd_n}")
+        require(0 < self.asd_alpha < 1, "asd_alpha", "in (0, 1)", self.asd_alpha)
+        require(self.asd_m >= 1, "asd_m", ">= 1", self.asd_m)
+        require(self.asd_n >= 0, "asd_n", ">= 0", self.asd_n)
 
 
 class ASD(LayerSkipProposer, Method):
@@ -59,8 +55,9 @@ class ASD(LayerSkipProposer, Method):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: ASDConfig | None = None,
                  draft: DraftConfig | None = None) -> None:
         """``draft`` overrides the config's draft options."""
-        self.config = config or ASDConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, draft or self.config.draft())
+        config = config or ASDConfig()
+        LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
+        self.config = config
         self._skip: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         self._cosines: list[float] = []
 

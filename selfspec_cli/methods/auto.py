@@ -45,8 +45,7 @@ class Auto(Method):
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None,
                  layer_skip: LayerSkipProposer | None = None) -> None:
-        super().__init__(engine, tokenizer)
-        self.config = config or AutoConfig()
+        super().__init__(engine, tokenizer, config)
         self.pld = PromptLookup(engine, tokenizer, PLDConfig())
         self.layer_skip = layer_skip
         if layer_skip is not None and self.config.hybrid:

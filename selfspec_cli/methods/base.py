@@ -35,8 +35,9 @@ class Method(Proposer):
     description: ClassVar[str] = ""
     Config: ClassVar[type] = NoConfig
 
-    def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
         super().__init__(engine, tokenizer)
+        self.config = config or self.Config()
         self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
 
     @classmethod
@@ -66,6 +67,12 @@ def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
     return {"what": what, "seconds": None if secs is None else round(secs, 1), "created": manifest.get("created")}
 
 
+def require(ok: bool, name: str, rule: str, value: Any) -> None:
+    """Refuse config field ``name``'s ``value`` unless ``ok``: "<name> must be <rule>, got <value>"."""
+    if not ok:
+        raise FieldError(name, f"must be {rule}, got {value}")
+
+
 def layer_list(text: str | tuple[int, ...] | None, name: str) -> tuple[int, ...] | None:
     """'1,3,5' -> (1, 3, 5); '' -> (); None -> None (for tuple-of-layer fields given as text)."""
     if text is None or isinstance(text, tuple):
@@ -93,10 +100,8 @@ class DraftOptions:
                                                 "calibration chose)")
 
     def __post_init__(self) -> None:
-        if self.max_draft < 1:
-            raise FieldError("max_draft", f"must be >= 1, got {self.max_draft}")
-        if not 0 <= self.draft_threshold <= 1:
-            raise FieldError("draft_threshold", f"must be in [0, 1], got {self.draft_threshold}")
+        require(self.max_draft >= 1, "max_draft", ">= 1", self.max_draft)
+        require(0 <= self.draft_threshold <= 1, "draft_threshold", "in [0, 1]", self.draft_threshold)
 
     def draft(self, **kw: Any) -> DraftConfig:
         return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting, **kw)

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .. import artifacts, loading
+from .. import artifacts
+from ..artifacts import model_flag, resolve_artifact
 from ..errors import ArtifactError
 from .exit_heads import ExitPredictor, LowRankHead
 
@@ -51,33 +52,18 @@ def _manifest_exists(p: Path) -> bool:
     return artifacts.tensors_artifact_paths(p)[1].exists()
 
 
-def _model_flag(model: Any) -> str:
-    name = artifacts.model_name(model)
-    return "" if loading.is_default_model(name) else f" --model {name}"
-
-
 def train_command(kind: str, model: Any, path: Path | None = None) -> str:
-    cmd = f"selfspec train-heads --kind {kind}{_model_flag(model)}"
+    cmd = f"selfspec train-heads --kind {kind}{model_flag(model)}"
     if isinstance(model, torch.nn.Module):
         cmd += artifacts.output_advice(path, model, "adadecode" if kind == "lm-heads" else "specee")
     return cmd
 
 
 def schedule_command(model: Any, path: Path | None = None) -> str:
-    cmd = f"selfspec calibrate --method specee{_model_flag(model)} --prompt-file examples/calibration.jsonl"
+    cmd = f"selfspec calibrate --method specee{model_flag(model)} --prompt-file examples/calibration.jsonl"
     if isinstance(model, torch.nn.Module):
         cmd += artifacts.output_advice(path, model, "specee", ".schedule.json")
     return cmd
-
-
-def _resolve(path: Path | None, model: Any, kind: str, suffix: str, what: str, hint: str, exists: Any) -> Path:
-    """An explicit path, else the first default that exists (user's, then shipped); none: one error naming both."""
-    if path is not None:
-        return Path(path)
-    found, looked = artifacts.find_default_artifact(kind, model, suffix, exists)
-    if found is None:
-        raise ArtifactError(f"no {what} for this model (looked for {looked[0]} and {looked[1]}); {hint}")
-    return found
 
 
 def _save_per_layer(path: Path, kind: str, items: dict[int, Any], manifest: dict[str, Any]) -> Path:
@@ -90,8 +76,8 @@ def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, f
                     build: Any) -> tuple[dict[int, Any], dict[str, Any]]:
     """Load a per-layer tensors artifact: the dataclass ``build`` from tensors ``layer<k>.<field>``, per layer."""
     label = {"lm-heads": "AdaDecode heads artifact", "exit-mlp": "SpecEE exit-predictor artifact"}[train_kind]
-    p = _resolve(path, model, folder, "", label, f"create it with `{train_command(train_kind, model)}`",
-                 _manifest_exists)
+    p = resolve_artifact(path, model, folder, "", label,
+                         f"create it with `{train_command(train_kind, model)}`", _manifest_exists)
     hint = f"create it with `{train_command(train_kind, model, p)}`"
     tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=kind, create_hint=hint)
     out: dict[int, Any] = {}
@@ -125,8 +111,8 @@ def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredict
 
 
 def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:
-    p = _resolve(path, model, "specee", ".schedule.json", "SpecEE schedule artifact",
-                 f"create it with `{schedule_command(model)}`", Path.exists)
+    p = resolve_artifact(path, model, "specee", ".schedule.json", "SpecEE schedule artifact",
+                         f"create it with `{schedule_command(model)}`")
     hint = f"create it with `{schedule_command(model, p)}`"
     manifest = artifacts._read_json(p, "SpecEE schedule artifact", hint)
     if manifest.get("kind") != SCHEDULE_KIND:

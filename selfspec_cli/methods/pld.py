@@ -27,7 +27,7 @@ from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine
 from ..errors import FieldError
-from .base import Method, option
+from .base import Method, option, require
 
 
 def lookup(context: list[int], max_ngram: int, min_ngram: int, max_len: int) -> tuple[list[int], int]:
@@ -62,8 +62,7 @@ class PLDConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.pld_min_ngram <= self.pld_max_ngram:
             raise FieldError("pld_min_ngram/pld_max_ngram", f"need 1 <= min <= max, got {self.pld_min_ngram}, {self.pld_max_ngram}")
-        if self.max_draft < 1:
-            raise FieldError("max_draft", f"must be >= 1, got {self.max_draft}")
+        require(self.max_draft >= 1, "max_draft", ">= 1", self.max_draft)
 
 
 class PromptLookup(Method):
@@ -73,8 +72,7 @@ class PromptLookup(Method):
     Config = PLDConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: PLDConfig | None = None) -> None:
-        super().__init__(engine, tokenizer)
-        self.config = config or PLDConfig()
+        super().__init__(engine, tokenizer, config)
         self.lookahead = self.config.max_draft
         self.planners: dict[int, Planner] = {}  # n-gram length -> its planner (longer matches draft better)
         self._last_lookup: tuple[Any, tuple[list[int], int]] = (None, ([], 0))

@@ -53,7 +53,7 @@ from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..engine.runner import LAST_ROW
 from ..errors import ArtifactError, ConfigError, FieldError
-from .base import Method, option, training_cost
+from .base import Method, option, require, training_cost
 from .exit_heads import NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, specee_features
 from .head_store import load_exit_mlps, load_heads, load_schedule
 
@@ -81,8 +81,8 @@ class SpecEEConfig:
     def __post_init__(self) -> None:
         if self.specee_kv_mode not in KV_MODES:
             raise FieldError("specee_kv_mode", f"must be one of {', '.join(KV_MODES)}; got '{self.specee_kv_mode}'")
-        if self.specee_threshold is not None and not 0.0 <= self.specee_threshold <= 1.0:
-            raise FieldError("specee_threshold", f"must be in [0, 1], got {self.specee_threshold}")
+        t = self.specee_threshold
+        require(t is None or 0.0 <= t <= 1.0, "specee_threshold", "in [0, 1]", t)
 
 
 class SpecEE(Method):
@@ -94,12 +94,11 @@ class SpecEE(Method):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None, *,
                  drafter_layer: int, drafter: LowRankHead, predictors: dict[int, ExitPredictor],
                  offline_layers: list[int], thresholds: dict[int, float] | None = None) -> None:
-        super().__init__(engine, tokenizer)
-        config = config or SpecEEConfig()
+        super().__init__(engine, tokenizer, config)
+        config = self.config
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
             raise ConfigError(f"drafter layer {drafter_layer} is out of range for a {L}-layer model")
-        self.config = config
         self.lookahead = config.max_pending
         self.k0 = drafter_layer
         self.drafter = drafter.to(engine.device, engine.dtype)

@@ -40,8 +40,8 @@ from ..decoding.layer_skip import PAPER_TREE_TOPK, LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
-from ..errors import ConfigError, FieldError
-from .base import DraftOptions, Method, option
+from ..errors import ConfigError
+from .base import DraftOptions, Method, option, require
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,10 @@ class SwiftConfig(DraftOptions):
 
     def __post_init__(self) -> None:
         DraftOptions.__post_init__(self)
-        if not 0 < self.skip_ratio < 1:
-            raise FieldError("skip_ratio", f"must be in (0, 1), got {self.skip_ratio}")
-        if self.context_window < 2:
-            raise FieldError("context_window", f"must be >= 2, got {self.context_window}")
-        if not 0 <= self.optimize_budget <= 1:
-            raise FieldError("optimize_budget", f"must be in [0, 1], got {self.optimize_budget}")
-        if self.tree_nodes is not None and self.tree_nodes < 1:
-            raise FieldError("tree_nodes", f"must be >= 1, got {self.tree_nodes}")
+        require(0 < self.skip_ratio < 1, "skip_ratio", "in (0, 1)", self.skip_ratio)
+        require(self.context_window >= 2, "context_window", ">= 2", self.context_window)
+        require(0 <= self.optimize_budget <= 1, "optimize_budget", "in [0, 1]", self.optimize_budget)
+        require(self.tree_nodes is None or self.tree_nodes >= 1, "tree_nodes", ">= 1", self.tree_nodes)
 
 
 class Swift(LayerSkipProposer, Method):
@@ -84,9 +80,10 @@ class Swift(LayerSkipProposer, Method):
     Config = SwiftConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SwiftConfig | None = None) -> None:
-        self.cfg = config or SwiftConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, self.cfg.draft(
-            adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK, tree_max_nodes=self.cfg.tree_nodes))
+        config = config or SwiftConfig()
+        LayerSkipProposer.__init__(self, engine, tokenizer, config.draft(
+            adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK, tree_max_nodes=config.tree_nodes))
+        self.config = config
         import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
 
         L = engine.num_layers
@@ -95,8 +92,8 @@ class Swift(LayerSkipProposer, Method):
         self.num_layers = L
         # candidate pool: attention then MLP sublayers of layers 1..L-2
         self.pool: list[tuple[str, int]] = [("attn", l) for l in range(1, L - 1)] + [("mlp", l) for l in range(1, L - 1)]
-        self.rng = random.Random(self.cfg.seed)
-        self.ratio = self.cfg.skip_ratio
+        self.rng = random.Random(self.config.seed)
+        self.ratio = self.config.skip_ratio
         uniform = [i for i, (_, l) in enumerate(self.pool) if l % 2 == 1 and l <= L - 3]
         self.best: tuple[int, ...] = tuple(sorted(uniform))
         self.best_score = -1.0
@@ -105,7 +102,7 @@ class Swift(LayerSkipProposer, Method):
         self.optimizing = True
         self.observations: list[tuple[tuple[int, ...], float]] = []
         self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
-        self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.cfg.acceptance_window)
+        self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.config.acceptance_window)
         self._rounds_since_ratio_change = 0
         self._windowed = False  # per prompt: the scoring window is cached
         self.optimize_s = 0.0
@@ -130,7 +127,7 @@ class Swift(LayerSkipProposer, Method):
         """Matchness: teacher-forced skipped forward over the context window (the first
         ``gamma + 1`` generated tokens), in scratch slots."""
         attn, mlp = self._as_sets(idx)
-        n = self.cfg.context_window + 1
+        n = self.config.context_window + 1
         logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1)).logits
         window = state.ids(state.output[1:n])
         return float((logits.argmax(-1) == window).float().mean())
@@ -175,10 +172,10 @@ class Swift(LayerSkipProposer, Method):
             return self._random_candidate()
         cl = sorted(cands)
         mu, sd = gp.predict(np.stack([onehot(c) for c in cl]), return_std=True)
-        return cl[int(np.argmax(mu + self.cfg.ucb_kappa * sd))]
+        return cl[int(np.argmax(mu + self.config.ucb_kappa * sd))]
 
     def _optimization_step(self, state: DecodeState) -> None:
-        cfg = self.cfg
+        cfg = self.config
         self.step += 1
         use_bo = self.step % cfg.bo_interval == 0
         cand = self._bo_candidate() if use_bo else self._random_candidate()
@@ -195,7 +192,7 @@ class Swift(LayerSkipProposer, Method):
             self.optimizing = False
 
     def _maybe_lower_ratio(self) -> None:
-        cfg = self.cfg
+        cfg = self.config
         self._rounds_since_ratio_change += 1
         if len(self._acceptance) < cfg.acceptance_window or self._rounds_since_ratio_change < cfg.acceptance_window:
             return
@@ -227,8 +224,8 @@ class Swift(LayerSkipProposer, Method):
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last
         # the search counts its own cost: it runs only while it stays within its share of decoding time
-        within = self._spent_s <= self.cfg.optimize_budget * self._decoded_s
-        if not self._windowed and len(state.output) >= self.cfg.context_window + 2:
+        within = self._spent_s <= self.config.optimize_budget * self._decoded_s
+        if not self._windowed and len(state.output) >= self.config.context_window + 2:
             # the window's gamma + 1 tokens are cached (the newest output token is pending)
             self._windowed = True
             if self.optimizing and self.best_score >= 0:
@@ -257,8 +254,8 @@ class Swift(LayerSkipProposer, Method):
             self.engine.model,
             objective={"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
             trials=self.step,
-            search={"method": "swift", "skip_ratio": self.ratio, "context_window": self.cfg.context_window,
-                    "bo_interval": self.cfg.bo_interval, "seed": self.cfg.seed,
+            search={"method": "swift", "skip_ratio": self.ratio, "context_window": self.config.context_window,
+                    "bo_interval": self.config.bo_interval, "seed": self.config.seed,
                     "phase": "optimization" if self.optimizing else "acceleration"},
             environment=environment_info(self.engine.device, self.engine.dtype))
         return save_json_artifact(Path(path), manifest)
