@@ -18,6 +18,7 @@ run selfspec calibrate --method self-sd -m pystdlib --prompt-file examples/calib
 run selfspec train-heads --kind lm-heads --num-prompts 2 -n 8 --epochs 1
 run selfspec train-heads --kind exit-mlp --num-prompts 2 -n 8 --epochs 1
 run selfspec calibrate --method specee --prompt-file examples/chat-calibration.jsonl --num-prompts 1 -n 4
+run selfspec calibrate --method fr-spec --prompt-file examples/chat-calibration.jsonl --num-prompts 2 -n 8
 (cd "$WORK" && run selfspec bench --methods ar,hf -p q.jsonl -n 4 --no-costs && run selfspec profile -p q.jsonl --rounds 1 --redundancy-prompts 1 --redundancy-tokens 1)
 snapshot > "$WORK/after"
 if diff "$WORK/before" "$WORK/after"; then
