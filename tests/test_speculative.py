@@ -314,3 +314,18 @@ def test_swift_save_layers_loads_into_self_sd(tmp_path):
     sd = SelfSD(eng, skip=SkipSet(attn, mlp))
     cfg = GenerationConfig(max_new_tokens=20)
     assert sd.generate(_prompt(5, 1), cfg).token_ids == AR(eng).generate(_prompt(5, 1), cfg).token_ids
+
+
+def test_swift_search_keeps_to_its_budget(monkeypatch):
+    """optimize_budget 0: no skip set is ever scored; a full budget: the search runs."""
+    from selfspec_cli.methods.swift import Swift
+
+    scored = []
+    real = Swift._score
+    monkeypatch.setattr(Swift, "_score", lambda self, *a: scored.append(1) or real(self, *a))
+    eng = Engine(make_tiny_model("llama-gqa", layers=6))
+    prompt, cfg = _prompt(6, 0), GenerationConfig(max_new_tokens=40)
+    _swift(eng, optimize_budget=0.0).generate(prompt, cfg)
+    assert not scored
+    _swift(eng, optimize_budget=1.0).generate(prompt, cfg)
+    assert scored

@@ -107,6 +107,7 @@ class Swift(LayerSkipProposer, Method):
         self._windowed = False  # per prompt: the scoring window is cached
         self.optimize_s = 0.0
         self._spent_s = self._decoded_s = 0.0  # search and decoding time over the run (the budget)
+        self._search_step_s = 0.0  # the last search step's cost
         self._last = time.perf_counter()
 
     # -- skip sets ---------------------------------------------------------
@@ -223,12 +224,14 @@ class Swift(LayerSkipProposer, Method):
             self._acceptance.append((len(verdict.accepted), steps))
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last
-        # the search counts its own cost: it runs only while it stays within its share of decoding time
-        within = self._spent_s <= self.config.optimize_budget * self._decoded_s
+        # the search counts its own cost: it runs only while it stays within its share of decoding
+        # time, counting the step it is about to take (one scoring costs about as much as the last)
+        budget = self.config.optimize_budget
+        within = budget > 0 and self._spent_s + self._search_step_s <= budget * self._decoded_s
         if not self._windowed and len(state.output) >= self.config.context_window + 2:
             # the window's gamma + 1 tokens are cached (the newest output token is pending)
             self._windowed = True
-            if self.optimizing and self.best_score >= 0:
+            if self.optimizing and self.best_score >= 0 and within:
                 self.best_score = self._score(state, self.best)  # re-score on this prompt's window
         if self._windowed and self.optimizing and within:
             if self.best_score < 0:
@@ -236,6 +239,8 @@ class Swift(LayerSkipProposer, Method):
             self._optimization_step(state)
         self._maybe_lower_ratio()
         self._last = time.perf_counter()
+        if self._last - t0 > 1e-3:  # a scoring ran: the cost of the next one
+            self._search_step_s = self._last - t0
         self.optimize_s += self._last - t0
         self._spent_s += self._last - t0
 
