@@ -519,3 +519,15 @@ def test_self_sd_without_artifact_names_the_calibrate_command(capsys, tiny_model
         assert main([*argv, "--model", str(tiny_model_dir), "-n", "4", "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert "selfspec calibrate --method self-sd" in err and "Traceback" not in err
+
+
+def test_hybrid_and_draft_vocab_flags(capsys, tiny_model_dir, prompt_file):
+    """--hybrid / --no-hybrid (a switch auto has on) and --draft-vocab reach the methods; exact output."""
+    want = [r["token_ids"] for r in run_generate(capsys, tiny_model_dir, prompt_file, "-n", "12")]
+    for extra in (["--method", "self-sd", "--skip-attn", "1", "--skip-mlp", "1", "--hybrid", "--draft-vocab", "full"],
+                  ["--method", "auto", "--no-hybrid"], ["--method", "auto", "--hybrid"]):
+        got = [r["token_ids"] for r in run_generate(capsys, tiny_model_dir, prompt_file, "-n", "12", *extra)]
+        assert got == want, extra
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--skip-attn", "1",
+                                       "--draft-vocab", "full", "--draft-vocab-size", "8"), "--draft-vocab-size")
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "pld", "--hybrid"), "--hybrid", "pld")

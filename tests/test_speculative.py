@@ -29,11 +29,17 @@ def _prompt(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_self_sd_greedy_equals_ar(arch, tree):
+@pytest.mark.parametrize("vocab", [None, VOCAB // 3], ids=["full-vocab", "draft-vocab"])
+def test_self_sd_greedy_equals_ar(arch, tree, vocab):
+    """Also with FR-Spec's restricted draft vocabulary (a random third of the tokens)."""
     model = make_tiny_model(arch, layers=6)
     eng = Engine(model)
     ar = AR(eng)
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.3, tree=tree))
+    if vocab is not None:
+        sd.use_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:vocab])
+        assert sd.describe()["draft_vocab"] == vocab
+    drafted = 0
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2)]:
         prompt = _prompt(6, seed)
         cfg = GenerationConfig(max_new_tokens=n)
@@ -44,6 +50,8 @@ def test_self_sd_greedy_equals_ar(arch, tree):
         assert sum(st.accept_lengths) == len(res.token_ids) <= n
         assert st.target_forwards == len(st.accept_lengths)
         assert st.accepted_draft_tokens <= st.drafted_tokens
+        drafted += st.drafted_tokens
+    assert drafted > 0
 
 
 @pytest.mark.parametrize("cap", [1, 3, 7])

@@ -32,6 +32,7 @@ from ..config import GenerationConfig
 from ..engine import Engine
 from ..methods.ar import AR
 from ..methods.fr_spec import coverage, ranked_from_outputs
+from ..runtime import timed
 
 BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
 
@@ -63,30 +64,20 @@ class VocabCalibration:
                 f"{BODY_SHARE} x (1 - head share)", "decode_s": round(self.decode_s, 1)}
 
 
-def _median_ms(fn: Callable[[], Any], n: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def held_out_coverage(outputs: Sequence[list[int]], vocab_size: int, n: int,
-                      expected: Sequence[torch.Tensor] | None = None) -> float:
-    """Two folds over prompts: rank on one half (its counts, then its expected counts), count
-    the other half's tokens in the top n."""
+def held_out_coverage(outputs: Sequence[list[int]], vocab_size: int, sizes: Sequence[int],
+                      expected: Sequence[torch.Tensor] | None = None) -> list[float]:
+    """For each n in ``sizes``: two folds over prompts, rank on one half (its counts, then its
+    expected counts), count the other half's tokens in the top n; the folds' mean."""
     idx = [list(range(0, len(outputs), 2)), list(range(1, len(outputs), 2))]
     if not idx[1]:
         idx[1] = idx[0]
-    vals = []
+    folds = []
     for a, b in (idx, idx[::-1]):
         prior = sum(expected[i] for i in a) if expected is not None else None
         ranked, _ = ranked_from_outputs([outputs[i] for i in a], vocab_size, prior)
         _, counts = ranked_from_outputs([outputs[i] for i in b], vocab_size)
-        vals.append(coverage(ranked, counts, n))
-    return sum(vals) / len(vals)
+        folds.append((ranked, counts))
+    return [sum(coverage(r, c, n) for r, c in folds) / len(folds) for n in sizes]
 
 
 def expected_counts(engine: Engine, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
@@ -124,7 +115,8 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
         engine.forward(cache, step, positions=200)
         cache.crop(200)
 
-    step_ms = _median_ms(one_step)
+    one_step()
+    step_ms = statistics.median(timed(one_step, engine.device)[1] for _ in range(15)) * 1e3
     x = torch.randn(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
 
     def cold_ms(head: Any) -> float:
@@ -133,19 +125,16 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
         times = []
         for _ in range(9):
             one_step()
-            t0 = time.perf_counter()
-            engine.final_logits(x, head)
-            times.append(time.perf_counter() - t0)
+            times.append(timed(lambda: engine.final_logits(x, head), engine.device)[1])
         return statistics.median(times) * 1e3
 
     head_ms = cold_ms(None)
     share = head_ms / step_ms
     body = BODY_SHARE * (1.0 - share)
     rows = []
-    for n in candidate_sizes(vocab):
-        sub = engine.subset_head(ranked[:n]) if n < vocab else None
-        ms = cold_ms(sub) if sub is not None else head_ms
-        cov = held_out_coverage(outputs, vocab, n, expected)
+    sizes = candidate_sizes(vocab)
+    for n, cov in zip(sizes, held_out_coverage(outputs, vocab, sizes, expected)):
+        ms = cold_ms(engine.subset_head(ranked[:n])) if n < vocab else head_ms
         c = body + ms / step_ms
         rows.append({"n": n, "held_out_coverage": round(cov, 5), "head_ms": round(ms, 3),
                      "head_share_of_step": round(ms / step_ms, 4), "draft_cost_half_body": round(c, 4),

@@ -29,7 +29,7 @@ from .cost import Planner, VerifyCurve
 from .driver import Draft, Proposer
 from .sampling import processed_probs, sample_from
 from .state import DecodeState
-from .verify import Verdict
+from .verify import Verdict, tree_children
 
 PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
@@ -88,9 +88,7 @@ def merge_branch(tokens: list[int], parents: list[int], branch: list[int]) -> tu
     """Add the chain ``branch`` (continuing the pending token) to a draft tree, sharing the
     nodes it agrees with: ``(tokens, parents, the branch's node indices)``."""
     tokens, parents = list(tokens), list(parents)
-    children: dict[int, dict[int, int]] = {}
-    for i, (t, p) in enumerate(zip(tokens, parents)):
-        children.setdefault(p, {}).setdefault(t, i)
+    children = tree_children(tokens, parents)
     node, path = -1, []
     for t in branch:
         nxt = children.get(node, {}).get(t)

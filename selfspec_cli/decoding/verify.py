@@ -78,6 +78,14 @@ def verify_chain_sampling(
     return Verdict(list(range(k)), [*draft_tokens, sample_from(p_target[k], generator)])
 
 
+def tree_children(tokens: Sequence[int], parents: Sequence[int]) -> dict[int, dict[int, int]]:
+    """parent node -> {token: child node} (-1: the pending token); duplicate siblings: the first wins."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        children.setdefault(p, {}).setdefault(t, i)
+    return children
+
+
 def verify_tree(
     tokens: Sequence[int],
     parents: Sequence[int],
@@ -91,9 +99,7 @@ def verify_tree(
     pending token). ``target_logits``: (1 + T, V); row 0 is the pending token's
     prediction, row ``1 + i`` node i's.
     """
-    children: dict[int, dict[int, int]] = {}
-    for i, (t, p) in enumerate(zip(tokens, parents)):
-        children.setdefault(p, {}).setdefault(t, i)  # duplicate siblings: the first wins
+    children = tree_children(tokens, parents)
     if cfg.greedy:
         best = target_logits.argmax(dim=-1).tolist()
         pick = lambda row: best[row]  # noqa: E731

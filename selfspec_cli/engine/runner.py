@@ -225,7 +225,6 @@ class Engine:
         cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D)
 
         hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
-        eps = a.rms_eps
         hidden_at: dict[int, torch.Tensor] = {}
         masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
         cache.ensure_capacity(max((cache.length(l) for l in range(start, end)), default=0) + t)

@@ -52,8 +52,7 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     config = config if config is not None else config_for(name, values)
     method = cls.build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
-        vocab = fr_spec.resolve(config.draft_vocab, engine.model, config.draft_vocab_size)
-        method.use_draft_vocab(None if vocab is None else vocab.ids)
+        fr_spec.attach(method, engine.model, config.draft_vocab, config.draft_vocab_size)
         if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults
             pld = PLDConfig()
             method.ngram = lambda state, budget: lookup(state.committed, pld.pld_max_ngram, pld.pld_min_ngram,

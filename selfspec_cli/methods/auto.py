@@ -65,8 +65,7 @@ class Auto(Method):
                 layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
             except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
                 layer_skip = ASD(engine, tokenizer)
-            vocab = fr_spec.resolve("auto", engine.model)  # FR-Spec's draft vocabulary when calibrated
-            layer_skip.use_draft_vocab(None if vocab is None else vocab.ids)
+            fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
         return cls(engine, tokenizer, config, layer_skip)
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:

@@ -121,6 +121,12 @@ def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -
     return DraftVocab.load(spec, model).with_size(size)
 
 
+def attach(proposer: Any, model: torch.nn.Module, spec: str | None = "auto", size: int | None = None) -> None:
+    """Give a layer-skip proposer the draft vocabulary ``spec`` names (see :func:`resolve`)."""
+    vocab = resolve(spec, model, size)
+    proposer.use_draft_vocab(None if vocab is None else vocab.ids)
+
+
 def ranked_from_outputs(outputs: Iterable[list[int]], vocab_size: int,
                         prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ranked ids, counts per token id)`` from generated token sequences."""
