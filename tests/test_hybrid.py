@@ -8,6 +8,7 @@ import torch
 from selfspec_cli.artifacts import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
+from selfspec_cli.decoding.cost import Planner
 from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer, merge_branch
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
@@ -112,3 +113,31 @@ def test_hybrid_sampling_test_catches_a_broken_tree_rule(repetitive_setup, monke
     monkeypatch.setattr(driver, "verify_tree", _first_branch_always)
     samples = _pair_samples(_hybrid(Engine(model), skip=SkipSet([1, 2], [2])), prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
+
+
+def test_hybrid_round_plans_both_branches():
+    """A merged round's plan counts both branches: expected tokens at least the larger branch's,
+    cost k c + v(nodes + 1) with every verified node (decoding/layer_skip.py ``_merged_plan``)."""
+    eng = Engine(make_tiny_model("llama-gqa", layers=6))
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=4, threshold=0.0))
+    sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
+    sd._ngram_planner = Planner(sd.planner.curve, sd.lookahead)
+    for _ in range(100):  # both branches look worth drafting
+        sd.planner.acceptance.observe(4, 4)
+        sd._ngram_planner.acceptance.observe(6, 6)
+    plans = []
+    real = LayerSkipProposer.propose
+
+    def spy(self, state, budget):
+        d = real(self, state, budget)
+        if d.forwards and d.info.get("ngram_path"):
+            ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(d.info["ngram_path"]))
+            plans.append((d.plan, ls, ng, len(d.tokens), d.forwards))
+        return d
+
+    sd.propose = spy.__get__(sd)
+    sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert plans, "no merged round was drafted"
+    for (e, cost), ls, ng, nodes, k in plans:
+        assert e >= 1 + max(sum(ls), sum(ng)) - 1e-9 and e <= 1 + sum(ls) + sum(ng) + 1e-9
+        assert cost == pytest.approx(k * sd.draft_cost() + sd.planner.curve.v(nodes + 1), rel=0.3)

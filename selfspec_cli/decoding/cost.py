@@ -13,9 +13,12 @@ v(1) = 1``. :meth:`Planner.plan` picks the ``k`` that maximizes ``E(k) / (k c + 
 (SWIFT's Eq. 6 with a measured v), and ``k = 0``, no draft, whenever no draft pays.
 
 So that an estimate that once turned pessimistic can recover, a planner that chose
-not to draft probes with one draft token now and then; the probe interval doubles
-each time (up to ``max_probe_interval`` rounds), which bounds the probing cost to a
-few per cent of a step.
+not to draft probes with one draft token now and then, within a budget: each round
+without a draft earns ``probe_budget`` (1 %) of a plain step, and a probe runs once the
+savings cover its expected loss, ``c + v(w + 1) - E(1)`` steps. Probing thus costs at
+most about 1 % of the rounds that do not draft: a probe that is nearly free (an n-gram
+draft near break-even) runs every few rounds, an expensive one that is seldom accepted
+(a layer-skip draft on a model without redundancy) every 60 or so.
 
 The driver adds up each round's expected tokens and cost (a round that does not
 draft: 1 and 1) into the run's *predicted gain*, reported beside the *realized gain*
@@ -122,21 +125,24 @@ class Planner:
     curve: VerifyCurve
     max_len: int
     acceptance: Acceptance = None  # type: ignore[assignment]
-    max_probe_interval: int = 64
+    probe_budget: float = 0.01  # probes may cost this share of a plain step per round that does not draft
     width: int = 1  # verified rows per draft depth (2 for a tree of at most 2k nodes)
-    _idle: int = 0
-    _probe_interval: int = 4
+    _savings: float = 0.0  # probe budget earned and not yet spent, in plain steps
     last: tuple[float, float] = (1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.max_len)
 
-    def expected_tokens(self, k: int) -> float:
-        e, run = 1.0, 1.0
+    def reach(self, k: int) -> list[float]:
+        """P(depth j of a k-token draft is accepted), j = 1..k."""
+        out, run = [], 1.0
         for j in range(1, k + 1):
             run *= self.acceptance.rate(j)
-            e += run
-        return e
+            out.append(run)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + sum(self.reach(k))
 
     def gain(self, k: int, c: float) -> float:
         """Expected tokens per T(1) of a round with ``k`` drafts, relative to plain decoding."""
@@ -157,18 +163,20 @@ class Planner:
 
     def plan(self, c: float, budget: int) -> int:
         """The draft length for this round (0: do not draft), probing now and then."""
-        limit = min(self.max_len, budget)
         best_k = self.best(c, budget)[0]
-        if best_k == 0 and limit > 0:
-            self._idle += 1
-            if self._idle >= self._probe_interval:  # probe: one draft token, then wait twice as long
-                self._idle = 0
-                self._probe_interval = min(2 * self._probe_interval, self.max_probe_interval)
-                best_k = 1
+        if best_k == 0 and min(self.max_len, budget) > 0:
+            self._savings += self.probe_budget
+            loss = self.probe_loss(c)
+            if self._savings >= loss:  # probe: one draft token, paid from the savings
+                self._savings, best_k = self._savings - loss, 1
         elif best_k:
-            self._idle, self._probe_interval = 0, 4
+            self._savings = 0.0
         self.last = (self.expected_tokens(best_k), best_k * c + self.curve.v(self.width * best_k + 1))
         return best_k
+
+    def probe_loss(self, c: float) -> float:
+        """Expected loss of a one-token probe, in plain steps: its cost less the tokens it yields."""
+        return c + self.curve.v(self.width + 1) - self.expected_tokens(1)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted:

@@ -193,6 +193,7 @@ class LayerSkipProposer(Proposer):
                 return Draft(cont, forwards=0, info={"hit_limit": True, "chain_nodes": 0, "ngram_path": list(range(len(cont)))},
                              plan=self._ngram_planner.last if self._ngram_planner is not None else plan)
             return Draft(plan=plan)
+        planned = budget
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
         sampling = state.sampling
@@ -254,7 +255,19 @@ class LayerSkipProposer(Proposer):
             merged, merged_parents, info["ngram_path"] = merge_branch(tokens, chain_parents, cont)
             if len(merged) > len(tokens):  # the n-gram branch left the layer-skip draft somewhere
                 tokens, tree = merged, merged_parents
+            if plan is not None and self._ngram_planner is not None:
+                plan = self._merged_plan(planned, len(cont), len(tokens))
         return Draft(tokens, tree, torch.stack(q_rows) if q_rows else None, forwards=steps, info=info, plan=plan)
+
+    def _merged_plan(self, k: int, n: int, nodes: int) -> tuple[float, float]:
+        """Expected tokens and cost of a hybrid round: a k-token layer-skip draft and an
+        n-token n-gram branch, ``nodes`` verified nodes in all. Depth j is reached when either
+        branch reaches it; without joint statistics the larger of the two chances is taken
+        (a lower bound, so the prediction errs low)."""
+        ls, ng = self.planner.reach(k), self._ngram_planner.reach(n)
+        depth = max(k, n)
+        reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(depth)]
+        return 1.0 + sum(reach), k * self.draft_cost() + self.planner.curve.v(nodes + 1)
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         steps = draft.forwards
