@@ -105,8 +105,7 @@ class AdaDecode(Method):
         self.exits: dict[int, int] = {}
         # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
         self.head_stats = {k: [2.0, 1.0, 0.5] for k in self.heads}
-        self._idle = {k: 0 for k in self.heads}
-        self._probe = {k: 4 for k in self.heads}
+        self._savings = {k: 0.0 for k in self.heads}  # probe budget per head, in plain steps (decoding/cost.py)
         self.head_cost = 0.0 if config.paper_drafting else self._measure_head_cost()
 
     def _measure_head_cost(self) -> float:
@@ -121,18 +120,19 @@ class AdaDecode(Method):
     def _worth_checking(self, k: int) -> bool:
         """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
         lets the deeper layers ride along with the next token (saving their share of a step),
-        a rejected one wastes the guess's shallow layers; probe now and then when it does not."""
+        a rejected one wastes the guess's shallow layers. When it does not pay, probe now and
+        then, paid from a budget of 1 % of a step per skipped check (as the drafting planner)."""
         if self.config.paper_drafting:
             return True
         checks, exits, accepted = self.head_stats[k]
         L = self.engine.num_layers
         value = accepted / checks * (L - k - 1) / L - (exits - accepted) / checks * (k + 1) / L - self.head_cost
         if value > 0:
-            self._idle[k], self._probe[k] = 0, 4
+            self._savings[k] = 0.0
             return True
-        self._idle[k] += 1
-        if self._idle[k] >= self._probe[k]:
-            self._idle[k], self._probe[k] = 0, min(2 * self._probe[k], 64)
+        self._savings[k] += 0.01
+        if self._savings[k] >= -value:
+            self._savings[k] += value
             return True
         return False
 
