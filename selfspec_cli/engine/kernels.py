@@ -47,10 +47,8 @@ _state: dict[str, Any] = {}
 def cache_root() -> Path:
     """selfspec's cache: ``$SELFSPEC_CACHE``, by default ``${XDG_CACHE_HOME:-~/.cache}/selfspec``
     (converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``)."""
-    root = os.environ.get("SELFSPEC_CACHE")
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec")
-    return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("SELFSPEC_CACHE") or Path(xdg) / "selfspec").expanduser()
 
 
 def cache_dir() -> Path:
