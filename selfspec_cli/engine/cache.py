@@ -28,15 +28,8 @@ class CacheInvariantError(AssertionError):
 
 
 class KVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
         # inference tensors: every update happens under inference mode (engine forward, compact)
         with torch.inference_mode():

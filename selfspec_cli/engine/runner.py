@@ -51,6 +51,7 @@ ALL_ROWS = slice(None)
 KERNEL_HEAD_SIZES = (16, 32, 64, 128)  # what csrc's attend() and rope_() take
 ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)
 
 
 class Engine:
@@ -60,7 +61,6 @@ class Engine:
         self.adapter = ModelAdapter(model)
         a = self.adapter
         self.model = model
-        self.config = model.config
         self.num_layers = a.num_layers
         self.dtype = a.dtype
         self.device = a.device
@@ -70,7 +70,6 @@ class Engine:
         self._gqa = self._hq != self._hkv
         self._neg = torch.finfo(self.dtype).min
         self._unit_d = torch.ones(self._d, dtype=self.dtype, device=self.device)  # per-head norms' own weight
-        self._rope_len = 0
         self._grow_rope(max(256, min(a.max_positions, 4096)))
         # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
         t0 = time.perf_counter()
@@ -79,11 +78,8 @@ class Engine:
         if reason is None and module is None:
             reason = kernels.status()["reason"]  # the build failed
         self._lin: list[dict[str, kernels.Linear]] = [
-            {"qkv": kernels.Linear.make(w.w_qkv, w.b_qkv, module), "o": kernels.Linear.make(w.w_o, w.b_o, module),
-             "gate_up": kernels.Linear.make(w.w_gate_up, w.b_gate_up, module),
-             "down": kernels.Linear.make(w.w_down, w.b_down, module)}
-            for w in a.layers
-        ]
+            {k: kernels.Linear.make(getattr(w, f"w_{k}"), getattr(w, f"b_{k}"), module) for k in LINEARS}
+            for w in a.layers]
         self.lm_head = kernels.Linear.make(a.lm_head, None, module)
         self._module = module
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
@@ -143,15 +139,8 @@ class Engine:
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module)
 
     # -- masks -------------------------------------------------------------
-    def _mask(
-        self,
-        k_positions: list[int],
-        q_pos: torch.Tensor,
-        q_max: int,
-        t: int,
-        tree_mask: torch.Tensor | None,
-        window: int | None,
-    ) -> torch.Tensor | None:
+    def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,
+              window: int | None) -> torch.Tensor | None:
         """Additive mask (1, 1, T, past + T), or None when plain attention over
         everything cached is right (single row, no window cut). ``k_positions``: the
         stored positions of the layer's cached slots (they may have holes, so whether the
@@ -176,23 +165,11 @@ class Engine:
 
     # -- forward -----------------------------------------------------------
     @torch.inference_mode()
-    def forward(
-        self,
-        cache: KVCache,
-        input_ids: torch.Tensor | None = None,
-        *,
-        positions: int | torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        start: int = 0,
-        end: int | None = None,
-        skip_attn: Collection[int] = (),
-        skip_mlp: Collection[int] = (),
-        tree_mask: torch.Tensor | None = None,
-        output_hidden: Collection[int] = (),
-        logits_rows: slice | torch.Tensor | None = LAST_ROW,
-        attn_cosine: bool = False,
-        head: kernels.Linear | None = None,
-    ) -> ForwardOutput:
+    def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
+                hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
+                skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
+                output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,
+                attn_cosine: bool = False, head: kernels.Linear | None = None) -> ForwardOutput:
         a = self.adapter
         end = self.num_layers if end is None else end
         assert 0 <= start <= end <= self.num_layers, (start, end)
@@ -205,20 +182,15 @@ class Engine:
 
         # rotary rows for the new tokens
         if isinstance(positions, int):
-            if positions + t > self._rope_len:
-                self._grow_rope(max(2 * self._rope_len, positions + t))
-            cos = self._cos[positions : positions + t]
-            sin = self._sin_signed[positions : positions + t]
-            q_pos = None
+            q_pos, rows, need = None, slice(positions, positions + t), positions + t
             q_list: list[int] = list(range(positions, positions + t))
         else:
-            q_pos = positions
-            q_list = positions.tolist()
+            q_pos, rows, q_list = positions, positions, positions.tolist()
             need = max(q_list) + 1
-            if need > self._rope_len:
-                self._grow_rope(max(2 * self._rope_len, need))
-            cos = self._cos[positions]
-            sin = self._sin_signed[positions]
+        if need > self._rope_len:
+            self._grow_rope(max(2 * self._rope_len, need))
+        cos = self._cos[rows]
+        sin = self._sin_signed[rows]
         ops = self._ops if h.dtype == torch.float32 else None
         few_rows = ops is not None and t <= ATTEND_MAX_ROWS  # the kernel's attention; SDPA for long prefills
         cos2, sin2 = cos, sin  # (T, D)
@@ -244,9 +216,8 @@ class Engine:
                     q_rows = (normed.view(t, hq + hkv, d) * w.qk_norm).view(t, qkw)
                 if ops is not None:
                     ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
-                    qk = q_rows[:, :qkw].view(t, hq + hkv, d)
-                else:
-                    qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+                qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+                if ops is None:
                     qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
                 past = cache.length(l)
                 # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
