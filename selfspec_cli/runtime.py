@@ -71,16 +71,9 @@ def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return res, time.perf_counter() - t0
 
 
-def run_prompt(
-    generate: Callable[[list[int], GenerationConfig], DecodeResult],
-    tokenizer: Any,
-    prompt: Prompt,
-    cfg: GenerationConfig,
-    device: torch.device,
-    method_name: str,
-    use_chat_template: bool = True,
-    lossless: bool = True,
-) -> dict[str, Any]:
+def run_prompt(generate: Callable[[list[int], GenerationConfig], DecodeResult], tokenizer: Any, prompt: Prompt,
+               cfg: GenerationConfig, device: torch.device, method_name: str, use_chat_template: bool = True,
+               lossless: bool = True) -> dict[str, Any]:
     """Decode every turn of ``prompt`` and return its output record.
 
     Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` and
@@ -99,32 +92,18 @@ def run_prompt(
         text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": text})
         stats = res.stats.as_dict()
-        turns.append({
-            "text": text,
-            "token_ids": res.token_ids,
-            "new_tokens": len(res.token_ids),
-            "accept_lengths": list(stats.get("accept_lengths", [])),
-            "prompt_tokens": len(ids),
-            "wall_time_s": wall,
-            "tokens_per_s": round(len(res.token_ids) / wall, 3) if wall > 0 else None,
-            "finish_reason": res.finish_reason,
-            "stats": stats,
-        })
-    last = turns[-1]
+        turns.append({"text": text, "token_ids": res.token_ids, "new_tokens": len(res.token_ids),
+                      "accept_lengths": list(stats.get("accept_lengths", [])), "prompt_tokens": len(ids),
+                      "wall_time_s": wall, "tokens_per_s": _per_s(len(res.token_ids), wall),
+                      "finish_reason": res.finish_reason, "stats": stats})
     new_tokens = sum(t["new_tokens"] for t in turns)
     wall = sum(t["wall_time_s"] for t in turns)
     record: dict[str, Any] = {
-        "id": prompt.id,
-        "method": method_name,
-        "lossless": lossless,
-        "text": "".join(t["text"] for t in turns),
-        "token_ids": [x for t in turns for x in t["token_ids"]],
-        "new_tokens": new_tokens,
-        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
-        "wall_time_s": round(wall, 6),
-        "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
-        "finish_reason": last["finish_reason"],
-        "stats": last["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
+        "id": prompt.id, "method": method_name, "lossless": lossless, "text": "".join(t["text"] for t in turns),
+        "token_ids": [x for t in turns for x in t["token_ids"]], "new_tokens": new_tokens,
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns), "wall_time_s": round(wall, 6),
+        "tokens_per_s": _per_s(new_tokens, wall), "finish_reason": turns[-1]["finish_reason"],
+        "stats": turns[-1]["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
     }
     if prompt.category is not None:
         record["category"] = prompt.category
@@ -134,6 +113,10 @@ def run_prompt(
         record["num_turns"] = len(turns)
         record["turns"] = turns
     return record
+
+
+def _per_s(tokens: int, wall: float) -> float | None:
+    return round(tokens / wall, 3) if wall > 0 else None
 
 
 def _merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
