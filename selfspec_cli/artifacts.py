@@ -59,8 +59,7 @@ def model_name(model_or_spec: Any) -> str:
     if isinstance(model_or_spec, (str, os.PathLike)):
         return str(model_or_spec)
     cfg = getattr(model_or_spec, "config", None)
-    name = getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "")
-    return str(name) if name else "model"
+    return str(getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "") or "model")
 
 
 def sanitized_model_name(model_or_spec: Any) -> str:
@@ -137,10 +136,9 @@ def output_advice(path: Path | None, model: torch.nn.Module, kind: str, suffix: 
 def check_new_artifact(path: Path, force: bool, option: str = "--output") -> None:
     """Refuse to replace an existing artifact without ``--force``, and never write into the shipped tree."""
     if is_shipped(path) and not force:
-        raise ArtifactError(
-            f"'{path}' is in selfspec's shipped artifacts ({loading.ARTIFACTS_DIR}), which are read-only data; "
-            f"drop {option} to write the default location under {paths.user_artifacts_dir()}, or choose another path"
-        )
+        raise ArtifactError(f"'{path}' is in selfspec's shipped artifacts ({loading.ARTIFACTS_DIR}), which are "
+                            f"read-only data; drop {option} to write the default location under "
+                            f"{paths.user_artifacts_dir()}, or choose another path")
     exists = any(path.iterdir()) if path.is_dir() else path.exists()  # an empty directory holds no artifact
     if exists and not force:
         raise ArtifactError(f"{option} '{path}' already exists; pass --force to replace it, or choose another {option}")
@@ -166,12 +164,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     """Write ``path`` atomically: ``write(f)`` fills a temporary file in the same
     directory, which then replaces ``path``. Creates missing parent directories."""
     path = Path(path)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise ArtifactError(f"cannot write '{path}' ({exc.strerror}); choose a writable location") from None
-    try:
         # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
@@ -180,8 +176,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:  # also Ctrl-C: never leave the temporary file behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(exc, OSError):
             raise ArtifactError(f"cannot write '{path}' ({exc.strerror or exc}); choose a writable location") from None
         raise
@@ -303,9 +300,8 @@ class SkipSet:
         manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
         kind = manifest.get("kind")
         if kind != SKIP_KIND:
-            raise ArtifactError(
-                f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); pass a file made by `{cmd}`"
-            )
+            raise ArtifactError(f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); "
+                                f"pass a file made by `{cmd}`")
         _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
         num_layers = int(model.config.num_hidden_layers)
         sets = []
@@ -404,7 +400,6 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
     except (SafetensorError, OSError, ValueError) as exc:
         raise ArtifactError(f"cannot read artifact tensors '{tfile}' ({first_line(exc)}); {create_hint}") from None
     if meta.get("artifact_id") != manifest.get("artifact_id"):
-        raise ArtifactError(
-            f"'{tfile}' does not belong to '{mfile}' (artifact ids differ: a partial copy or an interrupted write); {create_hint}"
-        )
+        raise ArtifactError(f"'{tfile}' does not belong to '{mfile}' (artifact ids differ: a partial copy or an "
+                            f"interrupted write); {create_hint}")
     return tensors, manifest

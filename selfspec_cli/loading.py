@@ -90,10 +90,8 @@ def default_model_gguf() -> Path:
     for loc in (spec.submodule_search_locations or []) if spec is not None else []:
         if (Path(loc) / DEFAULT_MODEL_FILE).is_file():
             return Path(loc) / DEFAULT_MODEL_FILE
-    raise ModelLoadError(
-        f"the default model SmolLM2-135M-Instruct is not installed; run `{DEFAULT_MODEL_INSTALL}` "
-        "(or pass --model a directory, .gguf file or hub id)"
-    )
+    raise ModelLoadError(f"the default model SmolLM2-135M-Instruct is not installed; run `{DEFAULT_MODEL_INSTALL}` "
+                         "(or pass --model a directory, .gguf file or hub id)")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -275,10 +273,9 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError) as exc:
         offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (offline? set HF_HUB_OFFLINE=1 to fail at once)"
-        raise ModelLoadError(
-            f"could not load the model config from '{where}' ({first_line(exc)}); pass --model a local directory or "
-            f".gguf file, or check the hub id and network access{offline}"
-        ) from None
+        raise ModelLoadError(f"could not load the model config from '{where}' ({first_line(exc)}); pass --model "
+                             f"a local directory or .gguf file, or check the hub id and network access{offline}"
+                             ) from None
     check_supported(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)

@@ -54,10 +54,9 @@ def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx
     if n >= ctx:
         raise ConfigError(f"prompt {prompt.id!r} has {n} tokens, longer than the model's context of {ctx}; shorten it")
     if n + cfg.max_new_tokens > ctx:
-        raise ConfigError(
-            f"prompt {prompt.id!r} ({n} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceeds the model's "
-            f"context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten the prompt"
-        )
+        raise ConfigError(f"prompt {prompt.id!r} ({n} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceeds "
+                          f"the model's context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten "
+                          "the prompt")
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
@@ -110,8 +109,7 @@ def run_prompt(generate: Callable[[list[int], GenerationConfig], DecodeResult], 
     if len(turns) > 1:
         for t in turns:
             t["wall_time_s"] = round(t["wall_time_s"], 6)
-        record["num_turns"] = len(turns)
-        record["turns"] = turns
+        record.update(num_turns=len(turns), turns=turns)
     return record
 
 

@@ -119,8 +119,7 @@ class KVCache:
         saved = [list(p) for p in self.positions]
         self.ensure_capacity(length + rows)
         with torch.inference_mode():
-            k_saved = self.k[:, :, length : length + rows].clone()
-            v_saved = self.v[:, :, length : length + rows].clone()
+            k_saved, v_saved = (x[:, :, length : length + rows].clone() for x in (self.k, self.v))
         self.crop(length)
         try:
             yield self

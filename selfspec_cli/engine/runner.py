@@ -58,8 +58,7 @@ class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
     def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True) -> None:
-        self.adapter = ModelAdapter(model)
-        a = self.adapter
+        self.adapter = a = ModelAdapter(model)
         self.model = model
         self.num_layers = a.num_layers
         self.dtype = a.dtype
@@ -120,8 +119,7 @@ class Engine:
             self._lin, self.lm_head, self._norm_kernel, self._ops = saved
 
     def new_cache(self, capacity: int) -> KVCache:
-        a = self.adapter
-        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.dtype, self.device)
+        return KVCache(self.num_layers, self._hkv, self._d, capacity, self.dtype, self.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.adapter.embed)
@@ -129,8 +127,7 @@ class Engine:
     def final_logits(self, hidden: torch.Tensor, head: kernels.Linear | None = None) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or
         (R, N) through ``head`` (a :meth:`subset_head`)."""
-        a = self.adapter
-        return (head or self.lm_head)(self._norm(hidden, a.final_norm)).float()
+        return (head or self.lm_head)(self._norm(hidden, self.adapter.final_norm)).float()
 
     def subset_head(self, ids: torch.Tensor) -> kernels.Linear:
         """The LM head's rows for the tokens ``ids`` only (prepacked once): logits column ``i``
