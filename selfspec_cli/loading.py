@@ -8,6 +8,7 @@ renamed into place (never half-written); every user-fixable failure is a
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -95,11 +96,9 @@ def default_model_gguf() -> Path:
 
 
 def is_gguf_file(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+    return False
 
 
 def _require_gguf_packages() -> None:
@@ -127,10 +126,9 @@ def file_sha256(path: Path) -> str:
     st = path.stat()
     index_path = model_cache_dir() / "hashes.json"
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    try:
+    index: Any = {}
+    with contextlib.suppress(OSError, ValueError):
         index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        index = {}
     index = index if isinstance(index, dict) else {}
     if isinstance(index.get(key), str):
         return index[key]
@@ -139,14 +137,12 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    try:
+    with contextlib.suppress(OSError):  # the index only saves time
         index[key] = digest
         index_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = index_path.with_name(f".hashes.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
         os.replace(tmp, index_path)
-    except OSError:
-        pass  # the index only saves time
     return digest
 
 
@@ -206,10 +202,9 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
 
 def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The GGUF a cached model directory was converted from (``selfspec-source.json``), or None."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 # ---------------------------------------------------------------- resolving --model
@@ -247,11 +242,10 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
 def is_default_model(name: str | os.PathLike) -> bool:
     """Whether ``name`` (a loaded model's ``name_or_path``) is the default model, so that
     suggested commands can leave ``--model`` out."""
-    try:
-        return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(
-            DEFAULT_MODEL_FILE[: -len(".gguf")])
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):
+        stem = DEFAULT_MODEL_FILE.removesuffix(".gguf")
+        return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(stem)
+    return False
 
 
 def _stderr_log(msg: str) -> None:

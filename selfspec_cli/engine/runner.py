@@ -30,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,10 +77,7 @@ class Engine:
         module = kernels.load_extension() if reason is None else None
         if reason is None and module is None:
             reason = kernels.status()["reason"]  # the build failed
-        self._lin: list[dict[str, kernels.Linear]] = [
-            {k: kernels.Linear.make(getattr(w, f"w_{k}"), getattr(w, f"b_{k}"), module) for k in LINEARS}
-            for w in a.layers]
-        self.lm_head = kernels.Linear.make(a.lm_head, None, module)
+        self._lin, self.lm_head = self._linears(module)
         self._module = module
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
@@ -91,6 +89,13 @@ class Engine:
                             "batch_invariant": self._ops is not None}
 
     # -- setup -------------------------------------------------------------
+    def _linears(self, module: Any | None) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
+        """Every layer's matrix products (by :data:`LINEARS` name) and the LM head, prepacked
+        for ``module`` (None: plain ``F.linear``)."""
+        a, make = self.adapter, kernels.Linear.make
+        return ([{k: make(getattr(w, f"w_{k}"), getattr(w, f"b_{k}"), module) for k in LINEARS} for w in a.layers],
+                make(a.lm_head, None, module))
+
     def _grow_rope(self, length: int) -> None:
         cos, sin = self.adapter.rope_table(length)
         half = self._d // 2
@@ -110,8 +115,7 @@ class Engine:
     def plain_linear(self) -> Iterator[None]:
         """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
         saved = self._lin, self.lm_head, self._norm_kernel, self._ops
-        self._lin = [{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in saved[0]]
-        self.lm_head = kernels.Linear.make(self.adapter.lm_head, None, None)
+        self._lin, self.lm_head = self._linears(None)
         self._norm_kernel = self._ops = None
         try:
             yield
