@@ -54,9 +54,10 @@ def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx
     if n >= ctx:
         raise ConfigError(f"prompt {prompt.id!r} has {n} tokens, longer than the model's context of {ctx}; shorten it")
     if n + cfg.max_new_tokens > ctx:
-        raise ConfigError(f"prompt {prompt.id!r} ({n} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceeds "
-                          f"the model's context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten "
-                          "the prompt")
+        raise ConfigError(
+            f"prompt {prompt.id!r} ({n} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceeds the model's "
+            f"context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten the prompt"
+        )
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
@@ -70,9 +71,16 @@ def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return res, time.perf_counter() - t0
 
 
-def run_prompt(generate: Callable[[list[int], GenerationConfig], DecodeResult], tokenizer: Any, prompt: Prompt,
-               cfg: GenerationConfig, device: torch.device, method_name: str, use_chat_template: bool = True,
-               lossless: bool = True) -> dict[str, Any]:
+def run_prompt(
+    generate: Callable[[list[int], GenerationConfig], DecodeResult],
+    tokenizer: Any,
+    prompt: Prompt,
+    cfg: GenerationConfig,
+    device: torch.device,
+    method_name: str,
+    use_chat_template: bool = True,
+    lossless: bool = True,
+) -> dict[str, Any]:
     """Decode every turn of ``prompt`` and return its output record.
 
     Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` and
@@ -91,30 +99,41 @@ def run_prompt(generate: Callable[[list[int], GenerationConfig], DecodeResult], 
         text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": text})
         stats = res.stats.as_dict()
-        turns.append({"text": text, "token_ids": res.token_ids, "new_tokens": len(res.token_ids),
-                      "accept_lengths": list(stats.get("accept_lengths", [])), "prompt_tokens": len(ids),
-                      "wall_time_s": wall, "tokens_per_s": _per_s(len(res.token_ids), wall),
-                      "finish_reason": res.finish_reason, "stats": stats})
+        turns.append({
+            "text": text,
+            "token_ids": res.token_ids,
+            "new_tokens": len(res.token_ids),
+            "accept_lengths": list(stats.get("accept_lengths", [])),
+            "prompt_tokens": len(ids),
+            "wall_time_s": wall,
+            "tokens_per_s": round(len(res.token_ids) / wall, 3) if wall > 0 else None,
+            "finish_reason": res.finish_reason,
+            "stats": stats,
+        })
+    last = turns[-1]
     new_tokens = sum(t["new_tokens"] for t in turns)
     wall = sum(t["wall_time_s"] for t in turns)
     record: dict[str, Any] = {
-        "id": prompt.id, "method": method_name, "lossless": lossless, "text": "".join(t["text"] for t in turns),
-        "token_ids": [x for t in turns for x in t["token_ids"]], "new_tokens": new_tokens,
-        "prompt_tokens": sum(t["prompt_tokens"] for t in turns), "wall_time_s": round(wall, 6),
-        "tokens_per_s": _per_s(new_tokens, wall), "finish_reason": turns[-1]["finish_reason"],
-        "stats": turns[-1]["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
+        "id": prompt.id,
+        "method": method_name,
+        "lossless": lossless,
+        "text": "".join(t["text"] for t in turns),
+        "token_ids": [x for t in turns for x in t["token_ids"]],
+        "new_tokens": new_tokens,
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+        "wall_time_s": round(wall, 6),
+        "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
+        "finish_reason": last["finish_reason"],
+        "stats": last["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
     }
     if prompt.category is not None:
         record["category"] = prompt.category
     if len(turns) > 1:
         for t in turns:
             t["wall_time_s"] = round(t["wall_time_s"], 6)
-        record.update(num_turns=len(turns), turns=turns)
+        record["num_turns"] = len(turns)
+        record["turns"] = turns
     return record
-
-
-def _per_s(tokens: int, wall: float) -> float | None:
-    return round(tokens / wall, 3) if wall > 0 else None
 
 
 def _merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
