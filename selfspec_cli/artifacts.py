@@ -239,26 +239,19 @@ def environment_info(device: torch.device | str | None = None, dtype: torch.dtyp
     """Software and hardware a measurement was made on (artifacts record it)."""
     import transformers
 
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = torch.device(device if device is not None else "cpu")
     info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "device": str(dev),
+        "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+        "platform": platform.platform(), "device": str(dev),
         "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
-        "threads": torch.get_num_threads(),
-        "interop_threads": torch.get_num_interop_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
     }
     # the version only: optuna itself is imported where searches live (and it is a dependency)
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         info["optuna"] = importlib.metadata.version("optuna")
     if dev.type == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(dev)
-        info["cuda"] = torch.version.cuda
+        info.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda)
     return info
 
 
@@ -319,19 +312,11 @@ class SkipSet:
                     search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
         """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""
         return {
-            "kind": SKIP_KIND,
-            "format_version": FORMAT_VERSION,
-            "model_fingerprint": loading.model_fingerprint(model),
+            "kind": SKIP_KIND, "format_version": FORMAT_VERSION, "model_fingerprint": loading.model_fingerprint(model),
             "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
-            "num_layers": int(model.config.num_hidden_layers),
-            "skip_attn": sorted(self.attn),
-            "skip_mlp": sorted(self.mlp),
-            "objective": dict(objective),
-            "trials": trials,
-            **extra,
-            "search": dict(search),
-            "environment": dict(environment),
-            "created": now_iso(),
+            "num_layers": int(model.config.num_hidden_layers), "skip_attn": sorted(self.attn),
+            "skip_mlp": sorted(self.mlp), "objective": dict(objective), "trials": trials, **extra,
+            "search": dict(search), "environment": dict(environment), "created": now_iso(),
         }
 
 

@@ -58,13 +58,11 @@ def _fuse_into(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     if any(has_bias) and not all(has_bias):
         raise UnsupportedModelError("mixed biased and unbiased projections are not supported")
     b = torch.cat([m.bias.data for m in linears], dim=0).contiguous() if all(has_bias) else None
-    off = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = w[off : off + n]
-        if b is not None:
-            m.bias.data = b[off : off + n]
-        off += n
+    sizes = [m.weight.shape[0] for m in linears]
+    for m, view in zip(linears, w.split(sizes)):
+        m.weight.data = view
+    for m, view in zip(linears, b.split(sizes) if b is not None else ()):
+        m.bias.data = view
     return w, b
 
 

@@ -17,7 +17,7 @@ layers in one indexing op.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -90,11 +90,11 @@ class KVCache:
         pos.extend(positions)
         return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
 
-    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
-        """Roll back to at most ``length`` slots (in ``layers``, default all)."""
+    def crop(self, length: int) -> None:
+        """Roll every layer back to at most ``length`` slots."""
         assert length >= 0, length
-        for l in range(self.num_layers) if layers is None else layers:
-            del self.positions[l][length:]
+        for p in self.positions:
+            del p[length:]
 
     @torch.inference_mode()
     def compact(self, src_slots: Sequence[int], dst_start: int) -> None:

@@ -91,8 +91,7 @@ def load_extension() -> Any | None:
                 reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"
                 print(f"selfspec: {reason}; using F.linear (slower). Set SELFSPEC_KERNELS=0 to silence.", file=sys.stderr)
             _state["load_s"] = round(time.perf_counter() - t0, 3)
-        _state["module"] = module
-        _state["reason"] = reason
+        _state.update(module=module, reason=reason)
         return module
 
 
