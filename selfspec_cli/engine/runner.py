@@ -256,8 +256,6 @@ class Engine:
             if l in output_hidden:
                 hidden_at[l] = h
 
-        logits = None
-        if logits_rows is not None and end == self.num_layers:
-            logits = self.final_logits(h[logits_rows], head)
+        logits = self.final_logits(h[logits_rows], head) if logits_rows is not None and end == self.num_layers else None
         return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
                              attn_cosine=torch.stack(cosines) if cosines else None)
