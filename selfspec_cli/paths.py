@@ -16,11 +16,8 @@ from pathlib import Path
 
 def user_home() -> Path:
     """The per-user data directory (read from the environment at every call)."""
-    env = os.environ.get("SELFSPEC_HOME")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_DATA_HOME") or str(Path("~/.local/share").expanduser())
-    return Path(xdg).expanduser() / "selfspec"
+    xdg = os.environ.get("XDG_DATA_HOME") or "~/.local/share"
+    return Path(os.environ.get("SELFSPEC_HOME") or Path(xdg) / "selfspec").expanduser()
 
 
 def user_artifacts_dir() -> Path:

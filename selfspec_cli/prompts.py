@@ -36,10 +36,7 @@ PROMPT_FORMATS = ("auto", "text", "jsonl")
 
 def _is_jsonl(source: str, text: str) -> bool:
     """``auto``: JSONL when the name ends in .jsonl/.json or the first non-blank line starts with '{'."""
-    if source.endswith((".jsonl", ".json")):
-        return True
-    first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    return first.lstrip().startswith("{")
+    return source.endswith((".jsonl", ".json")) or text.lstrip().startswith("{")
 
 
 def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None) -> list[Prompt]:
@@ -85,5 +82,4 @@ def read_prompts(source: str, fmt: str = "auto") -> list[Prompt]:
     .jsonl/.json or the first non-blank line starts with '{', else text), ``text`` or ``jsonl``."""
     if fmt not in PROMPT_FORMATS:
         raise PromptFileError(f"unknown --prompt-format '{fmt}'; choose one of: {', '.join(PROMPT_FORMATS)}")
-    text, name = _read_text(source)
-    return parse_prompts(text, name if source != "-" else "stdin", None if fmt == "auto" else fmt == "jsonl")
+    return parse_prompts(*_read_text(source), None if fmt == "auto" else fmt == "jsonl")

@@ -58,13 +58,11 @@ def _fuse_into(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     if any(has_bias) and not all(has_bias):
         raise UnsupportedModelError("mixed biased and unbiased projections are not supported")
     b = torch.cat([m.bias.data for m in linears], dim=0).contiguous() if all(has_bias) else None
-    off = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = w[off : off + n]
-        if b is not None:
-            m.bias.data = b[off : off + n]
-        off += n
+    sizes = [m.weight.shape[0] for m in linears]
+    for m, view in zip(linears, w.split(sizes)):
+        m.weight.data = view
+    for m, view in zip(linears, b.split(sizes) if b is not None else ()):
+        m.bias.data = view
     return w, b
 
 
@@ -73,9 +71,7 @@ class ModelAdapter:
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
-        self.model_type = model_type = check_supported(cfg)
-        self.model = model
-        self.config = cfg
+        model_type = check_supported(cfg)
         inner = model.model
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
@@ -92,10 +88,8 @@ class ModelAdapter:
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
         if rope_type in ("dynamic", "longrope"):
-            raise UnsupportedModelError(
-                f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
-                "supported: default, linear, llama3, yarn"
-            )
+            raise UnsupportedModelError(f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
+                                        "supported: default, linear, llama3, yarn")
         self.embed: torch.Tensor = inner.embed_tokens.weight
         self.final_norm: torch.Tensor = inner.norm.weight
         self.lm_head: torch.Tensor = model.lm_head.weight
@@ -112,31 +106,14 @@ class ModelAdapter:
             w_gu, b_gu = _fuse_into([mlp.gate_proj, mlp.up_proj])
             qk_norm = None
             if hasattr(attn, "q_norm"):
-                qk_norm = torch.cat(
-                    [attn.q_norm.weight.data.expand(self.num_heads, -1), attn.k_norm.weight.data.expand(self.num_kv_heads, -1)]
-                ).contiguous()
-            if model_type == "mistral":
-                lw = window
-            elif layer_types is not None and window is not None:
-                lw = window if layer_types[idx] == "sliding_attention" else None
-            else:
-                lw = None
-            self.layers.append(
-                LayerWeights(
-                    attn_norm=layer.input_layernorm.weight,
-                    w_qkv=w_qkv,
-                    b_qkv=b_qkv,
-                    w_o=attn.o_proj.weight,
-                    b_o=attn.o_proj.bias,
-                    qk_norm=qk_norm,
-                    mlp_norm=layer.post_attention_layernorm.weight,
-                    w_gate_up=w_gu,
-                    b_gate_up=b_gu,
-                    w_down=mlp.down_proj.weight,
-                    b_down=mlp.down_proj.bias,
-                    sliding_window=lw,
-                )
-            )
+                qk_norm = torch.cat([attn.q_norm.weight.data.expand(self.num_heads, -1),
+                                     attn.k_norm.weight.data.expand(self.num_kv_heads, -1)]).contiguous()
+            sliding = model_type == "mistral" or (layer_types is not None and layer_types[idx] == "sliding_attention")
+            self.layers.append(LayerWeights(
+                attn_norm=layer.input_layernorm.weight, w_qkv=w_qkv, b_qkv=b_qkv,
+                w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, qk_norm=qk_norm,
+                mlp_norm=layer.post_attention_layernorm.weight, w_gate_up=w_gu, b_gate_up=b_gu,
+                w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias, sliding_window=window if sliding else None))
 
     @torch.no_grad()
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ layers in one indexing op.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -28,15 +28,8 @@ class CacheInvariantError(AssertionError):
 
 
 class KVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
         # inference tensors: every update happens under inference mode (engine forward, compact)
         with torch.inference_mode():
@@ -97,11 +90,11 @@ class KVCache:
         pos.extend(positions)
         return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
 
-    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
-        """Roll back to at most ``length`` slots (in ``layers``, default all)."""
+    def crop(self, length: int) -> None:
+        """Roll every layer back to at most ``length`` slots."""
         assert length >= 0, length
-        for l in range(self.num_layers) if layers is None else layers:
-            del self.positions[l][length:]
+        for p in self.positions:
+            del p[length:]
 
     @torch.inference_mode()
     def compact(self, src_slots: Sequence[int], dst_start: int) -> None:
@@ -126,8 +119,7 @@ class KVCache:
         saved = [list(p) for p in self.positions]
         self.ensure_capacity(length + rows)
         with torch.inference_mode():
-            k_saved = self.k[:, :, length : length + rows].clone()
-            v_saved = self.v[:, :, length : length + rows].clone()
+            k_saved, v_saved = (x[:, :, length : length + rows].clone() for x in (self.k, self.v))
         self.crop(length)
         try:
             yield self

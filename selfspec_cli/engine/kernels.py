@@ -47,10 +47,8 @@ _state: dict[str, Any] = {}
 def cache_root() -> Path:
     """selfspec's cache: ``$SELFSPEC_CACHE``, by default ``${XDG_CACHE_HOME:-~/.cache}/selfspec``
     (converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``)."""
-    root = os.environ.get("SELFSPEC_CACHE")
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec")
-    return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("SELFSPEC_CACHE") or Path(xdg) / "selfspec").expanduser()
 
 
 def cache_dir() -> Path:
@@ -69,7 +67,7 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
     return None
 
 
-def load_extension(verbose: bool = False) -> Any | None:
+def load_extension() -> Any | None:
     """Build (first time on this machine) or load the compiled kernel; None when it cannot
     be had, with the reason in :func:`status`."""
     with _lock:
@@ -88,13 +86,12 @@ def load_extension(verbose: bool = False) -> Any | None:
                 build = cache_dir() / f"torch-{torch.__version__}-{tag}"
                 build.mkdir(parents=True, exist_ok=True)
                 module = load(name=f"selfspec_small_gemm_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=verbose)
+                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
                 reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"
                 print(f"selfspec: {reason}; using F.linear (slower). Set SELFSPEC_KERNELS=0 to silence.", file=sys.stderr)
             _state["load_s"] = round(time.perf_counter() - t0, 3)
-        _state["module"] = module
-        _state["reason"] = reason
+        _state.update(module=module, reason=reason)
         return module
 
 
@@ -133,10 +130,8 @@ class Linear:
 def main() -> None:
     """Build the kernel now; ``make setup`` runs this."""
     t0 = time.perf_counter()
-    mod = load_extension(verbose=False)
-    st = status()
-    if mod is None:
-        print(f"selfspec kernels: not built ({st['reason']}); the engine uses F.linear", file=sys.stderr)
+    if load_extension() is None:
+        print(f"selfspec kernels: not built ({status()['reason']}); the engine uses F.linear", file=sys.stderr)
     else:
         print(f"selfspec kernels: ready in {time.perf_counter() - t0:.1f} s ({cache_dir()})", file=sys.stderr)
 

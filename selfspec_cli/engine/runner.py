@@ -30,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,16 +52,15 @@ ALL_ROWS = slice(None)
 KERNEL_HEAD_SIZES = (16, 32, 64, 128)  # what csrc's attend() and rope_() take
 ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)
 
 
 class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
     def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True) -> None:
-        self.adapter = ModelAdapter(model)
-        a = self.adapter
+        self.adapter = a = ModelAdapter(model)
         self.model = model
-        self.config = model.config
         self.num_layers = a.num_layers
         self.dtype = a.dtype
         self.device = a.device
@@ -70,7 +70,6 @@ class Engine:
         self._gqa = self._hq != self._hkv
         self._neg = torch.finfo(self.dtype).min
         self._unit_d = torch.ones(self._d, dtype=self.dtype, device=self.device)  # per-head norms' own weight
-        self._rope_len = 0
         self._grow_rope(max(256, min(a.max_positions, 4096)))
         # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
         t0 = time.perf_counter()
@@ -78,13 +77,7 @@ class Engine:
         module = kernels.load_extension() if reason is None else None
         if reason is None and module is None:
             reason = kernels.status()["reason"]  # the build failed
-        self._lin: list[dict[str, kernels.Linear]] = [
-            {"qkv": kernels.Linear.make(w.w_qkv, w.b_qkv, module), "o": kernels.Linear.make(w.w_o, w.b_o, module),
-             "gate_up": kernels.Linear.make(w.w_gate_up, w.b_gate_up, module),
-             "down": kernels.Linear.make(w.w_down, w.b_down, module)}
-            for w in a.layers
-        ]
-        self.lm_head = kernels.Linear.make(a.lm_head, None, module)
+        self._lin, self.lm_head = self._linears(module)
         self._module = module
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
@@ -96,6 +89,13 @@ class Engine:
                             "batch_invariant": self._ops is not None}
 
     # -- setup -------------------------------------------------------------
+    def _linears(self, module: Any | None) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
+        """Every layer's matrix products (by :data:`LINEARS` name) and the LM head, prepacked
+        for ``module`` (None: plain ``F.linear``)."""
+        a, make = self.adapter, kernels.Linear.make
+        return ([{k: make(getattr(w, f"w_{k}"), getattr(w, f"b_{k}"), module) for k in LINEARS} for w in a.layers],
+                make(a.lm_head, None, module))
+
     def _grow_rope(self, length: int) -> None:
         cos, sin = self.adapter.rope_table(length)
         half = self._d // 2
@@ -115,8 +115,7 @@ class Engine:
     def plain_linear(self) -> Iterator[None]:
         """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
         saved = self._lin, self.lm_head, self._norm_kernel, self._ops
-        self._lin = [{k: kernels.Linear.make(f.weight, f.bias, None) for k, f in d.items()} for d in saved[0]]
-        self.lm_head = kernels.Linear.make(self.adapter.lm_head, None, None)
+        self._lin, self.lm_head = self._linears(None)
         self._norm_kernel = self._ops = None
         try:
             yield
@@ -124,8 +123,7 @@ class Engine:
             self._lin, self.lm_head, self._norm_kernel, self._ops = saved
 
     def new_cache(self, capacity: int) -> KVCache:
-        a = self.adapter
-        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.dtype, self.device)
+        return KVCache(self.num_layers, self._hkv, self._d, capacity, self.dtype, self.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.adapter.embed)
@@ -133,8 +131,7 @@ class Engine:
     def final_logits(self, hidden: torch.Tensor, head: kernels.Linear | None = None) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or
         (R, N) through ``head`` (a :meth:`subset_head`)."""
-        a = self.adapter
-        return (head or self.lm_head)(self._norm(hidden, a.final_norm)).float()
+        return (head or self.lm_head)(self._norm(hidden, self.adapter.final_norm)).float()
 
     def subset_head(self, ids: torch.Tensor) -> kernels.Linear:
         """The LM head's rows for the tokens ``ids`` only (prepacked once): logits column ``i``
@@ -143,15 +140,8 @@ class Engine:
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module)
 
     # -- masks -------------------------------------------------------------
-    def _mask(
-        self,
-        k_positions: list[int],
-        q_pos: torch.Tensor,
-        q_max: int,
-        t: int,
-        tree_mask: torch.Tensor | None,
-        window: int | None,
-    ) -> torch.Tensor | None:
+    def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,
+              window: int | None) -> torch.Tensor | None:
         """Additive mask (1, 1, T, past + T), or None when plain attention over
         everything cached is right (single row, no window cut). ``k_positions``: the
         stored positions of the layer's cached slots (they may have holes, so whether the
@@ -176,23 +166,11 @@ class Engine:
 
     # -- forward -----------------------------------------------------------
     @torch.inference_mode()
-    def forward(
-        self,
-        cache: KVCache,
-        input_ids: torch.Tensor | None = None,
-        *,
-        positions: int | torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        start: int = 0,
-        end: int | None = None,
-        skip_attn: Collection[int] = (),
-        skip_mlp: Collection[int] = (),
-        tree_mask: torch.Tensor | None = None,
-        output_hidden: Collection[int] = (),
-        logits_rows: slice | torch.Tensor | None = LAST_ROW,
-        attn_cosine: bool = False,
-        head: kernels.Linear | None = None,
-    ) -> ForwardOutput:
+    def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
+                hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
+                skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
+                output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,
+                attn_cosine: bool = False, head: kernels.Linear | None = None) -> ForwardOutput:
         a = self.adapter
         end = self.num_layers if end is None else end
         assert 0 <= start <= end <= self.num_layers, (start, end)
@@ -205,20 +183,15 @@ class Engine:
 
         # rotary rows for the new tokens
         if isinstance(positions, int):
-            if positions + t > self._rope_len:
-                self._grow_rope(max(2 * self._rope_len, positions + t))
-            cos = self._cos[positions : positions + t]
-            sin = self._sin_signed[positions : positions + t]
-            q_pos = None
+            q_pos, rows, need = None, slice(positions, positions + t), positions + t
             q_list: list[int] = list(range(positions, positions + t))
         else:
-            q_pos = positions
-            q_list = positions.tolist()
+            q_pos, rows, q_list = positions, positions, positions.tolist()
             need = max(q_list) + 1
-            if need > self._rope_len:
-                self._grow_rope(max(2 * self._rope_len, need))
-            cos = self._cos[positions]
-            sin = self._sin_signed[positions]
+        if need > self._rope_len:
+            self._grow_rope(max(2 * self._rope_len, need))
+        cos = self._cos[rows]
+        sin = self._sin_signed[rows]
         ops = self._ops if h.dtype == torch.float32 else None
         few_rows = ops is not None and t <= ATTEND_MAX_ROWS  # the kernel's attention; SDPA for long prefills
         cos2, sin2 = cos, sin  # (T, D)
@@ -244,9 +217,8 @@ class Engine:
                     q_rows = (normed.view(t, hq + hkv, d) * w.qk_norm).view(t, qkw)
                 if ops is not None:
                     ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
-                    qk = q_rows[:, :qkw].view(t, hq + hkv, d)
-                else:
-                    qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+                qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+                if ops is None:
                     qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
                 past = cache.length(l)
                 # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
@@ -284,8 +256,6 @@ class Engine:
             if l in output_hidden:
                 hidden_at[l] = h
 
-        logits = None
-        if logits_rows is not None and end == self.num_layers:
-            logits = self.final_logits(h[logits_rows], head)
+        logits = self.final_logits(h[logits_rows], head) if logits_rows is not None and end == self.num_layers else None
         return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
                              attn_cosine=torch.stack(cosines) if cosines else None)
