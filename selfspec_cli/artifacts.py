@@ -168,9 +168,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # owns fd from here: closed whatever fails below
+            # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
+            os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
