@@ -77,7 +77,7 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
              **_block(res.repeats, ref, base)}
         opt = [metrics.sum_stat(rs, "optimize_s") for rs in res.repeats]
         m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
-        m["offline"] = dict((offline_cost or {}).get(name, {})) or None
+        m["offline"] = dict((offline_cost or {}).get(name) or {}) or None
         cm = _cost_model(res, num_layers)
         if cm is not None:
             if cm["predicted_speedup"] and m.get("speedup_vs_ar"):

@@ -47,19 +47,14 @@ REFERENCE, BASELINE = "ar", "hf"
 
 
 # files bench writes into --output-dir (and only these are ever deleted, with --force)
-BENCH_FILES = ("results.json", "speedup_by_category.png", "accept_lengths.png")
+BENCH_FILES = ("results.json", "speedup_by_category.png", "accept_lengths.png", "records/*.jsonl", "answers/*.jsonl",
+               "*_skip_sets.png")
 
 
 def bench_files(output_dir: Path) -> list[Path]:
     """Files of an earlier bench run in ``output_dir``: its fixed names, records/*.jsonl,
     answers/*.jsonl and *_skip_sets.png. Nothing else there is touched."""
-    if not output_dir.is_dir():
-        return []
-    found = [output_dir / n for n in BENCH_FILES if (output_dir / n).is_file()]
-    for sub in ("records", "answers"):
-        found += sorted(p for p in (output_dir / sub).glob("*.jsonl") if p.is_file())
-    found += sorted(p for p in output_dir.glob("*_skip_sets.png") if p.is_file())
-    return found
+    return [p for pattern in BENCH_FILES for p in sorted(output_dir.glob(pattern)) if p.is_file()]
 
 
 def _f(x: Any, suffix: str = "") -> str:
@@ -101,20 +96,17 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
     for c in cats:
         t.add_column(c, justify="right")
     for n, m in summary.items():
-        cells = []
-        for c in cats:
-            b = m["categories"].get(c)
-            if not b:
-                cells.append("-")
-                continue
-            s = _f(b["speedup_vs_ar"])
-            if has_base and b["speedup_vs_hf"] is not None:
-                s += f" / {b['speedup_vs_hf']:.2f}"
-            if b["mean_accepted_length"] is not None:
-                s += f" ({b['mean_accepted_length']:.2f})"
-            cells.append(s)
-        t.add_row(n, *cells)
+        t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
     return t
+
+
+def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
+    if not b:
+        return "-"
+    s = _f(b["speedup_vs_ar"])
+    if has_base and b["speedup_vs_hf"] is not None:
+        s += f" / {b['speedup_vs_hf']:.2f}"
+    return s + ("" if b["mean_accepted_length"] is None else f" ({b['mean_accepted_length']:.2f})")
 
 
 def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
@@ -163,10 +155,10 @@ def bench(
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
-    if early_exit_layer is not None and "hf-early-exit" not in names:
-        raise ConfigError("--early-exit-layer is an option of the hf-early-exit peer; drop it or add hf-early-exit to --methods")
-    if assistant_model is not None and "hf-assisted" not in names:
-        raise ConfigError("--assistant-model is an option of the hf-assisted peer; drop it or add hf-assisted to --methods")
+    for opt, value, peer in (("--early-exit-layer", early_exit_layer, "hf-early-exit"),
+                             ("--assistant-model", assistant_model, "hf-assisted")):
+        if value is not None and peer not in names:
+            raise ConfigError(f"{opt} is an option of the {peer} peer; drop it or add {peer} to --methods")
     apply_threads(threads)
     stale = bench_files(output_dir)
     if stale and not force:
@@ -181,7 +173,7 @@ def bench(
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    cfg = GenerationConfig(max_new_tokens=cfg0.max_new_tokens, sampling=cfg0.sampling, eos_token_ids=eos_token_ids(mdl, tok))
+    cfg = dataclasses.replace(cfg0, eos_token_ids=eos_token_ids(mdl, tok))
     ctx = context_length(mdl)
     for p in prompts:
         check_prompt_fits(p, tok, cfg, ctx, chat_template)
@@ -196,7 +188,7 @@ def bench(
     # build every contender once up front: a missing artifact fails now, not after an hour
     contenders: list[Contender] = []
     descriptions: dict[str, str] = {}
-    offline: dict[str, dict[str, Any]] = {}
+    offline: dict[str, dict[str, Any] | None] = {}
     built: dict[str, list[Method]] = {}  # the method instances of each pass, for their search histories
     for n in names:
         if n in METHODS or n in VARIANTS:
@@ -206,9 +198,7 @@ def bench(
             conf = config_for(base, extra)
             first = build(base, engine, tok, conf)
             descriptions[n] = first.description + note
-            cost = first.offline_info()  # calibration / training time, from its artifacts
-            if cost:
-                offline[n] = cost
+            offline[n] = first.offline_info()  # calibration / training time, from its artifacts
             built[n] = []
 
             def make(b: str = base, c: Any = conf, n: str = n) -> Any:
@@ -224,8 +214,8 @@ def bench(
     for f in stale:
         f.unlink(missing_ok=True)
     try:
-        (output_dir / "records").mkdir(parents=True, exist_ok=True)
-        (output_dir / "answers").mkdir(parents=True, exist_ok=True)
+        for sub in ("records", "answers"):
+            (output_dir / sub).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create --output-dir '{output_dir}' ({exc.strerror}); choose a writable directory") from None
     cats = Counter(p.category or "all" for p in prompts)
@@ -249,21 +239,18 @@ def bench(
     with ExitStack() as stack:
         files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
         running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
-
-        def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
-            write_record(files[name], rec)
-
         with progress() as bar:
             task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
 
-            def on_prompt(name: str, rec: dict[str, Any]) -> None:
+            def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
+                write_record(files[name], rec)
                 r = running[name]
                 r[0] += rec["new_tokens"]
                 r[1] += rec["wall_time_s"]
                 bar.update(task, advance=1, info=f"{name} {r[0] / max(r[1], 1e-9):.1f} tok/s")
 
             results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template,
-                                on_prompt=on_prompt, on_record=on_record)
+                                on_record=on_record)
 
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
