@@ -40,7 +40,7 @@ def repeat_tps(records: Sequence[Record]) -> float:
 def throughput_summary(repeats: Sequence[Sequence[Record]]) -> dict[str, float]:
     per_repeat = [repeat_tps(rs) for rs in repeats if rs]
     if not per_repeat:
-        return {"tokens_per_s": 0.0, "tokens_per_s_min": 0.0, "tokens_per_s_max": 0.0, "tokens_per_s_mean": 0.0}
+        return dict.fromkeys(("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tokens_per_s_mean"), 0.0)
     return {
         "tokens_per_s": statistics.median(per_repeat),
         "tokens_per_s_min": min(per_repeat),
@@ -67,17 +67,13 @@ def _stats(rec: Record) -> list[Mapping[str, Any]]:
 def step_log(records: Iterable[Record]) -> dict[str, Any]:
     """Accepted lengths, steps and draft counts pooled over records."""
     lengths: list[int] = []
-    drafted = accepted = 0
-    has_drafts = False
-    for rec in records:
-        for st in _stats(rec):
-            lengths.extend(int(x) for x in st.get("accept_lengths", []))
-            if "drafted_tokens" in st:
-                has_drafts = True
-                drafted += int(st["drafted_tokens"])
-                accepted += int(st["accepted_draft_tokens"])
-    return {"accept_lengths": lengths, "drafted": drafted if has_drafts else None,
-            "accepted": accepted if has_drafts else None}
+    drafted = accepted = None  # None until a record reports drafts
+    for st in (st for rec in records for st in _stats(rec)):
+        lengths.extend(int(x) for x in st.get("accept_lengths", []))
+        if "drafted_tokens" in st:
+            drafted = (drafted or 0) + int(st["drafted_tokens"])
+            accepted = (accepted or 0) + int(st["accepted_draft_tokens"])
+    return {"accept_lengths": lengths, "drafted": drafted, "accepted": accepted}
 
 
 def mean_accepted_length(records: Iterable[Record]) -> float | None:
@@ -92,10 +88,8 @@ def acceptance_rate(records: Iterable[Record]) -> float | None:
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where a and b differ (a length difference counts); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 
 
 def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, Any]:

@@ -30,15 +30,19 @@ figure is a median. Nothing here changes the model.
 from __future__ import annotations
 
 import statistics
+from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..config import GenerationConfig
 from ..engine import Engine, KVCache
-from ..methods import fr_spec
+from ..errors import SelfSpecError
+from ..methods import build, fr_spec
 from ..methods.self_sd import uniform_layers
 from ..runtime import timed
+from .plots import _plt, _save
 
 VERIFY_ROWS = tuple(range(1, 17))
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
@@ -48,9 +52,7 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()  # touch every page before timing
-    best = min(timed(buf.sum, buf.device)[1] for _ in range(repeats))
-    del buf
-    return nbytes / best / 1e9
+    return nbytes / min(timed(buf.sum, buf.device)[1] for _ in range(repeats)) / 1e9
 
 
 def step_weight_bytes(engine: Engine) -> int:
@@ -83,31 +85,24 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     L = engine.num_layers
     draft_sets = {r: uniform_layers(L, r) for r in ratios}
     head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
-    times: dict[str, list[float]] = {}
-
-    def time_it(key: str, fn: Callable[[], Any]) -> None:
-        times.setdefault(key, []).append(timed(fn, engine.device)[1])
-        cache.crop(ctx)
-
-    def verify(k: int) -> Callable[[], Any]:
-        return lambda: engine.forward(cache, toks[:k], positions=ctx, logits_rows=slice(None))
-
     sub = engine.subset_head(draft_vocab) if draft_vocab is not None else None
-
-    def draft(s: frozenset[int], head: Any = None) -> Callable[[], Any]:
-        return lambda: engine.forward(cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s, head=head)
-
+    # one round, in order: v(k) for every k, c(r) (and with the draft vocabulary) for every r, the LM head
+    jobs: dict[str, Callable[[], Any]] = {
+        f"v{k}": partial(engine.forward, cache, toks[:k], positions=ctx, logits_rows=slice(None)) for k in rows}
+    heads = {"c": None} if sub is None else {"c": None, "cv": sub}
+    for r, s in draft_sets.items():
+        for prefix, head in heads.items():
+            jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s,
+                                           head=head)
+    jobs["head"] = partial(engine.final_logits, head_in)
+    times: dict[str, list[float]] = {key: [] for key in jobs}
     for k in rows[:3]:  # warm-up: first calls allocate
-        verify(k)()
+        jobs[f"v{k}"]()
         cache.crop(ctx)
     for i in range(rounds):
-        for k in rows:
-            time_it(f"v{k}", verify(k))
-        for r, s in draft_sets.items():
-            time_it(f"c{r}", draft(s))
-            if sub is not None:
-                time_it(f"cv{r}", draft(s, sub))
-        time_it("head", lambda: engine.final_logits(head_in))
+        for key, fn in jobs.items():
+            times[key].append(timed(fn, engine.device)[1])
+            cache.crop(ctx)
         if on_round is not None:
             on_round(i + 1, rounds)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -172,49 +167,41 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     The context's KV always comes from the full model: the draft row is cropped away before
     the full row is computed."""
     L = engine.num_layers
-    sets: list[tuple[str, frozenset[int], frozenset[int]]] = [(f"attn{l}", frozenset([l]), frozenset()) for l in range(L)]
-    sets += [(f"mlp{l}", frozenset(), frozenset([l])) for l in range(L)]
-    if calibrated is not None:
-        sets.append(("calibrated", calibrated[0], calibrated[1]))
-    hits = {name: 0 for name, _, _ in sets}
+    none: frozenset[int] = frozenset()
+    # (skip_attn, skip_mlp): attention 0..L-1, then MLP 0..L-1, then the calibrated set
+    sets = [(frozenset([l]), none) for l in range(L)] + [(none, frozenset([l])) for l in range(L)]
+    sets += [calibrated] if calibrated is not None else []
+    hits = [0] * len(sets)
     total = 0
     for ids in prompts:
         cache = _prefill(engine, ids[:-1], tokens + 1)
         pos, tok = len(ids) - 1, torch.tensor(ids[-1:], device=engine.device)
         for _ in range(tokens):
-            drafts = {}
-            for name, sa, sm in sets:
+            drafts = []
+            for sa, sm in sets:
                 out = engine.forward(cache, tok, positions=pos, skip_attn=sa, skip_mlp=sm)
-                drafts[name] = int(out.logits[0].argmax())
+                drafts.append(int(out.logits[0].argmax()))
                 cache.crop(pos)
             full = int(engine.forward(cache, tok, positions=pos).logits[0].argmax())
-            for name, d in drafts.items():
-                hits[name] += d == full
+            hits = [h + (d == full) for h, d in zip(hits, drafts)]
             total += 1
             if on_token is not None:
                 on_token(total, len(prompts) * tokens)
             tok = torch.tensor([full], device=engine.device)
             pos += 1
-    agree = {name: hits[name] / total for name in hits}
-    out: dict[str, Any] = {
-        "attn": [round(agree[f"attn{l}"], 4) for l in range(L)],
-        "mlp": [round(agree[f"mlp{l}"], 4) for l in range(L)],
-        "prompts": len(prompts), "tokens_per_prompt": tokens, "drafts_per_set": total,
-    }
+    agree = [round(h / total, 4) for h in hits]
+    red: dict[str, Any] = {"attn": agree[:L], "mlp": agree[L:2 * L], "prompts": len(prompts),
+                           "tokens_per_prompt": tokens, "drafts_per_set": total}
     if calibrated is not None:
-        out["calibrated"] = {"skip_attn": sorted(calibrated[0]), "skip_mlp": sorted(calibrated[1]),
-                             "agreement": round(agree["calibrated"], 4)}
-    return out
+        red["calibrated"] = {"skip_attn": sorted(calibrated[0]), "skip_mlp": sorted(calibrated[1]),
+                             "agreement": agree[-1]}
+    return red
 
 
 def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
-    from .plots import _plt, _save
-
-    plt = _plt()
-    ks = [int(k) for k in profile["verify_cost"]]
-    vs = [profile["verify_cost"][str(k)] for k in ks]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(ks, vs, marker="o", label="measured v(k)")
+    fig, ax = _plt().subplots(figsize=(6, 3.6))
+    ax.plot([int(k) for k in profile["verify_cost"]], list(profile["verify_cost"].values()), marker="o",
+            label="measured v(k)")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one row")
     ax.set_xlabel("rows in one forward (k)")
     ax.set_ylabel("cost / one-row step")
@@ -227,13 +214,9 @@ def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
 
 
 def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
-    from .plots import _plt, _save
-
-    plt = _plt()
-    grid = [red["attn"], red["mlp"]]
     L = len(red["attn"])
-    fig, ax = plt.subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    fig, ax = _plt().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
+    im = ax.imshow([red["attn"], red["mlp"]], aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax.set_yticks([0, 1], ["attention", "MLP"])
     ax.set_xticks(range(0, L, max(1, L // 15)))
     ax.set_xlabel("layer")
@@ -254,10 +237,6 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
     greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and
     draft costs, the acceptance what the method saw on these prompts. A method whose
     artifacts are missing is reported with the reason."""
-    from ..config import GenerationConfig
-    from ..errors import SelfSpecError
-    from ..methods import build
-
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
     out: dict[str, Any] = {}
     for i, name in enumerate(methods):

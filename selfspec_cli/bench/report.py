@@ -14,14 +14,14 @@ from . import metrics
 from .runner import ContenderResult
 
 SCHEMA = "selfspec-bench/1"
+Repeats = Sequence[Sequence[Mapping[str, Any]]]  # per timed pass: per-prompt records
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
-def _block(repeats: Sequence[Sequence[Mapping[str, Any]]], ref: Sequence[Sequence[Mapping[str, Any]]] | None,
-           base: Sequence[Sequence[Mapping[str, Any]]] | None) -> dict[str, Any]:
+def _block(repeats: Repeats, ref: Repeats | None, base: Repeats | None) -> dict[str, Any]:
     """Metrics of one contender over one set of prompts (all, or one category)."""
     last = list(repeats[-1]) if repeats else []
     tp = metrics.throughput_summary(repeats)
@@ -40,8 +40,8 @@ def _block(repeats: Sequence[Sequence[Mapping[str, Any]]], ref: Sequence[Sequenc
     return out
 
 
-def _subset(repeats: Sequence[Sequence[Mapping[str, Any]]], ids: set[Any]) -> list[list[Mapping[str, Any]]]:
-    return [[r for r in rs if r["id"] in ids] for rs in repeats]
+def _subset(repeats: Repeats | None, ids: set[Any]) -> Repeats | None:
+    return None if repeats is None else [[r for r in rs if r["id"] in ids] for rs in repeats]
 
 
 def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] | None:
@@ -89,9 +89,7 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
         if len(cats) > 1:
             for cat, recs in cats.items():
                 ids = {r["id"] for r in recs}
-                m["categories"][cat] = _block(_subset(res.repeats, ids),
-                                              _subset(ref, ids) if ref is not None else None,
-                                              _subset(base, ids) if base is not None else None)
+                m["categories"][cat] = _block(_subset(res.repeats, ids), _subset(ref, ids), _subset(base, ids))
         out[name] = m
     return out
 
@@ -99,17 +97,9 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
 def document(summary: Mapping[str, Any], *, setup: Mapping[str, Any], environment: Mapping[str, Any],
              model: Mapping[str, Any], reference: str | None, baseline: str | None,
              files: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": dict(model),
-        "environment": dict(environment),
-        "setup": dict(setup),
-        "reference": reference,
-        "baseline": baseline,
-        "methods": dict(summary),
-        "files": dict(files or {}),
-    }
+    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": dict(model),
+            "environment": dict(environment), "setup": dict(setup), "reference": reference, "baseline": baseline,
+            "methods": dict(summary), "files": dict(files or {})}
 
 
 def headline(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,16 +107,10 @@ def headline(doc: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "mean_accepted_length", "acceptance_rate")
     methods = {name: {**{k: m[k] for k in keys}, "parity": (m.get("parity") or {}).get("parity"), "lossless": m["lossless"]}
                for name, m in doc["methods"].items()}
-    return {
-        "schema": SCHEMA,
-        "results": doc.get("files", {}).get("results"),
-        "model": doc["model"].get("name"),
-        "device": doc["environment"].get("device"),
-        "suite": doc["setup"].get("suite") or doc["setup"].get("prompt_file"),
-        "prompts": doc["setup"].get("prompts"),
-        "max_new_tokens": doc["setup"].get("max_new_tokens"),
-        "methods": methods,
-    }
+    setup = doc["setup"]
+    return {"schema": SCHEMA, "results": doc.get("files", {}).get("results"), "model": doc["model"].get("name"),
+            "device": doc["environment"].get("device"), "suite": setup.get("suite") or setup.get("prompt_file"),
+            "prompts": setup.get("prompts"), "max_new_tokens": setup.get("max_new_tokens"), "methods": methods}
 
 
 def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> list[dict[str, Any]]:
@@ -134,22 +118,12 @@ def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> l
     out = []
     for r in records:
         turns = r.get("turns") or [r]
-        choice = {
-            "index": 0,
-            "turns": [t["text"] for t in turns],
-            "decoding_steps": [len(t["stats"].get("accept_lengths", [])) for t in turns],
-            "new_tokens": [t["new_tokens"] for t in turns],
-            "wall_time": [t["wall_time_s"] for t in turns],
-            "accept_lengths": [x for t in turns for x in t["stats"].get("accept_lengths", [])],
-        }
-        out.append({
-            "question_id": r["id"],
-            "category": r.get("category"),
-            "answer_id": uuid.uuid4().hex[:22],
-            "model_id": model_id,
-            "tstamp": time.time(),
-            "choices": [choice],
-        })
+        lengths = [t["stats"].get("accept_lengths", []) for t in turns]
+        choice = {"index": 0, "turns": [t["text"] for t in turns], "decoding_steps": [len(a) for a in lengths],
+                  "new_tokens": [t["new_tokens"] for t in turns], "wall_time": [t["wall_time_s"] for t in turns],
+                  "accept_lengths": [x for a in lengths for x in a]}
+        out.append({"question_id": r["id"], "category": r.get("category"), "answer_id": uuid.uuid4().hex[:22],
+                    "model_id": model_id, "tstamp": time.time(), "choices": [choice]})
     return out
 
 
