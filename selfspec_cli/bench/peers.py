@@ -62,14 +62,13 @@ class HFGenerate:
         self.model = model
         self.name = name
         self.kwargs = generate_kwargs
-        self.assisted = bool(generate_kwargs)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
         if not cfg.sampling.greedy:
             raise ConfigError(f"the {self.name} peer is benchmarked greedy only; drop --temperature")
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
-        recorder = _StepRecorder() if self.assisted else None
+        recorder = _StepRecorder() if self.kwargs else None  # assisted: log drafted and matched tokens
         if recorder is not None:
             original: Callable[..., Any] = self.model._get_candidate_generator
             self.model._get_candidate_generator = lambda *a, **k: recorder.wrap(original(*a, **k))

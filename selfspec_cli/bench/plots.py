@@ -62,16 +62,14 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
     steps = len(history)
     cand = np.zeros((2 * num_layers, steps))
     best = np.zeros((2 * num_layers, steps))
-    scores, best_scores = [], []
+    scores, best_scores = [h["score"] for h in history], []
     cur_best: tuple[list[int], list[int]] | None = None
-    cur_score = float("-inf")
     for j, h in enumerate(history):
         attn, mlp = h["skip"]
         if h.get("best") or cur_best is None:
             cur_best, cur_score = (attn, mlp), h["score"]
         cand[[*attn, *(num_layers + l for l in mlp)], j] = 1  # rows: attention 0..L-1, then MLP
         best[[*cur_best[0], *(num_layers + l for l in cur_best[1])], j] = 1
-        scores.append(h["score"])
         best_scores.append(cur_score)
     fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(max(6.0, min(14.0, steps / 25)), 6.5), sharex=True,
                                    gridspec_kw={"height_ratios": [1, 3]})
@@ -96,11 +94,10 @@ def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title
     logs = {n: v for n, v in logs.items() if v}
     if not logs:
         return None
-    plt = _plt()
     n = len(logs)
     cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
+    rows = -(-n // cols)
+    fig, axes = _plt().subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
     top = max(max(v) for v in logs.values())
     for ax, (name, lengths) in zip(axes.flat, logs.items()):
         counts, total = Counter(lengths), len(lengths)

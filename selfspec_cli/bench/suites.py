@@ -63,9 +63,8 @@ def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) 
     prompts: list[Prompt] = []
     for group, members in by_group.items():
         chosen = members if per_group is None else [members[i] for i in evenly_spaced(len(members), per_group)]
-        for row in chosen:
-            where = f"spec-bench: question {row['question_id']}"
-            prompts.append(Prompt(id=int(row["question_id"]), turns=_turns(row, where), category=group))
+        prompts += [Prompt(id=int(row["question_id"]), turns=_turns(row, f"spec-bench: question {row['question_id']}"),
+                           category=group) for row in chosen]
     return prompts
 
 
@@ -132,9 +131,8 @@ def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     in file order, each with its ``id`` and ``category``."""
     if str(name_or_path) in SPEC_BENCH_SUITES:
         return load_spec_bench(SPEC_BENCH_SUITES[str(name_or_path)])
-    path = suite_path(name_or_path)
     label = str(name_or_path)
-    columns, rows = _read_rows(path, label)
+    columns, rows = _read_rows(suite_path(label), label)
     if not rows:
         raise PromptFileError(f"suite '{label}' is empty; give at least one prompt")
     for field in ("id", "category"):

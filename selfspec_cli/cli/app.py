@@ -51,11 +51,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _interrupted() -> int:
-    term = bool(_signals)
     note = pop_exit_note()
-    msg = TERMINATED if term else INTERRUPTED
-    print(msg + (f"; {note}" if note else ""), file=sys.stderr)
-    return SIGTERM_STATUS if term else 130
+    print((TERMINATED if _signals else INTERRUPTED) + (f"; {note}" if note else ""), file=sys.stderr)
+    return SIGTERM_STATUS if _signals else 130
 
 
 def main(argv: list[str] | None = None) -> int:

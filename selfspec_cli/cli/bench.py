@@ -33,7 +33,7 @@ from ..methods import METHODS, Method, build, config_for
 from ..prompts import PROMPT_FORMATS
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
-                     log, progress, write_record)
+                     log, progress, table, write_record)
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -62,13 +62,11 @@ def _f(x: Any, suffix: str = "") -> str:
 
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
-    t = Table(title=title, title_justify="left")
     cols = ["method", "tok/s", "min-max"]
     cols += ["vs ar"] if has_ref else []
     cols += ["vs hf"] if has_base else []
     cols += ["M", "alpha", "parity", "differs (first token)", "optim s", "peak MB"]
-    for c in cols:
-        t.add_column(c, justify="left" if c in ("method", "differs (first token)") else "right")
+    t = table(title, cols, left=("method", "differs (first token)"))
     for n, m in summary.items():
         par = m.get("parity")
         differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
@@ -91,10 +89,7 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
     cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
     if not cats:
         return None
-    t = Table(title="speedup by category: vs ar" + (" / vs hf" if has_base else "") + "  (M)", title_justify="left")
-    t.add_column("method")
-    for c in cats:
-        t.add_column(c, justify="right")
+    t = table("speedup by category: vs ar" + (" / vs hf" if has_base else "") + "  (M)", ["method", *cats])
     for n, m in summary.items():
         t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
     return t
@@ -113,10 +108,8 @@ def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
     rows = {n: m["cost_model"] for n, m in summary.items() if m.get("cost_model")}
     if not rows:
         return None
-    t = Table(title="cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup",
-              title_justify="left")
-    for c in ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted", "skip ratio"):
-        t.add_column(c, justify="left" if c == "method" else "right")
+    t = table("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup",
+              ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted", "skip ratio"))
     for n, cm in rows.items():
         t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),
                   _f(summary[n].get("speedup_vs_ar"), "x"), _f(cm.get("measured_over_predicted")), _f(cm.get("skip_ratio")))
@@ -296,8 +289,7 @@ def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any
             if ref else None,
             "accept_lengths": plots.accept_length_histogram(logs, out / "accept_lengths.png")}
     for n, methods in built.items():
-        history = methods[-1].search_history() if methods else None
-        if history:
-            made[f"{n}_skip_sets"] = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
-                                                         title=f"{n}: skipped sublayers over optimization steps (last pass)")
+        history = (methods[-1].search_history() if methods else None) or []  # no search: no plot
+        title = f"{n}: skipped sublayers over optimization steps (last pass)"
+        made[f"{n}_skip_sets"] = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png", title=title)
     return {name: str(p) for name, p in made.items() if p}  # a plot with nothing to show is not written

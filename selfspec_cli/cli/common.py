@@ -12,6 +12,7 @@ from typing import IO, Any, Collection, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from ..errors import ConfigError
 
@@ -45,15 +46,16 @@ def log(msg: str) -> None:
 
 
 def progress() -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-        console=err_console,
-        transient=False,
-    )
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=err_console, transient=False)
+
+
+def table(title: str, columns: Collection[str], left: Collection[str] = ("method",)) -> Table:
+    """A rich table titled at the left: the ``left`` columns left-aligned, the figures right-aligned."""
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="left" if c in left else "right")
+    return t
 
 
 # ---------------------------------------------------------------- threads

@@ -14,17 +14,16 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from ..errors import ArtifactError
 from ..artifacts import SkipSet, environment_info, model_name, now_iso, save_json_artifact
 from ..bench import profile as prof
 from ..bench.suites import DEFAULT_SUITE, load_prompts
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ArtifactError, ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS
 from ..runtime import encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress, table
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -137,10 +136,8 @@ def profile(
 
 
 def _table(r: dict[str, Any]) -> Table:
-    t = Table(title=f"profile: {r['model']} ({r['environment']['dtype']}, {r['environment']['threads']} thread(s), "
-                    f"kernel {r['kernel']['backend']})", title_justify="left")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
+    t = table(f"profile: {r['model']} ({r['environment']['dtype']}, {r['environment']['threads']} thread(s), "
+              f"kernel {r['kernel']['backend']})", ("figure", "value"), left=("figure",))
     t.add_row("weights read per step", f"{r['weight_bytes'] / 1e6:.0f} MB")
     t.add_row("read bandwidth", f"{r['bandwidth_gbs']:.1f} GB/s")
     t.add_row("floor (bytes / bandwidth)", f"{r['floor_ms']:.1f} ms")
