@@ -80,10 +80,9 @@ class HFGenerate:
         finally:
             if recorder is not None:
                 del self.model._get_candidate_generator  # back to the class method
-        new = out[0, len(prompt_ids):].tolist()
         sink = TokenSink(GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=cfg.eos_token_ids,
                                           ignore_eos=cfg.ignore_eos))
-        sink.push(new)
+        sink.push(out[0, len(prompt_ids):].tolist())
         n = len(sink.tokens)
         if recorder is None:
             stats = DecodeStats(target_forwards=n, accept_lengths=[1] * n)

@@ -247,16 +247,10 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
         except SelfSpecError as exc:
             out[name] = {"unavailable": str(exc).split(";")[0]}
             continue
-        expected = cost = 0.0
-        drafted = rounds = 0
-        for ids in prompt_ids:
-            st = method.generate(list(ids), cfg).stats
-            plan = st.extra.get("plan")
-            if plan:
-                expected += plan["expected_tokens"]
-                cost += plan["cost_steps"]
-            drafted += st.draft_rounds
-            rounds += len(st.accept_lengths) - 1
-        out[name] = {"predicted_speedup": round(expected / cost, 4) if cost else None,
-                     "draft_round_share": round(drafted / rounds, 4) if rounds else 0.0}
+        stats = [method.generate(list(ids), cfg).stats for ids in prompt_ids]
+        plans = [st.extra["plan"] for st in stats if st.extra.get("plan")]
+        cost = sum(p["cost_steps"] for p in plans)
+        rounds = sum(len(st.accept_lengths) - 1 for st in stats)
+        out[name] = {"predicted_speedup": round(sum(p["expected_tokens"] for p in plans) / cost, 4) if cost else None,
+                     "draft_round_share": round(sum(st.draft_rounds for st in stats) / rounds, 4) if rounds else 0.0}
     return out

@@ -45,8 +45,7 @@ def list_suites() -> list[str]:
 
 def evenly_spaced(n: int, k: int) -> list[int]:
     """``k`` indices spread evenly over ``range(n)``: the centres of ``k`` equal blocks."""
-    if k >= n:
-        return list(range(n))
+    k = min(k, n)  # k >= n: every index ((i + 0.5) * n / n truncates to i)
     return [int((i + 0.5) * n / k) for i in range(k)]
 
 
@@ -129,9 +128,9 @@ def _turns(row: dict, where: str) -> tuple[str, ...]:
 def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     """The prompts of a built-in suite (see :func:`list_suites`) or of a local JSONL file,
     in file order, each with its ``id`` and ``category``."""
-    if str(name_or_path) in SPEC_BENCH_SUITES:
-        return load_spec_bench(SPEC_BENCH_SUITES[str(name_or_path)])
     label = str(name_or_path)
+    if label in SPEC_BENCH_SUITES:
+        return load_spec_bench(SPEC_BENCH_SUITES[label])
     columns, rows = _read_rows(suite_path(label), label)
     if not rows:
         raise PromptFileError(f"suite '{label}' is empty; give at least one prompt")

@@ -29,11 +29,12 @@ from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
-from ..methods import METHODS, Method, build, config_for
+from ..methods import METHODS, Method, build
 from ..prompts import PROMPT_FORMATS
 from ..runtime import check_prompt_fits, context_length, eos_token_ids
 from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
                      log, progress, table, write_record)
+from .method_options import method_config
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -57,8 +58,8 @@ def bench_files(output_dir: Path) -> list[Path]:
     return [p for pattern in BENCH_FILES for p in sorted(output_dir.glob(pattern)) if p.is_file()]
 
 
-def _f(x: Any, suffix: str = "") -> str:
-    return "-" if x is None else f"{x:.2f}{suffix}"
+def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt) + suffix
 
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
@@ -77,10 +78,8 @@ def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_ba
         row += [f"{m['speedup_vs_ar']:.2f}x"] if has_ref else []
         row += [f"{m['speedup_vs_hf']:.2f}x"] if has_base else []
         row += [_f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
-                f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-",
-                differs,
-                f"{m['optimization_s']:.1f}" if m["optimization_s"] is not None else "-",
-                f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}"]
+                f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-", differs,
+                _f(m["optimization_s"], fmt=".1f"), f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}"]
         t.add_row(*row)
     return t
 
@@ -152,6 +151,8 @@ def bench(
                              ("--assistant-model", assistant_model, "hf-assisted")):
         if value is not None and peer not in names:
             raise ConfigError(f"{opt} is an option of the {peer} peer; drop it or add {peer} to --methods")
+    if "hf-assisted" in names and assistant_model is None:
+        raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
     stale = bench_files(output_dir)
     if stale and not force:
@@ -167,14 +168,9 @@ def bench(
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     cfg = dataclasses.replace(cfg0, eos_token_ids=eos_token_ids(mdl, tok))
-    ctx = context_length(mdl)
     for p in prompts:
-        check_prompt_fits(p, tok, cfg, ctx, chat_template)
-    assistant = None
-    if "hf-assisted" in names:
-        if assistant_model is None:
-            raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
-        assistant, _ = load_model(assistant_model, dtype=dtype, device=device)
+        check_prompt_fits(p, tok, cfg, context_length(mdl), chat_template)
+    assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
     engine = Engine(mdl)
     dev = torch.device(engine.device)
 
@@ -186,9 +182,7 @@ def bench(
     for n in names:
         if n in METHODS or n in VARIANTS:
             base, extra, note = VARIANTS.get(n, (n, {}, ""))
-            if "seed" in {f.name for f in dataclasses.fields(METHODS[base].Config)}:
-                extra = {"seed": seed, **extra}
-            conf = config_for(base, extra)
+            conf = method_config(base, extra, seed=seed)  # the run's seed where the method has one
             first = build(base, engine, tok, conf)
             descriptions[n] = first.description + note
             offline[n] = first.offline_info()  # calibration / training time, from its artifacts
@@ -242,8 +236,7 @@ def bench(
                 r[1] += rec["wall_time_s"]
                 bar.update(task, advance=1, info=f"{name} {r[0] / max(r[1], 1e-9):.1f} tok/s")
 
-            results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template,
-                                on_record=on_record)
+            results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record)
 
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None

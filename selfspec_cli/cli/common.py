@@ -97,15 +97,12 @@ def pop_exit_note() -> str | None:
 
 def check_not_input(path: Path, inputs: tuple[str | None, ...], option: str = "--output") -> None:
     """Refuse an output path that is one of the input files (it would be destroyed)."""
-    for src in inputs:
-        if src is None or src == "-":
-            continue
-        s = Path(src)
+    for src in (s for s in inputs if s not in (None, "-")):
         try:
-            same = s.exists() and path.exists() and os.path.samefile(s, path)
-        except OSError:
+            same = os.path.samefile(src, path)  # hard links too
+        except OSError:  # one of them does not exist
             same = False
-        if same or s.expanduser().resolve() == path.expanduser().resolve():
+        if same or Path(src).expanduser().resolve() == path.expanduser().resolve():
             raise ConfigError(f"{option} '{path}' is the input file '{src}'; writing it would destroy the input; "
                               f"choose another {option}")
 

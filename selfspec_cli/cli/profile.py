@@ -66,9 +66,7 @@ def profile(
         raise ConfigError(f"{output_dir} already holds a profile ({old[0].name}); pass --force to replace it, "
                           "or choose another --output-dir")
     n_threads = apply_threads(threads)
-    prompts, _ = load_prompts(prompt_file, suite, prompt_format)
-    if not prompts:
-        raise ConfigError("no prompts to profile with")
+    prompts, _ = load_prompts(prompt_file, suite, prompt_format)  # never empty: both readers refuse that
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     engine = Engine(mdl)
