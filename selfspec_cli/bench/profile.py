@@ -111,17 +111,12 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         "draft_vocab_size": int(draft_vocab.numel()),
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
     return {
-        "context_tokens": ctx,
-        "step_ms": round(step, 3),
+        "context_tokens": ctx, "step_ms": round(step, 3),
         "verify_ms": {str(k): round(med[f"v{k}"], 3) for k in rows},
         "verify_cost": {str(k): round(med[f"v{k}"] / step, 3) for k in rows},
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
-        "lm_head_ms": round(med["head"], 3),
-        "lm_head_share": round(med["head"] / step, 3),
-        "rounds": rounds,
-        **vocab,
-    }
+        "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3), "rounds": rounds, **vocab}
 
 
 def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
@@ -203,11 +198,9 @@ def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
     ax.plot([int(k) for k in profile["verify_cost"]], list(profile["verify_cost"].values()), marker="o",
             label="measured v(k)")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one row")
-    ax.set_xlabel("rows in one forward (k)")
-    ax.set_ylabel("cost / one-row step")
+    ax.set(xlabel="rows in one forward (k)", ylabel="cost / one-row step", ylim=(0, None))
     ax.set_title(f"verification cost v(k): T(1) = {profile['step_ms']:.1f} ms, floor {profile['floor_ms']:.1f} ms",
                  fontsize=9)
-    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -218,8 +211,7 @@ def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
     fig, ax = _plt().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
     im = ax.imshow([red["attn"], red["mlp"]], aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax.set_yticks([0, 1], ["attention", "MLP"])
-    ax.set_xticks(range(0, L, max(1, L // 15)))
-    ax.set_xlabel("layer")
+    ax.set(xticks=range(0, L, max(1, L // 15)), xlabel="layer")
     sub = f"; calibrated set: {red['calibrated']['agreement']:.2f}" if red.get("calibrated") else ""
     ax.set_title((title + ": " if title else "") + f"top-1 agreement when one sublayer is skipped{sub}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)

@@ -57,8 +57,7 @@ def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] 
     st = last[-1]["stats"]
     if num_layers and "skip_attn" in st:
         out["skip_ratio"] = _r((len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers))
-    shares = [st.get("draft_round_share") for st in turn_stats]
-    out["draft_round_share"] = _r(statistics.fmean(x or 0.0 for x in shares))
+    out["draft_round_share"] = _r(statistics.fmean(st.get("draft_round_share") or 0.0 for st in turn_stats))
     return out
 
 
@@ -69,8 +68,9 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
     """Per-method metrics, overall and per category."""
     ref = results[reference].repeats if reference in results else None
     base = results[baseline].repeats if baseline in results else None
-    first = next(iter(results.values()))
-    cats = metrics.by_category(first.records)
+    cats = metrics.by_category(next(iter(results.values())).records)
+    # record ids per category; no per-category figures when there is only one category
+    cat_ids = {cat: {r["id"] for r in recs} for cat, recs in cats.items()} if len(cats) > 1 else {}
     out: dict[str, dict[str, Any]] = {}
     for name, res in results.items():
         m = {"kind": res.kind, "lossless": res.lossless, "description": (descriptions or {}).get(name),
@@ -85,11 +85,8 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
             m["cost_model"] = cm
         m["peak_rss_mb"] = _r(res.peak_rss_mb, 1)
         m["peak_cuda_mb"] = _r(res.peak_cuda_mb, 1)
-        m["categories"] = {}
-        if len(cats) > 1:
-            for cat, recs in cats.items():
-                ids = {r["id"] for r in recs}
-                m["categories"][cat] = _block(_subset(res.repeats, ids), _subset(ref, ids), _subset(base, ids))
+        m["categories"] = {cat: _block(_subset(res.repeats, ids), _subset(ref, ids), _subset(base, ids))
+                           for cat, ids in cat_ids.items()}
         out[name] = m
     return out
 

@@ -22,11 +22,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("generate")(generate)
-app.command("bench")(bench)
-app.command("calibrate")(calibrate)
-app.command("train-heads")(train_heads)
-app.command("profile")(profile)
+for _name, _command in (("generate", generate), ("bench", bench), ("calibrate", calibrate),
+                        ("train-heads", train_heads), ("profile", profile)):
+    app.command(_name)(_command)
 
 # typer >= 0.20 ships its own copy of click; catch both families
 try:

@@ -87,9 +87,7 @@ def set_exit_note(note: str) -> None:
 
 
 def pop_exit_note() -> str | None:
-    note = _EXIT_NOTE[0] if _EXIT_NOTE else None
-    _EXIT_NOTE.clear()
-    return note
+    return _EXIT_NOTE.pop() if _EXIT_NOTE else None  # it holds one note at the most
 
 
 # ---------------------------------------------------------------- output files

@@ -107,19 +107,11 @@ def profile(
             bar.update(ptask, completed=len(predict_methods), info="")
 
     result: dict[str, Any] = {
-        "kind": "selfspec-profile",
-        "model": model_name(mdl),
-        "model_fingerprint": model_fingerprint(mdl),
-        "num_layers": engine.num_layers,
-        **costs,
-        "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
-        "kernel_max_logit_diff": diff,
-        "redundancy": red,
-        "predicted_speedup": predicted,
-        "environment": environment_info(engine.device, engine.dtype),
-        "created": now_iso(),
-        "profile_s": round(time.perf_counter() - t_start, 1),
-    }
+        "kind": "selfspec-profile", "model": model_name(mdl), "model_fingerprint": model_fingerprint(mdl),
+        "num_layers": engine.num_layers, **costs, "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
+        "kernel_max_logit_diff": diff, "redundancy": red, "predicted_speedup": predicted,
+        "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
+        "profile_s": round(time.perf_counter() - t_start, 1)}
     output_dir.mkdir(parents=True, exist_ok=True)
     save_json_artifact(output_dir / "profile.json", result)
     if plots:
@@ -154,8 +146,7 @@ def _table(r: dict[str, Any]) -> Table:
             t.add_row("calibrated set: agreement",
                       f"{c['agreement']:.2f} ({len(c['skip_attn'])} attn + {len(c['skip_mlp'])} mlp skipped)")
     for name, p in (r.get("predicted_speedup") or {}).items():
-        if p.get("predicted_speedup") is not None:
-            t.add_row(f"predicted speedup: {name}", f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
-        else:
-            t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)"))
+        t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)")
+                  if p.get("predicted_speedup") is None
+                  else f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
     return t
