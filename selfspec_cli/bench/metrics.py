@@ -41,12 +41,9 @@ def throughput_summary(repeats: Sequence[Sequence[Record]]) -> dict[str, float]:
     per_repeat = [repeat_tps(rs) for rs in repeats if rs]
     if not per_repeat:
         return dict.fromkeys(("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tokens_per_s_mean"), 0.0)
-    return {
-        "tokens_per_s": statistics.median(per_repeat),
-        "tokens_per_s_min": min(per_repeat),
-        "tokens_per_s_max": max(per_repeat),
-        "tokens_per_s_mean": statistics.fmean(prompt_tps(r) for rs in repeats for r in rs),
-    }
+    return {"tokens_per_s": statistics.median(per_repeat), "tokens_per_s_min": min(per_repeat),
+            "tokens_per_s_max": max(per_repeat),
+            "tokens_per_s_mean": statistics.fmean(prompt_tps(r) for rs in repeats for r in rs)}
 
 
 def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[Sequence[Record]]) -> float | None:
@@ -109,13 +106,8 @@ def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, 
         if d is not None:
             differing.append({"id": pid, "first_divergence": d})
     n = len(ref)
-    return {
-        "prompts_identical": n - len(differing),
-        "prompts": n,
-        "parity": (n - len(differing)) / n if n else 1.0,
-        "token_parity": matched / total if total else 1.0,
-        "differing": differing,
-    }
+    return {"prompts_identical": n - len(differing), "prompts": n, "parity": (n - len(differing)) / n if n else 1.0,
+            "token_parity": matched / total if total else 1.0, "differing": differing}
 
 
 def sum_stat(records: Iterable[Record], key: str) -> float | None:

@@ -22,6 +22,7 @@ from ..artifacts import atomic_write, environment_info, model_name
 from ..bench import plots
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
+from ..bench.profile import engine_costs as measure_engine_costs
 from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suites import DEFAULT_SUITE, load_prompts
@@ -31,7 +32,7 @@ from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build
 from ..prompts import PROMPT_FORMATS
-from ..runtime import check_prompt_fits, context_length, eos_token_ids
+from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
                      log, progress, table, write_record)
 from .method_options import method_config
@@ -212,9 +213,6 @@ def bench(
 
     engine_costs = None
     if costs:
-        from ..bench.profile import engine_costs as measure_engine_costs
-        from ..runtime import encode_turn
-
         ids = sorted((encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts), key=len)
         engine_costs = measure_engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
         log(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
@@ -225,16 +223,15 @@ def bench(
 
     with ExitStack() as stack:
         files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
-        running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
+        running = {n: Counter() for n in names}  # new tokens and seconds so far, per contender
         with progress() as bar:
             task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
 
             def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
                 write_record(files[name], rec)
                 r = running[name]
-                r[0] += rec["new_tokens"]
-                r[1] += rec["wall_time_s"]
-                bar.update(task, advance=1, info=f"{name} {r[0] / max(r[1], 1e-9):.1f} tok/s")
+                r.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
+                bar.update(task, advance=1, info=f"{name} {r['tokens'] / max(r['seconds'], 1e-9):.1f} tok/s")
 
             results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record)
 
