@@ -24,8 +24,7 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 def _block(repeats: Repeats, ref: Repeats | None, base: Repeats | None) -> dict[str, Any]:
     """Metrics of one contender over one set of prompts (all, or one category)."""
     last = list(repeats[-1]) if repeats else []
-    tp = metrics.throughput_summary(repeats)
-    out: dict[str, Any] = {k: _r(v, 3) for k, v in tp.items()}
+    out: dict[str, Any] = {k: _r(v, 3) for k, v in metrics.throughput_summary(repeats).items()}
     out["per_repeat_tokens_per_s"] = [_r(metrics.repeat_tps(rs), 3) for rs in repeats]
     out["speedup_vs_ar"] = _r(metrics.speedup(repeats, ref)) if ref is not None else None
     out["speedup_vs_hf"] = _r(metrics.speedup(repeats, base)) if base is not None else None

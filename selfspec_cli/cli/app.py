@@ -16,12 +16,8 @@ from .profile import profile
 from .train_heads import train_heads
 
 app = typer.Typer(
-    name="selfspec",
-    help="Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+    name="selfspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes).")
 for _name, _command in (("generate", generate), ("bench", bench), ("calibrate", calibrate),
                         ("train-heads", train_heads), ("profile", profile)):
     app.command(_name)(_command)

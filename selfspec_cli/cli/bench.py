@@ -246,11 +246,9 @@ def bench(
                   "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}
     file_map: dict[str, Any] = {"results": str(output_dir / "results.json"),
                                 "records": {n: str(output_dir / "records" / f"{n}.jsonl") for n in names},
-                                "answers": {}}
+                                "answers": {n: str(output_dir / "answers" / f"{n}.jsonl") for n in results}}
     for n, r in results.items():
-        path = output_dir / "answers" / f"{n}.jsonl"
-        write_jsonl(path, spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
-        file_map["answers"][n] = str(path)
+        write_jsonl(Path(file_map["answers"][n]), spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
     if plot:
         file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref, built)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,

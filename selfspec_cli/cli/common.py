@@ -162,19 +162,16 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
     from ..artifacts import _umask  # the mode a plain open() would give (mkstemp makes it 0600)
 
     os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-    f = os.fdopen(fd, "w", encoding="utf-8")
     try:
-        yield f
-        f.close()
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:
-        f.close()
         n = _cut_to_last_line(tmp)
         if n == 0:
             tmp.unlink(missing_ok=True)
         else:
-            note = f"{n} finished record{'s are' if n != 1 else ' is'} in {tmp} ('{path}' is unchanged)"
-            set_exit_note(note)
+            set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {tmp} ('{path}' is unchanged)")
         raise
 
 

@@ -81,5 +81,4 @@ def generate(
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
     if save_layers is not None:
-        path = meth.save_layers(save_layers)
-        log(f"wrote skip-set artifact {path}")
+        log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")
