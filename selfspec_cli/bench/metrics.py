@@ -97,8 +97,7 @@ def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, 
     matched = total = 0
     for pid, ref_ids in ref.items():
         total += len(ref_ids)
-        ids = mine.get(pid)
-        if ids is None:
+        if (ids := mine.get(pid)) is None:
             differing.append({"id": pid, "first_divergence": 0, "missing": True})
             continue
         d = first_divergence(ids, ref_ids)

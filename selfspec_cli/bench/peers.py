@@ -78,16 +78,13 @@ class HFGenerate:
         sink = TokenSink(GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=cfg.eos_token_ids,
                                           ignore_eos=cfg.ignore_eos))
         sink.push(out[0, len(prompt_ids):].tolist())
-        n = len(sink.tokens)
-        if not self.kwargs:
-            stats = DecodeStats(target_forwards=n, accept_lengths=[1] * n)
-        else:
-            lengths = [m + 1 for m in matches]
-            stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
-                                drafted_tokens=sum(drafted[: len(lengths)]), accepted_draft_tokens=sum(matches))
-            if not stats.drafted_tokens:
-                # nothing drafted at all (e.g. no n-gram match): still report the counts
-                stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
+        # plain greedy generate: one token per forward (and no drafts)
+        lengths = [m + 1 for m in matches] if self.kwargs else [1] * len(sink.tokens)
+        stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
+                            drafted_tokens=sum(drafted[: len(lengths)]), accepted_draft_tokens=sum(matches))
+        if self.kwargs and not stats.drafted_tokens:
+            # nothing drafted at all (e.g. no n-gram match): still report the counts
+            stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
         return sink.result(stats)
 
 

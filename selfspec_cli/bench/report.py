@@ -77,8 +77,7 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
         opt = [metrics.sum_stat(rs, "optimize_s") for rs in res.repeats]
         m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
         m["offline"] = dict((offline_cost or {}).get(name) or {}) or None
-        cm = _cost_model(res, num_layers)
-        if cm is not None:
+        if (cm := _cost_model(res, num_layers)) is not None:
             if cm["predicted_speedup"] and m.get("speedup_vs_ar"):
                 cm["measured_over_predicted"] = _r(m["speedup_vs_ar"] / cm["predicted_speedup"])
             m["cost_model"] = cm

@@ -55,8 +55,7 @@ def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) 
     _, rows = _read_rows(path, "spec-bench")
     by_group: dict[str, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["question_id"]):
-        group = SPEC_BENCH_GROUPS.get(row["category"])
-        if group is None:
+        if (group := SPEC_BENCH_GROUPS.get(row["category"])) is None:
             raise PromptFileError(f"spec-bench: question {row['question_id']} has unknown category {row['category']!r}")
         by_group.setdefault(group, []).append(row)
     prompts: list[Prompt] = []

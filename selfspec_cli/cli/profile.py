@@ -137,12 +137,10 @@ def _table(r: dict[str, Any]) -> Table:
     t.add_row("LM head share", f"{r['lm_head_share']:.0%}")
     if r.get("kernel_max_logit_diff") is not None:
         t.add_row("kernel max |logit diff|", f"{r['kernel_max_logit_diff']:.1e}")
-    red = r.get("redundancy")
-    if red:
+    if red := r.get("redundancy"):
         a, m = red["attn"], red["mlp"]
         t.add_row("one skipped sublayer: agreement", f"attn {min(a):.2f}-{max(a):.2f}, mlp {min(m):.2f}-{max(m):.2f}")
-        if red.get("calibrated"):
-            c = red["calibrated"]
+        if c := red.get("calibrated"):
             t.add_row("calibrated set: agreement",
                       f"{c['agreement']:.2f} ({len(c['skip_attn'])} attn + {len(c['skip_mlp'])} mlp skipped)")
     for name, p in (r.get("predicted_speedup") or {}).items():
