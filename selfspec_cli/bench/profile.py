@@ -141,15 +141,14 @@ def kernel_logit_diff(engine: Engine, prompt_ids: Sequence[int], steps: int = 4)
         return None
     worst = 0.0
     cache = _prefill(engine, prompt_ids, steps)
-    pos, tok = len(prompt_ids), torch.tensor(prompt_ids[-1:], device=engine.device)
-    for _ in range(steps):
+    tok = torch.tensor(prompt_ids[-1:], device=engine.device)
+    for pos in range(len(prompt_ids), len(prompt_ids) + steps):
         fast = engine.forward(cache, tok, positions=pos).logits
         cache.crop(pos)
         with engine.plain_linear():
             plain = engine.forward(cache, tok, positions=pos).logits
         worst = max(worst, float((fast - plain).abs().max()))
         tok = plain.argmax(-1)
-        pos += 1
     return worst
 
 
@@ -170,8 +169,8 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     total = 0
     for ids in prompts:
         cache = _prefill(engine, ids[:-1], tokens + 1)
-        pos, tok = len(ids) - 1, torch.tensor(ids[-1:], device=engine.device)
-        for _ in range(tokens):
+        tok = torch.tensor(ids[-1:], device=engine.device)
+        for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
             drafts = []
             for sa, sm in sets:
                 out = engine.forward(cache, tok, positions=pos, skip_attn=sa, skip_mlp=sm)
@@ -183,7 +182,6 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
             if on_token is not None:
                 on_token(total, len(prompts) * tokens)
             tok = torch.tensor([full], device=engine.device)
-            pos += 1
     agree = [round(h / total, 4) for h in hits]
     red: dict[str, Any] = {"attn": agree[:L], "mlp": agree[L:2 * L], "prompts": len(prompts),
                            "tokens_per_prompt": tokens, "drafts_per_set": total}

@@ -2,12 +2,10 @@
 the rich table and the one-line headline. The schema is documented in docs/benchmarks.md."""
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from . import metrics
@@ -120,9 +118,3 @@ def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> l
         out.append({"question_id": r["id"], "category": r.get("category"), "answer_id": uuid.uuid4().hex[:22],
                     "model_id": model_id, "tstamp": time.time(), "choices": [choice]})
     return out
-
-
-def write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")

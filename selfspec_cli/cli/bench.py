@@ -19,14 +19,13 @@ import typer
 from rich.table import Table
 
 from ..artifacts import atomic_write, environment_info, model_name
-from ..bench import plots
+from ..bench import plots, profile as prof
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
-from ..bench.profile import engine_costs as measure_engine_costs
-from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
+from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suites import DEFAULT_SUITE, load_prompts
-from ..config import GenerationConfig, SamplingConfig
+from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
@@ -162,7 +161,7 @@ def bench(
                           "those files first, or choose another --output-dir")
     for f in stale:  # only with --force
         check_not_input(f, (prompt_file,), "--output-dir")
-    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # validates first
+    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens)  # greedy; validates first
     prompts, source = load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
@@ -214,7 +213,7 @@ def bench(
     engine_costs = None
     if costs:
         ids = sorted((encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts), key=len)
-        engine_costs = measure_engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
+        engine_costs = prof.engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
         log(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
             f"T(1) {engine_costs['step_ms']:.1f} ms ({engine_costs['step_over_floor']:.2f}x floor), "
             f"v(4) {engine_costs['verify_cost']['4']:.2f}, v(8) {engine_costs['verify_cost']['8']:.2f}, "
@@ -248,7 +247,9 @@ def bench(
                                 "records": {n: str(output_dir / "records" / f"{n}.jsonl") for n in names},
                                 "answers": {n: str(output_dir / "answers" / f"{n}.jsonl") for n in results}}
     for n, r in results.items():
-        write_jsonl(Path(file_map["answers"][n]), spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
+        with open(file_map["answers"][n], "w", encoding="utf-8") as f:
+            for row in spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"):
+                write_record(f, row)
     if plot:
         file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref, built)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,

@@ -110,8 +110,7 @@ def _cut_to_last_line(path: Path) -> int:
     data = path.read_bytes()
     keep = data[: data.rfind(b"\n") + 1]
     if len(keep) != len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(keep))
+        os.truncate(path, len(keep))
     return keep.count(b"\n")
 
 
