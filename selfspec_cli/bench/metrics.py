@@ -50,10 +50,8 @@ def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[S
     """Ratio of mean tokens/s (over all repeat x prompt pairs)."""
     a = [prompt_tps(r) for rs in method_repeats for r in rs]
     b = [prompt_tps(r) for rs in base_repeats for r in rs]
-    if not a or not b:
-        return None
-    mb = statistics.fmean(b)
-    return statistics.fmean(a) / mb if mb > 0 else None
+    mb = statistics.fmean(b) if b else 0.0
+    return statistics.fmean(a) / mb if a and mb > 0 else None
 
 
 def _stats(rec: Record) -> list[Mapping[str, Any]]:

@@ -31,11 +31,10 @@ def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, re
     names = [n for n, m in summary.items() if n != reference and m.get("speedup_vs_ar") is not None]
     if not names:
         return None
-    plt = _plt()
     cats = sorted({c for n in names for c in (summary[n].get("categories") or {})})
     groups = ["all", *cats]
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
+    fig, ax = _plt().subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
     for i, n in enumerate(names):
         m = summary[n]
         vals = [m["speedup_vs_ar"]] + [(m["categories"].get(c) or {}).get("speedup_vs_ar") or 0.0 for c in cats]

@@ -72,9 +72,8 @@ def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
     return cache
 
 
-def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
-                  rows: Sequence[int] = VERIFY_ROWS, ratios: Sequence[float] = DRAFT_RATIOS,
-                  on_round: Callable[[int, int], None] | None = None,
+def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = VERIFY_ROWS,
+                  ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
     """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``; with a
     ``draft_vocab`` (FR-Spec's token ids) also c(r) of drafts that score only those tokens."""

@@ -31,8 +31,7 @@ def set_invocation(argv: list[str]) -> None:
 
 def invocation() -> str:
     """The command line of this run, as a user would retype it."""
-    args = _INVOCATION if _INVOCATION is not None else sys.argv[1:]
-    return "selfspec " + shlex.join(args)
+    return "selfspec " + shlex.join(_INVOCATION if _INVOCATION is not None else sys.argv[1:])
 
 
 def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:
