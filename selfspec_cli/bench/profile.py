@@ -29,6 +29,7 @@ figure is a median. Nothing here changes the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from functools import partial
 from collections.abc import Callable, Sequence
@@ -59,11 +60,8 @@ def step_weight_bytes(engine: Engine) -> int:
     """Bytes of weights one decode step reads: every layer's matrices and norms, the final
     norm and the LM head (one row of the embedding table is negligible)."""
     a = engine.adapter
-    tensors: list[torch.Tensor | None] = [a.final_norm, a.lm_head]
-    for w in a.layers:
-        tensors += [w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm, w.mlp_norm, w.w_gate_up, w.b_gate_up,
-                    w.w_down, w.b_down]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    tensors = [a.final_norm, a.lm_head, *(getattr(w, f.name) for w in a.layers for f in dataclasses.fields(w))]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))  # not None biases
 
 
 def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:

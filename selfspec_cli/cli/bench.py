@@ -97,10 +97,9 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
 def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
     if not b:
         return "-"
-    s = _f(b["speedup_vs_ar"])
-    if has_base and b["speedup_vs_hf"] is not None:
-        s += f" / {b['speedup_vs_hf']:.2f}"
-    return s + ("" if b["mean_accepted_length"] is None else f" ({b['mean_accepted_length']:.2f})")
+    hf = f" / {b['speedup_vs_hf']:.2f}" if has_base and b["speedup_vs_hf"] is not None else ""
+    m = "" if b["mean_accepted_length"] is None else f" ({b['mean_accepted_length']:.2f})"
+    return _f(b["speedup_vs_ar"]) + hf + m
 
 
 def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
