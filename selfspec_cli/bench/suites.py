@@ -31,8 +31,7 @@ DEFAULT_SUITE = "spec-bench-mini"
 # Spec-Bench's six groups: the eight MT-bench categories form "mt_bench"
 SPEC_BENCH_GROUPS = {
     **{c: "mt_bench" for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")},
-    "translation": "translation", "summarization": "summarization", "qa": "qa",
-    "math_reasoning": "math_reasoning", "rag": "rag",
+    **{g: g for g in ("translation", "summarization", "qa", "math_reasoning", "rag")},
 }
 # suite name -> questions per group (None = all)
 SPEC_BENCH_SUITES: dict[str, int | None] = {"spec-bench": None, "spec-bench-mini": 2}
