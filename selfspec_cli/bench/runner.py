@@ -73,8 +73,7 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _note(self) -> None:
-        name = self.current
-        if name is not None:
+        if (name := self.current) is not None:  # read once: the sampling thread races the timed one
             self.peaks[name] = max(self.peaks.get(name, 0), _rss_bytes())
 
     def _run(self) -> None:

@@ -63,24 +63,20 @@ def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
 
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
-    cols = ["method", "tok/s", "min-max"]
-    cols += ["vs ar"] if has_ref else []
-    cols += ["vs hf"] if has_base else []
-    cols += ["M", "alpha", "parity", "differs (first token)", "optim s", "peak MB"]
-    t = table(title, cols, left=("method", "differs (first token)"))
+    vs = [k for k, shown in (("ar", has_ref), ("hf", has_base)) if shown]  # the speedup columns
+    t = table(title, ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "M", "alpha", "parity",
+                      "differs (first token)", "optim s", "peak MB"], left=("method", "differs (first token)"))
     for n, m in summary.items():
         par = m.get("parity")
         differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
         if par and len(par["differing"]) > 4:
             differs += f" +{len(par['differing']) - 4}"
-        row = [n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
-               f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
-        row += [f"{m['speedup_vs_ar']:.2f}x"] if has_ref else []
-        row += [f"{m['speedup_vs_hf']:.2f}x"] if has_base else []
-        row += [_f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
-                f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-", differs,
-                _f(m["optimization_s"], fmt=".1f"), f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}"]
-        t.add_row(*row)
+        speedups = [f"{m['speedup_vs_' + k]:.2f}x" for k in vs]
+        t.add_row(n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
+                  f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}", *speedups,
+                  _f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
+                  f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-", differs,
+                  _f(m["optimization_s"], fmt=".1f"), f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}")
     return t
 
 

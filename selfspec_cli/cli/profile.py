@@ -53,8 +53,7 @@ def profile(
         if val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
     predict_methods = [m for m in predict.replace(" ", "").split(",") if m]
-    unknown = [m for m in predict_methods if m not in METHODS]
-    if unknown:
+    if unknown := [m for m in predict_methods if m not in METHODS]:
         raise ConfigError(f"--predict: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
