@@ -62,8 +62,7 @@ class HFGenerate:
         if not cfg.sampling.greedy:
             raise ConfigError(f"the {self.name} peer is benchmarked greedy only; drop --temperature")
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
-        drafted: list[int] = []
-        matches: list[int] = []
+        drafted, matches = [], []  # per verification forward of an assisted peer
         if self.kwargs:  # assisted: log drafted and matched tokens
             original: Callable[..., Any] = self.model._get_candidate_generator
             self.model._get_candidate_generator = lambda *a, **k: _log_steps(original(*a, **k), drafted, matches)

@@ -215,19 +215,18 @@ def bench(
             f"c(0.5) {engine_costs['draft_cost']['0.5']:.2f}, LM head {engine_costs['lm_head_share']:.0%}; "
             f"matrix products: {engine.kernel_info['backend']}[/dim]")
 
-    with ExitStack() as stack:
+    with ExitStack() as stack, progress() as bar:
         files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
         running = {n: Counter() for n in names}  # new tokens and seconds so far, per contender
-        with progress() as bar:
-            task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
+        task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
 
-            def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
-                write_record(files[name], rec)
-                r = running[name]
-                r.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
-                bar.update(task, advance=1, info=f"{name} {r['tokens'] / max(r['seconds'], 1e-9):.1f} tok/s")
+        def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
+            write_record(files[name], rec)
+            r = running[name]
+            r.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
+            bar.update(task, advance=1, info=f"{name} {r['tokens'] / max(r['seconds'], 1e-9):.1f} tok/s")
 
-            results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record)
+        results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record)
 
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
