@@ -57,8 +57,7 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
         return None
     import numpy as np
 
-    steps = len(history)
-    cand, best = np.zeros((2, 2 * num_layers, steps))
+    cand, best = np.zeros((2, 2 * num_layers, len(history)))
     scores, best_scores = [h["score"] for h in history], []
     cur_best: tuple[list[int], list[int]] | None = None
     for j, h in enumerate(history):
@@ -68,7 +67,7 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
         cand[[*attn, *(num_layers + l for l in mlp)], j] = 1  # rows: attention 0..L-1, then MLP
         best[[*cur_best[0], *(num_layers + l for l in cur_best[1])], j] = 1
         best_scores.append(cur_score)
-    fig, (ax0, ax1) = _plt().subplots(2, 1, figsize=(max(6.0, min(14.0, steps / 25)), 6.5), sharex=True,
+    fig, (ax0, ax1) = _plt().subplots(2, 1, figsize=(max(6.0, min(14.0, len(history) / 25)), 6.5), sharex=True,
                                       gridspec_kw={"height_ratios": [1, 3]})
     ax0.plot(scores, ".", ms=2, color="tab:gray", label="candidate")
     ax0.plot(best_scores, "-", color="tab:red", label="best so far")

@@ -45,13 +45,12 @@ def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] 
     """What the drafting plans predicted (decoding/cost.py: expected tokens over cost in plain
     steps, summed over every round of every prompt), the skip ratio of layer-skipping
     methods; None for methods that do not plan."""
-    last = res.records
-    turn_stats = [t.get("stats", {}) for r in last for t in (r.get("turns") or [r])]
+    turn_stats = [t.get("stats", {}) for r in res.records for t in (r.get("turns") or [r])]
     plans = [st["plan"] for st in turn_stats if st.get("plan")]
     if not plans:
         return None
     out: dict[str, Any] = {"predicted_speedup": _r(sum(p["expected_tokens"] for p in plans) / sum(p["cost_steps"] for p in plans))}
-    st = last[-1]["stats"]
+    st = res.records[-1]["stats"]
     if num_layers and "skip_attn" in st:
         out["skip_ratio"] = _r((len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers))
     out["draft_round_share"] = _r(statistics.fmean(st.get("draft_round_share") or 0.0 for st in turn_stats))

@@ -29,7 +29,6 @@ try:
     _CLICK_ERRORS: tuple[type[BaseException], ...] = (click.ClickException, _tclick.ClickException)
 except ImportError:  # pragma: no cover - older typer
     _CLICK_ERRORS = (click.ClickException,)
-_ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
 
 INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
 TERMINATED = "selfspec: terminated (SIGTERM); everything finished before it was kept"
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         note = pop_exit_note()
         print(f"selfspec: error: {exc}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, *_ABORTS):
+    except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()
     except _CLICK_ERRORS as exc:
         exc.show()  # usage errors: click's own message (missing or unknown option, bad type)

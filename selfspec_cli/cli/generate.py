@@ -5,7 +5,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 import typer
 
 from ..artifacts import check_new_artifact
@@ -67,7 +66,7 @@ def generate(
         meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
-    dev = torch.device(engine.device)
+    dev = engine.device  # a torch.device
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "
         f"method {method}; {len(prompts)} prompts[/dim]")
     total_tokens, total_time = 0, 0.0
