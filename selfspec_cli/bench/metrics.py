@@ -40,23 +40,18 @@ def repeat_tps(records: Sequence[Record]) -> float:
 def throughput_summary(repeats: Sequence[Sequence[Record]]) -> dict[str, float]:
     per_repeat = [repeat_tps(rs) for rs in repeats if rs]
     if not per_repeat:
-        return {"tokens_per_s": 0.0, "tokens_per_s_min": 0.0, "tokens_per_s_max": 0.0, "tokens_per_s_mean": 0.0}
-    return {
-        "tokens_per_s": statistics.median(per_repeat),
-        "tokens_per_s_min": min(per_repeat),
-        "tokens_per_s_max": max(per_repeat),
-        "tokens_per_s_mean": statistics.fmean(prompt_tps(r) for rs in repeats for r in rs),
-    }
+        return dict.fromkeys(("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tokens_per_s_mean"), 0.0)
+    return {"tokens_per_s": statistics.median(per_repeat), "tokens_per_s_min": min(per_repeat),
+            "tokens_per_s_max": max(per_repeat),
+            "tokens_per_s_mean": statistics.fmean(prompt_tps(r) for rs in repeats for r in rs)}
 
 
 def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[Sequence[Record]]) -> float | None:
     """Ratio of mean tokens/s (over all repeat x prompt pairs)."""
     a = [prompt_tps(r) for rs in method_repeats for r in rs]
     b = [prompt_tps(r) for rs in base_repeats for r in rs]
-    if not a or not b:
-        return None
-    mb = statistics.fmean(b)
-    return statistics.fmean(a) / mb if mb > 0 else None
+    mb = statistics.fmean(b) if b else 0.0
+    return statistics.fmean(a) / mb if a and mb > 0 else None
 
 
 def _stats(rec: Record) -> list[Mapping[str, Any]]:
@@ -67,17 +62,13 @@ def _stats(rec: Record) -> list[Mapping[str, Any]]:
 def step_log(records: Iterable[Record]) -> dict[str, Any]:
     """Accepted lengths, steps and draft counts pooled over records."""
     lengths: list[int] = []
-    drafted = accepted = 0
-    has_drafts = False
-    for rec in records:
-        for st in _stats(rec):
-            lengths.extend(int(x) for x in st.get("accept_lengths", []))
-            if "drafted_tokens" in st:
-                has_drafts = True
-                drafted += int(st["drafted_tokens"])
-                accepted += int(st["accepted_draft_tokens"])
-    return {"accept_lengths": lengths, "drafted": drafted if has_drafts else None,
-            "accepted": accepted if has_drafts else None}
+    drafted = accepted = None  # None until a record reports drafts
+    for st in (st for rec in records for st in _stats(rec)):
+        lengths.extend(int(x) for x in st.get("accept_lengths", []))
+        if "drafted_tokens" in st:
+            drafted = (drafted or 0) + int(st["drafted_tokens"])
+            accepted = (accepted or 0) + int(st["accepted_draft_tokens"])
+    return {"accept_lengths": lengths, "drafted": drafted, "accepted": accepted}
 
 
 def mean_accepted_length(records: Iterable[Record]) -> float | None:
@@ -92,10 +83,8 @@ def acceptance_rate(records: Iterable[Record]) -> float | None:
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where a and b differ (a length difference counts); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 
 
 def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, Any]:
@@ -106,8 +95,7 @@ def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, 
     matched = total = 0
     for pid, ref_ids in ref.items():
         total += len(ref_ids)
-        ids = mine.get(pid)
-        if ids is None:
+        if (ids := mine.get(pid)) is None:
             differing.append({"id": pid, "first_divergence": 0, "missing": True})
             continue
         d = first_divergence(ids, ref_ids)
@@ -115,13 +103,8 @@ def parity(records: Sequence[Record], reference: Sequence[Record]) -> dict[str, 
         if d is not None:
             differing.append({"id": pid, "first_divergence": d})
     n = len(ref)
-    return {
-        "prompts_identical": n - len(differing),
-        "prompts": n,
-        "parity": (n - len(differing)) / n if n else 1.0,
-        "token_parity": matched / total if total else 1.0,
-        "differing": differing,
-    }
+    return {"prompts_identical": n - len(differing), "prompts": n, "parity": (n - len(differing)) / n if n else 1.0,
+            "token_parity": matched / total if total else 1.0, "differing": differing}
 
 
 def sum_stat(records: Iterable[Record], key: str) -> float | None:

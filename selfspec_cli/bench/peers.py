@@ -29,28 +29,22 @@ PEERS: dict[str, str] = {
 }
 
 
-class _StepRecorder:
+def _log_steps(gen: Any, drafted: list[int], matches: list[int]) -> Any:
     """Wraps one candidate generator instance to log drafted and matched tokens per forward."""
+    get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
 
-    def __init__(self) -> None:
-        self.drafted: list[int] = []
-        self.matches: list[int] = []
+    def get_candidates_logged(input_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        cand, logits = get_candidates(input_ids, *args, **kwargs)
+        drafted.append(int(cand.shape[1] - input_ids.shape[1]))
+        return cand, logits
 
-    def wrap(self, gen: Any) -> Any:
-        get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
+    def update_logged(input_ids: torch.Tensor, scores: torch.Tensor, num_matches: Any):
+        matches.append(int(num_matches))
+        return update(input_ids, scores, num_matches)
 
-        def get_candidates_logged(input_ids: torch.Tensor, *args: Any, **kwargs: Any):
-            cand, logits = get_candidates(input_ids, *args, **kwargs)
-            self.drafted.append(int(cand.shape[1] - input_ids.shape[1]))
-            return cand, logits
-
-        def update_logged(input_ids: torch.Tensor, scores: torch.Tensor, num_matches: Any):
-            self.matches.append(int(num_matches))
-            return update(input_ids, scores, num_matches)
-
-        gen.get_candidates = get_candidates_logged
-        gen.update_candidate_strategy = update_logged
-        return gen
+    gen.get_candidates = get_candidates_logged
+    gen.update_candidate_strategy = update_logged
+    return gen
 
 
 class HFGenerate:
@@ -62,40 +56,34 @@ class HFGenerate:
         self.model = model
         self.name = name
         self.kwargs = generate_kwargs
-        self.assisted = bool(generate_kwargs)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
         if not cfg.sampling.greedy:
             raise ConfigError(f"the {self.name} peer is benchmarked greedy only; drop --temperature")
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
-        recorder = _StepRecorder() if self.assisted else None
-        if recorder is not None:
+        drafted, matches = [], []  # per verification forward of an assisted peer
+        if self.kwargs:  # assisted: log drafted and matched tokens
             original: Callable[..., Any] = self.model._get_candidate_generator
-            self.model._get_candidate_generator = lambda *a, **k: recorder.wrap(original(*a, **k))
+            self.model._get_candidate_generator = lambda *a, **k: _log_steps(original(*a, **k), drafted, matches)
         try:
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=cfg.max_new_tokens,
                                       eos_token_id=None if cfg.ignore_eos else list(cfg.eos_token_ids) or None,
                                       pad_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else 0, **self.kwargs)
         finally:
-            if recorder is not None:
+            if self.kwargs:
                 del self.model._get_candidate_generator  # back to the class method
-        new = out[0, len(prompt_ids):].tolist()
         sink = TokenSink(GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=cfg.eos_token_ids,
                                           ignore_eos=cfg.ignore_eos))
-        sink.push(new)
-        n = len(sink.tokens)
-        if recorder is None:
-            stats = DecodeStats(target_forwards=n, accept_lengths=[1] * n)
-        else:
-            lengths = [m + 1 for m in recorder.matches]
-            stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
-                                drafted_tokens=sum(recorder.drafted[: len(lengths)]),
-                                accepted_draft_tokens=sum(recorder.matches))
-            if not stats.drafted_tokens:
-                # nothing drafted at all (e.g. no n-gram match): still report the counts
-                stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
+        sink.push(out[0, len(prompt_ids):].tolist())
+        # plain greedy generate: one token per forward (and no drafts)
+        lengths = [m + 1 for m in matches] if self.kwargs else [1] * len(sink.tokens)
+        stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
+                            drafted_tokens=sum(drafted[: len(lengths)]), accepted_draft_tokens=sum(matches))
+        if self.kwargs and not stats.drafted_tokens:
+            # nothing drafted at all (e.g. no n-gram match): still report the counts
+            stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
         return sink.result(stats)
 
 

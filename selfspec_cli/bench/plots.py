@@ -31,11 +31,10 @@ def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, re
     names = [n for n, m in summary.items() if n != reference and m.get("speedup_vs_ar") is not None]
     if not names:
         return None
-    plt = _plt()
     cats = sorted({c for n in names for c in (summary[n].get("categories") or {})})
     groups = ["all", *cats]
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
+    fig, ax = _plt().subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
     for i, n in enumerate(names):
         m = summary[n]
         vals = [m["speedup_vs_ar"]] + [(m["categories"].get(c) or {}).get("speedup_vs_ar") or 0.0 for c in cats]
@@ -45,8 +44,8 @@ def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, re
         ax.bar_label(bars, labels=[f"{v:.2f}" for v in vals], fontsize=7, padding=1)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel(f"speedup over {reference} (ratio of mean tokens/s)")
-    ax.set_title(title or f"Speedup by category and method (1.0 = {reference})")
+    ax.set(ylabel=f"speedup over {reference} (ratio of mean tokens/s)",
+           title=title or f"Speedup by category and method (1.0 = {reference})")
     ax.legend(fontsize=8, ncols=min(4, len(names)))
     return _save(fig, path)
 
@@ -58,36 +57,28 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
         return None
     import numpy as np
 
-    plt = _plt()
-    steps = len(history)
-    cand = np.zeros((2 * num_layers, steps))
-    best = np.zeros((2 * num_layers, steps))
-    scores, best_scores = [], []
+    cand, best = np.zeros((2, 2 * num_layers, len(history)))
+    scores, best_scores = [h["score"] for h in history], []
     cur_best: tuple[list[int], list[int]] | None = None
-    cur_score = float("-inf")
     for j, h in enumerate(history):
         attn, mlp = h["skip"]
         if h.get("best") or cur_best is None:
             cur_best, cur_score = (attn, mlp), h["score"]
         cand[[*attn, *(num_layers + l for l in mlp)], j] = 1  # rows: attention 0..L-1, then MLP
         best[[*cur_best[0], *(num_layers + l for l in cur_best[1])], j] = 1
-        scores.append(h["score"])
         best_scores.append(cur_score)
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(max(6.0, min(14.0, steps / 25)), 6.5), sharex=True,
-                                   gridspec_kw={"height_ratios": [1, 3]})
+    fig, (ax0, ax1) = _plt().subplots(2, 1, figsize=(max(6.0, min(14.0, len(history) / 25)), 6.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [1, 3]})
     ax0.plot(scores, ".", ms=2, color="tab:gray", label="candidate")
     ax0.plot(best_scores, "-", color="tab:red", label="best so far")
-    ax0.set_ylabel("matchness")
+    ax0.set(ylabel="matchness", title=title or "SWIFT: skipped sublayers over optimization steps")
     ax0.legend(fontsize=7, loc="lower right")
-    img = 0.35 * cand + 0.65 * best
-    ax1.imshow(img, aspect="auto", interpolation="nearest", cmap="Greys", vmin=0, vmax=1)
+    ax1.imshow(0.35 * cand + 0.65 * best, aspect="auto", interpolation="nearest", cmap="Greys", vmin=0, vmax=1)
     ticks = list(range(0, num_layers, max(1, num_layers // 8)))
     ax1.set_yticks(ticks + [num_layers + t for t in ticks],
                    [f"attn {t}" for t in ticks] + [f"mlp {t}" for t in ticks], fontsize=7)
     ax1.axhline(num_layers - 0.5, color="tab:blue", lw=0.8)
-    ax1.set_xlabel("optimization step")
-    ax1.set_ylabel("skipped sublayer (dark: best set, light: candidate)")
-    ax0.set_title(title or "SWIFT: skipped sublayers over optimization steps")
+    ax1.set(xlabel="optimization step", ylabel="skipped sublayer (dark: best set, light: candidate)")
     return _save(fig, path)
 
 
@@ -96,11 +87,10 @@ def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title
     logs = {n: v for n, v in logs.items() if v}
     if not logs:
         return None
-    plt = _plt()
     n = len(logs)
     cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
+    rows = -(-n // cols)
+    fig, axes = _plt().subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
     top = max(max(v) for v in logs.values())
     for ax, (name, lengths) in zip(axes.flat, logs.items()):
         counts, total = Counter(lengths), len(lengths)

@@ -29,16 +29,21 @@ figure is a median. Nothing here changes the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..config import GenerationConfig
 from ..engine import Engine, KVCache
-from ..methods import fr_spec
+from ..errors import SelfSpecError
+from ..methods import build, fr_spec
 from ..methods.self_sd import uniform_layers
 from ..runtime import timed
+from .plots import _plt, _save
 
 VERIFY_ROWS = tuple(range(1, 17))
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
@@ -48,20 +53,15 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()  # touch every page before timing
-    best = min(timed(buf.sum, buf.device)[1] for _ in range(repeats))
-    del buf
-    return nbytes / best / 1e9
+    return nbytes / min(timed(buf.sum, buf.device)[1] for _ in range(repeats)) / 1e9
 
 
 def step_weight_bytes(engine: Engine) -> int:
     """Bytes of weights one decode step reads: every layer's matrices and norms, the final
     norm and the LM head (one row of the embedding table is negligible)."""
     a = engine.adapter
-    tensors: list[torch.Tensor | None] = [a.final_norm, a.lm_head]
-    for w in a.layers:
-        tensors += [w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm, w.mlp_norm, w.w_gate_up, w.b_gate_up,
-                    w.w_down, w.b_down]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    tensors = [a.final_norm, a.lm_head, *(getattr(w, f.name) for w in a.layers for f in dataclasses.fields(w))]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))  # not None biases
 
 
 def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
@@ -70,9 +70,8 @@ def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
     return cache
 
 
-def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
-                  rows: Sequence[int] = VERIFY_ROWS, ratios: Sequence[float] = DRAFT_RATIOS,
-                  on_round: Callable[[int, int], None] | None = None,
+def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = VERIFY_ROWS,
+                  ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
     """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``; with a
     ``draft_vocab`` (FR-Spec's token ids) also c(r) of drafts that score only those tokens."""
@@ -83,31 +82,24 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     L = engine.num_layers
     draft_sets = {r: uniform_layers(L, r) for r in ratios}
     head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
-    times: dict[str, list[float]] = {}
-
-    def time_it(key: str, fn: Callable[[], Any]) -> None:
-        times.setdefault(key, []).append(timed(fn, engine.device)[1])
-        cache.crop(ctx)
-
-    def verify(k: int) -> Callable[[], Any]:
-        return lambda: engine.forward(cache, toks[:k], positions=ctx, logits_rows=slice(None))
-
     sub = engine.subset_head(draft_vocab) if draft_vocab is not None else None
-
-    def draft(s: frozenset[int], head: Any = None) -> Callable[[], Any]:
-        return lambda: engine.forward(cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s, head=head)
-
+    # one round, in order: v(k) for every k, c(r) (and with the draft vocabulary) for every r, the LM head
+    jobs: dict[str, Callable[[], Any]] = {
+        f"v{k}": partial(engine.forward, cache, toks[:k], positions=ctx, logits_rows=slice(None)) for k in rows}
+    heads = {"c": None} if sub is None else {"c": None, "cv": sub}
+    for r, s in draft_sets.items():
+        for prefix, head in heads.items():
+            jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s,
+                                           head=head)
+    jobs["head"] = partial(engine.final_logits, head_in)
+    times: dict[str, list[float]] = {key: [] for key in jobs}
     for k in rows[:3]:  # warm-up: first calls allocate
-        verify(k)()
+        jobs[f"v{k}"]()
         cache.crop(ctx)
     for i in range(rounds):
-        for k in rows:
-            time_it(f"v{k}", verify(k))
-        for r, s in draft_sets.items():
-            time_it(f"c{r}", draft(s))
-            if sub is not None:
-                time_it(f"cv{r}", draft(s, sub))
-        time_it("head", lambda: engine.final_logits(head_in))
+        for key, fn in jobs.items():
+            times[key].append(timed(fn, engine.device)[1])
+            cache.crop(ctx)
         if on_round is not None:
             on_round(i + 1, rounds)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -116,17 +108,12 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         "draft_vocab_size": int(draft_vocab.numel()),
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
     return {
-        "context_tokens": ctx,
-        "step_ms": round(step, 3),
+        "context_tokens": ctx, "step_ms": round(step, 3),
         "verify_ms": {str(k): round(med[f"v{k}"], 3) for k in rows},
         "verify_cost": {str(k): round(med[f"v{k}"] / step, 3) for k in rows},
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
-        "lm_head_ms": round(med["head"], 3),
-        "lm_head_share": round(med["head"] / step, 3),
-        "rounds": rounds,
-        **vocab,
-    }
+        "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3), "rounds": rounds, **vocab}
 
 
 def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
@@ -151,15 +138,14 @@ def kernel_logit_diff(engine: Engine, prompt_ids: Sequence[int], steps: int = 4)
         return None
     worst = 0.0
     cache = _prefill(engine, prompt_ids, steps)
-    pos, tok = len(prompt_ids), torch.tensor(prompt_ids[-1:], device=engine.device)
-    for _ in range(steps):
+    tok = torch.tensor(prompt_ids[-1:], device=engine.device)
+    for pos in range(len(prompt_ids), len(prompt_ids) + steps):
         fast = engine.forward(cache, tok, positions=pos).logits
         cache.crop(pos)
         with engine.plain_linear():
             plain = engine.forward(cache, tok, positions=pos).logits
         worst = max(worst, float((fast - plain).abs().max()))
         tok = plain.argmax(-1)
-        pos += 1
     return worst
 
 
@@ -172,71 +158,55 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     The context's KV always comes from the full model: the draft row is cropped away before
     the full row is computed."""
     L = engine.num_layers
-    sets: list[tuple[str, frozenset[int], frozenset[int]]] = [(f"attn{l}", frozenset([l]), frozenset()) for l in range(L)]
-    sets += [(f"mlp{l}", frozenset(), frozenset([l])) for l in range(L)]
-    if calibrated is not None:
-        sets.append(("calibrated", calibrated[0], calibrated[1]))
-    hits = {name: 0 for name, _, _ in sets}
+    none: frozenset[int] = frozenset()
+    # (skip_attn, skip_mlp): attention 0..L-1, then MLP 0..L-1, then the calibrated set
+    sets = [(frozenset([l]), none) for l in range(L)] + [(none, frozenset([l])) for l in range(L)]
+    sets += [calibrated] if calibrated is not None else []
+    hits = [0] * len(sets)
     total = 0
     for ids in prompts:
         cache = _prefill(engine, ids[:-1], tokens + 1)
-        pos, tok = len(ids) - 1, torch.tensor(ids[-1:], device=engine.device)
-        for _ in range(tokens):
-            drafts = {}
-            for name, sa, sm in sets:
+        tok = torch.tensor(ids[-1:], device=engine.device)
+        for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
+            drafts = []
+            for sa, sm in sets:
                 out = engine.forward(cache, tok, positions=pos, skip_attn=sa, skip_mlp=sm)
-                drafts[name] = int(out.logits[0].argmax())
+                drafts.append(int(out.logits[0].argmax()))
                 cache.crop(pos)
             full = int(engine.forward(cache, tok, positions=pos).logits[0].argmax())
-            for name, d in drafts.items():
-                hits[name] += d == full
+            hits = [h + (d == full) for h, d in zip(hits, drafts)]
             total += 1
             if on_token is not None:
                 on_token(total, len(prompts) * tokens)
             tok = torch.tensor([full], device=engine.device)
-            pos += 1
-    agree = {name: hits[name] / total for name in hits}
-    out: dict[str, Any] = {
-        "attn": [round(agree[f"attn{l}"], 4) for l in range(L)],
-        "mlp": [round(agree[f"mlp{l}"], 4) for l in range(L)],
-        "prompts": len(prompts), "tokens_per_prompt": tokens, "drafts_per_set": total,
-    }
+    agree = [round(h / total, 4) for h in hits]
+    red: dict[str, Any] = {"attn": agree[:L], "mlp": agree[L:2 * L], "prompts": len(prompts),
+                           "tokens_per_prompt": tokens, "drafts_per_set": total}
     if calibrated is not None:
-        out["calibrated"] = {"skip_attn": sorted(calibrated[0]), "skip_mlp": sorted(calibrated[1]),
-                             "agreement": round(agree["calibrated"], 4)}
-    return out
+        red["calibrated"] = {"skip_attn": sorted(calibrated[0]), "skip_mlp": sorted(calibrated[1]),
+                             "agreement": agree[-1]}
+    return red
 
 
 def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
-    from .plots import _plt, _save
-
-    plt = _plt()
-    ks = [int(k) for k in profile["verify_cost"]]
-    vs = [profile["verify_cost"][str(k)] for k in ks]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(ks, vs, marker="o", label="measured v(k)")
+    fig, ax = _plt().subplots(figsize=(6, 3.6))
+    ax.plot([int(k) for k in profile["verify_cost"]], list(profile["verify_cost"].values()), marker="o",
+            label="measured v(k)")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one row")
-    ax.set_xlabel("rows in one forward (k)")
-    ax.set_ylabel("cost / one-row step")
+    ax.set(xlabel="rows in one forward (k)", ylabel="cost / one-row step", ylim=(0, None))
     ax.set_title(f"verification cost v(k): T(1) = {profile['step_ms']:.1f} ms, floor {profile['floor_ms']:.1f} ms",
                  fontsize=9)
-    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
 
 def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
-    from .plots import _plt, _save
-
-    plt = _plt()
-    grid = [red["attn"], red["mlp"]]
     L = len(red["attn"])
-    fig, ax = plt.subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    fig, ax = _plt().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
+    im = ax.imshow([red["attn"], red["mlp"]], aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax.set_yticks([0, 1], ["attention", "MLP"])
-    ax.set_xticks(range(0, L, max(1, L // 15)))
-    ax.set_xlabel("layer")
+    ax.set(xticks=range(0, L, max(1, L // 15)), xlabel="layer")
     sub = f"; calibrated set: {red['calibrated']['agreement']:.2f}" if red.get("calibrated") else ""
     ax.set_title((title + ": " if title else "") + f"top-1 agreement when one sublayer is skipped{sub}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
@@ -254,10 +224,6 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
     greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and
     draft costs, the acceptance what the method saw on these prompts. A method whose
     artifacts are missing is reported with the reason."""
-    from ..config import GenerationConfig
-    from ..errors import SelfSpecError
-    from ..methods import build
-
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
     out: dict[str, Any] = {}
     for i, name in enumerate(methods):
@@ -268,16 +234,10 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
         except SelfSpecError as exc:
             out[name] = {"unavailable": str(exc).split(";")[0]}
             continue
-        expected = cost = 0.0
-        drafted = rounds = 0
-        for ids in prompt_ids:
-            st = method.generate(list(ids), cfg).stats
-            plan = st.extra.get("plan")
-            if plan:
-                expected += plan["expected_tokens"]
-                cost += plan["cost_steps"]
-            drafted += st.draft_rounds
-            rounds += len(st.accept_lengths) - 1
-        out[name] = {"predicted_speedup": round(expected / cost, 4) if cost else None,
-                     "draft_round_share": round(drafted / rounds, 4) if rounds else 0.0}
+        stats = [method.generate(list(ids), cfg).stats for ids in prompt_ids]
+        plans = [st.extra["plan"] for st in stats if st.extra.get("plan")]
+        cost = sum(p["cost_steps"] for p in plans)
+        rounds = sum(len(st.accept_lengths) - 1 for st in stats)
+        out[name] = {"predicted_speedup": round(sum(p["expected_tokens"] for p in plans) / cost, 4) if cost else None,
+                     "draft_round_share": round(sum(st.draft_rounds for st in stats) / rounds, 4) if rounds else 0.0}
     return out

@@ -2,30 +2,27 @@
 the rich table and the one-line headline. The schema is documented in docs/benchmarks.md."""
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from . import metrics
 from .runner import ContenderResult
 
 SCHEMA = "selfspec-bench/1"
+Repeats = Sequence[Sequence[Mapping[str, Any]]]  # per timed pass: per-prompt records
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
-def _block(repeats: Sequence[Sequence[Mapping[str, Any]]], ref: Sequence[Sequence[Mapping[str, Any]]] | None,
-           base: Sequence[Sequence[Mapping[str, Any]]] | None) -> dict[str, Any]:
+def _block(repeats: Repeats, ref: Repeats | None, base: Repeats | None) -> dict[str, Any]:
     """Metrics of one contender over one set of prompts (all, or one category)."""
     last = list(repeats[-1]) if repeats else []
-    tp = metrics.throughput_summary(repeats)
-    out: dict[str, Any] = {k: _r(v, 3) for k, v in tp.items()}
+    out: dict[str, Any] = {k: _r(v, 3) for k, v in metrics.throughput_summary(repeats).items()}
     out["per_repeat_tokens_per_s"] = [_r(metrics.repeat_tps(rs), 3) for rs in repeats]
     out["speedup_vs_ar"] = _r(metrics.speedup(repeats, ref)) if ref is not None else None
     out["speedup_vs_hf"] = _r(metrics.speedup(repeats, base)) if base is not None else None
@@ -40,25 +37,23 @@ def _block(repeats: Sequence[Sequence[Mapping[str, Any]]], ref: Sequence[Sequenc
     return out
 
 
-def _subset(repeats: Sequence[Sequence[Mapping[str, Any]]], ids: set[Any]) -> list[list[Mapping[str, Any]]]:
-    return [[r for r in rs if r["id"] in ids] for rs in repeats]
+def _subset(repeats: Repeats | None, ids: set[Any]) -> Repeats | None:
+    return None if repeats is None else [[r for r in rs if r["id"] in ids] for rs in repeats]
 
 
 def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] | None:
     """What the drafting plans predicted (decoding/cost.py: expected tokens over cost in plain
     steps, summed over every round of every prompt), the skip ratio of layer-skipping
     methods; None for methods that do not plan."""
-    last = res.records
-    turn_stats = [t.get("stats", {}) for r in last for t in (r.get("turns") or [r])]
+    turn_stats = [t.get("stats", {}) for r in res.records for t in (r.get("turns") or [r])]
     plans = [st["plan"] for st in turn_stats if st.get("plan")]
     if not plans:
         return None
     out: dict[str, Any] = {"predicted_speedup": _r(sum(p["expected_tokens"] for p in plans) / sum(p["cost_steps"] for p in plans))}
-    st = last[-1]["stats"]
+    st = res.records[-1]["stats"]
     if num_layers and "skip_attn" in st:
         out["skip_ratio"] = _r((len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers))
-    shares = [st.get("draft_round_share") for st in turn_stats]
-    out["draft_round_share"] = _r(statistics.fmean(x or 0.0 for x in shares))
+    out["draft_round_share"] = _r(statistics.fmean(st.get("draft_round_share") or 0.0 for st in turn_stats))
     return out
 
 
@@ -69,29 +64,24 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
     """Per-method metrics, overall and per category."""
     ref = results[reference].repeats if reference in results else None
     base = results[baseline].repeats if baseline in results else None
-    first = next(iter(results.values()))
-    cats = metrics.by_category(first.records)
+    cats = metrics.by_category(next(iter(results.values())).records)
+    # record ids per category; no per-category figures when there is only one category
+    cat_ids = {cat: {r["id"] for r in recs} for cat, recs in cats.items()} if len(cats) > 1 else {}
     out: dict[str, dict[str, Any]] = {}
     for name, res in results.items():
         m = {"kind": res.kind, "lossless": res.lossless, "description": (descriptions or {}).get(name),
              **_block(res.repeats, ref, base)}
         opt = [metrics.sum_stat(rs, "optimize_s") for rs in res.repeats]
         m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
-        m["offline"] = dict((offline_cost or {}).get(name, {})) or None
-        cm = _cost_model(res, num_layers)
-        if cm is not None:
+        m["offline"] = dict((offline_cost or {}).get(name) or {}) or None
+        if (cm := _cost_model(res, num_layers)) is not None:
             if cm["predicted_speedup"] and m.get("speedup_vs_ar"):
                 cm["measured_over_predicted"] = _r(m["speedup_vs_ar"] / cm["predicted_speedup"])
             m["cost_model"] = cm
         m["peak_rss_mb"] = _r(res.peak_rss_mb, 1)
         m["peak_cuda_mb"] = _r(res.peak_cuda_mb, 1)
-        m["categories"] = {}
-        if len(cats) > 1:
-            for cat, recs in cats.items():
-                ids = {r["id"] for r in recs}
-                m["categories"][cat] = _block(_subset(res.repeats, ids),
-                                              _subset(ref, ids) if ref is not None else None,
-                                              _subset(base, ids) if base is not None else None)
+        m["categories"] = {cat: _block(_subset(res.repeats, ids), _subset(ref, ids), _subset(base, ids))
+                           for cat, ids in cat_ids.items()}
         out[name] = m
     return out
 
@@ -99,17 +89,9 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
 def document(summary: Mapping[str, Any], *, setup: Mapping[str, Any], environment: Mapping[str, Any],
              model: Mapping[str, Any], reference: str | None, baseline: str | None,
              files: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "schema": SCHEMA,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": dict(model),
-        "environment": dict(environment),
-        "setup": dict(setup),
-        "reference": reference,
-        "baseline": baseline,
-        "methods": dict(summary),
-        "files": dict(files or {}),
-    }
+    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": dict(model),
+            "environment": dict(environment), "setup": dict(setup), "reference": reference, "baseline": baseline,
+            "methods": dict(summary), "files": dict(files or {})}
 
 
 def headline(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,16 +99,10 @@ def headline(doc: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "mean_accepted_length", "acceptance_rate")
     methods = {name: {**{k: m[k] for k in keys}, "parity": (m.get("parity") or {}).get("parity"), "lossless": m["lossless"]}
                for name, m in doc["methods"].items()}
-    return {
-        "schema": SCHEMA,
-        "results": doc.get("files", {}).get("results"),
-        "model": doc["model"].get("name"),
-        "device": doc["environment"].get("device"),
-        "suite": doc["setup"].get("suite") or doc["setup"].get("prompt_file"),
-        "prompts": doc["setup"].get("prompts"),
-        "max_new_tokens": doc["setup"].get("max_new_tokens"),
-        "methods": methods,
-    }
+    setup = doc["setup"]
+    return {"schema": SCHEMA, "results": doc.get("files", {}).get("results"), "model": doc["model"].get("name"),
+            "device": doc["environment"].get("device"), "suite": setup.get("suite") or setup.get("prompt_file"),
+            "prompts": setup.get("prompts"), "max_new_tokens": setup.get("max_new_tokens"), "methods": methods}
 
 
 def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> list[dict[str, Any]]:
@@ -134,26 +110,10 @@ def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> l
     out = []
     for r in records:
         turns = r.get("turns") or [r]
-        choice = {
-            "index": 0,
-            "turns": [t["text"] for t in turns],
-            "decoding_steps": [len(t["stats"].get("accept_lengths", [])) for t in turns],
-            "new_tokens": [t["new_tokens"] for t in turns],
-            "wall_time": [t["wall_time_s"] for t in turns],
-            "accept_lengths": [x for t in turns for x in t["stats"].get("accept_lengths", [])],
-        }
-        out.append({
-            "question_id": r["id"],
-            "category": r.get("category"),
-            "answer_id": uuid.uuid4().hex[:22],
-            "model_id": model_id,
-            "tstamp": time.time(),
-            "choices": [choice],
-        })
+        lengths = [t["stats"].get("accept_lengths", []) for t in turns]
+        choice = {"index": 0, "turns": [t["text"] for t in turns], "decoding_steps": [len(a) for a in lengths],
+                  "new_tokens": [t["new_tokens"] for t in turns], "wall_time": [t["wall_time_s"] for t in turns],
+                  "accept_lengths": [x for a in lengths for x in a]}
+        out.append({"question_id": r["id"], "category": r.get("category"), "answer_id": uuid.uuid4().hex[:22],
+                    "model_id": model_id, "tstamp": time.time(), "choices": [choice]})
     return out
-
-
-def write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")

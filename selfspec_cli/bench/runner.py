@@ -70,11 +70,10 @@ class MemorySampler:
         self.current: str | None = None
         self.peaks: dict[str, int] = {}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _note(self) -> None:
-        name = self.current
-        if name is not None:
+        if (name := self.current) is not None:  # read once: the sampling thread races the timed one
             self.peaks[name] = max(self.peaks.get(name, 0), _rss_bytes())
 
     def _run(self) -> None:
@@ -87,30 +86,18 @@ class MemorySampler:
         self._note()
 
     def __enter__(self) -> MemorySampler:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         self._note()
 
 
-def run_bench(
-    contenders: Sequence[Contender],
-    prompts: Sequence[Prompt],
-    tokenizer: Any,
-    cfg: GenerationConfig,
-    device: torch.device,
-    warmup: int = 1,
-    repeats: int = 1,
-    use_chat_template: bool = True,
-    on_prompt: Callable[[str, dict[str, Any]], None] | None = None,
-    on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
-) -> dict[str, ContenderResult]:
+def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokenizer: Any, cfg: GenerationConfig,
+              device: torch.device, warmup: int = 1, repeats: int = 1, use_chat_template: bool = True,
+              on_record: Callable[[str, int, dict[str, Any]], None] | None = None) -> dict[str, ContenderResult]:
     """Warm up each contender on the first prompt, then ``repeats`` timed passes.
 
     Within a pass the order is prompt-major: every contender decodes prompt 1, then every
@@ -122,35 +109,28 @@ def run_bench(
     results = {c.name: ContenderResult(c.name, c.lossless, c.kind) for c in contenders}
     for c in contenders:
         for _ in range(warmup):
-            gen = c.make()
-            run_prompt(gen, tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
+            run_prompt(c.make(), tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
     cuda = device.type == "cuda"
-    n = len(contenders)
     with MemorySampler() as mem:
         for rep in range(repeats):
             gens = {c.name: c.make() for c in contenders}
-            recs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+            for res in results.values():
+                res.repeats.append([])
             for i, p in enumerate(prompts):
-                for j in range(n):
-                    c = contenders[(i + rep + j) % n]
+                for j in range(len(contenders)):
+                    c = contenders[(i + rep + j) % len(contenders)]
+                    res = results[c.name]
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
                     mem.running(c.name)
                     rec = run_prompt(gens[c.name], tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
                     mem.running(None)
-                    res = results[c.name]
                     if cuda:
-                        cm = torch.cuda.max_memory_allocated(device) / 2**20
-                        res.peak_cuda_mb = cm if res.peak_cuda_mb is None else max(res.peak_cuda_mb, cm)
+                        res.peak_cuda_mb = max(res.peak_cuda_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
                     rec["repeat"] = rep
-                    recs[c.name].append(rec)
+                    res.repeats[-1].append(rec)
                     if on_record:
                         on_record(c.name, rep, rec)
-                    if on_prompt:
-                        on_prompt(c.name, rec)
-            for c in contenders:
-                results[c.name].repeats.append(recs[c.name])
     for name, res in results.items():
-        if name in mem.peaks:
-            res.peak_rss_mb = mem.peaks[name] / 2**20
+        res.peak_rss_mb = mem.peaks[name] / 2**20 if name in mem.peaks else None
     return results

@@ -31,8 +31,7 @@ DEFAULT_SUITE = "spec-bench-mini"
 # Spec-Bench's six groups: the eight MT-bench categories form "mt_bench"
 SPEC_BENCH_GROUPS = {
     **{c: "mt_bench" for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")},
-    "translation": "translation", "summarization": "summarization", "qa": "qa",
-    "math_reasoning": "math_reasoning", "rag": "rag",
+    **{g: g for g in ("translation", "summarization", "qa", "math_reasoning", "rag")},
 }
 # suite name -> questions per group (None = all)
 SPEC_BENCH_SUITES: dict[str, int | None] = {"spec-bench": None, "spec-bench-mini": 2}
@@ -45,8 +44,7 @@ def list_suites() -> list[str]:
 
 def evenly_spaced(n: int, k: int) -> list[int]:
     """``k`` indices spread evenly over ``range(n)``: the centres of ``k`` equal blocks."""
-    if k >= n:
-        return list(range(n))
+    k = min(k, n)  # k >= n: every index ((i + 0.5) * n / n truncates to i)
     return [int((i + 0.5) * n / k) for i in range(k)]
 
 
@@ -56,16 +54,14 @@ def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) 
     _, rows = _read_rows(path, "spec-bench")
     by_group: dict[str, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["question_id"]):
-        group = SPEC_BENCH_GROUPS.get(row["category"])
-        if group is None:
+        if (group := SPEC_BENCH_GROUPS.get(row["category"])) is None:
             raise PromptFileError(f"spec-bench: question {row['question_id']} has unknown category {row['category']!r}")
         by_group.setdefault(group, []).append(row)
     prompts: list[Prompt] = []
     for group, members in by_group.items():
         chosen = members if per_group is None else [members[i] for i in evenly_spaced(len(members), per_group)]
-        for row in chosen:
-            where = f"spec-bench: question {row['question_id']}"
-            prompts.append(Prompt(id=int(row["question_id"]), turns=_turns(row, where), category=group))
+        prompts += [Prompt(id=int(row["question_id"]), turns=_turns(row, f"spec-bench: question {row['question_id']}"),
+                           category=group) for row in chosen]
     return prompts
 
 
@@ -130,11 +126,10 @@ def _turns(row: dict, where: str) -> tuple[str, ...]:
 def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     """The prompts of a built-in suite (see :func:`list_suites`) or of a local JSONL file,
     in file order, each with its ``id`` and ``category``."""
-    if str(name_or_path) in SPEC_BENCH_SUITES:
-        return load_spec_bench(SPEC_BENCH_SUITES[str(name_or_path)])
-    path = suite_path(name_or_path)
     label = str(name_or_path)
-    columns, rows = _read_rows(path, label)
+    if label in SPEC_BENCH_SUITES:
+        return load_spec_bench(SPEC_BENCH_SUITES[label])
+    columns, rows = _read_rows(suite_path(label), label)
     if not rows:
         raise PromptFileError(f"suite '{label}' is empty; give at least one prompt")
     for field in ("id", "category"):

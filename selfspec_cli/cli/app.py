@@ -16,17 +16,11 @@ from .profile import profile
 from .train_heads import train_heads
 
 app = typer.Typer(
-    name="selfspec",
-    help="Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-app.command("generate")(generate)
-app.command("bench")(bench)
-app.command("calibrate")(calibrate)
-app.command("train-heads")(train_heads)
-app.command("profile")(profile)
+    name="selfspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes).")
+for _name, _command in (("generate", generate), ("bench", bench), ("calibrate", calibrate),
+                        ("train-heads", train_heads), ("profile", profile)):
+    app.command(_name)(_command)
 
 # typer >= 0.20 ships its own copy of click; catch both families
 try:
@@ -35,7 +29,6 @@ try:
     _CLICK_ERRORS: tuple[type[BaseException], ...] = (click.ClickException, _tclick.ClickException)
 except ImportError:  # pragma: no cover - older typer
     _CLICK_ERRORS = (click.ClickException,)
-_ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
 
 INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
 TERMINATED = "selfspec: terminated (SIGTERM); everything finished before it was kept"
@@ -51,11 +44,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _interrupted() -> int:
-    term = bool(_signals)
     note = pop_exit_note()
-    msg = TERMINATED if term else INTERRUPTED
-    print(msg + (f"; {note}" if note else ""), file=sys.stderr)
-    return SIGTERM_STATUS if term else 130
+    print((TERMINATED if _signals else INTERRUPTED) + (f"; {note}" if note else ""), file=sys.stderr)
+    return SIGTERM_STATUS if _signals else 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         note = pop_exit_note()
         print(f"selfspec: error: {exc}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, *_ABORTS):
+    except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()
     except _CLICK_ERRORS as exc:
         exc.show()  # usage errors: click's own message (missing or unknown option, bad type)

@@ -19,21 +19,22 @@ import typer
 from rich.table import Table
 
 from ..artifacts import atomic_write, environment_info, model_name
-from ..bench import plots
+from ..bench import plots, profile as prof
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
-from ..bench.report import document, headline, spec_bench_answers, summarize, write_jsonl
+from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suites import DEFAULT_SUITE, load_prompts
-from ..config import GenerationConfig, SamplingConfig
+from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
-from ..methods import METHODS, Method, build, config_for
+from ..methods import METHODS, Method, build
 from ..prompts import PROMPT_FORMATS
-from ..runtime import check_prompt_fits, context_length, eos_token_ids
+from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
-                     log, progress, write_record)
+                     log, progress, table, write_record)
+from .method_options import method_config
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -47,48 +48,35 @@ REFERENCE, BASELINE = "ar", "hf"
 
 
 # files bench writes into --output-dir (and only these are ever deleted, with --force)
-BENCH_FILES = ("results.json", "speedup_by_category.png", "accept_lengths.png")
+BENCH_FILES = ("results.json", "speedup_by_category.png", "accept_lengths.png", "records/*.jsonl", "answers/*.jsonl",
+               "*_skip_sets.png")
 
 
 def bench_files(output_dir: Path) -> list[Path]:
     """Files of an earlier bench run in ``output_dir``: its fixed names, records/*.jsonl,
     answers/*.jsonl and *_skip_sets.png. Nothing else there is touched."""
-    if not output_dir.is_dir():
-        return []
-    found = [output_dir / n for n in BENCH_FILES if (output_dir / n).is_file()]
-    for sub in ("records", "answers"):
-        found += sorted(p for p in (output_dir / sub).glob("*.jsonl") if p.is_file())
-    found += sorted(p for p in output_dir.glob("*_skip_sets.png") if p.is_file())
-    return found
+    return [p for pattern in BENCH_FILES for p in sorted(output_dir.glob(pattern)) if p.is_file()]
 
 
-def _f(x: Any, suffix: str = "") -> str:
-    return "-" if x is None else f"{x:.2f}{suffix}"
+def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt) + suffix
 
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
-    t = Table(title=title, title_justify="left")
-    cols = ["method", "tok/s", "min-max"]
-    cols += ["vs ar"] if has_ref else []
-    cols += ["vs hf"] if has_base else []
-    cols += ["M", "alpha", "parity", "differs (first token)", "optim s", "peak MB"]
-    for c in cols:
-        t.add_column(c, justify="left" if c in ("method", "differs (first token)") else "right")
+    vs = [k for k, shown in (("ar", has_ref), ("hf", has_base)) if shown]  # the speedup columns
+    t = table(title, ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "M", "alpha", "parity",
+                      "differs (first token)", "optim s", "peak MB"], left=("method", "differs (first token)"))
     for n, m in summary.items():
         par = m.get("parity")
         differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
         if par and len(par["differing"]) > 4:
             differs += f" +{len(par['differing']) - 4}"
-        row = [n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
-               f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
-        row += [f"{m['speedup_vs_ar']:.2f}x"] if has_ref else []
-        row += [f"{m['speedup_vs_hf']:.2f}x"] if has_base else []
-        row += [_f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
-                f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-",
-                differs,
-                f"{m['optimization_s']:.1f}" if m["optimization_s"] is not None else "-",
-                f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}"]
-        t.add_row(*row)
+        speedups = [f"{m['speedup_vs_' + k]:.2f}x" for k in vs]
+        t.add_row(n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
+                  f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}", *speedups,
+                  _f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
+                  f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-", differs,
+                  _f(m["optimization_s"], fmt=".1f"), f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}")
     return t
 
 
@@ -96,35 +84,26 @@ def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table
     cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
     if not cats:
         return None
-    t = Table(title="speedup by category: vs ar" + (" / vs hf" if has_base else "") + "  (M)", title_justify="left")
-    t.add_column("method")
-    for c in cats:
-        t.add_column(c, justify="right")
+    t = table("speedup by category: vs ar" + (" / vs hf" if has_base else "") + "  (M)", ["method", *cats])
     for n, m in summary.items():
-        cells = []
-        for c in cats:
-            b = m["categories"].get(c)
-            if not b:
-                cells.append("-")
-                continue
-            s = _f(b["speedup_vs_ar"])
-            if has_base and b["speedup_vs_hf"] is not None:
-                s += f" / {b['speedup_vs_hf']:.2f}"
-            if b["mean_accepted_length"] is not None:
-                s += f" ({b['mean_accepted_length']:.2f})"
-            cells.append(s)
-        t.add_row(n, *cells)
+        t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
     return t
+
+
+def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
+    if not b:
+        return "-"
+    hf = f" / {b['speedup_vs_hf']:.2f}" if has_base and b["speedup_vs_hf"] is not None else ""
+    m = "" if b["mean_accepted_length"] is None else f" ({b['mean_accepted_length']:.2f})"
+    return _f(b["speedup_vs_ar"]) + hf + m
 
 
 def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
     rows = {n: m["cost_model"] for n, m in summary.items() if m.get("cost_model")}
     if not rows:
         return None
-    t = Table(title="cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup",
-              title_justify="left")
-    for c in ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted", "skip ratio"):
-        t.add_column(c, justify="left" if c == "method" else "right")
+    t = table("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup",
+              ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted", "skip ratio"))
     for n, cm in rows.items():
         t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),
                   _f(summary[n].get("speedup_vs_ar"), "x"), _f(cm.get("measured_over_predicted")), _f(cm.get("skip_ratio")))
@@ -163,10 +142,12 @@ def bench(
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
-    if early_exit_layer is not None and "hf-early-exit" not in names:
-        raise ConfigError("--early-exit-layer is an option of the hf-early-exit peer; drop it or add hf-early-exit to --methods")
-    if assistant_model is not None and "hf-assisted" not in names:
-        raise ConfigError("--assistant-model is an option of the hf-assisted peer; drop it or add hf-assisted to --methods")
+    for opt, value, peer in (("--early-exit-layer", early_exit_layer, "hf-early-exit"),
+                             ("--assistant-model", assistant_model, "hf-assisted")):
+        if value is not None and peer not in names:
+            raise ConfigError(f"{opt} is an option of the {peer} peer; drop it or add {peer} to --methods")
+    if "hf-assisted" in names and assistant_model is None:
+        raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
     stale = bench_files(output_dir)
     if stale and not force:
@@ -175,40 +156,31 @@ def bench(
                           "those files first, or choose another --output-dir")
     for f in stale:  # only with --force
         check_not_input(f, (prompt_file,), "--output-dir")
-    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # validates first
+    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens)  # greedy; validates first
     prompts, source = load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    cfg = GenerationConfig(max_new_tokens=cfg0.max_new_tokens, sampling=cfg0.sampling, eos_token_ids=eos_token_ids(mdl, tok))
-    ctx = context_length(mdl)
+    cfg = dataclasses.replace(cfg0, eos_token_ids=eos_token_ids(mdl, tok))
     for p in prompts:
-        check_prompt_fits(p, tok, cfg, ctx, chat_template)
-    assistant = None
-    if "hf-assisted" in names:
-        if assistant_model is None:
-            raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
-        assistant, _ = load_model(assistant_model, dtype=dtype, device=device)
+        check_prompt_fits(p, tok, cfg, context_length(mdl), chat_template)
+    assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
     engine = Engine(mdl)
     dev = torch.device(engine.device)
 
     # build every contender once up front: a missing artifact fails now, not after an hour
     contenders: list[Contender] = []
     descriptions: dict[str, str] = {}
-    offline: dict[str, dict[str, Any]] = {}
+    offline: dict[str, dict[str, Any] | None] = {}
     built: dict[str, list[Method]] = {}  # the method instances of each pass, for their search histories
     for n in names:
         if n in METHODS or n in VARIANTS:
             base, extra, note = VARIANTS.get(n, (n, {}, ""))
-            if "seed" in {f.name for f in dataclasses.fields(METHODS[base].Config)}:
-                extra = {"seed": seed, **extra}
-            conf = config_for(base, extra)
+            conf = method_config(base, extra, seed=seed)  # the run's seed where the method has one
             first = build(base, engine, tok, conf)
             descriptions[n] = first.description + note
-            cost = first.offline_info()  # calibration / training time, from its artifacts
-            if cost:
-                offline[n] = cost
+            offline[n] = first.offline_info()  # calibration / training time, from its artifacts
             built[n] = []
 
             def make(b: str = base, c: Any = conf, n: str = n) -> Any:
@@ -224,8 +196,8 @@ def bench(
     for f in stale:
         f.unlink(missing_ok=True)
     try:
-        (output_dir / "records").mkdir(parents=True, exist_ok=True)
-        (output_dir / "answers").mkdir(parents=True, exist_ok=True)
+        for sub in ("records", "answers"):
+            (output_dir / sub).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create --output-dir '{output_dir}' ({exc.strerror}); choose a writable directory") from None
     cats = Counter(p.category or "all" for p in prompts)
@@ -235,35 +207,26 @@ def bench(
 
     engine_costs = None
     if costs:
-        from ..bench.profile import engine_costs as measure_engine_costs
-        from ..runtime import encode_turn
-
         ids = sorted((encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts), key=len)
-        engine_costs = measure_engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
+        engine_costs = prof.engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
         log(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
             f"T(1) {engine_costs['step_ms']:.1f} ms ({engine_costs['step_over_floor']:.2f}x floor), "
             f"v(4) {engine_costs['verify_cost']['4']:.2f}, v(8) {engine_costs['verify_cost']['8']:.2f}, "
             f"c(0.5) {engine_costs['draft_cost']['0.5']:.2f}, LM head {engine_costs['lm_head_share']:.0%}; "
             f"matrix products: {engine.kernel_info['backend']}[/dim]")
 
-    with ExitStack() as stack:
+    with ExitStack() as stack, progress() as bar:
         files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
-        running: dict[str, list[int | float]] = {n: [0, 0.0] for n in names}
+        running = {n: Counter() for n in names}  # new tokens and seconds so far, per contender
+        task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
 
         def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
             write_record(files[name], rec)
+            r = running[name]
+            r.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
+            bar.update(task, advance=1, info=f"{name} {r['tokens'] / max(r['seconds'], 1e-9):.1f} tok/s")
 
-        with progress() as bar:
-            task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
-
-            def on_prompt(name: str, rec: dict[str, Any]) -> None:
-                r = running[name]
-                r[0] += rec["new_tokens"]
-                r[1] += rec["wall_time_s"]
-                bar.update(task, advance=1, info=f"{name} {r[0] / max(r[1], 1e-9):.1f} tok/s")
-
-            results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template,
-                                on_prompt=on_prompt, on_record=on_record)
+        results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record)
 
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
@@ -276,11 +239,11 @@ def bench(
                   "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}
     file_map: dict[str, Any] = {"results": str(output_dir / "results.json"),
                                 "records": {n: str(output_dir / "records" / f"{n}.jsonl") for n in names},
-                                "answers": {}}
+                                "answers": {n: str(output_dir / "answers" / f"{n}.jsonl") for n in results}}
     for n, r in results.items():
-        path = output_dir / "answers" / f"{n}.jsonl"
-        write_jsonl(path, spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
-        file_map["answers"][n] = str(path)
+        with open(file_map["answers"][n], "w", encoding="utf-8") as f:
+            for row in spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"):
+                write_record(f, row)
     if plot:
         file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref, built)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
@@ -309,8 +272,7 @@ def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any
             if ref else None,
             "accept_lengths": plots.accept_length_histogram(logs, out / "accept_lengths.png")}
     for n, methods in built.items():
-        history = methods[-1].search_history() if methods else None
-        if history:
-            made[f"{n}_skip_sets"] = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png",
-                                                         title=f"{n}: skipped sublayers over optimization steps (last pass)")
+        history = (methods[-1].search_history() if methods else None) or []  # no search: no plot
+        title = f"{n}: skipped sublayers over optimization steps (last pass)"
+        made[f"{n}_skip_sets"] = plots.swift_heatmap(history, num_layers, out / f"{n}_skip_sets.png", title=title)
     return {name: str(p) for name, p in made.items() if p}  # a plot with nothing to show is not written

@@ -12,6 +12,7 @@ from typing import IO, Any, Collection, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from ..errors import ConfigError
 
@@ -30,8 +31,7 @@ def set_invocation(argv: list[str]) -> None:
 
 def invocation() -> str:
     """The command line of this run, as a user would retype it."""
-    args = _INVOCATION if _INVOCATION is not None else sys.argv[1:]
-    return "selfspec " + shlex.join(args)
+    return "selfspec " + shlex.join(_INVOCATION if _INVOCATION is not None else sys.argv[1:])
 
 
 def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:
@@ -45,15 +45,16 @@ def log(msg: str) -> None:
 
 
 def progress() -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-        console=err_console,
-        transient=False,
-    )
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=err_console, transient=False)
+
+
+def table(title: str, columns: Collection[str], left: Collection[str] = ("method",)) -> Table:
+    """A rich table titled at the left: the ``left`` columns left-aligned, the figures right-aligned."""
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="left" if c in left else "right")
+    return t
 
 
 # ---------------------------------------------------------------- threads
@@ -85,9 +86,7 @@ def set_exit_note(note: str) -> None:
 
 
 def pop_exit_note() -> str | None:
-    note = _EXIT_NOTE[0] if _EXIT_NOTE else None
-    _EXIT_NOTE.clear()
-    return note
+    return _EXIT_NOTE.pop() if _EXIT_NOTE else None  # it holds one note at the most
 
 
 # ---------------------------------------------------------------- output files
@@ -95,15 +94,12 @@ def pop_exit_note() -> str | None:
 
 def check_not_input(path: Path, inputs: tuple[str | None, ...], option: str = "--output") -> None:
     """Refuse an output path that is one of the input files (it would be destroyed)."""
-    for src in inputs:
-        if src is None or src == "-":
-            continue
-        s = Path(src)
+    for src in (s for s in inputs if s not in (None, "-")):
         try:
-            same = s.exists() and path.exists() and os.path.samefile(s, path)
-        except OSError:
+            same = os.path.samefile(src, path)  # hard links too
+        except OSError:  # one of them does not exist
             same = False
-        if same or s.expanduser().resolve() == path.expanduser().resolve():
+        if same or Path(src).expanduser().resolve() == path.expanduser().resolve():
             raise ConfigError(f"{option} '{path}' is the input file '{src}'; writing it would destroy the input; "
                               f"choose another {option}")
 
@@ -113,8 +109,7 @@ def _cut_to_last_line(path: Path) -> int:
     data = path.read_bytes()
     keep = data[: data.rfind(b"\n") + 1]
     if len(keep) != len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(keep))
+        os.truncate(path, len(keep))
     return keep.count(b"\n")
 
 
@@ -165,19 +160,16 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
     from ..artifacts import _umask  # the mode a plain open() would give (mkstemp makes it 0600)
 
     os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-    f = os.fdopen(fd, "w", encoding="utf-8")
     try:
-        yield f
-        f.close()
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:
-        f.close()
         n = _cut_to_last_line(tmp)
         if n == 0:
             tmp.unlink(missing_ok=True)
         else:
-            note = f"{n} finished record{'s are' if n != 1 else ' is'} in {tmp} ('{path}' is unchanged)"
-            set_exit_note(note)
+            set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {tmp} ('{path}' is unchanged)")
         raise
 
 

@@ -1,18 +1,17 @@
 """``selfspec generate``: decode every prompt of a file with one method; JSONL out."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 import typer
 
 from ..artifacts import check_new_artifact
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, FieldError
 from ..loading import load_model
-from ..errors import FieldError
 from ..methods import METHODS, build
 from ..prompts import PROMPT_FORMATS, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
@@ -49,7 +48,7 @@ def generate(
         raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates before any loading
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     n_threads = apply_threads(threads)
     if save_layers is not None:
@@ -58,18 +57,16 @@ def generate(
     prompts = read_prompts(prompt_file, prompt_format)
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    eos_ids = eos_token_ids(mdl, tok)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop), eos_token_ids=eos_ids)
-    ctx = context_length(mdl)
+    cfg = dataclasses.replace(cfg, eos_token_ids=eos_token_ids(mdl, tok))
     for p in prompts:
-        check_prompt_fits(p, tok, cfg, ctx, chat_template)
+        check_prompt_fits(p, tok, cfg, context_length(mdl), chat_template)
 
     engine = Engine(mdl)
     try:
         meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
-    dev = torch.device(engine.device)
+    dev = engine.device  # a torch.device
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "
         f"method {method}; {len(prompts)} prompts[/dim]")
     total_tokens, total_time = 0, 0.0
@@ -83,5 +80,4 @@ def generate(
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
     if save_layers is not None:
-        path = meth.save_layers(save_layers)
-        log(f"wrote skip-set artifact {path}")
+        log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")

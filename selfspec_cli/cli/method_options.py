@@ -29,11 +29,10 @@ def option_fields() -> dict[str, tuple[Any, str, dict[str, Any]]]:
     out: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for mname, cls in METHODS.items():
         hints = typing.get_type_hints(cls.Config)
-        for f in dataclasses.fields(cls.Config):
-            if "help" in f.metadata:
-                args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-                kind = str if typing.get_origin(args[0]) is tuple else args[0]  # layer lists are text: 1,3,5
-                out.setdefault(f.name, (kind, f.metadata["help"], {}))[2][mname] = f.default
+        for f in (f for f in dataclasses.fields(cls.Config) if "help" in f.metadata):
+            args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+            kind = str if typing.get_origin(args[0]) is tuple else args[0]  # layer lists are text: 1,3,5
+            out.setdefault(f.name, (kind, f.metadata["help"], {}))[2][mname] = f.default
     return out
 
 

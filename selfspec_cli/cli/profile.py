@@ -14,17 +14,16 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from ..errors import ArtifactError
 from ..artifacts import SkipSet, environment_info, model_name, now_iso, save_json_artifact
 from ..bench import profile as prof
 from ..bench.suites import DEFAULT_SUITE, load_prompts
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ArtifactError, ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS
 from ..runtime import encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress
+from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress, table
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -54,8 +53,7 @@ def profile(
         if val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
     predict_methods = [m for m in predict.replace(" ", "").split(",") if m]
-    unknown = [m for m in predict_methods if m not in METHODS]
-    if unknown:
+    if unknown := [m for m in predict_methods if m not in METHODS]:
         raise ConfigError(f"--predict: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
@@ -67,9 +65,7 @@ def profile(
         raise ConfigError(f"{output_dir} already holds a profile ({old[0].name}); pass --force to replace it, "
                           "or choose another --output-dir")
     n_threads = apply_threads(threads)
-    prompts, _ = load_prompts(prompt_file, suite, prompt_format)
-    if not prompts:
-        raise ConfigError("no prompts to profile with")
+    prompts, _ = load_prompts(prompt_file, suite, prompt_format)  # never empty: both readers refuse that
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     engine = Engine(mdl)
@@ -110,19 +106,11 @@ def profile(
             bar.update(ptask, completed=len(predict_methods), info="")
 
     result: dict[str, Any] = {
-        "kind": "selfspec-profile",
-        "model": model_name(mdl),
-        "model_fingerprint": model_fingerprint(mdl),
-        "num_layers": engine.num_layers,
-        **costs,
-        "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
-        "kernel_max_logit_diff": diff,
-        "redundancy": red,
-        "predicted_speedup": predicted,
-        "environment": environment_info(engine.device, engine.dtype),
-        "created": now_iso(),
-        "profile_s": round(time.perf_counter() - t_start, 1),
-    }
+        "kind": "selfspec-profile", "model": model_name(mdl), "model_fingerprint": model_fingerprint(mdl),
+        "num_layers": engine.num_layers, **costs, "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
+        "kernel_max_logit_diff": diff, "redundancy": red, "predicted_speedup": predicted,
+        "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
+        "profile_s": round(time.perf_counter() - t_start, 1)}
     output_dir.mkdir(parents=True, exist_ok=True)
     save_json_artifact(output_dir / "profile.json", result)
     if plots:
@@ -137,10 +125,8 @@ def profile(
 
 
 def _table(r: dict[str, Any]) -> Table:
-    t = Table(title=f"profile: {r['model']} ({r['environment']['dtype']}, {r['environment']['threads']} thread(s), "
-                    f"kernel {r['kernel']['backend']})", title_justify="left")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
+    t = table(f"profile: {r['model']} ({r['environment']['dtype']}, {r['environment']['threads']} thread(s), "
+              f"kernel {r['kernel']['backend']})", ("figure", "value"), left=("figure",))
     t.add_row("weights read per step", f"{r['weight_bytes'] / 1e6:.0f} MB")
     t.add_row("read bandwidth", f"{r['bandwidth_gbs']:.1f} GB/s")
     t.add_row("floor (bytes / bandwidth)", f"{r['floor_ms']:.1f} ms")
@@ -150,17 +136,14 @@ def _table(r: dict[str, Any]) -> Table:
     t.add_row("LM head share", f"{r['lm_head_share']:.0%}")
     if r.get("kernel_max_logit_diff") is not None:
         t.add_row("kernel max |logit diff|", f"{r['kernel_max_logit_diff']:.1e}")
-    red = r.get("redundancy")
-    if red:
+    if red := r.get("redundancy"):
         a, m = red["attn"], red["mlp"]
         t.add_row("one skipped sublayer: agreement", f"attn {min(a):.2f}-{max(a):.2f}, mlp {min(m):.2f}-{max(m):.2f}")
-        if red.get("calibrated"):
-            c = red["calibrated"]
+        if c := red.get("calibrated"):
             t.add_row("calibrated set: agreement",
                       f"{c['agreement']:.2f} ({len(c['skip_attn'])} attn + {len(c['skip_mlp'])} mlp skipped)")
     for name, p in (r.get("predicted_speedup") or {}).items():
-        if p.get("predicted_speedup") is not None:
-            t.add_row(f"predicted speedup: {name}", f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
-        else:
-            t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)"))
+        t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)")
+                  if p.get("predicted_speedup") is None
+                  else f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
     return t
