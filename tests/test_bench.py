@@ -71,6 +71,23 @@ def test_throughput_is_spec_bench_mean_of_per_prompt_rates_and_speedup_is_ratio_
     assert metrics.speedup([[rec("a", 100, 1.0, [1]), rec("b", 10, 10.0, [1])]], base) == pytest.approx(50.5 / 10)
 
 
+def test_decode_only_throughput_leaves_out_each_turns_prefill():
+    # one turn: 11 tokens in 1.5 s of which 0.5 s prefill -> 10 tokens in 1.0 s
+    a = {"id": "a", "new_tokens": 11, "wall_time_s": 1.5, "stats": {"prefill_s": 0.5}}
+    # two turns: (5 - 1) tokens in 1.0 - 0.2 s and (9 - 1) in 2.0 - 0.4 s -> 12 tokens in 2.4 s
+    mt = {"id": "m", "new_tokens": 14, "wall_time_s": 3.0, "stats": {"prefill_s": 0.6}, "turns": [
+        {"new_tokens": 5, "wall_time_s": 1.0, "stats": {"prefill_s": 0.2}},
+        {"new_tokens": 9, "wall_time_s": 2.0, "stats": {"prefill_s": 0.4}}]}
+    assert metrics.decode_tps(a) == pytest.approx(10.0)
+    assert metrics.decode_tps(mt) == pytest.approx(12 / 2.4)
+    peer = {"id": "a", "new_tokens": 11, "wall_time_s": 1.5, "stats": {"accept_lengths": [1] * 11}}
+    assert metrics.decode_tps(peer) is None  # no prefill reported: no decode-only figure
+    fast = {**a, "wall_time_s": 1.0}  # 10 tokens in 0.5 s: 2x decode-only, 1.5x end to end
+    assert metrics.decode_speedup([[fast]], [[a]]) == pytest.approx(2.0)
+    assert metrics.speedup([[fast]], [[a]]) == pytest.approx(1.5)
+    assert metrics.decode_speedup([[fast]], [[peer]]) is None
+
+
 def test_parity_reports_first_divergence_and_token_share():
     ref = [rec(1, 4, 1.0, [1] * 4, ids=[5, 6, 7, 8]), rec(2, 4, 1.0, [1] * 4, ids=[1, 2, 3, 4]),
            rec(3, 2, 1.0, [1] * 2, ids=[9, 9])]
@@ -239,7 +256,10 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     assert doc["methods"]["swift"]["optimization_s"] is not None
     cm = doc["methods"]["swift"]["cost_model"]
     assert 0 < cm["skip_ratio"] < 1 and cm["predicted_speedup"] > 0 and 0 <= cm["draft_round_share"] <= 1
-    assert cm["measured_over_predicted"] == pytest.approx(doc["methods"]["swift"]["speedup_vs_ar"] / cm["predicted_speedup"], rel=0.01)
+    swift = doc["methods"]["swift"]  # the plans predict decode-only speed: measured is decode-only too
+    assert swift["decode_speedup_vs_ar"] > 0 and swift["decode_tokens_per_s"] > swift["tokens_per_s"]
+    assert cm["measured_over_predicted"] == pytest.approx(swift["decode_speedup_vs_ar"] / cm["predicted_speedup"], rel=0.01)
+    assert doc["methods"]["hf"]["decode_tokens_per_s"] is None and doc["methods"]["hf"]["decode_speedup_vs_ar"] is None
     assert 0 <= doc["methods"]["asd"]["cost_model"]["skip_ratio"] < 1
     assert "cost_model" not in doc["methods"]["hf-pld"]
     assert doc["methods"]["hf-pld"]["acceptance_rate"] is not None

@@ -9,6 +9,9 @@ Definitions (the same for every contender, selfspec's methods and outside peers)
   average); a method's figure is the **median over repeats**, with the min-max;
 * **speedup** of A over B = mean tokens/s of A / mean tokens/s of B, each mean taken over
   every (repeat, prompt) pair (Spec-Bench's ratio of mean throughputs);
+* **decode-only** tokens/s and speedup: the same with each turn's prefill (and the token it
+  makes) left out, for contenders that report ``prefill_s`` (selfspec's methods); the
+  drafting plans' predictions are decode-only, so they are checked against this;
 * a **step** is one full-depth target forward, prefill included; ``accept_lengths[i]`` is
   the number of tokens step ``i`` added. **M** (mean accepted length) = mean of
   ``accept_lengths`` over all steps of all prompts = tokens / steps;
@@ -52,6 +55,26 @@ def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[S
     b = [prompt_tps(r) for rs in base_repeats for r in rs]
     mb = statistics.fmean(b) if b else 0.0
     return statistics.fmean(a) / mb if a and mb > 0 else None
+
+
+def decode_tps(rec: Record) -> float | None:
+    """Decode-only tokens/s of a prompt: the tokens after each turn's first (which the prefill
+    makes) over the turn's wall time less its prefill; None when a turn does not report its
+    prefill (outside peers)."""
+    turns = rec.get("turns") or [rec]
+    if not all("prefill_s" in t.get("stats", {}) for t in turns):
+        return None
+    secs = sum(t["wall_time_s"] - t["stats"]["prefill_s"] for t in turns)
+    return sum(t["new_tokens"] - 1 for t in turns) / secs if secs > 0 else None
+
+
+def decode_speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[Sequence[Record]]) -> float | None:
+    """Ratio of mean decode-only tokens/s (None unless both sides report their prefill)."""
+    a = [decode_tps(r) for rs in method_repeats for r in rs]
+    b = [decode_tps(r) for rs in base_repeats for r in rs]
+    if not a or not b or None in a or None in b:
+        return None
+    return statistics.fmean(a) / statistics.fmean(b)
 
 
 def _stats(rec: Record) -> list[Mapping[str, Any]]:
