@@ -101,22 +101,19 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
     pass) and keep, per prompt, the fastest pass. Load from other processes only ever
     slows a decode down, so the minimum is the least noisy estimate. Greedy decoding
     is deterministic: every pass produces the same tokens and statistics."""
-    assert repeats >= 1, repeats
     best_wall = [float("inf")] * len(prompt_ids)
-    tokens = forwards = drafted = accepted = 0
-    lengths: list[int] = []
+    first: list[DecodeResult] = []  # the first pass's results (every pass has the same tokens and statistics)
     for r in range(repeats):
         generate = make_generate()
         for i, ids in enumerate(prompt_ids):
             res, dt = timed(lambda: generate(ids, cfg), device)
             best_wall[i] = min(best_wall[i], dt)
             if r == 0:
-                tokens += len(res.token_ids)
-                forwards += res.stats.target_forwards
-                drafted += res.stats.drafted_tokens
-                accepted += res.stats.accepted_draft_tokens
-                lengths += res.stats.draft_lengths
-    return Measurement(tokens, sum(best_wall), forwards, drafted, accepted, tuple(lengths))
+                first.append(res)
+    st = [res.stats for res in first]
+    return Measurement(sum(len(res.token_ids) for res in first), sum(best_wall), sum(s.target_forwards for s in st),
+                       sum(s.drafted_tokens for s in st), sum(s.accepted_draft_tokens for s in st),
+                       tuple(k for s in st for k in s.draft_lengths))
 
 
 def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> float:
@@ -163,19 +160,14 @@ def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], 
 # ---------------------------------------------------------------- search space
 
 
-def param_names(num_layers: int) -> list[str]:
-    return [f"attn_{l}" for l in range(num_layers)] + [f"mlp_{l}" for l in range(num_layers)]
-
-
 def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> dict[str, int]:
-    return {**{f"attn_{l}": int(l in skip_attn) for l in range(num_layers)},
-            **{f"mlp_{l}": int(l in skip_mlp) for l in range(num_layers)}}
+    """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped."""
+    return {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
+            for l in range(num_layers)}
 
 
-def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], frozenset[int]]:
-    attn = frozenset(l for l in range(num_layers) if int(params[f"attn_{l}"]))
-    mlp = frozenset(l for l in range(num_layers) if int(params[f"mlp_{l}"]))
-    return attn, mlp
+def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], ...]:
+    return tuple(frozenset(l for l in range(num_layers) if int(params[f"{kind}_{l}"])) for kind in ("attn", "mlp"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +192,8 @@ def make_sampler(name: str, seed: int):
 
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)  # "random" (SearchConfig checks the name)
+    # "gp" or "random" (SearchConfig checks the name)
+    return (optuna.samplers.GPSampler if name == "gp" else optuna.samplers.RandomSampler)(seed=seed)
 
 
 # ---------------------------------------------------------------- the study
@@ -216,19 +207,15 @@ class SearchConfig:
     sampler: str = "tpe"
     repeats: int = 1  # passes per measurement; per prompt the fastest counts
     objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
-    seed_ratios: tuple[float, ...] = SEED_RATIOS
     draft: DraftConfig = DEFAULT_DRAFT
-    confirm: bool = True  # re-measure best, uniform sets and ar after the search
 
     def __post_init__(self) -> None:
-        if self.n_trials < 1:
-            raise ConfigError(f"--trials must be >= 1, got {self.n_trials}")
-        if self.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"unknown --objective '{self.objective}'; choose one of: {', '.join(OBJECTIVES)}")
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"unknown --sampler '{self.sampler}'; choose one of: {', '.join(SAMPLERS)}")
+        for flag, value in (("trials", self.n_trials), ("repeats", self.repeats)):
+            if value < 1:
+                raise ConfigError(f"--{flag} must be >= 1, got {value}")
+        for flag, value, choices in (("objective", self.objective, OBJECTIVES), ("sampler", self.sampler, SAMPLERS)):
+            if value not in choices:
+                raise ConfigError(f"unknown --{flag} '{value}'; choose one of: {', '.join(choices)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,12 +250,12 @@ class SelfSDCalibration:
 
 
 def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
-                 draft: DraftConfig, repeats: int, objective: str) -> dict[str, Any]:
+                 search: SearchConfig) -> dict[str, Any]:
     """What must not change between runs that share a study (values would not compare)."""
     return {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": num_layers,
             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": n_prompts,
-            "repeats": repeats, "objective": objective,
-            "draft": {"max_draft": draft.max_draft, "threshold": draft.threshold, "adaptive": draft.adaptive}}
+            "repeats": search.repeats, "objective": search.objective,
+            "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
 
 
 @contextlib.contextmanager
@@ -336,7 +323,6 @@ def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
     for another model or another calibration setup."""
     import optuna
 
-    study_path = Path(study_path)
     try:
         study_path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -396,8 +382,12 @@ def calibrate_self_sd(
         raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
     L = engine.num_layers
     say = log or (lambda _msg: None)
-    points = seed_points(L, search.seed_ratios)
-    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft, search.repeats, search.objective)
+    points = seed_points(L)
+    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search)
+
+    def run(attn: frozenset[int], mlp: frozenset[int]) -> Measurement:
+        return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
+
     guard = _DeferredInterrupt()
     with _optuna_quiet(), guard.installed():
         study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
@@ -427,10 +417,11 @@ def calibrate_self_sd(
                 measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft)
 
             def objective(trial: Any) -> float:
-                params = {name: trial.suggest_categorical(name, (0, 1)) for name in param_names(L)}
+                names = params_for(L, frozenset(), frozenset())
+                params = {name: trial.suggest_categorical(name, (0, 1)) for name in names}
                 attn, mlp = skip_sets_from_params(params, L)
                 with guard.interruptible():
-                    m = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
+                    m = run(attn, mlp)
                 for k, v in m.as_dict().items():
                     trial.set_user_attr(k, v)
                 trial.set_user_attr("skip_ratio", round((len(attn) + len(mlp)) / (2 * L), 4))
@@ -457,32 +448,23 @@ def calibrate_self_sd(
     result = SelfSDCalibration(
         num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
         best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
-        study_path=Path(search.study_path), baseline=None, seed_points=seeds_in_study,
+        study_path=search.study_path, baseline=None, seed_points=seeds_in_study,
         search_time_s=round(sum(durations), 3) if durations else None,
     )
-    if search.confirm:
-        say("re-measuring the best set, the uniform sets and plain decoding back to back")
-        rp = search.repeats
-        result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, rp).as_dict()
-        result.confirm["best"] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, rp).as_dict()
-        for p in points:  # a starting point that is the best set is not measured twice
-            same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
-            result.confirm[p.name] = result.confirm["best"] if same else measure_self_sd(
-                engine, tokenizer, prompt_ids, cfg, p.skip_attn, p.skip_mlp, search.draft, rp).as_dict()
-    if points:
-        # the better uniform set: by the back-to-back re-measurement when there is one
-        def score(p: SeedPoint) -> float:
-            if p.name in result.confirm:
-                return result.confirm[p.name]["tokens_per_s"]
-            v = next((s["value"] for s in seeds_in_study if s["name"] == p.name), None)
-            return v if v is not None else float("-inf")
+    say("re-measuring the best set, the uniform sets and plain decoding back to back")
+    result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()
+    result.confirm["best"] = run(attn, mlp).as_dict()
+    for p in points:  # a starting point that is the best set is not measured twice
+        same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
+        result.confirm[p.name] = result.confirm["best"] if same else run(p.skip_attn, p.skip_mlp).as_dict()
 
-        b = max(points, key=score)
-        in_study = next((s for s in seeds_in_study if s["name"] == b.name), {})
-        result.baseline = {
-            "name": b.name, "skip_attn": sorted(b.skip_attn), "skip_mlp": sorted(b.skip_mlp),
-            "value": _round(in_study.get("value")), "confirm": result.confirm.get(b.name),
-        }
+    # the better uniform set, by the back-to-back re-measurement
+    def score(s: dict[str, Any]) -> float:
+        return result.confirm[s["name"]]["tokens_per_s"]
+
+    if seeds_in_study:
+        b = max(seeds_in_study, key=score)
+        result.baseline = {**b, "confirm": result.confirm[b["name"]]}
     return result
 
 
@@ -491,14 +473,10 @@ def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layer
     out = []
     for p in points:
         params = params_for(num_layers, p.skip_attn, p.skip_mlp)
-        vals = [t.value for t in complete if t.params == params]
+        best = max((t.value for t in complete if t.params == params), default=None)
         out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
-                    "value": _round(max(vals)) if vals else None})
+                    "value": None if best is None else round(best, 3)})
     return out
-
-
-def _round(v: float | None, nd: int = 3) -> float | None:
-    return None if v is None else round(float(v), nd)
 
 
 def _dispose(storage: Any) -> None:
