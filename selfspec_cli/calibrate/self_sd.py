@@ -280,9 +280,8 @@ class _DeferredInterrupt:
     process dies with an unrelated AssertionError.) Installed only in the main thread
     and only over Python's default handler."""
 
-    def __init__(self) -> None:
-        self.pending = False
-        self.inside = False
+    pending = False  # a SIGINT is waiting for the next safe point
+    inside = False  # in a decode: a SIGINT raises at once
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.inside:
@@ -493,8 +492,7 @@ def _dispose(storage: Any) -> None:
 def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: GenerationConfig,
                    search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
     """The ``self-sd-layers`` manifest (see :mod:`selfspec_cli.artifacts`)."""
-    ar = result.confirm.get("ar")
-    best_c = result.confirm.get("best")
+    ar, best_c = result.confirm["ar"]["tokens_per_s"], result.confirm["best"]["tokens_per_s"]
     proxy = search.objective == "proxy"
     objective: dict[str, Any] = {
         "name": "self-sd predicted speedup (hardware-aware proxy)" if proxy else "self-sd greedy decoding throughput",
@@ -507,26 +505,21 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
         "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
         "acceptance_rate": result.best_attrs.get("acceptance_rate"),
         "baseline": result.baseline,
-        "confirm": result.confirm or None,
+        "confirm": result.confirm,
     }
-    if ar and best_c and ar["tokens_per_s"]:
-        objective["speedup_vs_ar"] = round(best_c["tokens_per_s"] / ar["tokens_per_s"], 4)
+    if ar:
+        objective["speedup_vs_ar"] = round(best_c / ar, 4)
         base_c = (result.baseline or {}).get("confirm")
         if base_c and base_c["tokens_per_s"]:
-            objective["speedup_vs_baseline"] = round(best_c["tokens_per_s"] / base_c["tokens_per_s"], 4)
+            objective["speedup_vs_baseline"] = round(best_c / base_c["tokens_per_s"], 4)
     return SkipSet(frozenset(result.skip_attn), frozenset(result.skip_mlp)).to_manifest(
         model, objective=objective, trials=result.trials, search_time_s=result.search_time_s,
         search={
-            "sampler": search.sampler,
-            "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
-            "seed": search.seed,
-            "repeats": search.repeats,
-            "n_trials": search.n_trials,
-            "new_trials": result.new_trials,
+            "sampler": search.sampler, "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
+            "seed": search.seed, "repeats": search.repeats,
+            "n_trials": search.n_trials, "new_trials": result.new_trials,
             "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>",
-            "seed_points": result.seed_points,
-            "study_path": str(result.study_path),
-            "study_name": STUDY_NAME,
+            "seed_points": result.seed_points, "study_path": str(result.study_path), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
             "prompts": prompts,

@@ -151,35 +151,23 @@ def calibrate(
     save_json_artifact(out_path, manifest)
 
     obj = manifest["objective"]
-    base = result.baseline or {}
+    base = result.baseline  # None when the model has no uniform starting set
     conf = result.confirm
-    parts = [f"best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
-             f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search"]
-    if conf:
-        parts.append("re-measured: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items()) + " tok/s")
-    log(f"[bold]{'; '.join(parts)}[/bold]")
+    re_measured = ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items())
+    log(f"[bold]best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
+        f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search; "
+        f"re-measured: {re_measured} tok/s[/bold]")
     log(f"wrote {out_path}")
     summary = {
-        "method": method,
-        "artifact": str(out_path),
-        "study": str(db_path),
-        "model": model_name(mdl),
-        "model_fingerprint": fingerprint,
-        "num_layers": result.num_layers,
-        "skip_attn": sorted(result.skip_attn),
-        "skip_mlp": sorted(result.skip_mlp),
-        "objective": obj["value"],
-        "unit": obj["unit"],
-        "best_trial": result.best_trial,
-        "mean_accepted_length": obj["mean_accepted_length"],
-        "acceptance_rate": obj["acceptance_rate"],
-        "baseline": {"name": base.get("name"), "value": base.get("value"),
-                     "confirm": (base.get("confirm") or {}).get("tokens_per_s")} if base else None,
-        "confirm": {k: v["tokens_per_s"] for k, v in conf.items()} or None,
-        "speedup_vs_ar": obj.get("speedup_vs_ar"),
-        "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
-        "trials": result.trials,
-        "new_trials": result.new_trials,
+        "method": method, "artifact": str(out_path), "study": str(db_path), "model": model_name(mdl),
+        "model_fingerprint": fingerprint, "num_layers": result.num_layers,
+        "skip_attn": sorted(result.skip_attn), "skip_mlp": sorted(result.skip_mlp),
+        "objective": obj["value"], "unit": obj["unit"], "best_trial": result.best_trial,
+        "mean_accepted_length": obj["mean_accepted_length"], "acceptance_rate": obj["acceptance_rate"],
+        "baseline": base and {"name": base["name"], "value": base["value"], "confirm": base["confirm"]["tokens_per_s"]},
+        "confirm": {k: v["tokens_per_s"] for k, v in conf.items()},
+        "speedup_vs_ar": obj.get("speedup_vs_ar"), "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
+        "trials": result.trials, "new_trials": result.new_trials,
     }
     print(json.dumps(summary), flush=True)
 

@@ -73,10 +73,8 @@ def train_heads(
     L = engine.num_layers
     fingerprint = model_fingerprint(mdl)
     head_layers = layer_list(layers, "--layers")  # a FieldError is a ConfigError worded with the flag
-    if head_layers is not None:
-        bad = [k for k in head_layers if not 0 <= k < L - 1]
-        if bad or not head_layers:
-            raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
+    if head_layers is not None and not (head_layers and all(0 <= k < L - 1 for k in head_layers)):
+        raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
     out_path = output or (store.default_heads_path(mdl) if kind == "lm-heads" else store.default_exit_path(mdl))
     check_new_artifact(out_path, force)  # before the slow data collection
     heads = drafter_manifest = None
