@@ -66,11 +66,10 @@ def held_out_coverage(outputs: Sequence[list[int]], vocab_size: int, sizes: Sequ
                       expected: Sequence[torch.Tensor] | None = None) -> list[float]:
     """For each n in ``sizes``: two folds over prompts, rank on one half (its counts, then its
     expected counts), count the other half's tokens in the top n; the folds' mean."""
-    idx = [list(range(0, len(outputs), 2)), list(range(1, len(outputs), 2))]
-    if not idx[1]:
-        idx[1] = idx[0]
+    even, odd = range(0, len(outputs), 2), range(1, len(outputs), 2)
+    odd = odd or even  # a single prompt: its own held-out half
     folds = []
-    for a, b in (idx, idx[::-1]):
+    for a, b in ((even, odd), (odd, even)):
         prior = sum(expected[i] for i in a) if expected is not None else None
         ranked, _ = ranked_from_outputs([outputs[i] for i in a], vocab_size, prior)
         _, counts = ranked_from_outputs([outputs[i] for i in b], vocab_size)

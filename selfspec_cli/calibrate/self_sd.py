@@ -86,9 +86,7 @@ class Measurement:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "tokens": self.tokens,
-            "wall_s": round(self.wall_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3), "tokens": self.tokens, "wall_s": round(self.wall_s, 6),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
             "proxy_speedup": None if self.proxy is None else round(self.proxy, 4),
@@ -249,15 +247,6 @@ class SelfSDCalibration:
     search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
 
 
-def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
-                 search: SearchConfig) -> dict[str, Any]:
-    """What must not change between runs that share a study (values would not compare)."""
-    return {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": num_layers,
-            "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": n_prompts,
-            "repeats": search.repeats, "objective": search.objective,
-            "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
-
-
 @contextlib.contextmanager
 def _optuna_quiet() -> Iterator[None]:
     """Optuna logs every trial at INFO, and a trial ended by Ctrl-C with a traceback at
@@ -371,8 +360,8 @@ def calibrate_self_sd(
     *,
     fingerprint: str,
     prompts_sha: str,
-    on_trial: Callable[[TrialReport], None] | None = None,
-    log: Callable[[str], None] | None = None,
+    on_trial: Callable[[TrialReport], None] = lambda _report: None,
+    log: Callable[[str], None] = lambda _msg: None,
 ) -> SelfSDCalibration:
     """Run (or resume) the search until the study holds ``search.n_trials`` COMPLETE trials."""
     from optuna.trial import TrialState
@@ -380,9 +369,12 @@ def calibrate_self_sd(
     if not cfg.sampling.greedy:
         raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
     L = engine.num_layers
-    say = log or (lambda _msg: None)
     points = seed_points(L)
-    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search)
+    # what must not change between runs that share a study (values would not compare)
+    setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
+             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
+             "repeats": search.repeats, "objective": search.objective,
+             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
 
     def run(attn: frozenset[int], mlp: frozenset[int]) -> Measurement:
         return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
@@ -397,7 +389,7 @@ def calibrate_self_sd(
             done = len(complete())
             remaining = max(0, search.n_trials - done)
             if done:
-                say(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
+                log(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
             _enqueue_seeds(study, points, L)
 
             def best() -> tuple[float | None, int | None]:
@@ -407,8 +399,7 @@ def calibrate_self_sd(
                     return None, None
                 return b.value, b.number
 
-            if on_trial is not None:
-                on_trial(TrialReport(done, search.n_trials, None, None, *best()))
+            on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
             # warm-up, untimed: first-call allocations must not favour later trials
             warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
@@ -427,7 +418,7 @@ def calibrate_self_sd(
                 return m.proxy if search.objective == "proxy" else m.tokens_per_s
 
             def callback(st: Any, frozen: Any) -> None:
-                if on_trial is not None and frozen.state == TrialState.COMPLETE:
+                if frozen.state == TrialState.COMPLETE:
                     on_trial(TrialReport(len(complete()), search.n_trials, frozen.number, frozen.value, *best(),
                                          frozen.user_attrs.get("mean_accepted_length"),
                                          frozen.user_attrs.get("acceptance_rate")))
@@ -450,7 +441,7 @@ def calibrate_self_sd(
         study_path=search.study_path, baseline=None, seed_points=seeds_in_study,
         search_time_s=round(sum(durations), 3) if durations else None,
     )
-    say("re-measuring the best set, the uniform sets and plain decoding back to back")
+    log("re-measuring the best set, the uniform sets and plain decoding back to back")
     result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()
     result.confirm["best"] = run(attn, mlp).as_dict()
     for p in points:  # a starting point that is the best set is not measured twice
@@ -501,10 +492,8 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
         "definition": ("tokens after the prefills / sum over rounds of (k c + v(k+1)) plain steps: c from weight "
                        "bytes, v measured once, the rounds' draft lengths k and acceptance by decoding" if proxy else
                        "tokens produced / wall seconds of the decode calls, over the calibration prompts"),
-        "best_trial": result.best_trial,
-        "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
-        "acceptance_rate": result.best_attrs.get("acceptance_rate"),
-        "baseline": result.baseline,
+        "best_trial": result.best_trial, "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
+        "acceptance_rate": result.best_attrs.get("acceptance_rate"), "baseline": result.baseline,
         "confirm": result.confirm,
     }
     if ar:

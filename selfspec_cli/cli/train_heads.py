@@ -16,8 +16,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..methods import head_store as store
 from ..heads.data import collect_on_policy
-from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
-                           train_lm_heads)
+from ..heads.train import DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, train_exit_mlps, train_lm_heads
 from ..loading import load_model, model_fingerprint
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
@@ -111,7 +110,7 @@ def train_heads(
 
         t0 = time.perf_counter()
         if kind == "lm-heads":
-            cfg = HeadTrainConfig(layers=head_layers or default_head_layers(L), rank=rank, epochs=epochs or 30,
+            cfg = HeadTrainConfig(layers=head_layers, rank=rank, epochs=epochs or 30,  # layers None: the default ones
                                   batch_size=batch_size or 128, lr=lr or 5e-3, seed=seed)
             trained, reports = train_lm_heads(engine, data, cfg, on_progress)
             train_s = time.perf_counter() - t0

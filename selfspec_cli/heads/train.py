@@ -53,9 +53,8 @@ def _cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
 
 @torch.no_grad()
 def _teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    out = [torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype)).float().cpu(), dim=-1)
-           for i in range(0, final_hidden.shape[0], chunk)]
-    return torch.cat(out)
+    return torch.cat([torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype))
+                                        .float().cpu(), dim=-1) for i in range(0, final_hidden.shape[0], chunk)])
 
 
 def _frozen(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
