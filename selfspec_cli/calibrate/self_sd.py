@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,20 +307,27 @@ class _DeferredInterrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def check_writable(path: Path, option: str) -> None:
+    """Refuse a file ``path`` that cannot be written (its directory is created); ``option`` names it."""
+    if path.is_dir():
+        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); "
+                          "choose a writable path") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
+
+
 def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
     """Create or resume the study in ``study_path`` (SQLite); refuse a study made
     for another model or another calibration setup."""
     import optuna
 
+    check_writable(study_path, "--study-path")
     try:
-        study_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of --study-path '{study_path}' ({exc.strerror})") from None
-    if study_path.is_dir():
-        raise ConfigError(f"--study-path '{study_path}' is a directory; pass a file path (an SQLite database)")
-    url = f"sqlite:///{study_path.resolve()}"
-    try:
-        storage = optuna.storages.RDBStorage(url)
+        storage = optuna.storages.RDBStorage(f"sqlite:///{study_path.resolve()}")
         study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
                                     direction="maximize", load_if_exists=True)
     except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001

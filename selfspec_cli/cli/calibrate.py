@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +14,7 @@ from ..artifacts import (check_new_artifact, default_skip_artifact_path, environ
                          save_json_artifact)
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
-from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
+from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd, check_writable
 from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -29,19 +28,8 @@ from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, 
 
 def _check_output(path: Path, force: bool, directory: bool = False) -> Path:
     check_new_artifact(path, force)
-    _check_writable(path / "manifest.json" if directory else path, "--output")
+    check_writable(path / "manifest.json" if directory else path, "--output")
     return path
-
-
-def _check_writable(path: Path, option: str) -> None:
-    if path.is_dir():
-        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); choose a writable path") from None
-    if not os.access(path.parent, os.W_OK):
-        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
 
 
 def calibrate(
@@ -86,7 +74,7 @@ def calibrate(
     if output is not None:
         _check_output(output, force, directory=method == "fr-spec")
     if search is not None and study_path is not None:
-        _check_writable(study_path, "--study-path")
+        check_writable(study_path, "--study-path")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     default_path = {"self-sd": default_skip_artifact_path, "specee": store.default_schedule_path,
@@ -107,7 +95,7 @@ def calibrate(
     for i, t in enumerate(texts):
         check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, cfg, ctx, chat_template)
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
-    _check_writable(db_path, "--study-path")
+    check_writable(db_path, "--study-path")
     search = dataclasses.replace(search, study_path=db_path)
     fingerprint = model_fingerprint(mdl)
     unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
