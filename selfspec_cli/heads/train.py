@@ -279,22 +279,15 @@ def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor
     return 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class ExitDataset:
-    """Features and labels for every predictor layer, built like inference builds them."""
-
-    layers: tuple[int, ...]
-    features: dict[int, torch.Tensor]  # layer -> (N, 12)
-    verified: dict[int, torch.Tensor]  # layer -> (N,) bool: full-vocab argmax at this layer is a speculative token
-    labels: dict[int, torch.Tensor]  # layer -> (N,) float: verified and equal to the full model's token
-
-
 @torch.no_grad()
 def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead,
-                       chunk: int = 512) -> ExitDataset:
-    L = engine.num_layers
+                       chunk: int = 512) -> tuple[dict[int, torch.Tensor], ...]:
+    """Features and labels for every predictor layer (drafter layer .. L-2), built like inference
+    builds them; three dicts layer -> tensor: the features (N, 12), ``verified`` (N,) bool (the
+    full-vocab argmax at this layer is a speculative token) and the labels (N,) float (verified
+    and equal to the full model's token)."""
     lm_head, final_norm, eps = _frozen(engine)
-    layers = tuple(range(drafter_layer, L - 1))
+    layers = range(drafter_layer, engine.num_layers - 1)
     feats, verified, labels = ({l: [] for l in layers} for _ in range(3))  # layer -> per-chunk tensors
     for i in range(0, data.num_rows, chunk):
         h = data.hidden[i:i + chunk]
@@ -310,33 +303,31 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
             ok = (spec == full[:, None]).any(dim=-1)
             verified[l].append(ok)
             labels[l].append((ok & (full == target)).float())
-    return ExitDataset(layers, *({l: torch.cat(v) for l, v in d.items()} for d in (feats, verified, labels)))
+    return tuple({l: torch.cat(v) for l, v in d.items()} for d in (feats, verified, labels))
 
 
-def _init_predictor(gen: torch.Generator) -> ExitPredictor:
+def _init_predictor(gen: torch.Generator) -> list[torch.Tensor]:
+    """A predictor's (w1, b1, w2, b2), trainable, initialised as ``nn.Linear`` does."""
     def lin(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
         bound = 1 / math.sqrt(in_f)
         return ((torch.rand(out_f, in_f, generator=gen) * 2 - 1) * bound, (torch.rand(out_f, generator=gen) * 2 - 1) * bound)
 
-    w1, b1 = lin(PREDICTOR_HIDDEN, NUM_FEATURES)
-    w2, b2 = lin(1, PREDICTOR_HIDDEN)
-    return ExitPredictor(w1, b1, w2, b2)
+    return [t.requires_grad_(True) for t in (*lin(PREDICTOR_HIDDEN, NUM_FEATURES), *lin(1, PREDICTOR_HIDDEN))]
 
 
 def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead, cfg: ExitTrainConfig,
                     progress: Progress | None = None) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
-    ds = build_exit_dataset(engine, data, drafter_layer, drafter)
+    feats, verified, labels = build_exit_dataset(engine, data, drafter_layer, drafter)
     train_idx, val_idx, hold_idx = _splits(data)
     gen = torch.Generator().manual_seed(cfg.seed)
     predictors: dict[int, ExitPredictor] = {}
     reports: list[ExitReport] = []
-    for l in ds.layers:
-        x, y = ds.features[l], ds.labels[l]
+    for l in feats:
+        x, y = feats[l], labels[l]
         xt, yt = x[train_idx], y[train_idx]
         pos = float(yt.sum())
         pos_weight = torch.tensor((len(yt) - pos) / pos if (cfg.balance and pos > 0) else 1.0)  # n_neg / n_pos
-        init = _init_predictor(gen)
-        params = [t.clone().requires_grad_(True) for t in (init.w1, init.b1, init.w2, init.b2)]
+        params = _init_predictor(gen)
         opt = torch.optim.Adam(params, lr=cfg.lr)
         n = len(xt)
         for epoch in range(cfg.epochs):
@@ -353,10 +344,10 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
         with torch.no_grad():
             # the threshold is chosen on validation prompts and reported on test prompts
             prob_v = torch.sigmoid(exit_logit(x[val_idx], p))
-            t = choose_threshold(prob_v, ds.verified[l][val_idx], y[val_idx].bool(), cfg.target_precision,
+            t = choose_threshold(prob_v, verified[l][val_idx], y[val_idx].bool(), cfg.target_precision,
                                  z=cfg.confidence_z, groups=data.prompt_index[val_idx])
             prob = torch.sigmoid(exit_logit(x[hold_idx], p))
-            vh, yh = ds.verified[l][hold_idx], y[hold_idx].bool()
+            vh, yh = verified[l][hold_idx], y[hold_idx].bool()
             prec, rec, fire, _ = _rates(prob, vh, yh, 0.5)
             prec_t, rec_t, fire_t, _ = _rates(prob, vh, yh, t)
             reports.append(ExitReport(l, int(len(y)), float(y.mean()), prec, rec, fire, t, prec_t, rec_t, fire_t))
