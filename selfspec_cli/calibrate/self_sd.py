@@ -443,27 +443,20 @@ def calibrate_self_sd(
             _dispose(storage)
 
     attn, mlp = skip_sets_from_params(best_t.params, L)
-    result = SelfSDCalibration(
-        num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
-        best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
-        study_path=search.study_path, baseline=None, seed_points=seeds_in_study,
-        search_time_s=round(sum(durations), 3) if durations else None,
-    )
     log("re-measuring the best set, the uniform sets and plain decoding back to back")
-    result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()
-    result.confirm["best"] = run(attn, mlp).as_dict()
+    confirm = {"ar": measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()}
+    confirm["best"] = run(attn, mlp).as_dict()
     for p in points:  # a starting point that is the best set is not measured twice
         same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
-        result.confirm[p.name] = result.confirm["best"] if same else run(p.skip_attn, p.skip_mlp).as_dict()
-
+        confirm[p.name] = confirm["best"] if same else run(p.skip_attn, p.skip_mlp).as_dict()
     # the better uniform set, by the back-to-back re-measurement
-    def score(s: dict[str, Any]) -> float:
-        return result.confirm[s["name"]]["tokens_per_s"]
-
-    if seeds_in_study:
-        b = max(seeds_in_study, key=score)
-        result.baseline = {**b, "confirm": result.confirm[b["name"]]}
-    return result
+    base = max(seeds_in_study, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
+    return SelfSDCalibration(
+        num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
+        best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
+        study_path=search.study_path, baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+        seed_points=seeds_in_study, search_time_s=round(sum(durations), 3) if durations else None,
+    )
 
 
 def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int) -> list[dict[str, Any]]:
