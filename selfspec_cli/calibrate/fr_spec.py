@@ -103,8 +103,7 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
 
     # costs: one full step (200-token context) and the head alone, one row
     cache = engine.new_cache(256)
-    ids = torch.arange(200) % vocab
-    engine.forward(cache, ids, positions=0)
+    engine.forward(cache, torch.arange(200) % vocab, positions=0)
     step = torch.tensor([1])
 
     def one_step() -> None:

@@ -76,9 +76,8 @@ def train_heads(
         raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
     out_path = output or (store.default_heads_path(mdl) if kind == "lm-heads" else store.default_exit_path(mdl))
     check_new_artifact(out_path, force)  # before the slow data collection
-    heads = drafter_manifest = None
-    if kind == "exit-mlp":  # fail before the slow data collection
-        heads, drafter_manifest = store.load_heads(heads_path, mdl)
+    # exit-mlp: the drafter heads, loaded before the slow data collection (so it fails early)
+    heads, drafter_manifest = store.load_heads(heads_path, mdl) if kind == "exit-mlp" else (None, None)
 
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     log(f"[dim]model {mdl.config.model_type} {L} layers; {len(prompt_ids)} prompts x {max_new_tokens} greedy tokens "
