@@ -401,11 +401,8 @@ def calibrate_self_sd(
             _enqueue_seeds(study, points, L)
 
             def best() -> tuple[float | None, int | None]:
-                try:
-                    b = study.best_trial
-                except ValueError:
-                    return None, None
-                return b.value, b.number
+                b = study.best_trial if complete() else None  # best_trial raises without a complete trial
+                return (b.value, b.number) if b else (None, None)
 
             on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
@@ -420,9 +417,8 @@ def calibrate_self_sd(
                 attn, mlp = skip_sets_from_params(params, L)
                 with guard.interruptible():
                     m = run(attn, mlp)
-                for k, v in m.as_dict().items():
+                for k, v in {**m.as_dict(), "skip_ratio": round((len(attn) + len(mlp)) / (2 * L), 4)}.items():
                     trial.set_user_attr(k, v)
-                trial.set_user_attr("skip_ratio", round((len(attn) + len(mlp)) / (2 * L), 4))
                 return m.proxy if search.objective == "proxy" else m.tokens_per_s
 
             def callback(st: Any, frozen: Any) -> None:

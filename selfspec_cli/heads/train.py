@@ -160,8 +160,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
             loss_sum = 0.0
             for i in range(0, n, cfg.batch_size):
                 rows = perm[i:i + cfg.batch_size]
-                for group in opt.param_groups:
-                    group["lr"] = _cosine_lr(step, total, warmup, cfg.lr)
+                opt.param_groups[0]["lr"] = _cosine_lr(step, total, warmup, cfg.lr)  # one group: a, b, g
                 logp = torch.log_softmax(head_logits(x_all[rows], LowRankHead(a, b, g), lm_head, eps), dim=-1)
                 t = teacher[rows]
                 loss = (t.exp() * (t - logp)).sum(dim=-1).mean()  # forward KL(p* || p_i)
