@@ -11,7 +11,7 @@ from typing import Any, Optional
 import typer
 
 from ..artifacts import (check_new_artifact, default_skip_artifact_path, environment_info, model_name, now_iso,
-                         save_json_artifact)
+                         save_json_artifact, save_tensors_artifact)
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd, check_writable
@@ -199,7 +199,6 @@ def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg
 def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
                        prompts_info: dict[str, Any]) -> None:
     """FR-Spec's draft vocabulary: count the model's greedy output tokens, rank, choose the size by measurement."""
-    from ..artifacts import save_tensors_artifact
     from ..calibrate.fr_spec import calibrate_draft_vocab
 
     log(f"[dim]FR-Spec draft vocabulary: {len(prompt_ids)} prompts x {cfg.max_new_tokens} tokens, greedy, "

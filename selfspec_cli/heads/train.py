@@ -124,7 +124,7 @@ def evaluate_head(x: torch.Tensor, teacher_logp: torch.Tensor, target: torch.Ten
 
 
 def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
-                   progress: Progress | None = None) -> tuple[dict[int, LowRankHead], list[HeadReport]]:
+                   progress: Progress = lambda *_: None) -> tuple[dict[int, LowRankHead], list[HeadReport]]:
     """Train one low-rank head per layer in ``cfg.layers``; returns (heads, reports)."""
     import time
 
@@ -171,9 +171,8 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
             val_kl = evaluate(val_idx, cand)["kl"]
             if val_kl < best_kl:
                 best_kl, best, best_epoch = val_kl, cand, epoch + 1
-            if progress:
-                progress(f"head@{layer}", epoch + 1, cfg.epochs,
-                         f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
+            progress(f"head@{layer}", epoch + 1, cfg.epochs,
+                     f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
         after = evaluate(hold_idx, best, cfg.thresholds)
         heads[layer] = best
         pc = {th: {**v, "precision_before": before["precision_coverage"][th]["precision"],
@@ -315,7 +314,7 @@ def _init_predictor(gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead, cfg: ExitTrainConfig,
-                    progress: Progress | None = None) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
+                    progress: Progress = lambda *_: None) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
     feats, verified, labels = build_exit_dataset(engine, data, drafter_layer, drafter)
     train_idx, val_idx, hold_idx = _splits(data)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -336,7 +335,7 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
                 logit = exit_logit(xt[rows], ExitPredictor(*params))
                 loss = F.binary_cross_entropy_with_logits(logit, yt[rows], pos_weight=pos_weight)
                 _step(opt, loss)
-            if progress and (epoch + 1) % 10 == 0:
+            if (epoch + 1) % 10 == 0:
                 progress(f"exit-mlp@{l}", epoch + 1, cfg.epochs, f"loss {float(loss.detach()):.3f}")
         p = ExitPredictor(*(t.detach() for t in params))
         predictors[l] = p
