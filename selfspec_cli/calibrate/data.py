@@ -17,11 +17,6 @@ from ..prompts import read_prompts
 DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def prompts_from_file(prompt_file: str, num_prompts: int, fmt: str = "auto") -> list[str]:
-    """First turns of the first ``num_prompts`` prompts of a selfspec prompt file."""
-    return [p.turns[0] for p in read_prompts(prompt_file, fmt)[:num_prompts]]
-
-
 def prompts_from_dataset(path: str, field: str = "prompt", num_prompts: int = 8) -> list[str]:
     """The ``field`` column of a local JSON/JSONL/CSV/Parquet file, through
     ``datasets.load_dataset(builder, data_files=path, split="train")``. A list value
@@ -61,8 +56,8 @@ def load_calibration_prompts(prompt_file: str | None, dataset: str | None, field
         raise ConfigError(f"--num-prompts must be >= 1, got {num_prompts}")
     if (prompt_file is None) == (dataset is None):
         raise ConfigError("pass exactly one of --prompt-file and --dataset")
-    if prompt_file is not None:
-        return prompts_from_file(prompt_file, num_prompts, fmt)
+    if prompt_file is not None:  # first turns of the first num_prompts prompts
+        return [p.turns[0] for p in read_prompts(prompt_file, fmt)[:num_prompts]]
     return prompts_from_dataset(dataset, field, num_prompts)
 
 

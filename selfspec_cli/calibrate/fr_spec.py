@@ -20,6 +20,7 @@ the manifest and printed, and ``--draft-vocab-size`` picks another size at decod
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,11 +39,8 @@ BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
 
 
 def candidate_sizes(vocab_size: int) -> list[int]:
-    sizes, n = [], 512
-    while n < vocab_size:
-        sizes.append(n)
-        n *= 2
-    return sizes + [vocab_size]
+    """512, 1024, ... below the vocabulary size, then the whole vocabulary."""
+    return [*itertools.takewhile(lambda n: n < vocab_size, (512 << i for i in itertools.count())), vocab_size]
 
 
 @dataclass(frozen=True)
@@ -68,11 +66,10 @@ def held_out_coverage(outputs: Sequence[list[int]], vocab_size: int, sizes: Sequ
                       expected: Sequence[torch.Tensor] | None = None) -> list[float]:
     """For each n in ``sizes``: two folds over prompts, rank on one half (its counts, then its
     expected counts), count the other half's tokens in the top n; the folds' mean."""
-    idx = [list(range(0, len(outputs), 2)), list(range(1, len(outputs), 2))]
-    if not idx[1]:
-        idx[1] = idx[0]
+    even, odd = range(0, len(outputs), 2), range(1, len(outputs), 2)
+    odd = odd or even  # a single prompt: its own held-out half
     folds = []
-    for a, b in (idx, idx[::-1]):
+    for a, b in ((even, odd), (odd, even)):
         prior = sum(expected[i] for i in a) if expected is not None else None
         ranked, _ = ranked_from_outputs([outputs[i] for i in a], vocab_size, prior)
         _, counts = ranked_from_outputs([outputs[i] for i in b], vocab_size)
@@ -91,15 +88,14 @@ def expected_counts(engine: Engine, prompt: Sequence[int], output: Sequence[int]
 
 
 def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-                          on_prompt: Callable[[int, int], None] | None = None) -> VocabCalibration:
+                          on_prompt: Callable[[int, int], None] = lambda i, n: None) -> VocabCalibration:
     vocab = engine.vocab_size
     ar = AR(engine, tokenizer)
     t0 = time.perf_counter()
     outputs = []
-    for i, ids in enumerate(prompt_ids):
+    for i, ids in enumerate(prompt_ids, 1):
         outputs.append(ar.generate(list(ids), cfg).token_ids)
-        if on_prompt:
-            on_prompt(i + 1, len(prompt_ids))
+        on_prompt(i, len(prompt_ids))
     expected = [expected_counts(engine, p, o) for p, o in zip(prompt_ids, outputs)]
     decode_s = time.perf_counter() - t0
     prior = sum(expected)
@@ -107,8 +103,7 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
 
     # costs: one full step (200-token context) and the head alone, one row
     cache = engine.new_cache(256)
-    ids = torch.arange(200) % vocab
-    engine.forward(cache, ids, positions=0)
+    engine.forward(cache, torch.arange(200) % vocab, positions=0)
     step = torch.tensor([1])
 
     def one_step() -> None:
@@ -129,8 +124,7 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
         return statistics.median(times) * 1e3
 
     head_ms = cold_ms(None)
-    share = head_ms / step_ms
-    body = BODY_SHARE * (1.0 - share)
+    body = BODY_SHARE * (1.0 - head_ms / step_ms)
     rows = []
     sizes = candidate_sizes(vocab)
     for n, cov in zip(sizes, held_out_coverage(outputs, vocab, sizes, expected)):

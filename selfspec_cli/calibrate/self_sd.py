@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,9 +87,7 @@ class Measurement:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "tokens": self.tokens,
-            "wall_s": round(self.wall_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3), "tokens": self.tokens, "wall_s": round(self.wall_s, 6),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
             "proxy_speedup": None if self.proxy is None else round(self.proxy, 4),
@@ -101,22 +100,19 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
     pass) and keep, per prompt, the fastest pass. Load from other processes only ever
     slows a decode down, so the minimum is the least noisy estimate. Greedy decoding
     is deterministic: every pass produces the same tokens and statistics."""
-    assert repeats >= 1, repeats
     best_wall = [float("inf")] * len(prompt_ids)
-    tokens = forwards = drafted = accepted = 0
-    lengths: list[int] = []
+    first: list[DecodeResult] = []  # the first pass's results (every pass has the same tokens and statistics)
     for r in range(repeats):
         generate = make_generate()
         for i, ids in enumerate(prompt_ids):
             res, dt = timed(lambda: generate(ids, cfg), device)
             best_wall[i] = min(best_wall[i], dt)
             if r == 0:
-                tokens += len(res.token_ids)
-                forwards += res.stats.target_forwards
-                drafted += res.stats.drafted_tokens
-                accepted += res.stats.accepted_draft_tokens
-                lengths += res.stats.draft_lengths
-    return Measurement(tokens, sum(best_wall), forwards, drafted, accepted, tuple(lengths))
+                first.append(res)
+    st = [res.stats for res in first]
+    return Measurement(sum(len(res.token_ids) for res in first), sum(best_wall), sum(s.target_forwards for s in st),
+                       sum(s.drafted_tokens for s in st), sum(s.accepted_draft_tokens for s in st),
+                       tuple(k for s in st for k in s.draft_lengths))
 
 
 def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> float:
@@ -163,19 +159,14 @@ def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], 
 # ---------------------------------------------------------------- search space
 
 
-def param_names(num_layers: int) -> list[str]:
-    return [f"attn_{l}" for l in range(num_layers)] + [f"mlp_{l}" for l in range(num_layers)]
-
-
 def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> dict[str, int]:
-    return {**{f"attn_{l}": int(l in skip_attn) for l in range(num_layers)},
-            **{f"mlp_{l}": int(l in skip_mlp) for l in range(num_layers)}}
+    """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped."""
+    return {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
+            for l in range(num_layers)}
 
 
-def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], frozenset[int]]:
-    attn = frozenset(l for l in range(num_layers) if int(params[f"attn_{l}"]))
-    mlp = frozenset(l for l in range(num_layers) if int(params[f"mlp_{l}"]))
-    return attn, mlp
+def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], ...]:
+    return tuple(frozenset(l for l in range(num_layers) if int(params[f"{kind}_{l}"])) for kind in ("attn", "mlp"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +191,8 @@ def make_sampler(name: str, seed: int):
 
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)  # "random" (SearchConfig checks the name)
+    # "gp" or "random" (SearchConfig checks the name)
+    return (optuna.samplers.GPSampler if name == "gp" else optuna.samplers.RandomSampler)(seed=seed)
 
 
 # ---------------------------------------------------------------- the study
@@ -216,19 +206,15 @@ class SearchConfig:
     sampler: str = "tpe"
     repeats: int = 1  # passes per measurement; per prompt the fastest counts
     objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
-    seed_ratios: tuple[float, ...] = SEED_RATIOS
     draft: DraftConfig = DEFAULT_DRAFT
-    confirm: bool = True  # re-measure best, uniform sets and ar after the search
 
     def __post_init__(self) -> None:
-        if self.n_trials < 1:
-            raise ConfigError(f"--trials must be >= 1, got {self.n_trials}")
-        if self.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"unknown --objective '{self.objective}'; choose one of: {', '.join(OBJECTIVES)}")
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"unknown --sampler '{self.sampler}'; choose one of: {', '.join(SAMPLERS)}")
+        for flag, value in (("trials", self.n_trials), ("repeats", self.repeats)):
+            if value < 1:
+                raise ConfigError(f"--{flag} must be >= 1, got {value}")
+        for flag, value, choices in (("objective", self.objective, OBJECTIVES), ("sampler", self.sampler, SAMPLERS)):
+            if value not in choices:
+                raise ConfigError(f"unknown --{flag} '{value}'; choose one of: {', '.join(choices)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,15 +248,6 @@ class SelfSDCalibration:
     search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
 
 
-def _setup_attrs(fingerprint: str, num_layers: int, cfg: GenerationConfig, prompts_sha: str, n_prompts: int,
-                 draft: DraftConfig, repeats: int, objective: str) -> dict[str, Any]:
-    """What must not change between runs that share a study (values would not compare)."""
-    return {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": num_layers,
-            "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": n_prompts,
-            "repeats": repeats, "objective": objective,
-            "draft": {"max_draft": draft.max_draft, "threshold": draft.threshold, "adaptive": draft.adaptive}}
-
-
 @contextlib.contextmanager
 def _optuna_quiet() -> Iterator[None]:
     """Optuna logs every trial at INFO, and a trial ended by Ctrl-C with a traceback at
@@ -293,9 +270,8 @@ class _DeferredInterrupt:
     process dies with an unrelated AssertionError.) Installed only in the main thread
     and only over Python's default handler."""
 
-    def __init__(self) -> None:
-        self.pending = False
-        self.inside = False
+    pending = False  # a SIGINT is waiting for the next safe point
+    inside = False  # in a decode: a SIGINT raises at once
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.inside:
@@ -331,21 +307,27 @@ class _DeferredInterrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def check_writable(path: Path, option: str) -> None:
+    """Refuse a file ``path`` that cannot be written (its directory is created); ``option`` names it."""
+    if path.is_dir():
+        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); "
+                          "choose a writable path") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
+
+
 def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
     """Create or resume the study in ``study_path`` (SQLite); refuse a study made
     for another model or another calibration setup."""
     import optuna
 
-    study_path = Path(study_path)
+    check_writable(study_path, "--study-path")
     try:
-        study_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of --study-path '{study_path}' ({exc.strerror})") from None
-    if study_path.is_dir():
-        raise ConfigError(f"--study-path '{study_path}' is a directory; pass a file path (an SQLite database)")
-    url = f"sqlite:///{study_path.resolve()}"
-    try:
-        storage = optuna.storages.RDBStorage(url)
+        storage = optuna.storages.RDBStorage(f"sqlite:///{study_path.resolve()}")
         study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
                                     direction="maximize", load_if_exists=True)
     except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
@@ -386,8 +368,8 @@ def calibrate_self_sd(
     *,
     fingerprint: str,
     prompts_sha: str,
-    on_trial: Callable[[TrialReport], None] | None = None,
-    log: Callable[[str], None] | None = None,
+    on_trial: Callable[[TrialReport], None] = lambda _report: None,
+    log: Callable[[str], None] = lambda _msg: None,
 ) -> SelfSDCalibration:
     """Run (or resume) the search until the study holds ``search.n_trials`` COMPLETE trials."""
     from optuna.trial import TrialState
@@ -395,9 +377,16 @@ def calibrate_self_sd(
     if not cfg.sampling.greedy:
         raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
     L = engine.num_layers
-    say = log or (lambda _msg: None)
-    points = seed_points(L, search.seed_ratios)
-    setup = _setup_attrs(fingerprint, L, cfg, prompts_sha, len(prompt_ids), search.draft, search.repeats, search.objective)
+    points = seed_points(L)
+    # what must not change between runs that share a study (values would not compare)
+    setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
+             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
+             "repeats": search.repeats, "objective": search.objective,
+             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
+
+    def run(attn: frozenset[int], mlp: frozenset[int]) -> Measurement:
+        return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
+
     guard = _DeferredInterrupt()
     with _optuna_quiet(), guard.installed():
         study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
@@ -408,18 +397,14 @@ def calibrate_self_sd(
             done = len(complete())
             remaining = max(0, search.n_trials - done)
             if done:
-                say(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
+                log(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
             _enqueue_seeds(study, points, L)
 
             def best() -> tuple[float | None, int | None]:
-                try:
-                    b = study.best_trial
-                except ValueError:
-                    return None, None
-                return b.value, b.number
+                b = study.best_trial if complete() else None  # best_trial raises without a complete trial
+                return (b.value, b.number) if b else (None, None)
 
-            if on_trial is not None:
-                on_trial(TrialReport(done, search.n_trials, None, None, *best()))
+            on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
             # warm-up, untimed: first-call allocations must not favour later trials
             warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
@@ -427,17 +412,17 @@ def calibrate_self_sd(
                 measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft)
 
             def objective(trial: Any) -> float:
-                params = {name: trial.suggest_categorical(name, (0, 1)) for name in param_names(L)}
+                names = params_for(L, frozenset(), frozenset())
+                params = {name: trial.suggest_categorical(name, (0, 1)) for name in names}
                 attn, mlp = skip_sets_from_params(params, L)
                 with guard.interruptible():
-                    m = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
-                for k, v in m.as_dict().items():
+                    m = run(attn, mlp)
+                for k, v in {**m.as_dict(), "skip_ratio": round((len(attn) + len(mlp)) / (2 * L), 4)}.items():
                     trial.set_user_attr(k, v)
-                trial.set_user_attr("skip_ratio", round((len(attn) + len(mlp)) / (2 * L), 4))
                 return m.proxy if search.objective == "proxy" else m.tokens_per_s
 
             def callback(st: Any, frozen: Any) -> None:
-                if on_trial is not None and frozen.state == TrialState.COMPLETE:
+                if frozen.state == TrialState.COMPLETE:
                     on_trial(TrialReport(len(complete()), search.n_trials, frozen.number, frozen.value, *best(),
                                          frozen.user_attrs.get("mean_accepted_length"),
                                          frozen.user_attrs.get("acceptance_rate")))
@@ -454,36 +439,20 @@ def calibrate_self_sd(
             _dispose(storage)
 
     attn, mlp = skip_sets_from_params(best_t.params, L)
-    result = SelfSDCalibration(
+    log("re-measuring the best set, the uniform sets and plain decoding back to back")
+    confirm = {"ar": measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()}
+    confirm["best"] = run(attn, mlp).as_dict()
+    for p in points:  # a starting point that is the best set is not measured twice
+        same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
+        confirm[p.name] = confirm["best"] if same else run(p.skip_attn, p.skip_mlp).as_dict()
+    # the better uniform set, by the back-to-back re-measurement
+    base = max(seeds_in_study, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
+    return SelfSDCalibration(
         num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
         best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
-        study_path=Path(search.study_path), baseline=None, seed_points=seeds_in_study,
-        search_time_s=round(sum(durations), 3) if durations else None,
+        study_path=search.study_path, baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+        seed_points=seeds_in_study, search_time_s=round(sum(durations), 3) if durations else None,
     )
-    if search.confirm:
-        say("re-measuring the best set, the uniform sets and plain decoding back to back")
-        rp = search.repeats
-        result.confirm["ar"] = measure_ar(engine, tokenizer, prompt_ids, cfg, rp).as_dict()
-        result.confirm["best"] = measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, rp).as_dict()
-        for p in points:  # a starting point that is the best set is not measured twice
-            same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
-            result.confirm[p.name] = result.confirm["best"] if same else measure_self_sd(
-                engine, tokenizer, prompt_ids, cfg, p.skip_attn, p.skip_mlp, search.draft, rp).as_dict()
-    if points:
-        # the better uniform set: by the back-to-back re-measurement when there is one
-        def score(p: SeedPoint) -> float:
-            if p.name in result.confirm:
-                return result.confirm[p.name]["tokens_per_s"]
-            v = next((s["value"] for s in seeds_in_study if s["name"] == p.name), None)
-            return v if v is not None else float("-inf")
-
-        b = max(points, key=score)
-        in_study = next((s for s in seeds_in_study if s["name"] == b.name), {})
-        result.baseline = {
-            "name": b.name, "skip_attn": sorted(b.skip_attn), "skip_mlp": sorted(b.skip_mlp),
-            "value": _round(in_study.get("value")), "confirm": result.confirm.get(b.name),
-        }
-    return result
 
 
 def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int) -> list[dict[str, Any]]:
@@ -491,14 +460,10 @@ def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layer
     out = []
     for p in points:
         params = params_for(num_layers, p.skip_attn, p.skip_mlp)
-        vals = [t.value for t in complete if t.params == params]
+        best = max((t.value for t in complete if t.params == params), default=None)
         out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
-                    "value": _round(max(vals)) if vals else None})
+                    "value": None if best is None else round(best, 3)})
     return out
-
-
-def _round(v: float | None, nd: int = 3) -> float | None:
-    return None if v is None else round(float(v), nd)
 
 
 def _dispose(storage: Any) -> None:
@@ -515,8 +480,7 @@ def _dispose(storage: Any) -> None:
 def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: GenerationConfig,
                    search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
     """The ``self-sd-layers`` manifest (see :mod:`selfspec_cli.artifacts`)."""
-    ar = result.confirm.get("ar")
-    best_c = result.confirm.get("best")
+    ar, best_c = result.confirm["ar"]["tokens_per_s"], result.confirm["best"]["tokens_per_s"]
     proxy = search.objective == "proxy"
     objective: dict[str, Any] = {
         "name": "self-sd predicted speedup (hardware-aware proxy)" if proxy else "self-sd greedy decoding throughput",
@@ -525,30 +489,23 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
         "definition": ("tokens after the prefills / sum over rounds of (k c + v(k+1)) plain steps: c from weight "
                        "bytes, v measured once, the rounds' draft lengths k and acceptance by decoding" if proxy else
                        "tokens produced / wall seconds of the decode calls, over the calibration prompts"),
-        "best_trial": result.best_trial,
-        "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
-        "acceptance_rate": result.best_attrs.get("acceptance_rate"),
-        "baseline": result.baseline,
-        "confirm": result.confirm or None,
+        "best_trial": result.best_trial, "mean_accepted_length": result.best_attrs.get("mean_accepted_length"),
+        "acceptance_rate": result.best_attrs.get("acceptance_rate"), "baseline": result.baseline,
+        "confirm": result.confirm,
     }
-    if ar and best_c and ar["tokens_per_s"]:
-        objective["speedup_vs_ar"] = round(best_c["tokens_per_s"] / ar["tokens_per_s"], 4)
+    if ar:
+        objective["speedup_vs_ar"] = round(best_c / ar, 4)
         base_c = (result.baseline or {}).get("confirm")
         if base_c and base_c["tokens_per_s"]:
-            objective["speedup_vs_baseline"] = round(best_c["tokens_per_s"] / base_c["tokens_per_s"], 4)
+            objective["speedup_vs_baseline"] = round(best_c / base_c["tokens_per_s"], 4)
     return SkipSet(frozenset(result.skip_attn), frozenset(result.skip_mlp)).to_manifest(
         model, objective=objective, trials=result.trials, search_time_s=result.search_time_s,
         search={
-            "sampler": search.sampler,
-            "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
-            "seed": search.seed,
-            "repeats": search.repeats,
-            "n_trials": search.n_trials,
-            "new_trials": result.new_trials,
+            "sampler": search.sampler, "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
+            "seed": search.seed, "repeats": search.repeats,
+            "n_trials": search.n_trials, "new_trials": result.new_trials,
             "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>",
-            "seed_points": result.seed_points,
-            "study_path": str(result.study_path),
-            "study_name": STUDY_NAME,
+            "seed_points": result.seed_points, "study_path": str(result.study_path), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
             "prompts": prompts,

@@ -44,27 +44,23 @@ def select_layers(exits: dict[int, int], predictor_layers: list[int]) -> list[in
     total = sum(exits.values())
     if not total:
         return list(predictor_layers)  # nothing exited: keep every predictor (no evidence to drop any)
-    mean = 1.0 / len(predictor_layers)
-    return sorted(l for l in predictor_layers if exits.get(l, 0) / total >= mean)
+    return sorted(l for l in predictor_layers if exits.get(l, 0) / total >= 1.0 / len(predictor_layers))  # >= the mean
 
 
 def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: GenerationConfig,
-                    on_prompt: Callable[[int, int], None] | None = None) -> ExitStatistics:
+                    on_prompt: Callable[[int, int], None] = lambda i, n: None) -> ExitStatistics:
     """Decode with every predictor active (the offline set = all layers) and count exits."""
     layers = sorted(method.predictors)
     full = SpecEE(method.engine, method.tokenizer, method.config, drafter_layer=method.k0, drafter=method.drafter,
                   predictors=method.predictors, offline_layers=layers, thresholds=method.thresholds)
     exits = {l: 0 for l in layers}
     tokens = full_depth = 0
-    for i, ids in enumerate(prompt_ids):
+    for i, ids in enumerate(prompt_ids, 1):
         res = full.generate(ids, cfg)
         steps = len(res.token_ids) - 1  # the first token comes from the prefill
-        n_exit = 0
         for k, v in res.stats.extra["early_exits"].items():
             exits[int(k)] += v
-            n_exit += v
         tokens += steps
-        full_depth += steps - n_exit
-        if on_prompt:
-            on_prompt(i + 1, len(prompt_ids))
+        full_depth += steps - sum(res.stats.extra["early_exits"].values())
+        on_prompt(i, len(prompt_ids))
     return ExitStatistics(layers, exits, full_depth, tokens, select_layers(exits, layers))

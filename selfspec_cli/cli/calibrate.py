@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -12,10 +11,10 @@ from typing import Any, Optional
 import typer
 
 from ..artifacts import (check_new_artifact, default_skip_artifact_path, environment_info, model_name, now_iso,
-                         save_json_artifact)
+                         save_json_artifact, save_tensors_artifact)
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
-from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd
+from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd, check_writable
 from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -29,19 +28,8 @@ from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, 
 
 def _check_output(path: Path, force: bool, directory: bool = False) -> Path:
     check_new_artifact(path, force)
-    _check_writable(path / "manifest.json" if directory else path, "--output")
+    check_writable(path / "manifest.json" if directory else path, "--output")
     return path
-
-
-def _check_writable(path: Path, option: str) -> None:
-    if path.is_dir():
-        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); choose a writable path") from None
-    if not os.access(path.parent, os.W_OK):
-        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
 
 
 def calibrate(
@@ -86,7 +74,7 @@ def calibrate(
     if output is not None:
         _check_output(output, force, directory=method == "fr-spec")
     if search is not None and study_path is not None:
-        _check_writable(study_path, "--study-path")
+        check_writable(study_path, "--study-path")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     default_path = {"self-sd": default_skip_artifact_path, "specee": store.default_schedule_path,
@@ -107,7 +95,7 @@ def calibrate(
     for i, t in enumerate(texts):
         check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, cfg, ctx, chat_template)
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
-    _check_writable(db_path, "--study-path")
+    check_writable(db_path, "--study-path")
     search = dataclasses.replace(search, study_path=db_path)
     fingerprint = model_fingerprint(mdl)
     unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
@@ -151,35 +139,23 @@ def calibrate(
     save_json_artifact(out_path, manifest)
 
     obj = manifest["objective"]
-    base = result.baseline or {}
+    base = result.baseline  # None when the model has no uniform starting set
     conf = result.confirm
-    parts = [f"best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
-             f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search"]
-    if conf:
-        parts.append("re-measured: " + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items()) + " tok/s")
-    log(f"[bold]{'; '.join(parts)}[/bold]")
+    re_measured = ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items())
+    log(f"[bold]best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
+        f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search; "
+        f"re-measured: {re_measured} tok/s[/bold]")
     log(f"wrote {out_path}")
     summary = {
-        "method": method,
-        "artifact": str(out_path),
-        "study": str(db_path),
-        "model": model_name(mdl),
-        "model_fingerprint": fingerprint,
-        "num_layers": result.num_layers,
-        "skip_attn": sorted(result.skip_attn),
-        "skip_mlp": sorted(result.skip_mlp),
-        "objective": obj["value"],
-        "unit": obj["unit"],
-        "best_trial": result.best_trial,
-        "mean_accepted_length": obj["mean_accepted_length"],
-        "acceptance_rate": obj["acceptance_rate"],
-        "baseline": {"name": base.get("name"), "value": base.get("value"),
-                     "confirm": (base.get("confirm") or {}).get("tokens_per_s")} if base else None,
-        "confirm": {k: v["tokens_per_s"] for k, v in conf.items()} or None,
-        "speedup_vs_ar": obj.get("speedup_vs_ar"),
-        "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
-        "trials": result.trials,
-        "new_trials": result.new_trials,
+        "method": method, "artifact": str(out_path), "study": str(db_path), "model": model_name(mdl),
+        "model_fingerprint": fingerprint, "num_layers": result.num_layers,
+        "skip_attn": sorted(result.skip_attn), "skip_mlp": sorted(result.skip_mlp),
+        "objective": obj["value"], "unit": obj["unit"], "best_trial": result.best_trial,
+        "mean_accepted_length": obj["mean_accepted_length"], "acceptance_rate": obj["acceptance_rate"],
+        "baseline": base and {"name": base["name"], "value": base["value"], "confirm": base["confirm"]["tokens_per_s"]},
+        "confirm": {k: v["tokens_per_s"] for k, v in conf.items()},
+        "speedup_vs_ar": obj.get("speedup_vs_ar"), "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
+        "trials": result.trials, "new_trials": result.new_trials,
     }
     print(json.dumps(summary), flush=True)
 
@@ -223,7 +199,6 @@ def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg
 def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
                        prompts_info: dict[str, Any]) -> None:
     """FR-Spec's draft vocabulary: count the model's greedy output tokens, rank, choose the size by measurement."""
-    from ..artifacts import save_tensors_artifact
     from ..calibrate.fr_spec import calibrate_draft_vocab
 
     log(f"[dim]FR-Spec draft vocabulary: {len(prompt_ids)} prompts x {cfg.max_new_tokens} tokens, greedy, "

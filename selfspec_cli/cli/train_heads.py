@@ -16,8 +16,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..methods import head_store as store
 from ..heads.data import collect_on_policy
-from ..heads.train import (DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, default_head_layers, train_exit_mlps,
-                           train_lm_heads)
+from ..heads.train import DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, train_exit_mlps, train_lm_heads
 from ..loading import load_model, model_fingerprint
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
@@ -73,15 +72,12 @@ def train_heads(
     L = engine.num_layers
     fingerprint = model_fingerprint(mdl)
     head_layers = layer_list(layers, "--layers")  # a FieldError is a ConfigError worded with the flag
-    if head_layers is not None:
-        bad = [k for k in head_layers if not 0 <= k < L - 1]
-        if bad or not head_layers:
-            raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
+    if head_layers is not None and not (head_layers and all(0 <= k < L - 1 for k in head_layers)):
+        raise ConfigError(f"--layers {list(head_layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
     out_path = output or (store.default_heads_path(mdl) if kind == "lm-heads" else store.default_exit_path(mdl))
     check_new_artifact(out_path, force)  # before the slow data collection
-    heads = drafter_manifest = None
-    if kind == "exit-mlp":  # fail before the slow data collection
-        heads, drafter_manifest = store.load_heads(heads_path, mdl)
+    # exit-mlp: the drafter heads, loaded before the slow data collection (so it fails early)
+    heads, drafter_manifest = store.load_heads(heads_path, mdl) if kind == "exit-mlp" else (None, None)
 
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     log(f"[dim]model {mdl.config.model_type} {L} layers; {len(prompt_ids)} prompts x {max_new_tokens} greedy tokens "
@@ -113,7 +109,7 @@ def train_heads(
 
         t0 = time.perf_counter()
         if kind == "lm-heads":
-            cfg = HeadTrainConfig(layers=head_layers or default_head_layers(L), rank=rank, epochs=epochs or 30,
+            cfg = HeadTrainConfig(layers=head_layers, rank=rank, epochs=epochs or 30,  # layers None: the default ones
                                   batch_size=batch_size or 128, lr=lr or 5e-3, seed=seed)
             trained, reports = train_lm_heads(engine, data, cfg, on_progress)
             train_s = time.perf_counter() - t0

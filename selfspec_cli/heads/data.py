@@ -37,11 +37,6 @@ from ..errors import ArtifactError
 from ..paths import user_cache_dir
 
 
-def default_cache_dir() -> Path:
-    """``<selfspec home>/cache/onpolicy`` (see :mod:`selfspec_cli.paths`)."""
-    return user_cache_dir() / "onpolicy"
-
-
 @dataclass(frozen=True, slots=True)
 class OnPolicyData:
     hidden: torch.Tensor  # (N, L, d) float32
@@ -88,7 +83,8 @@ def collection_key(fingerprint: str, prompt_ids: list[list[int]], max_new_tokens
 
 class _HiddenRecorder(AR):
     """Plain greedy decoding through the driver that keeps, for each round's input row,
-    the residual stream after every layer and the token the model picked."""
+    the residual stream after every layer and the token the model picked (over all the
+    prompts it decodes)."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
@@ -110,14 +106,6 @@ class _HiddenRecorder(AR):
         self._take(out, verdict.tokens[0])
 
 
-def generate_with_hidden(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
-                         eos_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy full-depth decoding of one prompt -> (hidden (n, L, d), target (n,))."""
-    rec = _HiddenRecorder(engine)
-    rec.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids))
-    return torch.stack(rec.rows), torch.tensor(rec.targets, dtype=torch.long)
-
-
 def collect_on_policy(
     engine: Engine,
     prompt_ids: list[list[int]],
@@ -125,31 +113,28 @@ def collect_on_policy(
     fingerprint: str,
     eos_ids: tuple[int, ...] = (),
     cache_dir: Path | None = None,
-    on_prompt: Callable[[int, int], None] | None = None,
+    on_prompt: Callable[[int, int], None] = lambda i, n: None,
 ) -> OnPolicyData:
     """Collect (or load from the disk cache) the on-policy rows for ``prompt_ids``."""
     from safetensors.torch import load_file, save_file
 
     key = collection_key(fingerprint, prompt_ids, max_new_tokens)
-    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory = Path(cache_dir) if cache_dir is not None else user_cache_dir() / "onpolicy"
     path = directory / f"{key}.safetensors"
     if path.is_file():
         try:
             t = load_file(str(path))
-            if on_prompt:
-                on_prompt(len(prompt_ids), len(prompt_ids))
+            on_prompt(len(prompt_ids), len(prompt_ids))
             return OnPolicyData(t["hidden"], t["target"], t["prompt_index"], key)
         except Exception:  # noqa: BLE001 - a damaged cache entry is recomputed
             pass
-    hs, ts, ps = [], [], []
+    rec, index = _HiddenRecorder(engine), []  # index: each row's prompt
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)  # greedy, full depth
     for i, ids in enumerate(prompt_ids):
-        h, t = generate_with_hidden(engine, ids, max_new_tokens, eos_ids)
-        hs.append(h)
-        ts.append(t)
-        ps.append(torch.full_like(t, i))
-        if on_prompt:
-            on_prompt(i + 1, len(prompt_ids))
-    data = OnPolicyData(torch.cat(hs), torch.cat(ts), torch.cat(ps), key)
+        rec.generate(ids, gen_cfg)
+        index += [i] * (len(rec.targets) - len(index))
+        on_prompt(i + 1, len(prompt_ids))
+    data = OnPolicyData(torch.stack(rec.rows), torch.tensor(rec.targets, dtype=torch.long), torch.tensor(index), key)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -53,14 +53,25 @@ def _cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
 
 @torch.no_grad()
 def _teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    out = [torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype)).float().cpu(), dim=-1)
-           for i in range(0, final_hidden.shape[0], chunk)]
-    return torch.cat(out)
+    return torch.cat([torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype))
+                                        .float().cpu(), dim=-1) for i in range(0, final_hidden.shape[0], chunk)])
 
 
 def _frozen(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
     a = engine.adapter
     return a.lm_head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
+
+
+def _step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def _splits(data: OnPolicyData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`~.data.OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
+    train_idx, val_idx, hold_idx = data.split3()
+    return train_idx, val_idx, hold_idx if len(hold_idx) else train_idx
 
 
 # ---------------------------------------------------------------- AdaDecode heads
@@ -103,29 +114,24 @@ def evaluate_head(x: torch.Tensor, teacher_logp: torch.Tensor, target: torch.Ten
         m, a = logp.max(dim=-1)
         maxp.append(m.exp())
         pred.append(a)
-    n = max(1, x.shape[0])
-    maxp_t, pred_t = torch.cat(maxp), torch.cat(pred)
-    right = pred_t == target
+    maxp_t, right = torch.cat(maxp), torch.cat(pred) == target
     pc = {}
     for th in thresholds:
         sel = maxp_t >= th
-        cov = float(sel.float().mean())
-        prec = float(right[sel].float().mean()) if bool(sel.any()) else float("nan")
-        pc[f"{th:g}"] = {"precision": prec, "coverage": cov}
-    return {"kl": kl_sum / n, "top1": float(right.float().mean()), "precision_coverage": pc}
+        pc[f"{th:g}"] = {"precision": float(right[sel].float().mean()) if bool(sel.any()) else float("nan"),
+                         "coverage": float(sel.float().mean())}
+    return {"kl": kl_sum / max(1, x.shape[0]), "top1": float(right.float().mean()), "precision_coverage": pc}
 
 
 def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
-                   progress: Progress | None = None) -> tuple[dict[int, LowRankHead], list[HeadReport]]:
+                   progress: Progress = lambda *_: None) -> tuple[dict[int, LowRankHead], list[HeadReport]]:
     """Train one low-rank head per layer in ``cfg.layers``; returns (heads, reports)."""
     import time
 
     L = engine.num_layers
     layers = cfg.layers if cfg.layers is not None else default_head_layers(L)
     lm_head, final_norm, eps = _frozen(engine)
-    train_idx, val_idx, hold_idx = data.split3()
-    if len(hold_idx) == 0:
-        hold_idx = train_idx
+    train_idx, val_idx, hold_idx = _splits(data)
     teacher = _teacher_logprobs(engine, data.hidden[:, L - 1])
     gen = torch.Generator().manual_seed(cfg.seed)
     heads: dict[int, LowRankHead] = {}
@@ -142,39 +148,33 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
         a, b, g = (t.clone().requires_grad_(True) for t in (init.a, init.b, init.g))
         opt = torch.optim.Adam([a, b, g], lr=cfg.lr)
         n = len(train_idx)
-        steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
-        total = steps_per_epoch * cfg.epochs
+        total = max(1, math.ceil(n / cfg.batch_size)) * cfg.epochs  # steps
         warmup = max(1, int(cfg.warmup_share * total))
         step = 0
         # early stopping: keep the epoch with the lowest validation KL (epoch 0: the logit
         # lens), so a learning rate or an epoch count that hurts cannot make the head worse
         best_kl = evaluate(val_idx, init)["kl"]
-        best, best_epoch = (init.a, init.b, init.g), 0
+        best, best_epoch = init, 0
         for epoch in range(cfg.epochs):
             perm = train_idx[torch.randperm(n, generator=gen)]
             loss_sum = 0.0
             for i in range(0, n, cfg.batch_size):
                 rows = perm[i:i + cfg.batch_size]
-                for group in opt.param_groups:
-                    group["lr"] = _cosine_lr(step, total, warmup, cfg.lr)
+                opt.param_groups[0]["lr"] = _cosine_lr(step, total, warmup, cfg.lr)  # one group: a, b, g
                 logp = torch.log_softmax(head_logits(x_all[rows], LowRankHead(a, b, g), lm_head, eps), dim=-1)
                 t = teacher[rows]
                 loss = (t.exp() * (t - logp)).sum(dim=-1).mean()  # forward KL(p* || p_i)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                _step(opt, loss)
                 loss_sum += float(loss.detach()) * len(rows)
                 step += 1
             cand = LowRankHead(a.detach().clone(), b.detach().clone(), g.detach().clone())
             val_kl = evaluate(val_idx, cand)["kl"]
             if val_kl < best_kl:
-                best_kl, best, best_epoch = val_kl, (cand.a, cand.b, cand.g), epoch + 1
-            if progress:
-                progress(f"head@{layer}", epoch + 1, cfg.epochs,
-                         f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
-        head = LowRankHead(*best)
-        after = evaluate(hold_idx, head, cfg.thresholds)
-        heads[layer] = head
+                best_kl, best, best_epoch = val_kl, cand, epoch + 1
+            progress(f"head@{layer}", epoch + 1, cfg.epochs,
+                     f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
+        after = evaluate(hold_idx, best, cfg.thresholds)
+        heads[layer] = best
         pc = {th: {**v, "precision_before": before["precision_coverage"][th]["precision"],
                    "coverage_before": before["precision_coverage"][th]["coverage"]}
               for th, v in after["precision_coverage"].items()}
@@ -269,32 +269,23 @@ def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor
         if nf < min_fires or wilson_lower(prec * nf, nf, z) < target:
             continue
         if gid is not None:
-            num_groups = int(gid.max()) + 1
-            fire = (prob > t) & verified
-            per_fire = torch.zeros(num_groups).index_add_(0, gid, fire.float())
-            per_tp = torch.zeros(num_groups).index_add_(0, gid, (fire & y).float())
+            fire = (prob > t) & verified  # per prompt: true positives, fires
+            per_tp, per_fire = (torch.bincount(gid, w.float()) for w in (fire & y, fire))
             if cluster_bootstrap_lower(per_tp, per_fire, z) < target:
                 continue
         return t
     return 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class ExitDataset:
-    """Features and labels for every predictor layer, built like inference builds them."""
-
-    layers: tuple[int, ...]
-    features: dict[int, torch.Tensor]  # layer -> (N, 12)
-    verified: dict[int, torch.Tensor]  # layer -> (N,) bool: full-vocab argmax at this layer is a speculative token
-    labels: dict[int, torch.Tensor]  # layer -> (N,) float: verified and equal to the full model's token
-
-
 @torch.no_grad()
 def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead,
-                       chunk: int = 512) -> ExitDataset:
-    L = engine.num_layers
+                       chunk: int = 512) -> tuple[dict[int, torch.Tensor], ...]:
+    """Features and labels for every predictor layer (drafter layer .. L-2), built like inference
+    builds them; three dicts layer -> tensor: the features (N, 12), ``verified`` (N,) bool (the
+    full-vocab argmax at this layer is a speculative token) and the labels (N,) float (verified
+    and equal to the full model's token)."""
     lm_head, final_norm, eps = _frozen(engine)
-    layers = tuple(range(drafter_layer, L - 1))
+    layers = range(drafter_layer, engine.num_layers - 1)
     feats, verified, labels = ({l: [] for l in layers} for _ in range(3))  # layer -> per-chunk tensors
     for i in range(0, data.num_rows, chunk):
         h = data.hidden[i:i + chunk]
@@ -310,37 +301,31 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
             ok = (spec == full[:, None]).any(dim=-1)
             verified[l].append(ok)
             labels[l].append((ok & (full == target)).float())
-    return ExitDataset(layers, *({l: torch.cat(v) for l, v in d.items()} for d in (feats, verified, labels)))
+    return tuple({l: torch.cat(v) for l, v in d.items()} for d in (feats, verified, labels))
 
 
-def _init_predictor(gen: torch.Generator) -> ExitPredictor:
+def _init_predictor(gen: torch.Generator) -> list[torch.Tensor]:
+    """A predictor's (w1, b1, w2, b2), trainable, initialised as ``nn.Linear`` does."""
     def lin(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
         bound = 1 / math.sqrt(in_f)
         return ((torch.rand(out_f, in_f, generator=gen) * 2 - 1) * bound, (torch.rand(out_f, generator=gen) * 2 - 1) * bound)
 
-    w1, b1 = lin(PREDICTOR_HIDDEN, NUM_FEATURES)
-    w2, b2 = lin(1, PREDICTOR_HIDDEN)
-    return ExitPredictor(w1, b1, w2, b2)
+    return [t.requires_grad_(True) for t in (*lin(PREDICTOR_HIDDEN, NUM_FEATURES), *lin(1, PREDICTOR_HIDDEN))]
 
 
-def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead,
-                    cfg: ExitTrainConfig, progress: Progress | None = None,
-                    threshold: float = 0.5) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
-    ds = build_exit_dataset(engine, data, drafter_layer, drafter)
-    train_idx, val_idx, hold_idx = data.split3()
-    if len(hold_idx) == 0:
-        hold_idx = train_idx
+def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead, cfg: ExitTrainConfig,
+                    progress: Progress = lambda *_: None) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
+    feats, verified, labels = build_exit_dataset(engine, data, drafter_layer, drafter)
+    train_idx, val_idx, hold_idx = _splits(data)
     gen = torch.Generator().manual_seed(cfg.seed)
     predictors: dict[int, ExitPredictor] = {}
     reports: list[ExitReport] = []
-    for l in ds.layers:
-        x, y = ds.features[l], ds.labels[l]
+    for l in feats:
+        x, y = feats[l], labels[l]
         xt, yt = x[train_idx], y[train_idx]
         pos = float(yt.sum())
-        neg = float(len(yt) - pos)
-        pos_weight = torch.tensor(neg / pos if (cfg.balance and pos > 0) else 1.0)
-        init = _init_predictor(gen)
-        params = [t.clone().requires_grad_(True) for t in (init.w1, init.b1, init.w2, init.b2)]
+        pos_weight = torch.tensor((len(yt) - pos) / pos if (cfg.balance and pos > 0) else 1.0)  # n_neg / n_pos
+        params = _init_predictor(gen)
         opt = torch.optim.Adam(params, lr=cfg.lr)
         n = len(xt)
         for epoch in range(cfg.epochs):
@@ -349,21 +334,19 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
                 rows = perm[i:i + cfg.batch_size]
                 logit = exit_logit(xt[rows], ExitPredictor(*params))
                 loss = F.binary_cross_entropy_with_logits(logit, yt[rows], pos_weight=pos_weight)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            if progress and (epoch + 1) % 10 == 0:
+                _step(opt, loss)
+            if (epoch + 1) % 10 == 0:
                 progress(f"exit-mlp@{l}", epoch + 1, cfg.epochs, f"loss {float(loss.detach()):.3f}")
         p = ExitPredictor(*(t.detach() for t in params))
         predictors[l] = p
         with torch.no_grad():
             # the threshold is chosen on validation prompts and reported on test prompts
             prob_v = torch.sigmoid(exit_logit(x[val_idx], p))
-            t = choose_threshold(prob_v, ds.verified[l][val_idx], y[val_idx].bool(), cfg.target_precision,
+            t = choose_threshold(prob_v, verified[l][val_idx], y[val_idx].bool(), cfg.target_precision,
                                  z=cfg.confidence_z, groups=data.prompt_index[val_idx])
             prob = torch.sigmoid(exit_logit(x[hold_idx], p))
-            vh, yh = ds.verified[l][hold_idx], y[hold_idx].bool()
-            prec, rec, fire, _ = _rates(prob, vh, yh, threshold)
+            vh, yh = verified[l][hold_idx], y[hold_idx].bool()
+            prec, rec, fire, _ = _rates(prob, vh, yh, 0.5)
             prec_t, rec_t, fire_t, _ = _rates(prob, vh, yh, t)
             reports.append(ExitReport(l, int(len(y)), float(y.mean()), prec, rec, fire, t, prec_t, rec_t, fire_t))
     return predictors, reports
