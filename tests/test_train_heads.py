@@ -73,6 +73,9 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
               "--max-new-tokens", "10", "--cache-dir", str(tmp_path / "cache")]
     rc, out, err = run_cli(["train-heads", "--kind", "exit-mlp", *common])
     assert rc == 2 and "selfspec train-heads --kind lm-heads" in err and len(err.strip().splitlines()) == 1
+    for lr in ("0", "-1e-3"):  # a learning rate of 0 once fell back to the default silently
+        rc, out, err = run_cli(["train-heads", "--kind", "lm-heads", *common, "--lr", lr])
+        assert rc == 2 and "--lr must be > 0" in err and len(err.strip().splitlines()) == 1
     out, _ = _ok(["train-heads", "--kind", "lm-heads", *common, "--rank", "4", "--epochs", "2"])
     summary = json.loads(out)
     assert summary["layers"] == [0, 1, 2] and len(summary["report"]) == 3

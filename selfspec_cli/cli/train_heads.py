@@ -58,6 +58,8 @@ def train_heads(
                       ("--batch-size", batch_size)):
         if val is not None and val < 1:
             raise ConfigError(f"{name} must be >= 1, got {val}")
+    if lr is not None and not lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {lr}")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     if prompt_file is None and dataset is None:
         prompt_file = DEFAULT_PROMPTS
