@@ -36,7 +36,7 @@ import numpy as np
 
 from ..artifacts import SkipSet, environment_info, save_json_artifact
 from ..decoding.driver import Draft
-from ..decoding.layer_skip import PAPER_TREE_TOPK, LayerSkipProposer
+from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
@@ -82,24 +82,21 @@ class Swift(LayerSkipProposer, Method):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SwiftConfig | None = None) -> None:
         config = config or SwiftConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, config.draft(
-            adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK, tree_max_nodes=config.tree_nodes))
+            adaptive=False, tree=True, tree_max_nodes=config.tree_nodes))  # the paper's top-k per confidence bin
         self.config = config
         import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
 
         L = engine.num_layers
         if L < 4:
             raise ConfigError(f"SWIFT needs at least 4 layers (it never skips the first or last), got {L}")
-        self.num_layers = L
         # candidate pool: attention then MLP sublayers of layers 1..L-2
         self.pool: list[tuple[str, int]] = [("attn", l) for l in range(1, L - 1)] + [("mlp", l) for l in range(1, L - 1)]
         self.rng = random.Random(self.config.seed)
         self.ratio = self.config.skip_ratio
-        uniform = [i for i, (_, l) in enumerate(self.pool) if l % 2 == 1 and l <= L - 3]
-        self.best: tuple[int, ...] = tuple(sorted(uniform))
-        self.best_score = -1.0
+        # uniform start: odd layers 1, 3, ..., L-3 (pool indices come out sorted)
+        self.best: tuple[int, ...] = tuple(i for i, (_, l) in enumerate(self.pool) if l % 2 == 1 and l <= L - 3)
+        self.best_score, self.since_improved, self.optimizing = -1.0, 0, True
         self.step = 0
-        self.since_improved = 0
-        self.optimizing = True
         self.observations: list[tuple[tuple[int, ...], float]] = []
         self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
         self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.config.acceptance_window)
@@ -116,8 +113,7 @@ class Swift(LayerSkipProposer, Method):
         return max(1, int(len(self.pool) * self.ratio))
 
     def _as_sets(self, idx: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
-        attn = frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == "attn")
-        mlp = frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == "mlp")
+        attn, mlp = (frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == kind) for kind in ("attn", "mlp"))
         return attn, mlp
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
@@ -164,11 +160,8 @@ class Swift(LayerSkipProposer, Method):
         cands = {self._random_candidate() for _ in range(512)}
         best = list(self.best) if len(self.best) == self.k else list(self._random_candidate())
         outside = [i for i in range(P) if i not in best]
-        for a in best:
-            for b in outside:
-                cands.add(tuple(sorted([x for x in best if x != a] + [b])))
-        seen = {c for c, _ in self.observations}
-        cands -= seen
+        cands |= {tuple(sorted([x for x in best if x != a] + [b])) for a in best for b in outside}
+        cands -= {c for c, _ in self.observations}
         if not cands:
             return self._random_candidate()
         cl = sorted(cands)
@@ -205,9 +198,7 @@ class Swift(LayerSkipProposer, Method):
         keep = list(self.best)
         self.rng.shuffle(keep)
         self.best = tuple(sorted(keep[: self.k]))
-        self.best_score = -1.0
-        self.since_improved = 0
-        self.optimizing = True
+        self.best_score, self.since_improved, self.optimizing = -1.0, 0, True
         self._acceptance.clear()
         self._rounds_since_ratio_change = 0
 
@@ -219,9 +210,8 @@ class Swift(LayerSkipProposer, Method):
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         LayerSkipProposer.update(self, state, draft, verdict, out)
-        steps = draft.forwards
-        if steps:
-            self._acceptance.append((len(verdict.accepted), steps))
+        if draft.forwards:
+            self._acceptance.append((len(verdict.accepted), draft.forwards))
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last
         # the search counts its own cost: it runs only while it stays within its share of decoding
