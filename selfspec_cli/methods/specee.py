@@ -104,9 +104,8 @@ class SpecEE(Method):
         self.drafter = drafter.to(engine.device, engine.dtype)
         self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
         self.offline = frozenset(l for l in offline_layers if l in self.predictors)
-        per_layer = thresholds or {}
-        self.thresholds = {l: (config.specee_threshold if config.specee_threshold is not None else per_layer.get(l, 0.5))
-                           for l in self.predictors}
+        t = config.specee_threshold
+        self.thresholds = {l: t if t is not None else (thresholds or {}).get(l, 0.5) for l in self.predictors}
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None) -> SpecEE:
@@ -175,8 +174,7 @@ class SpecEE(Method):
         bounds = sorted({0, L} | {l + 1 for l in stops} | set(waiting))
         h = eng.embed(state.ids([state.pending]))
         prev_last: torch.Tensor | None = None  # current row after the previous segment's last layer
-        spec = spec_rows = None
-        exit_layer = new_token = None
+        exit_layer = None
         for s, e in zip(bounds[:-1], bounds[1:]):
             # 1) run a segment, joined by the rows waiting before it (deferred mode)
             if s in waiting:
@@ -212,11 +210,10 @@ class SpecEE(Method):
                 break
             n["failed_verifications"] += 1
         n["rounds"] += 1
+        self._history.append(L - 1 if exit_layer is None else exit_layer)
         if exit_layer is None:
             new_token = int(out.logits[0].argmax())
-            self._history.append(L - 1)
         else:
-            self._history.append(exit_layer)
             self._exits[exit_layer] += 1
             if c.specee_kv_mode == "deferred":  # the rest of this token's layers run with the next token reaching them
                 e = exit_layer + 1
