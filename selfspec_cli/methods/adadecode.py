@@ -163,7 +163,6 @@ class AdaDecode(Method):
         while True:
             h = self.engine.embed(state.ids([token]))
             can_exit = len(early) < min(c.adadecode_max_pending, budget) and token not in state.eos
-            exited = False
             for s, e in self.segments:
                 if s in waiting:
                     h = torch.cat([waiting.pop(s), h])
@@ -185,9 +184,8 @@ class AdaDecode(Method):
                     self.exits[e - 1] += 1
                     self.head_stats[e - 1][1] += 1
                     made_by.append(e - 1)
-                    exited = True
-                    break
-            if not exited:
+                    break  # the early token starts at layer 0
+            else:  # no early prediction: this token reached the last layer
                 break
         assert out.logits.shape[0] == len(early) + 1 and not waiting, (out.logits.shape, len(early), list(waiting))
         return Draft(early, q=torch.stack(early_q) if early_q else None, logits=out.logits, info={"heads": made_by})
