@@ -63,10 +63,9 @@ class VerifyCurve:
     @classmethod
     def for_engine(cls, engine: Engine) -> VerifyCurve:
         """Measured once per engine (about 30 forwards) and kept with it."""
-        curve = _CURVES.get(engine)
-        if curve is None:
-            curve = _CURVES[engine] = cls.measure(engine)
-        return curve
+        if engine not in _CURVES:
+            _CURVES[engine] = cls.measure(engine)
+        return _CURVES[engine]
 
     @classmethod
     @torch.inference_mode()

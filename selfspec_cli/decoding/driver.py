@@ -175,11 +175,9 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
         state.commit_decided(draft.tokens)
         return Verdict([], list(draft.tokens)), None
     out = None
-    if draft.logits is not None:
-        logits = draft.logits
-    else:
+    if draft.logits is None:
         out = state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options())
-        logits = out.logits
+    logits = draft.logits if out is None else out.logits
     if draft.parents is not None:
         verdict = verify_tree(draft.tokens, draft.parents, logits, sampling, state.generator)
     elif sampling.greedy:

@@ -62,9 +62,8 @@ class Method(Proposer):
 def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """Seconds a trained artifact cost (data collection + training), from its manifest."""
     tr = manifest.get("training") or {}
-    parts = [tr.get("collect_seconds"), tr.get("train_seconds")]
-    secs = sum(float(x) for x in parts if x is not None) if any(x is not None for x in parts) else None
-    return {"what": what, "seconds": None if secs is None else round(secs, 1), "created": manifest.get("created")}
+    secs = [float(x) for x in (tr.get("collect_seconds"), tr.get("train_seconds")) if x is not None]
+    return {"what": what, "seconds": round(sum(secs), 1) if secs else None, "created": manifest.get("created")}
 
 
 def require(ok: bool, name: str, rule: str, value: Any) -> None:

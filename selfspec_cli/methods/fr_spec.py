@@ -114,10 +114,9 @@ def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -
             raise FieldError("draft_vocab_size", "needs a draft vocabulary (draft_vocab 'auto' with an artifact, or a path)")
         return None
     if spec == "auto":
-        found, _ = find_default_artifact(KIND, model, exists=lambda p: (p / "manifest.json").is_file())
-        if found is None:
+        spec, _ = find_default_artifact(KIND, model, exists=lambda p: (p / "manifest.json").is_file())
+        if spec is None:
             return None
-        return DraftVocab.load(found, model).with_size(size)
     return DraftVocab.load(spec, model).with_size(size)
 
 
