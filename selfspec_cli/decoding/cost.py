@@ -72,13 +72,12 @@ class VerifyCurve:
     def measure(cls, engine: Engine, context: int = 64, rounds: int = 3) -> VerifyCurve:
         """Time forwards of 1..16 rows after a ``context``-token prefix; per size the
         fastest of ``rounds`` interleaved passes (load from elsewhere only slows a call)."""
-        rows = CURVE_ROWS
-        cache = engine.new_cache(context + max(rows) + 1)
-        ids = torch.arange(context + max(rows), device=engine.device) % max(2, engine.vocab_size)
+        cache = engine.new_cache(context + max(CURVE_ROWS) + 1)
+        ids = torch.arange(context + max(CURVE_ROWS), device=engine.device) % max(2, engine.vocab_size)
         engine.forward(cache, ids[:context], positions=0, logits_rows=None)
-        best = {m: float("inf") for m in rows}
+        best = {m: float("inf") for m in CURVE_ROWS}
         for r in range(rounds + 1):  # pass 0 warms up
-            for m in rows:
+            for m in CURVE_ROWS:
                 dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context,
                                                   logits_rows=slice(None)), engine.device)[1]
                 if r:
@@ -87,7 +86,7 @@ class VerifyCurve:
         t1 = best[1]
         # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper)
         ratios, run = {}, 1.0
-        for m in rows:
+        for m in CURVE_ROWS:
             run = max(run, best[m] / t1)
             ratios[m] = round(run, 4)
         return cls(t1, ratios)
