@@ -54,7 +54,8 @@ from ..engine import Engine, ForwardOutput
 from ..engine.runner import LAST_ROW
 from ..errors import ArtifactError, ConfigError, FieldError
 from .base import Method, option, require, training_cost
-from .exit_heads import NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, specee_features
+from .exit_heads import (NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, spec_local,
+                         specee_features)
 from .head_store import load_exit_mlps, load_heads, load_schedule
 
 KV_MODES = ("empty", "deferred")
@@ -196,8 +197,7 @@ class SpecEE(Method):
                 continue
             # 3) predictor on [s, q, dq] at this layer; the change is against layer l - 1
             rows = prev_last if l == k0 else torch.cat([h_prev, prev_last])
-            z = torch.nn.functional.rms_norm(rows, (rows.shape[-1],), a.final_norm, a.rms_eps)
-            s_all = torch.nn.functional.linear(z, spec_rows).float()  # (1 or 2, 4)
+            s_all = spec_local(rows, spec_rows, a.final_norm, a.rms_eps).float()  # (1 or 2, 4)
             feats = specee_features(s_all[-1:], None if l == k0 else s_all[:1])
             n["predictor_checks"] += 1
             if float(exit_probability(feats, self.predictors[l])) <= self.thresholds[l]:
@@ -232,25 +232,22 @@ class SpecEE(Method):
         n = self._counts
         rounds = max(1, n["rounds"])
         out: dict[str, Any] = {
-            "lossless": False,
-            "kv_mode": self.config.specee_kv_mode,
+            "lossless": False, "kv_mode": self.config.specee_kv_mode,
             "early_exits": {str(k): v for k, v in self._exits.items() if v},
-            "exit_rate": sum(self._exits.values()) / rounds,
-            "mean_layers_run_per_token": n["layers_run"] / rounds,
+            "exit_rate": sum(self._exits.values()) / rounds, "mean_layers_run_per_token": n["layers_run"] / rounds,
             **{k: n[k] for k in ("predictor_checks", "verifications", "failed_verifications")},
-            "drafter_layer": self.k0,
-            "offline_layers": sorted(self.offline),
+            "drafter_layer": self.k0, "offline_layers": sorted(self.offline),
             "thresholds": {str(k): v for k, v in self.thresholds.items()},
         }
         if self._shadow is not None:
             ev = self._ev
             ev_len = ev["tokens"] + 1  # the prefill's token plus every evaluated round's
-            first_div = ev["first_divergence"]
+            # identical up to the first divergence (all of it when there is none)
+            prefix = ev_len if ev["first_divergence"] is None else ev["first_divergence"]
             out["evaluation"] = {
                 "early_exits": ev["exits"],
                 "early_exit_agreement": ev["exits_agree"] / ev["exits"] if ev["exits"] else None,
                 "token_agreement": ev["tokens_agree"] / ev["tokens"] if ev["tokens"] else None,
-                "identical_prefix_tokens": ev_len if first_div is None else first_div,
-                "identical_prefix_share": 1.0 if first_div is None else first_div / max(1, ev_len),
+                "identical_prefix_tokens": prefix, "identical_prefix_share": prefix / ev_len,
             }
         return out
