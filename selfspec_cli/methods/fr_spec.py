@@ -62,8 +62,7 @@ def rank_vocabulary(counts: torch.Tensor, prior: torch.Tensor | None = None) -> 
     ids = torch.arange(counts.numel())
     if prior is not None:  # stable sorts: the last key sorted is the primary one
         ids = ids[torch.sort(-prior.double(), stable=True).indices]
-    order = torch.sort(-counts[ids].to(torch.int64), stable=True).indices
-    return ids[order]
+    return ids[torch.sort(-counts[ids].to(torch.int64), stable=True).indices]
 
 
 def coverage(ranked: torch.Tensor, counts: torch.Tensor, n: int) -> float:

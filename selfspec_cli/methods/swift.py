@@ -218,13 +218,11 @@ class Swift(LayerSkipProposer, Method):
         # time, counting the step it is about to take (one scoring costs about as much as the last)
         budget = self.config.optimize_budget
         within = budget > 0 and self._spent_s + self._search_step_s <= budget * self._decoded_s
-        if not self._windowed and len(state.output) >= self.config.context_window + 2:
-            # the window's gamma + 1 tokens are cached (the newest output token is pending)
-            self._windowed = True
-            if self.optimizing and self.best_score >= 0 and within:
-                self.best_score = self._score(state, self.best)  # re-score on this prompt's window
+        # the window's gamma + 1 tokens are cached (the newest output token is pending)
+        new_window = not self._windowed and len(state.output) >= self.config.context_window + 2
+        self._windowed |= new_window
         if self._windowed and self.optimizing and within:
-            if self.best_score < 0:
+            if new_window or self.best_score < 0:  # (re-)score the best set on this prompt's window
                 self.best_score = self._score(state, self.best)
             self._optimization_step(state)
         self._maybe_lower_ratio()
