@@ -54,11 +54,11 @@ class VerifyCurve:
             return self.ratios[m]
         rows = sorted(self.ratios)
         if m > rows[-1]:  # beyond the table: linear in the rows, from the last two points
-            a, b = rows[-2], rows[-1]
-            return self.ratios[b] + (m - b) * (self.ratios[b] - self.ratios[a]) / (b - a)
-        lo = max(r for r in rows if r < m)
-        hi = min(r for r in rows if r > m)
-        return self.ratios[lo] + (m - lo) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
+            lo, hi = rows[-2], rows[-1]
+        else:
+            lo, hi = max(r for r in rows if r < m), min(r for r in rows if r > m)
+        x0 = hi if m > hi else lo  # extrapolate from the last point, interpolate from the lower one
+        return self.ratios[x0] + (m - x0) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
 
     @classmethod
     def for_engine(cls, engine: Engine) -> VerifyCurve:

@@ -99,8 +99,9 @@ class Swift(LayerSkipProposer, Method):
         self.step = 0
         self.observations: list[tuple[tuple[int, ...], float]] = []
         self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
+        # (accepted, drafted) of the last drafting rounds since the ratio last changed; it fills no faster
+        # than rounds pass, so a full window also means acceptance_window rounds at this ratio
         self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.config.acceptance_window)
-        self._rounds_since_ratio_change = 0
         self._windowed = False  # per prompt: the scoring window is cached
         self.optimize_s = 0.0
         self._spent_s = self._decoded_s = 0.0  # search and decoding time over the run (the budget)
@@ -187,8 +188,7 @@ class Swift(LayerSkipProposer, Method):
 
     def _maybe_lower_ratio(self) -> None:
         cfg = self.config
-        self._rounds_since_ratio_change += 1
-        if len(self._acceptance) < cfg.acceptance_window or self._rounds_since_ratio_change < cfg.acceptance_window:
+        if len(self._acceptance) < cfg.acceptance_window:
             return
         acc = sum(a for a, _ in self._acceptance) / max(1, sum(d for _, d in self._acceptance))
         if acc >= cfg.acceptance_tolerance or self.ratio - cfg.ratio_step < cfg.min_ratio:
@@ -200,7 +200,6 @@ class Swift(LayerSkipProposer, Method):
         self.best = tuple(sorted(keep[: self.k]))
         self.best_score, self.since_improved, self.optimizing = -1.0, 0, True
         self._acceptance.clear()
-        self._rounds_since_ratio_change = 0
 
     # -- hooks -------------------------------------------------------------
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
