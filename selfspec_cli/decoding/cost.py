@@ -177,8 +177,7 @@ class Planner:
         return c + self.curve.v(self.width + 1) - self.expected_tokens(1)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance.observe(drafted, accepted)
+        self.acceptance.observe(drafted, accepted)  # no draft: no depth reached
 
     def report(self) -> dict[str, Any]:
         return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)]}

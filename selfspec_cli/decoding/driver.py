@@ -115,7 +115,6 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
                         sampling=cfg.sampling, generator=gen, eos=eos)
-    timings = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "update_s": 0.0}
     expected = cost = 0.0  # the planners' predictions, summed over rounds
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
@@ -125,7 +124,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
         state.commit_decided([first])
         _record(stats, sink, [first], 0, on_tokens)
         stats.target_forwards += 1
-        timings["prefill_s"] = time.perf_counter() - t0
+        timings = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "update_s": 0.0}
         proposer.begin(state, out)
         while not sink.done:
             t1 = time.perf_counter()

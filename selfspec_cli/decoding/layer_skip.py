@@ -75,8 +75,7 @@ class AdaptiveThreshold:
     step: float = 0.01
 
     def update(self, accepted: int, drafted: int, hit_limit: bool) -> None:
-        if drafted == 0:
-            return
+        """After a round that drafted ``drafted > 0`` tokens."""
         self.ema = 0.5 * self.ema + 0.5 * (accepted / drafted)
         if hit_limit:
             return

@@ -53,10 +53,8 @@ class Method(Proposer):
     def offline_info(self) -> dict[str, Any] | None:
         """Offline time behind this method's artifacts (``selfspec bench`` reports it), or None."""
         parts = [p for p in self.offline_parts if p.get("seconds") is not None]
-        if not parts:
-            return None
         return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
-                "parts": parts}
+                "parts": parts} if parts else None
 
 
 def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -102,11 +102,9 @@ class Swift(LayerSkipProposer, Method):
         # (accepted, drafted) of the last drafting rounds since the ratio last changed; it fills no faster
         # than rounds pass, so a full window also means acceptance_window rounds at this ratio
         self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.config.acceptance_window)
-        self._windowed = False  # per prompt: the scoring window is cached
-        self.optimize_s = 0.0
+        self.optimize_s = 0.0  # search time of the current prompt
         self._spent_s = self._decoded_s = 0.0  # search and decoding time over the run (the budget)
         self._search_step_s = 0.0  # the last search step's cost
-        self._last = time.perf_counter()
 
     # -- skip sets ---------------------------------------------------------
     @property
@@ -203,7 +201,7 @@ class Swift(LayerSkipProposer, Method):
 
     # -- hooks -------------------------------------------------------------
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        self._windowed = False
+        self._windowed = False  # per prompt: the scoring window is cached
         self.optimize_s = 0.0
         self._last = time.perf_counter()
 
