@@ -112,9 +112,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     sink = TokenSink(cfg, proposer.tokenizer)
     stats = DecodeStats()
     gen = make_generator(cfg.sampling, eng.device)
-    eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
-                        sampling=cfg.sampling, generator=gen, eos=eos)
+                        sampling=cfg.sampling, generator=gen, eos=sink.eos)
     expected = cost = 0.0  # the planners' predictions, summed over rounds
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()

@@ -56,10 +56,7 @@ class DraftConfig:
     cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/cost.py)
 
     def topk_for(self, confidence: float) -> int:
-        for upper, k in self.tree_topk:
-            if confidence <= upper:
-                return k
-        return self.tree_topk[-1][1]
+        return next((k for upper, k in self.tree_topk if confidence <= upper), self.tree_topk[-1][1])
 
 
 @dataclass(slots=True)
@@ -137,8 +134,7 @@ class LayerSkipProposer(Proposer):
         """A draft law over the subset as a law over the whole vocabulary (zero outside)."""
         if self._vocab_index is None:
             return probs
-        full = probs.new_zeros(self.engine.vocab_size)
-        return full.index_copy_(0, self._vocab_index, probs)
+        return probs.new_zeros(self.engine.vocab_size).index_copy_(0, self._vocab_index, probs)
 
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share

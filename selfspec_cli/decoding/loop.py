@@ -63,7 +63,7 @@ class TokenSink:
         self.cfg = cfg
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
-        self._eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
+        self.eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
         self._stops = cfg.stop_strings
         if self._stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -87,7 +87,7 @@ class TokenSink:
                 break
             self.tokens.append(int(t))
             kept += 1
-            if t in self._eos:
+            if t in self.eos:
                 self.finish_reason = "eos"
             elif self._stops and self._hit_stop():
                 self.finish_reason = "stop_string"

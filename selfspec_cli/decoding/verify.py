@@ -65,8 +65,7 @@ def verify_chain_sampling(
         idx = torch.as_tensor(draft_tokens, device=p_target.device)
         rows = torch.arange(k, device=p_target.device)
         ratio = (p_target[rows, idx] / q_draft[rows, idx]).clamp(max=1.0)  # (k,)
-        u = torch.rand(k, generator=generator, device=p_target.device)
-        rejected = (u >= ratio).tolist()
+        rejected = (torch.rand(k, generator=generator, device=p_target.device) >= ratio).tolist()
     for i, rejected_i in enumerate(rejected):
         if rejected_i:
             residual = (p_target[i] - q_draft[i]).clamp(min=0.0)

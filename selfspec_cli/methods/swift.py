@@ -112,8 +112,7 @@ class Swift(LayerSkipProposer, Method):
         return max(1, int(len(self.pool) * self.ratio))
 
     def _as_sets(self, idx: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
-        attn, mlp = (frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == kind) for kind in ("attn", "mlp"))
-        return attn, mlp
+        return tuple(frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == kind) for kind in ("attn", "mlp"))
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._as_sets(self.best)
@@ -125,8 +124,7 @@ class Swift(LayerSkipProposer, Method):
         attn, mlp = self._as_sets(idx)
         n = self.config.context_window + 1
         logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1)).logits
-        window = state.ids(state.output[1:n])
-        return float((logits.argmax(-1) == window).float().mean())
+        return float((logits.argmax(-1) == state.ids(state.output[1:n])).float().mean())
 
     def _random_candidate(self) -> tuple[int, ...]:
         return tuple(sorted(self.rng.sample(range(len(self.pool)), self.k)))
@@ -158,8 +156,7 @@ class Swift(LayerSkipProposer, Method):
             gp.fit(X, y)
         cands = {self._random_candidate() for _ in range(512)}
         best = list(self.best) if len(self.best) == self.k else list(self._random_candidate())
-        outside = [i for i in range(P) if i not in best]
-        cands |= {tuple(sorted([x for x in best if x != a] + [b])) for a in best for b in outside}
+        cands |= {tuple(sorted([x for x in best if x != a] + [b])) for a in best for b in range(P) if b not in best}
         cands -= {c for c, _ in self.observations}
         if not cands:
             return self._random_candidate()
@@ -239,8 +236,7 @@ class Swift(LayerSkipProposer, Method):
 
     def save_layers(self, path: str | Path) -> Path:
         """Write the best skip set found as a Self-SD artifact (``--method self-sd --layers``)."""
-        attn, mlp = self.skip_sets()
-        manifest = SkipSet(attn, mlp).to_manifest(
+        manifest = SkipSet(*self.skip_sets()).to_manifest(
             self.engine.model,
             objective={"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
             trials=self.step,
