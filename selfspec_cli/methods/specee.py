@@ -96,16 +96,15 @@ class SpecEE(Method):
                  drafter_layer: int, drafter: LowRankHead, predictors: dict[int, ExitPredictor],
                  offline_layers: list[int], thresholds: dict[int, float] | None = None) -> None:
         super().__init__(engine, tokenizer, config)
-        config = self.config
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
             raise ConfigError(f"drafter layer {drafter_layer} is out of range for a {L}-layer model")
-        self.lookahead = config.max_pending
+        self.lookahead = self.config.max_pending
         self.k0 = drafter_layer
         self.drafter = drafter.to(engine.device, engine.dtype)
         self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
         self.offline = frozenset(l for l in offline_layers if l in self.predictors)
-        t = config.specee_threshold
+        t = self.config.specee_threshold
         self.thresholds = {l: t if t is not None else (thresholds or {}).get(l, 0.5) for l in self.predictors}
 
     @classmethod
