@@ -54,32 +54,30 @@ class VerifyCurve:
             return self.ratios[m]
         rows = sorted(self.ratios)
         if m > rows[-1]:  # beyond the table: linear in the rows, from the last two points
-            a, b = rows[-2], rows[-1]
-            return self.ratios[b] + (m - b) * (self.ratios[b] - self.ratios[a]) / (b - a)
-        lo = max(r for r in rows if r < m)
-        hi = min(r for r in rows if r > m)
-        return self.ratios[lo] + (m - lo) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
+            lo, hi = rows[-2], rows[-1]
+        else:
+            lo, hi = max(r for r in rows if r < m), min(r for r in rows if r > m)
+        x0 = hi if m > hi else lo  # extrapolate from the last point, interpolate from the lower one
+        return self.ratios[x0] + (m - x0) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
 
     @classmethod
     def for_engine(cls, engine: Engine) -> VerifyCurve:
         """Measured once per engine (about 30 forwards) and kept with it."""
-        curve = _CURVES.get(engine)
-        if curve is None:
-            curve = _CURVES[engine] = cls.measure(engine)
-        return curve
+        if engine not in _CURVES:
+            _CURVES[engine] = cls.measure(engine)
+        return _CURVES[engine]
 
     @classmethod
     @torch.inference_mode()
     def measure(cls, engine: Engine, context: int = 64, rounds: int = 3) -> VerifyCurve:
         """Time forwards of 1..16 rows after a ``context``-token prefix; per size the
         fastest of ``rounds`` interleaved passes (load from elsewhere only slows a call)."""
-        rows = CURVE_ROWS
-        cache = engine.new_cache(context + max(rows) + 1)
-        ids = torch.arange(context + max(rows), device=engine.device) % max(2, engine.vocab_size)
+        cache = engine.new_cache(context + max(CURVE_ROWS) + 1)
+        ids = torch.arange(context + max(CURVE_ROWS), device=engine.device) % max(2, engine.vocab_size)
         engine.forward(cache, ids[:context], positions=0, logits_rows=None)
-        best = {m: float("inf") for m in rows}
+        best = {m: float("inf") for m in CURVE_ROWS}
         for r in range(rounds + 1):  # pass 0 warms up
-            for m in rows:
+            for m in CURVE_ROWS:
                 dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context,
                                                   logits_rows=slice(None)), engine.device)[1]
                 if r:
@@ -88,7 +86,7 @@ class VerifyCurve:
         t1 = best[1]
         # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper)
         ratios, run = {}, 1.0
-        for m in rows:
+        for m in CURVE_ROWS:
             run = max(run, best[m] / t1)
             ratios[m] = round(run, 4)
         return cls(t1, ratios)
@@ -179,8 +177,7 @@ class Planner:
         return c + self.curve.v(self.width + 1) - self.expected_tokens(1)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance.observe(drafted, accepted)
+        self.acceptance.observe(drafted, accepted)  # no draft: no depth reached
 
     def report(self) -> dict[str, Any]:
         return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)]}

@@ -112,10 +112,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     sink = TokenSink(cfg, proposer.tokenizer)
     stats = DecodeStats()
     gen = make_generator(cfg.sampling, eng.device)
-    eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
-                        sampling=cfg.sampling, generator=gen, eos=eos)
-    timings = {"prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "update_s": 0.0}
+                        sampling=cfg.sampling, generator=gen, eos=sink.eos)
     expected = cost = 0.0  # the planners' predictions, summed over rounds
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
@@ -125,7 +123,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
         state.commit_decided([first])
         _record(stats, sink, [first], 0, on_tokens)
         stats.target_forwards += 1
-        timings["prefill_s"] = time.perf_counter() - t0
+        timings = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "update_s": 0.0}
         proposer.begin(state, out)
         while not sink.done:
             t1 = time.perf_counter()
@@ -175,11 +173,9 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
         state.commit_decided(draft.tokens)
         return Verdict([], list(draft.tokens)), None
     out = None
-    if draft.logits is not None:
-        logits = draft.logits
-    else:
+    if draft.logits is None:
         out = state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options())
-        logits = out.logits
+    logits = draft.logits if out is None else out.logits
     if draft.parents is not None:
         verdict = verify_tree(draft.tokens, draft.parents, logits, sampling, state.generator)
     elif sampling.greedy:

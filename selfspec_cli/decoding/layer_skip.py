@@ -56,10 +56,7 @@ class DraftConfig:
     cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/cost.py)
 
     def topk_for(self, confidence: float) -> int:
-        for upper, k in self.tree_topk:
-            if confidence <= upper:
-                return k
-        return self.tree_topk[-1][1]
+        return next((k for upper, k in self.tree_topk if confidence <= upper), self.tree_topk[-1][1])
 
 
 @dataclass(slots=True)
@@ -75,8 +72,7 @@ class AdaptiveThreshold:
     step: float = 0.01
 
     def update(self, accepted: int, drafted: int, hit_limit: bool) -> None:
-        if drafted == 0:
-            return
+        """After a round that drafted ``drafted > 0`` tokens."""
         self.ema = 0.5 * self.ema + 0.5 * (accepted / drafted)
         if hit_limit:
             return
@@ -116,9 +112,7 @@ class LayerSkipProposer(Proposer):
         # the layer-skip draft as a second branch of one tree (deterministic nodes, the exact tree rule)
         self.ngram: Callable[[DecodeState, int], tuple[list[int], int]] | None = None
         self._ngram_planner: Planner | None = None
-        self.vocab_ids: list[int] | None = None  # FR-Spec: drafts score only these tokens (methods/fr_spec.py)
-        self._vocab_head = None
-        self._vocab_index: torch.Tensor | None = None
+        self.use_draft_vocab(None)  # FR-Spec: drafts may score only some tokens (methods/fr_spec.py)
         if draft.cost_aware:
             self._planner()  # measures the engine's verify curve now (once per engine), not inside a timed decode
 
@@ -140,8 +134,7 @@ class LayerSkipProposer(Proposer):
         """A draft law over the subset as a law over the whole vocabulary (zero outside)."""
         if self._vocab_index is None:
             return probs
-        full = probs.new_zeros(self.engine.vocab_size)
-        return full.index_copy_(0, self._vocab_index, probs)
+        return probs.new_zeros(self.engine.vocab_size).index_copy_(0, self._vocab_index, probs)
 
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share
@@ -157,9 +150,6 @@ class LayerSkipProposer(Proposer):
                                    width=2 if self.draft_cfg.tree else 1)
             self.t1_s = self.planner.curve.t1_s
         return self.planner
-
-    def _plan(self, budget: int) -> int:
-        return self._planner().plan(self.draft_cost(), budget)
 
     def expected_gain(self, budget: int) -> float:
         """The best expected gain of drafting this round (1.0: drafting does not pay)."""
@@ -182,7 +172,7 @@ class LayerSkipProposer(Proposer):
         budget = min(dc.max_draft, budget)
         plan = None
         if budget > 0 and dc.cost_aware:
-            budget = self._plan(budget)
+            budget = self._planner().plan(self.draft_cost(), budget)
             plan = self.planner.last
         if cont and dc.cost_aware:  # how many looked-up tokens pay (they cost no draft forward)
             if self._ngram_planner is None:
@@ -190,30 +180,25 @@ class LayerSkipProposer(Proposer):
             cont = cont[: self._ngram_planner.plan(0.0, len(cont))]
         if budget <= 0:
             if cont:  # layer skipping does not pay this round, the n-gram branch alone may (its own plan)
-                return Draft(cont, forwards=0, info={"hit_limit": True, "chain_nodes": 0, "ngram_path": list(range(len(cont)))},
+                return Draft(cont, info={"hit_limit": True, "chain_nodes": 0, "ngram_path": list(range(len(cont)))},
                              plan=self._ngram_planner.last if self._ngram_planner is not None else plan)
             return Draft(plan=plan)
-        planned = budget
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
-        sampling = state.sampling
-        tokens: list[int] = []
-        parents: list[int] = []
-        q_rows: list[torch.Tensor] = []
+        tokens, parents, q_rows = [], [], []
         chain_parent = -1
         max_k = max(k for _, k in dc.tree_topk)
         inp = torch.empty(1, dtype=torch.long, device=self.engine.device)
-        tok, steps, hit_limit = state.pending, 0, True
+        d, hit_limit = state.pending, True  # d: the newest token fed, drafted from next
         vocab = self.vocab_ids
         node_cap = dc.tree_max_nodes
         if dc.tree and dc.cost_aware:  # a planned depth k: verify at most 2k nodes
             node_cap = min(node_cap or 2 * budget, 2 * budget)
-        for _ in range(budget):
-            inp[0] = tok
+        for steps in range(1, budget + 1):
+            inp[0] = d
             # logits over the whole vocabulary, or over the draft vocabulary (column i: token vocab[i])
             logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head).logits[0]
-            probs = logits.softmax(-1) if sampling.greedy else processed_probs(logits, sampling)
-            steps += 1
+            probs = logits.softmax(-1) if state.sampling.greedy else processed_probs(logits, state.sampling)
             if dc.tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep
                 values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
@@ -224,25 +209,22 @@ class LayerSkipProposer(Proposer):
                 width = dc.topk_for(conf)
                 if node_cap is not None:
                     width = max(1, min(width, node_cap - len(tokens)))
-                first_idx = len(tokens)
-                tokens.extend(indices[:width])
                 parents.extend([chain_parent] * width)
-                chain_parent = first_idx
+                chain_parent = len(tokens)
+                tokens.extend(indices[:width])
                 if node_cap is not None and len(tokens) >= node_cap:
                     break  # node budget spent (counts as the length limit: hit_limit stays True)
-            elif sampling.greedy or cont:  # hybrid trees hold deterministic nodes only
-                conf_t, d_t = probs.max(-1)
-                conf, d = float(conf_t), int(d_t)
-                d = d if vocab is None else vocab[d]
-                tokens.append(d)
             else:
-                d = sample_from(probs, state.generator)
+                if state.sampling.greedy or cont:  # hybrid trees hold deterministic nodes only
+                    conf, d = probs.max(-1)
+                else:
+                    d = sample_from(probs, state.generator)
+                    q_rows.append(self._full_law(probs))  # the law d was drawn from, over the whole vocabulary
+                    conf = probs.max()
+                conf, d = float(conf), int(d)
                 d = d if vocab is None else vocab[d]
-                q_rows.append(self._full_law(probs))  # the law d was drawn from, over the whole vocabulary
-                conf = float(probs.max())
                 tokens.append(d)
             state.feed(d)
-            tok = d
             if conf < self.threshold.value:
                 hit_limit = False
                 break
@@ -256,7 +238,7 @@ class LayerSkipProposer(Proposer):
             if len(merged) > len(tokens):  # the n-gram branch left the layer-skip draft somewhere
                 tokens, tree = merged, merged_parents
             if plan is not None and self._ngram_planner is not None:
-                plan = self._merged_plan(planned, len(cont), len(tokens))
+                plan = self._merged_plan(budget, len(cont), len(tokens))
         return Draft(tokens, tree, torch.stack(q_rows) if q_rows else None, forwards=steps, info=info, plan=plan)
 
     def _merged_plan(self, k: int, n: int, nodes: int) -> tuple[float, float]:
@@ -265,8 +247,7 @@ class LayerSkipProposer(Proposer):
         branch reaches it; without joint statistics the larger of the two chances is taken
         (a lower bound, so the prediction errs low)."""
         ls, ng = self.planner.reach(k), self._ngram_planner.reach(n)
-        depth = max(k, n)
-        reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(depth)]
+        reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(max(k, n))]
         return 1.0 + sum(reach), k * self.draft_cost() + self.planner.curve.v(nodes + 1)
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:

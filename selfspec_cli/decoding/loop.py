@@ -39,16 +39,12 @@ class DecodeStats:
 
     def as_dict(self) -> dict[str, Any]:
         n = len(self.accept_lengths)
-        out: dict[str, Any] = {
-            "target_forwards": self.target_forwards,
-            "accept_lengths": self.accept_lengths,
-            "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0,
-        }
+        out: dict[str, Any] = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
+                               "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
         if self.drafted_tokens:
-            out["drafted_tokens"] = self.drafted_tokens
-            out["accepted_draft_tokens"] = self.accepted_draft_tokens
-            out["acceptance_rate"] = self.accepted_draft_tokens / self.drafted_tokens
-            out["draft_round_share"] = self.draft_rounds / max(1, n - 1)
+            out.update(drafted_tokens=self.drafted_tokens, accepted_draft_tokens=self.accepted_draft_tokens,
+                       acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens,
+                       draft_round_share=self.draft_rounds / max(1, n - 1))
         out.update(self.extra)
         return out
 
@@ -67,7 +63,7 @@ class TokenSink:
         self.cfg = cfg
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
-        self._eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
+        self.eos = frozenset() if cfg.ignore_eos else frozenset(cfg.eos_token_ids)
         self._stops = cfg.stop_strings
         if self._stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -91,7 +87,7 @@ class TokenSink:
                 break
             self.tokens.append(int(t))
             kept += 1
-            if t in self._eos:
+            if t in self.eos:
                 self.finish_reason = "eos"
             elif self._stops and self._hit_stop():
                 self.finish_reason = "stop_string"

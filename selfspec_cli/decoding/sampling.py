@@ -13,9 +13,10 @@ import torch
 from ..config import SamplingConfig
 
 
-def processed_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """(..., V) float logits -> processed logits with filtered entries at -inf."""
-    assert not cfg.greedy, "processed_logits is for sampling; greedy uses argmax"
+def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """(..., V) logits -> float32 probabilities of the processed distribution (filtered
+    entries at probability 0)."""
+    assert not cfg.greedy, "processed_probs is for sampling; greedy uses argmax"
     scores = logits.float() / cfg.temperature
     if cfg.top_k > 0:
         k = min(cfg.top_k, scores.shape[-1])
@@ -28,12 +29,7 @@ def processed_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         remove_sorted[..., -1:] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
-    return scores
-
-
-def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """(..., V) -> float32 probabilities of the processed distribution."""
-    return processed_logits(logits, cfg).softmax(dim=-1)
+    return scores.softmax(dim=-1)
 
 
 def make_generator(cfg: SamplingConfig, device: torch.device | str) -> torch.Generator | None:

@@ -47,7 +47,6 @@ class DecodeState:
         self.eos = eos
         # the one place capacity is computed: prompt + output + what a round may write beyond it
         self.cache = engine.new_cache(self.prompt_len + max_new_tokens + lookahead + 2)
-        self._ids = torch.tensor(self.committed, dtype=torch.long, device=engine.device)
 
     # -- views -------------------------------------------------------------
     @property
@@ -69,7 +68,7 @@ class DecodeState:
     # -- extend ------------------------------------------------------------
     def prefill(self, **kw) -> ForwardOutput:
         """The prompt at full depth; call once, before anything is committed after it."""
-        return self.engine.forward(self.cache, self._ids, positions=0, **kw)
+        return self.engine.forward(self.cache, self.ids(self.committed), positions=0, **kw)
 
     def feed(self, token: int) -> None:
         """Put a draft token in flight (it becomes the newest fed token)."""

@@ -60,16 +60,14 @@ def verify_chain_sampling(
     ``draft_tokens[i]`` was sampled from; ``target_logits``: (k+1, V) raw logits."""
     p_target = processed_probs(target_logits, cfg)  # (k+1, V)
     k = len(draft_tokens)
+    rejected: list[bool] = []
     if k:
         idx = torch.as_tensor(draft_tokens, device=p_target.device)
         rows = torch.arange(k, device=p_target.device)
         ratio = (p_target[rows, idx] / q_draft[rows, idx]).clamp(max=1.0)  # (k,)
-        u = torch.rand(k, generator=generator, device=p_target.device)
-        rejected = (u >= ratio).tolist()
-    else:
-        rejected = []
-    for i in range(k):
-        if rejected[i]:
+        rejected = (torch.rand(k, generator=generator, device=p_target.device) >= ratio).tolist()
+    for i, rejected_i in enumerate(rejected):
+        if rejected_i:
             residual = (p_target[i] - q_draft[i]).clamp(min=0.0)
             total = residual.sum()
             # total == 0 only if p == q, where rejection has probability 0; guard anyway

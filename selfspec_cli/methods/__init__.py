@@ -38,8 +38,7 @@ def config_for(name: str, values: Mapping[str, Any] | None = None) -> Any:
     """``name``'s config with ``values`` for some of its fields (the rest default)."""
     cls = method_class(name).Config
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values or {}) - known)
-    if unknown:
+    if unknown := sorted(set(values or {}) - known):
         raise ConfigError(f"method '{name}' has no option {', '.join(unknown)}; its options: {', '.join(sorted(known)) or 'none'}")
     return cls(**(values or {}))
 
@@ -48,9 +47,8 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     """Method ``name`` on ``engine``: from ``config``, or from field ``values``."""
     if config is not None and values:
         raise ConfigError("pass a config or field values, not both")
-    cls = method_class(name)
     config = config if config is not None else config_for(name, values)
-    method = cls.build(engine, tokenizer, config)
+    method = method_class(name).build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
         fr_spec.attach(method, engine.model, config.draft_vocab, config.draft_vocab_size)
         if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults

@@ -91,11 +91,9 @@ class AdaDecode(Method):
         config = self.config
         L = engine.num_layers
         use = sorted(heads) if config.adadecode_layers is None else sorted(config.adadecode_layers)
-        missing = [k for k in use if k not in heads]
-        if missing:
+        if missing := [k for k in use if k not in heads]:
             raise FieldError("adadecode_layers", f"{missing} have no trained head (heads at {sorted(heads)})")
-        bad = [k for k in use if not 0 <= k < L - 1]
-        if bad:
+        if bad := [k for k in use if not 0 <= k < L - 1]:
             raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
         self.lookahead = config.adadecode_max_pending
         self.heads = {k: heads[k].to(engine.device, engine.dtype) for k in use}
@@ -110,12 +108,11 @@ class AdaDecode(Method):
 
     def _measure_head_cost(self) -> float:
         """One head check (low-rank correction + the LM head on one row) over a plain step."""
-        curve = VerifyCurve.for_engine(self.engine)
-        self.t1_s = curve.t1_s
+        self.t1_s = VerifyCurve.for_engine(self.engine).t1_s
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         self._head(k, row)  # warm-up: the first call allocates
-        return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / curve.t1_s
+        return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / self.t1_s
 
     def _worth_checking(self, k: int) -> bool:
         """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
@@ -163,7 +160,6 @@ class AdaDecode(Method):
         while True:
             h = self.engine.embed(state.ids([token]))
             can_exit = len(early) < min(c.adadecode_max_pending, budget) and token not in state.eos
-            exited = False
             for s, e in self.segments:
                 if s in waiting:
                     h = torch.cat([waiting.pop(s), h])
@@ -185,9 +181,8 @@ class AdaDecode(Method):
                     self.exits[e - 1] += 1
                     self.head_stats[e - 1][1] += 1
                     made_by.append(e - 1)
-                    exited = True
-                    break
-            if not exited:
+                    break  # the early token starts at layer 0
+            else:  # no early prediction: this token reached the last layer
                 break
         assert out.logits.shape[0] == len(early) + 1 and not waiting, (out.logits.shape, len(early), list(waiting))
         return Draft(early, q=torch.stack(early_q) if early_q else None, logits=out.logits, info={"heads": made_by})

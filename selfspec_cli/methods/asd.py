@@ -65,7 +65,6 @@ class ASD(LayerSkipProposer, Method):
         return self._skip
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        assert prefill.attn_cosine is not None
         c = self.config
         self._cosines = prefill.attn_cosine.tolist()
         self._skip = admg(self._cosines, c.asd_alpha, c.asd_m, c.asd_n)

@@ -85,8 +85,7 @@ class Auto(Method):
             self._last = None
             self.rounds["none"] += 1
             return Draft()
-        best = max(g for g, _, _ in options)
-        if best <= 1.0 and len(options) > 1:
+        if max(g for g, _, _ in options) <= 1.0 and len(options) > 1:
             # no source pays: let them take turns, so that each one's own probes can still run
             self._turn = (self._turn + 1) % len(options)
             _, source, proposer = options[self._turn]

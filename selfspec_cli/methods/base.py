@@ -53,18 +53,15 @@ class Method(Proposer):
     def offline_info(self) -> dict[str, Any] | None:
         """Offline time behind this method's artifacts (``selfspec bench`` reports it), or None."""
         parts = [p for p in self.offline_parts if p.get("seconds") is not None]
-        if not parts:
-            return None
         return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
-                "parts": parts}
+                "parts": parts} if parts else None
 
 
 def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """Seconds a trained artifact cost (data collection + training), from its manifest."""
     tr = manifest.get("training") or {}
-    parts = [tr.get("collect_seconds"), tr.get("train_seconds")]
-    secs = sum(float(x) for x in parts if x is not None) if any(x is not None for x in parts) else None
-    return {"what": what, "seconds": None if secs is None else round(secs, 1), "created": manifest.get("created")}
+    secs = [float(x) for x in (tr.get("collect_seconds"), tr.get("train_seconds")) if x is not None]
+    return {"what": what, "seconds": round(sum(secs), 1) if secs else None, "created": manifest.get("created")}
 
 
 def require(ok: bool, name: str, rule: str, value: Any) -> None:

@@ -62,8 +62,7 @@ def rank_vocabulary(counts: torch.Tensor, prior: torch.Tensor | None = None) -> 
     ids = torch.arange(counts.numel())
     if prior is not None:  # stable sorts: the last key sorted is the primary one
         ids = ids[torch.sort(-prior.double(), stable=True).indices]
-    order = torch.sort(-counts[ids].to(torch.int64), stable=True).indices
-    return ids[order]
+    return ids[torch.sort(-counts[ids].to(torch.int64), stable=True).indices]
 
 
 def coverage(ranked: torch.Tensor, counts: torch.Tensor, n: int) -> float:
@@ -114,10 +113,9 @@ def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -
             raise FieldError("draft_vocab_size", "needs a draft vocabulary (draft_vocab 'auto' with an artifact, or a path)")
         return None
     if spec == "auto":
-        found, _ = find_default_artifact(KIND, model, exists=lambda p: (p / "manifest.json").is_file())
-        if found is None:
+        spec, _ = find_default_artifact(KIND, model, exists=lambda p: (p / "manifest.json").is_file())
+        if spec is None:
             return None
-        return DraftVocab.load(found, model).with_size(size)
     return DraftVocab.load(spec, model).with_size(size)
 
 

@@ -48,22 +48,19 @@ def default_schedule_path(model: Any) -> Path:
     return artifacts.user_artifact_path("specee", model, ".schedule.json")
 
 
-def _manifest_exists(p: Path) -> bool:
-    return artifacts.tensors_artifact_paths(p)[1].exists()
+def _command(cmd: str, model: Any, path: Path | None, folder: str, suffix: str = "") -> str:
+    """``cmd``, and for a loaded model where to write the artifact so that it is found."""
+    return cmd + artifacts.output_advice(path, model, folder, suffix) if isinstance(model, torch.nn.Module) else cmd
 
 
 def train_command(kind: str, model: Any, path: Path | None = None) -> str:
-    cmd = f"selfspec train-heads --kind {kind}{model_flag(model)}"
-    if isinstance(model, torch.nn.Module):
-        cmd += artifacts.output_advice(path, model, "adadecode" if kind == "lm-heads" else "specee")
-    return cmd
+    return _command(f"selfspec train-heads --kind {kind}{model_flag(model)}", model, path,
+                    "adadecode" if kind == "lm-heads" else "specee")
 
 
 def schedule_command(model: Any, path: Path | None = None) -> str:
-    cmd = f"selfspec calibrate --method specee{model_flag(model)} --prompt-file examples/calibration.jsonl"
-    if isinstance(model, torch.nn.Module):
-        cmd += artifacts.output_advice(path, model, "specee", ".schedule.json")
-    return cmd
+    return _command(f"selfspec calibrate --method specee{model_flag(model)} --prompt-file examples/calibration.jsonl",
+                    model, path, "specee", ".schedule.json")
 
 
 def _save_per_layer(path: Path, kind: str, items: dict[int, Any], manifest: dict[str, Any]) -> Path:
@@ -76,8 +73,8 @@ def _load_per_layer(path: Path | None, model: Any, kind: str, train_kind: str, f
                     build: Any) -> tuple[dict[int, Any], dict[str, Any]]:
     """Load a per-layer tensors artifact: the dataclass ``build`` from tensors ``layer<k>.<field>``, per layer."""
     label = {"lm-heads": "AdaDecode heads artifact", "exit-mlp": "SpecEE exit-predictor artifact"}[train_kind]
-    p = resolve_artifact(path, model, folder, "", label,
-                         f"create it with `{train_command(train_kind, model)}`", _manifest_exists)
+    p = resolve_artifact(path, model, folder, "", label, f"create it with `{train_command(train_kind, model)}`",
+                         lambda q: artifacts.tensors_artifact_paths(q)[1].exists())
     hint = f"create it with `{train_command(train_kind, model, p)}`"
     tensors, manifest = artifacts.load_tensors_artifact(p, model, kind=kind, create_hint=hint)
     out: dict[int, Any] = {}

@@ -40,12 +40,10 @@ def lookup(context: list[int], max_ngram: int, min_ngram: int, max_len: int) -> 
     if n_ctx < 2 or max_len < 1:
         return [], 0
     arr = np.asarray(context)
-    ends = np.flatnonzero(arr[:-1] == arr[-1])[::-1]  # earlier positions holding the last token, latest first
-    if ends.size == 0:
-        return [], 0
+    ends = np.flatnonzero(arr[:-1] == arr[-1])[::-1].tolist()  # earlier positions holding the last token, latest first
     for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
         tail = arr[n_ctx - n :]
-        for e in ends.tolist():
+        for e in ends:
             if e >= n - 1 and np.array_equal(arr[e - n + 1 : e + 1], tail):
                 return context[e + 1 : e + 1 + max_len], n
     return [], 0

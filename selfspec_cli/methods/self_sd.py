@@ -22,8 +22,7 @@ from .base import DraftOptions, Method, layer_list, option
 
 def check_skip_sets(num_layers: int, skip_attn: Iterable[int], skip_mlp: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
     a, m = frozenset(int(i) for i in skip_attn), frozenset(int(i) for i in skip_mlp)
-    bad = sorted(i for i in a | m if not 0 <= i < num_layers)
-    if bad:
+    if bad := sorted(i for i in a | m if not 0 <= i < num_layers):
         raise FieldError("skip_attn/skip_mlp", f"layer ids {bad} are out of range for a {num_layers}-layer model (valid: 0..{num_layers - 1})")
     return a, m
 
@@ -66,8 +65,7 @@ class SelfSD(LayerSkipProposer, Method):
         LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
         self.config = config
         self._skip = check_skip_sets(engine.num_layers, skip.attn, skip.mlp)
-        if skip.manifest:
-            m = skip.manifest
+        if m := skip.manifest:
             self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
                                        "trials": m.get("trials"), "created": m.get("created")})
 

@@ -54,7 +54,8 @@ from ..engine import Engine, ForwardOutput
 from ..engine.runner import LAST_ROW
 from ..errors import ArtifactError, ConfigError, FieldError
 from .base import Method, option, require, training_cost
-from .exit_heads import NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, specee_features
+from .exit_heads import (NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, spec_local,
+                         specee_features)
 from .head_store import load_exit_mlps, load_heads, load_schedule
 
 KV_MODES = ("empty", "deferred")
@@ -95,18 +96,16 @@ class SpecEE(Method):
                  drafter_layer: int, drafter: LowRankHead, predictors: dict[int, ExitPredictor],
                  offline_layers: list[int], thresholds: dict[int, float] | None = None) -> None:
         super().__init__(engine, tokenizer, config)
-        config = self.config
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
             raise ConfigError(f"drafter layer {drafter_layer} is out of range for a {L}-layer model")
-        self.lookahead = config.max_pending
+        self.lookahead = self.config.max_pending
         self.k0 = drafter_layer
         self.drafter = drafter.to(engine.device, engine.dtype)
         self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
         self.offline = frozenset(l for l in offline_layers if l in self.predictors)
-        per_layer = thresholds or {}
-        self.thresholds = {l: (config.specee_threshold if config.specee_threshold is not None else per_layer.get(l, 0.5))
-                           for l in self.predictors}
+        t = self.config.specee_threshold
+        self.thresholds = {l: t if t is not None else (thresholds or {}).get(l, 0.5) for l in self.predictors}
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None) -> SpecEE:
@@ -175,8 +174,7 @@ class SpecEE(Method):
         bounds = sorted({0, L} | {l + 1 for l in stops} | set(waiting))
         h = eng.embed(state.ids([state.pending]))
         prev_last: torch.Tensor | None = None  # current row after the previous segment's last layer
-        spec = spec_rows = None
-        exit_layer = new_token = None
+        exit_layer = None
         for s, e in zip(bounds[:-1], bounds[1:]):
             # 1) run a segment, joined by the rows waiting before it (deferred mode)
             if s in waiting:
@@ -198,8 +196,7 @@ class SpecEE(Method):
                 continue
             # 3) predictor on [s, q, dq] at this layer; the change is against layer l - 1
             rows = prev_last if l == k0 else torch.cat([h_prev, prev_last])
-            z = torch.nn.functional.rms_norm(rows, (rows.shape[-1],), a.final_norm, a.rms_eps)
-            s_all = torch.nn.functional.linear(z, spec_rows).float()  # (1 or 2, 4)
+            s_all = spec_local(rows, spec_rows, a.final_norm, a.rms_eps).float()  # (1 or 2, 4)
             feats = specee_features(s_all[-1:], None if l == k0 else s_all[:1])
             n["predictor_checks"] += 1
             if float(exit_probability(feats, self.predictors[l])) <= self.thresholds[l]:
@@ -212,11 +209,10 @@ class SpecEE(Method):
                 break
             n["failed_verifications"] += 1
         n["rounds"] += 1
+        self._history.append(L - 1 if exit_layer is None else exit_layer)
         if exit_layer is None:
             new_token = int(out.logits[0].argmax())
-            self._history.append(L - 1)
         else:
-            self._history.append(exit_layer)
             self._exits[exit_layer] += 1
             if c.specee_kv_mode == "deferred":  # the rest of this token's layers run with the next token reaching them
                 e = exit_layer + 1
@@ -235,25 +231,22 @@ class SpecEE(Method):
         n = self._counts
         rounds = max(1, n["rounds"])
         out: dict[str, Any] = {
-            "lossless": False,
-            "kv_mode": self.config.specee_kv_mode,
+            "lossless": False, "kv_mode": self.config.specee_kv_mode,
             "early_exits": {str(k): v for k, v in self._exits.items() if v},
-            "exit_rate": sum(self._exits.values()) / rounds,
-            "mean_layers_run_per_token": n["layers_run"] / rounds,
+            "exit_rate": sum(self._exits.values()) / rounds, "mean_layers_run_per_token": n["layers_run"] / rounds,
             **{k: n[k] for k in ("predictor_checks", "verifications", "failed_verifications")},
-            "drafter_layer": self.k0,
-            "offline_layers": sorted(self.offline),
+            "drafter_layer": self.k0, "offline_layers": sorted(self.offline),
             "thresholds": {str(k): v for k, v in self.thresholds.items()},
         }
         if self._shadow is not None:
             ev = self._ev
             ev_len = ev["tokens"] + 1  # the prefill's token plus every evaluated round's
-            first_div = ev["first_divergence"]
+            # identical up to the first divergence (all of it when there is none)
+            prefix = ev_len if ev["first_divergence"] is None else ev["first_divergence"]
             out["evaluation"] = {
                 "early_exits": ev["exits"],
                 "early_exit_agreement": ev["exits_agree"] / ev["exits"] if ev["exits"] else None,
                 "token_agreement": ev["tokens_agree"] / ev["tokens"] if ev["tokens"] else None,
-                "identical_prefix_tokens": ev_len if first_div is None else first_div,
-                "identical_prefix_share": 1.0 if first_div is None else first_div / max(1, ev_len),
+                "identical_prefix_tokens": prefix, "identical_prefix_share": prefix / ev_len,
             }
         return out

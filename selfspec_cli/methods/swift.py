@@ -36,7 +36,7 @@ import numpy as np
 
 from ..artifacts import SkipSet, environment_info, save_json_artifact
 from ..decoding.driver import Draft
-from ..decoding.layer_skip import PAPER_TREE_TOPK, LayerSkipProposer
+from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
@@ -82,33 +82,29 @@ class Swift(LayerSkipProposer, Method):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SwiftConfig | None = None) -> None:
         config = config or SwiftConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, config.draft(
-            adaptive=False, tree=True, tree_topk=PAPER_TREE_TOPK, tree_max_nodes=config.tree_nodes))
+            adaptive=False, tree=True, tree_max_nodes=config.tree_nodes))  # the paper's top-k per confidence bin
         self.config = config
         import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
 
         L = engine.num_layers
         if L < 4:
             raise ConfigError(f"SWIFT needs at least 4 layers (it never skips the first or last), got {L}")
-        self.num_layers = L
         # candidate pool: attention then MLP sublayers of layers 1..L-2
         self.pool: list[tuple[str, int]] = [("attn", l) for l in range(1, L - 1)] + [("mlp", l) for l in range(1, L - 1)]
         self.rng = random.Random(self.config.seed)
         self.ratio = self.config.skip_ratio
-        uniform = [i for i, (_, l) in enumerate(self.pool) if l % 2 == 1 and l <= L - 3]
-        self.best: tuple[int, ...] = tuple(sorted(uniform))
-        self.best_score = -1.0
+        # uniform start: odd layers 1, 3, ..., L-3 (pool indices come out sorted)
+        self.best: tuple[int, ...] = tuple(i for i, (_, l) in enumerate(self.pool) if l % 2 == 1 and l <= L - 3)
+        self.best_score, self.since_improved, self.optimizing = -1.0, 0, True
         self.step = 0
-        self.since_improved = 0
-        self.optimizing = True
         self.observations: list[tuple[tuple[int, ...], float]] = []
         self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
+        # (accepted, drafted) of the last drafting rounds since the ratio last changed; it fills no faster
+        # than rounds pass, so a full window also means acceptance_window rounds at this ratio
         self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.config.acceptance_window)
-        self._rounds_since_ratio_change = 0
-        self._windowed = False  # per prompt: the scoring window is cached
-        self.optimize_s = 0.0
+        self.optimize_s = 0.0  # search time of the current prompt
         self._spent_s = self._decoded_s = 0.0  # search and decoding time over the run (the budget)
         self._search_step_s = 0.0  # the last search step's cost
-        self._last = time.perf_counter()
 
     # -- skip sets ---------------------------------------------------------
     @property
@@ -116,9 +112,7 @@ class Swift(LayerSkipProposer, Method):
         return max(1, int(len(self.pool) * self.ratio))
 
     def _as_sets(self, idx: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
-        attn = frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == "attn")
-        mlp = frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == "mlp")
-        return attn, mlp
+        return tuple(frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == kind) for kind in ("attn", "mlp"))
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._as_sets(self.best)
@@ -130,8 +124,7 @@ class Swift(LayerSkipProposer, Method):
         attn, mlp = self._as_sets(idx)
         n = self.config.context_window + 1
         logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1)).logits
-        window = state.ids(state.output[1:n])
-        return float((logits.argmax(-1) == window).float().mean())
+        return float((logits.argmax(-1) == state.ids(state.output[1:n])).float().mean())
 
     def _random_candidate(self) -> tuple[int, ...]:
         return tuple(sorted(self.rng.sample(range(len(self.pool)), self.k)))
@@ -163,12 +156,8 @@ class Swift(LayerSkipProposer, Method):
             gp.fit(X, y)
         cands = {self._random_candidate() for _ in range(512)}
         best = list(self.best) if len(self.best) == self.k else list(self._random_candidate())
-        outside = [i for i in range(P) if i not in best]
-        for a in best:
-            for b in outside:
-                cands.add(tuple(sorted([x for x in best if x != a] + [b])))
-        seen = {c for c, _ in self.observations}
-        cands -= seen
+        cands |= {tuple(sorted([x for x in best if x != a] + [b])) for a in best for b in range(P) if b not in best}
+        cands -= {c for c, _ in self.observations}
         if not cands:
             return self._random_candidate()
         cl = sorted(cands)
@@ -194,8 +183,7 @@ class Swift(LayerSkipProposer, Method):
 
     def _maybe_lower_ratio(self) -> None:
         cfg = self.config
-        self._rounds_since_ratio_change += 1
-        if len(self._acceptance) < cfg.acceptance_window or self._rounds_since_ratio_change < cfg.acceptance_window:
+        if len(self._acceptance) < cfg.acceptance_window:
             return
         acc = sum(a for a, _ in self._acceptance) / max(1, sum(d for _, d in self._acceptance))
         if acc >= cfg.acceptance_tolerance or self.ratio - cfg.ratio_step < cfg.min_ratio:
@@ -205,36 +193,30 @@ class Swift(LayerSkipProposer, Method):
         keep = list(self.best)
         self.rng.shuffle(keep)
         self.best = tuple(sorted(keep[: self.k]))
-        self.best_score = -1.0
-        self.since_improved = 0
-        self.optimizing = True
+        self.best_score, self.since_improved, self.optimizing = -1.0, 0, True
         self._acceptance.clear()
-        self._rounds_since_ratio_change = 0
 
     # -- hooks -------------------------------------------------------------
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        self._windowed = False
+        self._windowed = False  # per prompt: the scoring window is cached
         self.optimize_s = 0.0
         self._last = time.perf_counter()
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         LayerSkipProposer.update(self, state, draft, verdict, out)
-        steps = draft.forwards
-        if steps:
-            self._acceptance.append((len(verdict.accepted), steps))
+        if draft.forwards:
+            self._acceptance.append((len(verdict.accepted), draft.forwards))
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last
         # the search counts its own cost: it runs only while it stays within its share of decoding
         # time, counting the step it is about to take (one scoring costs about as much as the last)
         budget = self.config.optimize_budget
         within = budget > 0 and self._spent_s + self._search_step_s <= budget * self._decoded_s
-        if not self._windowed and len(state.output) >= self.config.context_window + 2:
-            # the window's gamma + 1 tokens are cached (the newest output token is pending)
-            self._windowed = True
-            if self.optimizing and self.best_score >= 0 and within:
-                self.best_score = self._score(state, self.best)  # re-score on this prompt's window
+        # the window's gamma + 1 tokens are cached (the newest output token is pending)
+        new_window = not self._windowed and len(state.output) >= self.config.context_window + 2
+        self._windowed |= new_window
         if self._windowed and self.optimizing and within:
-            if self.best_score < 0:
+            if new_window or self.best_score < 0:  # (re-)score the best set on this prompt's window
                 self.best_score = self._score(state, self.best)
             self._optimization_step(state)
         self._maybe_lower_ratio()
@@ -254,8 +236,7 @@ class Swift(LayerSkipProposer, Method):
 
     def save_layers(self, path: str | Path) -> Path:
         """Write the best skip set found as a Self-SD artifact (``--method self-sd --layers``)."""
-        attn, mlp = self.skip_sets()
-        manifest = SkipSet(attn, mlp).to_manifest(
+        manifest = SkipSet(*self.skip_sets()).to_manifest(
             self.engine.model,
             objective={"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
             trials=self.step,
