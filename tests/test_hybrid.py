@@ -8,7 +8,7 @@ import torch
 from selfspec_cli.artifacts import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
-from selfspec_cli.decoding.cost import Planner
+from selfspec_cli.decoding.cost import Planner, VerifyCurve
 from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer, merge_branch
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
@@ -121,7 +121,11 @@ def test_hybrid_round_plans_both_branches():
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=4, threshold=0.0))
     sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
-    sd._ngram_planner = Planner(sd.planner.curve, sd.lookahead)
+    # fixed costs (a verify curve with a 1 s plain step makes every draft forward cheap), so the
+    # planners' choices do not depend on how loaded the machine is
+    curve = VerifyCurve(1.0, {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.5, 16: 2.5})
+    sd.planner = Planner(curve, sd.draft_cfg.max_draft)
+    sd._ngram_planner = Planner(curve, sd.lookahead)
     for _ in range(100):  # both branches look worth drafting
         sd.planner.acceptance.observe(4, 4)
         sd._ngram_planner.acceptance.observe(6, 6)

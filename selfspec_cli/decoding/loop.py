@@ -41,10 +41,10 @@ class DecodeStats:
         n = len(self.accept_lengths)
         out: dict[str, Any] = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
                                "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
+        out["draft_round_share"] = self.draft_rounds / max(1, n - 1)  # 0.0 also for a planner that never drafted
         if self.drafted_tokens:
             out.update(drafted_tokens=self.drafted_tokens, accepted_draft_tokens=self.accepted_draft_tokens,
-                       acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens,
-                       draft_round_share=self.draft_rounds / max(1, n - 1))
+                       acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens)
         out.update(self.extra)
         return out
 
