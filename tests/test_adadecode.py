@@ -102,3 +102,18 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
         paper.generate(_prompt(10, seed), GenerationConfig(max_new_tokens=40))
     paper_checks = {k: v[0] - 2 for k, v in paper.head_stats.items()}
     assert sum(checks.values()) < 0.5 * sum(paper_checks.values()), (checks, paper_checks)
+    # a token for which no head is worth checking is a plain step: one forward (an empty draft),
+    # not one call per segment
+    plain = 0
+    real = m.propose
+
+    def spy(state, budget):
+        nonlocal plain
+        d = real(state, budget)
+        plain += d.logits is None and not d.tokens
+        return d
+
+    m.propose = spy
+    res = m.generate(_prompt(10, 5), GenerationConfig(max_new_tokens=40))
+    assert res.token_ids == ar.generate(_prompt(10, 5), GenerationConfig(max_new_tokens=40)).token_ids
+    assert plain >= 20, plain

@@ -238,7 +238,7 @@ class LayerSkipProposer(Proposer):
             if len(merged) > len(tokens):  # the n-gram branch left the layer-skip draft somewhere
                 tokens, tree = merged, merged_parents
             if plan is not None and self._ngram_planner is not None:
-                plan = self._merged_plan(budget, len(cont), len(tokens))
+                plan = self._merged_plan(steps, len(cont), len(tokens))  # the depth drafted
         return Draft(tokens, tree, torch.stack(q_rows) if q_rows else None, forwards=steps, info=info, plan=plan)
 
     def _merged_plan(self, k: int, n: int, nodes: int) -> tuple[float, float]:

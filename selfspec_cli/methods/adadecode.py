@@ -150,7 +150,9 @@ class AdaDecode(Method):
     def propose(self, state: DecodeState, budget: int) -> Draft:
         """Run the pending token down the segments, predicting early where a head is
         confident; ends when a token reaches the last layer, whose batch then holds every
-        early token's rows, and returns them with their final logits (deferred rows)."""
+        early token's rows, and returns them with their final logits (deferred rows).
+        When no head is worth checking for the pending token, the round is a plain step
+        (an empty draft: one full forward instead of one call per segment)."""
         c, L, sampling = self.config, self.engine.num_layers, state.sampling
         waiting: dict[int, torch.Tensor] = {}  # segment start -> residual rows waiting to enter it
         early: list[int] = []  # unverified early tokens, in order (each is fed as an input)
@@ -158,14 +160,17 @@ class AdaDecode(Method):
         made_by: list[int] = []  # the head layer of each early token
         token = state.pending
         while True:
-            h = self.engine.embed(state.ids([token]))
             can_exit = len(early) < min(c.adadecode_max_pending, budget) and token not in state.eos
+            check = {k for k in self.heads if self._worth_checking(k)} if can_exit else set()
+            if not early and not check:  # no head pays for this token: a plain step, one forward by the driver
+                return Draft()
+            h = self.engine.embed(state.ids([token]))
             for s, e in self.segments:
                 if s in waiting:
                     h = torch.cat([waiting.pop(s), h])
                 out = state.run(hidden=h, start=s, end=e, logits_rows=ALL_ROWS if e == L else None)
                 h = out.hidden
-                if e == L or not can_exit or not self._worth_checking(e - 1):
+                if e == L or e - 1 not in check:
                     continue
                 self.head_stats[e - 1][0] += 1
                 head = self._head(e - 1, h[-1:])  # early prediction at head layer e - 1
