@@ -117,7 +117,7 @@ def test_hybrid_sampling_test_catches_a_broken_tree_rule(repetitive_setup, monke
 
 def test_hybrid_round_plans_both_branches():
     """A merged round's plan counts both branches: expected tokens at least the larger branch's,
-    cost k c + v(nodes + 1) with every verified node (decoding/layer_skip.py ``_merged_plan``)."""
+    cost k c + v(nodes + 1) + o with every verified node (decoding/layer_skip.py ``_merged_plan``)."""
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=4, threshold=0.0))
     sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
@@ -136,12 +136,12 @@ def test_hybrid_round_plans_both_branches():
         d = real(self, state, budget)
         if d.forwards and d.info.get("ngram_path"):
             ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(d.info["ngram_path"]))
-            plans.append((d.plan, ls, ng, len(d.tokens), d.forwards))
+            plans.append((d.plan, ls, ng, len(d.tokens), d.forwards, self.planner.overhead.value))
         return d
 
     sd.propose = spy.__get__(sd)
     sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
     assert plans, "no merged round was drafted"
-    for (e, cost), ls, ng, nodes, k in plans:
+    for (e, cost), ls, ng, nodes, k, o in plans:
         assert e >= 1 + max(sum(ls), sum(ng)) - 1e-9 and e <= 1 + sum(ls) + sum(ng) + 1e-9
-        assert cost == pytest.approx(k * sd.draft_cost() + sd.planner.curve.v(nodes + 1), rel=0.3)
+        assert cost == pytest.approx(k * sd.draft_cost() + sd.planner.curve.v(nodes + 1) + o, rel=0.3)

@@ -12,6 +12,15 @@ rows (:class:`VerifyCurve`, measured once per engine). Plain decoding is ``E(0) 
 v(1) = 1``. :meth:`Planner.plan` picks the ``k`` that maximizes ``E(k) / (k c + v(k+1))``
 (SWIFT's Eq. 6 with a measured v), and ``k = 0``, no draft, whenever no draft pays.
 
+A drafting round also pays for work no forward accounts for: the Python around each
+draft step, the lookup, building and checking a tree. :class:`Overhead` learns it from
+the rounds themselves: the driver times each round against its own verification
+forward and against plain rounds (``Draft.round_ratio``), the planner turns that into
+the round's measured cost in plain steps, and the difference from the planned cost is
+averaged into ``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``.
+On a model whose step is 2-3 ms that overhead is 10-20 % of a step and decides whether
+a draft pays.
+
 So that an estimate that once turned pessimistic can recover, a planner that chose
 not to draft probes with one draft token now and then, within a budget: each round
 without a draft earns ``probe_budget`` (1 %) of a plain step, and a probe runs once the
@@ -117,6 +126,19 @@ class Acceptance:
 
 
 @dataclass
+class Overhead:
+    """``o``: a drafting round's measured cost beyond its plan, in plain steps (mean of the
+    first 10 rounds, then an exponential average; each reading clipped to [-0.5, 1])."""
+
+    value: float = 0.0
+    rounds: int = 0
+
+    def observe(self, excess: float) -> None:
+        self.rounds += 1
+        self.value += (min(1.0, max(-0.5, excess)) - self.value) / min(self.rounds, 10)
+
+
+@dataclass
 class Planner:
     """Chooses the draft length of each round (see the module docstring)."""
 
@@ -125,6 +147,7 @@ class Planner:
     acceptance: Acceptance = None  # type: ignore[assignment]
     probe_budget: float = 0.01  # probes may cost this share of a plain step per round that does not draft
     width: int = 1  # verified rows per draft depth (2 for a tree of at most 2k nodes)
+    overhead: Overhead = field(default_factory=Overhead)  # shared by planners whose rounds cost alike
     _savings: float = 0.0  # probe budget earned and not yet spent, in plain steps
     last: tuple[float, float] = (1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
 
@@ -142,9 +165,13 @@ class Planner:
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.reach(k))
 
+    def cost(self, k: int, c: float) -> float:
+        """A round with ``k`` drafts, in plain steps (``k = 0``: a plain step)."""
+        return k * c + self.curve.v(self.width * k + 1) + (self.overhead.value if k else 0.0)
+
     def gain(self, k: int, c: float) -> float:
         """Expected tokens per T(1) of a round with ``k`` drafts, relative to plain decoding."""
-        return self.expected_tokens(k) / (k * c + self.curve.v(self.width * k + 1))
+        return self.expected_tokens(k) / self.cost(k, c)
 
     def best(self, c: float, budget: int) -> tuple[int, float]:
         """The draft length that maximizes the expected gain, and that gain (``(0, 1.0)``
@@ -154,7 +181,7 @@ class Planner:
         for k in range(1, min(self.max_len, budget) + 1):
             run *= self.acceptance.rate(k)
             e += run
-            g = e / (k * c + self.curve.v(self.width * k + 1))
+            g = e / self.cost(k, c)
             if g > best:
                 best_k, best = k, g
         return best_k, best
@@ -169,15 +196,25 @@ class Planner:
                 self._savings, best_k = self._savings - loss, 1
         elif best_k:
             self._savings = 0.0
-        self.last = (self.expected_tokens(best_k), best_k * c + self.curve.v(self.width * best_k + 1))
+        self.last = (self.expected_tokens(best_k), self.cost(best_k, c))
         return best_k
 
     def probe_loss(self, c: float) -> float:
         """Expected loss of a one-token probe, in plain steps: its cost less the tokens it yields."""
-        return c + self.curve.v(self.width + 1) - self.expected_tokens(1)
+        return self.cost(1, c) - self.expected_tokens(1)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.acceptance.observe(drafted, accepted)  # no draft: no depth reached
 
+    def observe_round(self, draft: Any) -> None:
+        """Learn ``o`` from a drafting round this planner planned: the driver's
+        ``round_ratio`` times ``v`` of the rows verified is the round's measured cost in
+        plain steps; its plan's cost less ``o`` is what the forwards were expected to cost."""
+        if draft.round_ratio is None or draft.plan is None or not draft.tokens:
+            return
+        measured = draft.round_ratio * self.curve.v(len(draft.tokens) + 1)
+        self.overhead.observe(measured - (draft.plan[1] - self.overhead.value))
+
     def report(self) -> dict[str, Any]:
-        return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)]}
+        return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
+                "round_overhead": round(self.overhead.value, 4)}

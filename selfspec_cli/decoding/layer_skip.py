@@ -248,7 +248,7 @@ class LayerSkipProposer(Proposer):
         (a lower bound, so the prediction errs low)."""
         ls, ng = self.planner.reach(k), self._ngram_planner.reach(n)
         reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(max(k, n))]
-        return 1.0 + sum(reach), k * self.draft_cost() + self.planner.curve.v(nodes + 1)
+        return 1.0 + sum(reach), k * self.draft_cost() + self.planner.curve.v(nodes + 1) + self.planner.overhead.value
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         steps = draft.forwards
@@ -261,3 +261,6 @@ class LayerSkipProposer(Proposer):
         path = draft.info.get("ngram_path")
         if path and self._ngram_planner is not None:
             self._ngram_planner.observe(len(path), len(set(path) & set(verdict.accepted)))
+        owner = self.planner if steps else self._ngram_planner  # the planner whose plan the round was
+        if owner is not None:
+            owner.observe_round(draft)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..decoding.cost import Planner, VerifyCurve
+from ..decoding.cost import Overhead, Planner, VerifyCurve
 from ..decoding.driver import Draft
 from ..decoding.state import DecodeState
 from ..decoding.verify import Verdict
@@ -73,6 +73,7 @@ class PromptLookup(Method):
         super().__init__(engine, tokenizer, config)
         self.lookahead = self.config.max_draft
         self.planners: dict[int, Planner] = {}  # n-gram length -> its planner (longer matches draft better)
+        self.overhead = Overhead()  # a lookup round costs the same whatever the n-gram length: one average
         self._last_lookup: tuple[Any, tuple[list[int], int]] = (None, ([], 0))
         if not self.config.paper_drafting:
             self.t1_s = VerifyCurve.for_engine(engine).t1_s  # measured now (once per engine), not inside a timed decode
@@ -81,7 +82,7 @@ class PromptLookup(Method):
         if n not in self.planners:
             curve = VerifyCurve.for_engine(self.engine)
             self.t1_s = curve.t1_s
-            self.planners[n] = Planner(curve, self.config.max_draft)
+            self.planners[n] = Planner(curve, self.config.max_draft, overhead=self.overhead)
         return self.planners[n]
 
     def begin(self, state: DecodeState, prefill: Any) -> None:
@@ -109,6 +110,7 @@ class PromptLookup(Method):
         n = draft.info.get("ngram")
         if n and n in self.planners:
             self.planners[n].observe(len(draft.tokens), len(verdict.accepted))
+            self.planners[n].observe_round(draft)
 
     def describe(self) -> dict[str, Any]:
         return {"cost_model": {str(n): p.report() for n, p in sorted(self.planners.items())}} if self.planners else {}
