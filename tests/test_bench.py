@@ -3,6 +3,8 @@ contender is wrong, the Hugging Face peers' recovered statistics, and the CLI ou
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,29 @@ def test_throughput_is_spec_bench_mean_of_per_prompt_rates_and_speedup_is_ratio_
     assert metrics.speedup(reps, base) == pytest.approx(2.0)
     # not the ratio of total tokens / total time (which would weight long prompts)
     assert metrics.speedup([[rec("a", 100, 1.0, [1]), rec("b", 10, 10.0, [1])]], base) == pytest.approx(50.5 / 10)
+
+
+def test_paired_speedup_cancels_a_slowdown_both_contenders_saw():
+    """Each (repeat, prompt) pair is a ratio; a pass in which the machine was twice as slow for
+    both contenders leaves the paired figure at exactly 2x with no spread, while the ratio of
+    means only happens to agree; with noisy ratios the interval is Student's t on the logs."""
+    base = [[rec("a", 10, 1.0, [1]), rec("b", 20, 1.0, [1])], [rec("a", 10, 2.0, [1]), rec("b", 20, 2.0, [1])]]
+    fast = [[rec("a", 10, 0.5, [1]), rec("b", 20, 0.5, [1])], [rec("a", 10, 1.0, [1]), rec("b", 20, 1.0, [1])]]
+    p = metrics.paired_speedup(fast, base)
+    assert p["speedup"] == pytest.approx(2.0) and p["ci95"] == [pytest.approx(2.0), pytest.approx(2.0)] and p["pairs"] == 4
+    # pairs are matched by repeat and prompt id, not by position
+    swapped = [list(reversed(rs)) for rs in fast]
+    assert metrics.paired_speedup(swapped, base)["speedup"] == pytest.approx(2.0)
+    # ratios 1.1, 0.9, 1.0, 1.2 -> exp(mean log), t(0.975, 3) = 3.182
+    noisy = [[rec("a", 11, 1.0, [1]), rec("b", 18, 1.0, [1])], [rec("a", 10, 2.0, [1]), rec("b", 24, 2.0, [1])]]
+    p = metrics.paired_speedup(noisy, base)
+    logs = [math.log(x) for x in (1.1, 0.9, 1.0, 1.2)]
+    m, half = statistics.fmean(logs), 3.1824463 * statistics.stdev(logs) / 2
+    assert p["speedup"] == pytest.approx(math.exp(m))
+    assert p["ci95"] == [pytest.approx(math.exp(m - half), rel=1e-6), pytest.approx(math.exp(m + half), rel=1e-6)]
+    assert metrics.paired_speedup([[rec("c", 10, 1.0, [1])]], base) is None  # no common prompt
+    one = metrics.paired_speedup([[rec("a", 20, 1.0, [1])]], base)
+    assert one["speedup"] == pytest.approx(2.0) and one["ci95"] is None
 
 
 def test_decode_only_throughput_leaves_out_each_turns_prefill():

@@ -9,6 +9,11 @@ Definitions (the same for every contender, selfspec's methods and outside peers)
   average); a method's figure is the **median over repeats**, with the min-max;
 * **speedup** of A over B = mean tokens/s of A / mean tokens/s of B, each mean taken over
   every (repeat, prompt) pair (Spec-Bench's ratio of mean throughputs);
+* **paired speedup** of A over B = geometric mean over (repeat, prompt) pairs of A's tokens/s
+  over B's on the same prompt in the same pass, with a 95 % interval (Student's t on the log
+  ratios). The contenders decode a prompt seconds apart (prompt-major order), so a slowdown
+  of the machine that spans both cancels in the pair; the interval says how far a figure,
+  above all a group of a few prompts, can be trusted;
 * **decode-only** tokens/s and speedup: the same with each turn's prefill (and the token it
   makes) left out, for contenders that report ``prefill_s`` (selfspec's methods); the
   drafting plans' predictions are decode-only, so they are checked against this;
@@ -23,6 +28,7 @@ Definitions (the same for every contender, selfspec's methods and outside peers)
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -55,6 +61,23 @@ def speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[S
     b = [prompt_tps(r) for rs in base_repeats for r in rs]
     mb = statistics.fmean(b) if b else 0.0
     return statistics.fmean(a) / mb if a and mb > 0 else None
+
+
+def paired_speedup(method_repeats: Sequence[Sequence[Record]], base_repeats: Sequence[Sequence[Record]]) -> dict[str, Any] | None:
+    """Geometric mean of the per-(repeat, prompt) tokens/s ratios, with a 95 % interval
+    (None without a pair; no interval from a single pair)."""
+    base = {(i, r["id"]): prompt_tps(r) for i, rs in enumerate(base_repeats) for r in rs}
+    logs = [math.log(prompt_tps(r) / base[(i, r["id"])]) for i, rs in enumerate(method_repeats) for r in rs
+            if base.get((i, r["id"]), 0.0) > 0 and prompt_tps(r) > 0]
+    if not logs:
+        return None
+    mean, n = statistics.fmean(logs), len(logs)
+    if n < 2:
+        return {"speedup": math.exp(mean), "ci95": None, "pairs": n}
+    from scipy.stats import t  # imported here: only the bench's summary needs it
+
+    half = float(t.ppf(0.975, n - 1)) * statistics.stdev(logs) / math.sqrt(n)
+    return {"speedup": math.exp(mean), "ci95": [math.exp(mean - half), math.exp(mean + half)], "pairs": n}
 
 
 def decode_tps(rec: Record) -> float | None:

@@ -26,6 +26,10 @@ def _block(repeats: Repeats, ref: Repeats | None, base: Repeats | None) -> dict[
     out["per_repeat_tokens_per_s"] = [_r(metrics.repeat_tps(rs), 3) for rs in repeats]
     out["speedup_vs_ar"] = _r(metrics.speedup(repeats, ref)) if ref is not None else None
     out["speedup_vs_hf"] = _r(metrics.speedup(repeats, base)) if base is not None else None
+    if ref is not None and (paired := metrics.paired_speedup(repeats, ref)) is not None:
+        paired["speedup"] = _r(paired["speedup"])
+        paired["ci95"] = [_r(x) for x in paired["ci95"]] if paired["ci95"] else None
+        out["paired_vs_ar"] = paired
     decode = [d for rs in repeats for r in rs if (d := metrics.decode_tps(r)) is not None]
     out["decode_tokens_per_s"] = _r(statistics.fmean(decode), 3) if decode else None
     out["decode_speedup_vs_ar"] = _r(metrics.decode_speedup(repeats, ref)) if ref is not None else None

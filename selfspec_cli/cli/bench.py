@@ -64,7 +64,7 @@ def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
 
 def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
     vs = [k for k, shown in (("ar", has_ref), ("hf", has_base)) if shown]  # the speedup columns
-    t = table(title, ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "decode tok/s", "M", "alpha", "parity",
+    t = table(title, ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "vs ar, paired [95 %]", "decode tok/s", "M", "alpha", "parity",
                       "differs (first token)", "optim s", "peak MB"], left=("method", "differs (first token)"))
     for n, m in summary.items():
         par = m.get("parity")
@@ -73,18 +73,25 @@ def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_ba
             differs += f" +{len(par['differing']) - 4}"
         speedups = [f"{m['speedup_vs_' + k]:.2f}x" for k in vs]
         t.add_row(n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
-                  f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}", *speedups,
+                  f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}", *speedups, _paired(m.get("paired_vs_ar")),
                   _f(m.get("decode_tokens_per_s"), fmt=".1f"), _f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
                   f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-", differs,
                   _f(m["optimization_s"], fmt=".1f"), f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}")
     return t
 
 
+def _paired(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "-"
+    return f"{p['speedup']:.3f}x" + (f" [{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}]" if p["ci95"] else "")
+
+
 def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table | None:
     cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
     if not cats:
         return None
-    t = table("speedup by category: vs ar" + (" / vs hf" if has_base else "") + "  (M)", ["method", *cats])
+    t = table("speedup by category: vs ar [paired, 95 % interval]" + (" / vs hf" if has_base else "") + "  (M)",
+              ["method", *cats])
     for n, m in summary.items():
         t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
     return t
@@ -95,7 +102,8 @@ def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
         return "-"
     hf = f" / {b['speedup_vs_hf']:.2f}" if has_base and b["speedup_vs_hf"] is not None else ""
     m = "" if b["mean_accepted_length"] is None else f" ({b['mean_accepted_length']:.2f})"
-    return _f(b["speedup_vs_ar"]) + hf + m
+    ci = (b.get("paired_vs_ar") or {}).get("ci95")
+    return _f(b["speedup_vs_ar"]) + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "") + hf + m
 
 
 def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
