@@ -166,7 +166,7 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     plan_cost = p.cost(k, 0.0)
     for _ in range(30):  # every round measured at plan + 0.9 plain steps
         d = Draft(list(range(k)), plan=(p.expected_tokens(k), p.cost(k, 0.0)))
-        d.round_ratio = (plan_cost + 0.9) / CURVE.v(k + 1)
+        d.round_steps = plan_cost + 0.9
         p.observe_round(d)
     assert p.overhead.value == pytest.approx(0.9, abs=1e-6)
     assert p.cost(k, 0.0) == pytest.approx(plan_cost + 0.9) and p.cost(0, 0.0) == 1.0
@@ -175,17 +175,17 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     free = _trained(0.5)
     for _ in range(30):  # rounds that cost what they were planned to: no overhead
         d = Draft([0] * k, plan=(1.0, free.cost(k, 0.0)))
-        d.round_ratio = free.cost(k, 0.0) / CURVE.v(k + 1)
+        d.round_steps = free.cost(k, 0.0)
         free.observe_round(d)
     assert free.overhead.value == pytest.approx(0.0, abs=1e-9) and free.best(0.0, 8) == (k, g)
     d = Draft([], plan=(1.0, 1.0))
-    d.round_ratio = 5.0
+    d.round_steps = 5.0
     free.observe_round(d)  # a round that drafted nothing teaches nothing
     assert free.overhead.rounds == 30
 
 
 def test_driver_times_drafting_rounds_against_plain_ones():
-    """The driver sets ``round_ratio`` on drafting rounds only, after seeing plain rounds,
+    """The driver sets ``round_steps`` on drafting rounds only, after seeing plain rounds,
     and the n-gram planners learn a finite overhead from it."""
     eng = Engine(make_tiny_model("llama-gqa", layers=4))
     m = build("pld", eng)
@@ -193,14 +193,16 @@ def test_driver_times_drafting_rounds_against_plain_ones():
     real = m.update
 
     def spy(state, draft, verdict, out):
-        seen.append((len(draft.tokens), draft.round_ratio))
+        seen.append((len(draft.tokens), draft.round_steps))
         real(state, draft, verdict, out)
 
     m.update = spy
     ar = AR(eng).generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)).token_ids
     assert m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)).token_ids == ar
-    assert all(r is None for n, r in seen if n == 0) and m.plain_ratio is not None and m.plain_ratio >= 1.0
-    drafted = [r for n, r in seen if n]
+    assert all(r is None for n, r in seen if n == 0) and m.plain_s is not None and m.plain_s > 0
+    first_plain = next(i for i, (n, _) in enumerate(seen) if n == 0)
+    assert all(r is None for n, r in seen[:first_plain] if n)  # no plain round yet: no unit to measure in
+    drafted = [r for n, r in seen[first_plain:] if n]
     assert drafted and all(r is not None and r > 0 for r in drafted)
     assert m.overhead.rounds == len(drafted) and -0.5 <= m.overhead.value <= 1.0
 

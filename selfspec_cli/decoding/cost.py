@@ -13,13 +13,14 @@ v(1) = 1``. :meth:`Planner.plan` picks the ``k`` that maximizes ``E(k) / (k c + 
 (SWIFT's Eq. 6 with a measured v), and ``k = 0``, no draft, whenever no draft pays.
 
 A drafting round also pays for work no forward accounts for: the Python around each
-draft step, the lookup, building and checking a tree. :class:`Overhead` learns it from
-the rounds themselves: the driver times each round against its own verification
-forward and against plain rounds (``Draft.round_ratio``), the planner turns that into
-the round's measured cost in plain steps, and the difference from the planned cost is
-averaged into ``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``.
-On a model whose step is 2-3 ms that overhead is 10-20 % of a step and decides whether
-a draft pays.
+draft step, the lookup, building and checking a tree. And ``v`` is one reading, taken
+once per engine, that can be off by 5-10 % on a busy host. :class:`Overhead` learns
+both from the rounds themselves: the driver measures each drafting round in plain
+rounds of the same proposer (``Draft.round_steps``: its seconds over the running
+average of plain rounds'), and the difference from the planned cost is averaged into
+``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``. On a model
+whose step is 2-3 ms that difference is 10-20 % of a step and decides whether a draft
+pays; it also makes the reported prediction the measured cost of the rounds.
 
 So that an estimate that once turned pessimistic can recover, a planner that chose
 not to draft probes with one draft token now and then, within a budget: each round
@@ -208,13 +209,13 @@ class Planner:
 
     def observe_round(self, draft: Any) -> None:
         """Learn ``o`` from a drafting round this planner planned: the driver's
-        ``round_ratio`` times ``v`` of the rows verified is the round's measured cost in
-        plain steps; its plan's cost less ``o`` is what the forwards were expected to cost."""
-        if draft.round_ratio is None or draft.plan is None or not draft.tokens:
+        ``round_steps`` is its measured cost in plain steps; its plan's cost less ``o`` is
+        what the forwards were expected to cost."""
+        if draft.round_steps is None or draft.plan is None or not draft.tokens:
             return
-        measured = draft.round_ratio * self.curve.v(len(draft.tokens) + 1)
-        self.overhead.observe(measured - (draft.plan[1] - self.overhead.value))
+        self.overhead.observe(draft.round_steps - (draft.plan[1] - self.overhead.value))
 
     def report(self) -> dict[str, Any]:
         return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
-                "round_overhead": round(self.overhead.value, 4)}
+                "round_overhead": round(self.overhead.value, 4),
+                "verify_curve": {m: round(self.curve.v(m), 3) for m in (2, 4, 8)}}  # the reading this planner uses

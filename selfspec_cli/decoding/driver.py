@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
 from ..engine.tree import tree_depths
-from ..runtime import timed
 from .loop import DecodeResult, DecodeStats, TokenSink
 from .sampling import make_generator, select_token
 from .state import DecodeState
@@ -57,9 +56,9 @@ class Draft:
     forwards: int = 0  # draft forwards the proposer made (a layer-skip draft: one per chain token)
     info: dict[str, Any] = field(default_factory=dict)  # proposer-specific (e.g. hit the length limit)
     plan: tuple[float, float] | None = None  # planned: expected tokens, cost in plain steps (decoding/cost.py)
-    # set by the driver before ``update``: this round's time over its verification forward's, divided by
-    # the same ratio of plain rounds (a planner turns it into the round's measured cost, decoding/cost.py)
-    round_ratio: float | None = None
+    # set by the driver before ``update``: this round's seconds over a plain round's (the proposer's running
+    # average), i.e. its measured cost in plain steps (decoding/cost.py learns the overhead from it)
+    round_steps: float | None = None
 
     @property
     def depth(self) -> int:
@@ -82,7 +81,7 @@ class Proposer:
     lookahead: int = 0
     needs_attn_cosine: bool = False
     t1_s: float | None = None  # a plain step's seconds, when the proposer plans with measured costs
-    plain_ratio: float | None = None  # plain rounds' time over their forward's (average kept by the driver)
+    plain_s: float | None = None  # a plain round's seconds (running average kept by the driver)
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
         self.engine = engine
@@ -134,17 +133,16 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             t1 = time.perf_counter()
             draft = proposer.propose(state, sink.remaining - 1)
             t2 = time.perf_counter()
-            verdict, out, forward_s = _verify(state, draft, proposer)
+            verdict, out = _verify(state, draft, proposer)
             t3 = time.perf_counter()
             timings["draft_s"] += t2 - t1
             timings["verify_s"] += t3 - t2
             depth = draft.depth
-            if forward_s:  # the round's own overheads, for the planners (decoding/cost.py)
-                ratio, plain = (t3 - t1) / forward_s, proposer.plain_ratio
-                if not depth:
-                    proposer.plain_ratio = ratio if plain is None else 0.9 * plain + 0.1 * ratio
-                else:
-                    draft.round_ratio = ratio / (plain or 1.0)
+            if not depth and draft.logits is None and not draft.decided:  # a plain round: the unit of cost
+                plain = proposer.plain_s
+                proposer.plain_s = t3 - t1 if plain is None else 0.8 * plain + 0.2 * (t3 - t1)
+            elif depth and proposer.plain_s:
+                draft.round_steps = (t3 - t1) / proposer.plain_s
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
             unplanned |= bool(depth) and draft.plan is None
@@ -178,17 +176,15 @@ def _record(stats: DecodeStats, sink: TokenSink, tokens: list[int], accepted: in
         on_tokens(tokens[:kept])
 
 
-def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None, float]:
-    """Apply the shared exact rule to a draft and commit the result in ``state``; also
-    returns the seconds of the verification forward (0.0: none ran)."""
+def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:
+    """Apply the shared exact rule to a draft and commit the result in ``state``."""
     sampling = state.sampling
     if draft.decided:
         state.commit_decided(draft.tokens)
-        return Verdict([], list(draft.tokens)), None, 0.0
-    out, forward_s = None, 0.0
+        return Verdict([], list(draft.tokens)), None
+    out = None
     if draft.logits is None:
-        out, forward_s = timed(lambda: state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options()),
-                               state.engine.device)
+        out = state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options())
     logits = draft.logits if out is None else out.logits
     if draft.parents is not None:
         verdict = verify_tree(draft.tokens, draft.parents, logits, sampling, state.generator)
@@ -200,4 +196,4 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
             q = F.one_hot(state.ids(draft.tokens), logits.shape[-1]).to(logits.dtype)
         verdict = verify_chain_sampling(draft.tokens, q, logits, sampling, state.generator)
     state.commit(verdict.tokens, verdict.accepted, tree=draft.parents is not None)
-    return verdict, out, forward_s
+    return verdict, out
