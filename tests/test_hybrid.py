@@ -142,6 +142,8 @@ def test_hybrid_round_plans_both_branches():
     sd.propose = spy.__get__(sd)
     sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
     assert plans, "no merged round was drafted"
+    # the merged rounds' measured costs taught the layer-skip planner its overhead (the round's owner)
+    assert sd.planner.overhead.rounds > 0 and sd.planner.overhead.value == pytest.approx(plans[-1][-1], abs=1.0)
     for (e, cost), ls, ng, nodes, k, o in plans:
         assert e >= 1 + max(sum(ls), sum(ng)) - 1e-9 and e <= 1 + sum(ls) + sum(ng) + 1e-9
         assert cost == pytest.approx(k * sd.draft_cost() + sd.planner.curve.v(nodes + 1) + o, rel=0.3)

@@ -17,10 +17,11 @@ draft step, the lookup, building and checking a tree. And ``v`` is one reading, 
 once per engine, that can be off by 5-10 % on a busy host. :class:`Overhead` learns
 both from the rounds themselves: the driver measures each drafting round in plain
 rounds of the same proposer (``Draft.round_steps``: its seconds over the running
-average of plain rounds'), and the difference from the planned cost is averaged into
-``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``. On a model
-whose step is 2-3 ms that difference is 10-20 % of a step and decides whether a draft
-pays; it also makes the reported prediction the measured cost of the rounds.
+average of plain rounds', or over T(1) until a plain round has run), and the difference from the planned cost is averaged into
+``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``. On the code
+model (a 2.5 ms step) the learned ``o`` ranged from -0.04 to +0.10 of a step across
+methods (docs/log.md, session 5); it also makes the reported prediction the measured
+cost of the rounds.
 
 So that an estimate that once turned pessimistic can recover, a planner that chose
 not to draft probes with one draft token now and then, within a budget: each round

@@ -141,8 +141,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             if not depth and draft.logits is None and not draft.decided:  # a plain round: the unit of cost
                 plain = proposer.plain_s
                 proposer.plain_s = t3 - t1 if plain is None else 0.8 * plain + 0.2 * (t3 - t1)
-            elif depth and proposer.plain_s:
-                draft.round_steps = (t3 - t1) / proposer.plain_s
+            elif depth and (unit := proposer.plain_s or proposer.t1_s):  # before any plain round: T(1)
+                draft.round_steps = (t3 - t1) / unit
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
             unplanned |= bool(depth) and draft.plan is None
