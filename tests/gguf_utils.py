@@ -117,10 +117,12 @@ def _tokenizer_vocab(tokenizer) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_gguf(model, tokenizer, path, chat_template: str | None = CHATML_TEMPLATE, *,
-               permute_qk: bool = True) -> Path:
+               permute_qk: bool = True, qtype: str | None = None) -> Path:
     """Write `model` (a LlamaForCausalLM) and `tokenizer` (fast byte-level BPE) as an all-F32 GGUF.
 
     `permute_qk=False` skips llama.cpp's q/k row permutation -- only for tests showing it matters.
+    `qtype` ("Q4_0", "Q4_1", "Q8_0"): every matrix stored in that block format (quantized with the
+    `gguf` package, as llama.cpp's quantizer lays it out); norms stay F32.
     """
     import gguf
 
@@ -166,6 +168,10 @@ def write_gguf(model, tokenizer, path, chat_template: str | None = CHATML_TEMPLA
         array = tensor.detach().to(torch.float32).cpu().numpy()
         if heads is not None and permute_qk:
             array = _permute_for_gguf(array, heads)
+        if qtype is not None and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
+            return
         w.add_tensor(name, np.ascontiguousarray(array))  # float32 ndarray -> GGML F32
 
     sd = model.state_dict()
@@ -219,7 +225,7 @@ def load_shipped_tokenizer():
 
 def make_tiny_gguf(tmp_dir, seed: int = 0, tie_word_embeddings: bool = True,
                    chat_template: str | None = CHATML_TEMPLATE, name: str = "tiny-llama-f32.gguf",
-                   tokenizer="tiny"):
+                   tokenizer="tiny", qtype: str | None = None):
     """Write a tiny random Llama to `tmp_dir/name`, over `tokenizer`: "tiny" (`tiny_bpe_tokenizer()`,
     the default: its small vocabulary keeps transformers' GGUF metadata parsing fast), "shipped" (the
     repo's 8192-token tokenizer; each load then spends seconds parsing the vocabulary), or a fast
@@ -246,7 +252,7 @@ def make_tiny_gguf(tmp_dir, seed: int = 0, tie_word_embeddings: bool = True,
         (model.model.embed_tokens if tie_word_embeddings else model.lm_head).weight.mul_(4.0)
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    path = write_gguf(model, tokenizer, tmp_dir / name, chat_template=chat_template)
+    path = write_gguf(model, tokenizer, tmp_dir / name, chat_template=chat_template, qtype=qtype)
     return path, model, tokenizer
 
 

@@ -42,6 +42,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "self-sd-hybrid": ("self-sd", {"hybrid": True}, " [hybrid: the n-gram continuation merged into the draft tree]"),
     "self-sd-full-vocab": ("self-sd", {"draft_vocab": "full"}, " [drafts over the full vocabulary, no FR-Spec subset]"),
     "auto-single": ("auto", {"hybrid": False}, " [one drafting source per round, no hybrid trees]"),
+    "specqd-int8": ("specqd", {"draft_precision": "int8"}, " [int8 per-channel draft weights]"),
+    "self-sd-target": ("self-sd", {"draft_precision": "target"}, " [drafts on the target's own float weights]"),
 }
 DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"

@@ -103,21 +103,47 @@ class VerifyCurve:
         return cls(t1, ratios)
 
 
+@torch.inference_mode()
+def measure_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
+                       skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
+    """Seconds of one one-row draft forward with these weights and skip sets after a
+    ``context``-token prefix, the fastest of ``rounds`` (as :meth:`VerifyCurve.measure` times
+    T(1)), so that ``c`` is known before the first drafting round."""
+    cache = engine.new_cache(context + 2)
+    ids = torch.arange(context + 1, device=engine.device) % max(2, engine.vocab_size)
+    engine.forward(cache, ids[:context], positions=0, logits_rows=None)
+    best = float("inf")
+    for r in range(rounds + 1):  # pass 0 warms up
+        dt = timed(lambda: engine.forward(cache, ids[context:], positions=context, skip_attn=skip_attn,
+                                          skip_mlp=skip_mlp, weights=weights), engine.device)[1]
+        if r:
+            best = min(best, dt)
+        cache.crop(context)
+    return best
+
+
 @dataclass
 class Acceptance:
-    """Per-depth acceptance ``a_j`` with a Beta(1, 1) prior, over all rounds so far."""
+    """Per-depth acceptance ``a_j``, over all rounds so far. Depth 1 has a Beta(1, 1) prior;
+    depth ``j > 1`` a Beta prior of weight 2 centred on depth ``j - 1``'s estimate, so that a
+    depth never drafted yet is expected to behave like the one before it (a flat 0.5 there
+    would keep a planner from ever trying a depth beyond those it has seen)."""
 
     max_depth: int
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    prior_weight: float = 2.0
 
     def __post_init__(self) -> None:
-        self.reached = [2.0] * (self.max_depth + 1)  # index j: depth j (index 0 unused)
-        self.accepted = [1.0] * (self.max_depth + 1)
+        self.reached = [0.0] * (self.max_depth + 1)  # index j: depth j (index 0 unused)
+        self.accepted = [0.0] * (self.max_depth + 1)
 
     def rate(self, depth: int) -> float:
-        d = min(depth, self.max_depth)
-        return self.accepted[d] / self.reached[d]
+        d = max(1, min(depth, self.max_depth))
+        mean = 0.5
+        for j in range(1, d + 1):
+            mean = (self.accepted[j] + self.prior_weight * mean) / (self.reached[j] + self.prior_weight)
+        return mean
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A chain of ``drafted`` tokens of which the first ``accepted`` were accepted."""

@@ -9,7 +9,10 @@ pending token plus the drafts at full depth, as a chain or as SWIFT's candidate
 tree (top-k siblings per depth, chosen by confidence), and keeps the accepted K/V.
 
 Subclasses choose the skip set (:meth:`LayerSkipProposer.skip_sets`) and may
-adapt it after each round. With ``cost_aware`` (the default) each round first asks
+adapt it after each round. The draft's precision is a second dimension
+(:meth:`LayerSkipProposer.use_precision`): draft forwards may read the quantized copy of
+the model's own matrices (engine/quant.py: int8, or a GGUF's own blocks), the skip set
+on top; verification always runs the target's weights. With ``cost_aware`` (the default) each round first asks
 the :class:`~.cost.Planner` how far drafting pays at the measured draft cost and
 acceptance, and does not draft at all when it does not pay. Greedy drafts are the draft's argmax; sampled chain
 drafts are drawn from the draft's processed distribution and handed to the driver
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from .cost import Planner, VerifyCurve
+from .cost import Planner, VerifyCurve, measure_draft_step
 from .driver import Draft, Proposer
 from .sampling import processed_probs, sample_from
 from .state import DecodeState
@@ -112,6 +115,8 @@ class LayerSkipProposer(Proposer):
         # the layer-skip draft as a second branch of one tree (deterministic nodes, the exact tree rule)
         self.ngram: Callable[[DecodeState, int], tuple[list[int], int]] | None = None
         self._ngram_planner: Planner | None = None
+        self.precision: str | None = None  # None: the target's own weights; else engine.draft(precision)
+        self._c0: float | None = None  # c measured before any draft (measure_draft_step)
         self.use_draft_vocab(None)  # FR-Spec: drafts may score only some tokens (methods/fr_spec.py)
         if draft.cost_aware:
             self._planner()  # measures the engine's verify curve now (once per engine), not inside a timed decode
@@ -127,8 +132,24 @@ class LayerSkipProposer(Proposer):
         ids = ids.to(torch.int64)
         self.vocab_ids = ids.tolist()
         self._vocab_index = ids.to(self.engine.device)
-        self._vocab_head = self.engine.subset_head(ids)
-        self._step_s = None  # the draft cost is re-measured
+        self._vocab_head = self.engine.subset_head(ids, self.precision)
+        self._reset_cost()
+
+    def use_precision(self, precision: str | None) -> None:
+        """Draft with the matrices at ``precision`` (None: the target's own). The quantized copy
+        is built (or read from its disk cache) now, and the draft cost re-measured."""
+        self.precision = precision
+        if precision is not None:
+            self.engine.draft(precision)
+        if self.vocab_ids is not None:
+            self._vocab_head = self.engine.subset_head(self._vocab_index, precision)
+        self._reset_cost()
+
+    def _reset_cost(self) -> None:
+        """Forget the measured draft cost; a quantized draft's is timed now, not inside a timed decode."""
+        self._step_s = self._c0 = None
+        if self.precision is not None and self.draft_cfg.cost_aware:
+            self._c0 = measure_draft_step(self.engine, self.precision, *self.skip_sets()) / self._planner().curve.t1_s
 
     def _full_law(self, probs: torch.Tensor) -> torch.Tensor:
         """A draft law over the subset as a law over the whole vocabulary (zero outside)."""
@@ -142,7 +163,11 @@ class LayerSkipProposer(Proposer):
         if self._step_s is not None and self.planner is not None:
             return self._step_s / self.planner.curve.t1_s
         attn, mlp = self.skip_sets()
-        return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
+        if self.precision is None:
+            return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
+        if self._c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
+            self._c0 = measure_draft_step(self.engine, self.precision, attn, mlp) / self._planner().curve.t1_s
+        return self._c0
 
     def _planner(self) -> Planner:
         if self.planner is None:
@@ -160,7 +185,8 @@ class LayerSkipProposer(Proposer):
 
     def describe(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
-        out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_threshold": round(self.threshold.value, 4),
+        out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.precision or "target",
+               "draft_threshold": round(self.threshold.value, 4),
                "draft_vocab": len(self.vocab_ids) if self.vocab_ids is not None else "full"}
         if self.planner is not None:
             out["cost_model"] = {"c": round(self.draft_cost(), 4), **self.planner.report()}
@@ -197,7 +223,8 @@ class LayerSkipProposer(Proposer):
         for steps in range(1, budget + 1):
             inp[0] = d
             # logits over the whole vocabulary, or over the draft vocabulary (column i: token vocab[i])
-            logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head).logits[0]
+            logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head,
+                               weights=self.precision).logits[0]
             probs = logits.softmax(-1) if state.sampling.greedy else processed_probs(logits, state.sampling)
             if dc.tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep

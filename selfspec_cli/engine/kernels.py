@@ -127,6 +127,109 @@ class Linear:
         return self.module.linear(x.float(), self.packed, self.weight.shape[0], self.bias_f32).to(x.dtype)
 
 
+QUANT_FORMATS = ("int8", "int8-g32", "q8_0", "q4_0", "q4_1")  # what QLinear holds (docs/engine.md)
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A matrix as integer codes with per-group scales (and minimums): ``W[n, k] = scale[n, g] *
+    codes[n, k] (+ mins[n, g])`` for ``g = k // group``. ``bits`` 8: signed codes; 4: codes in
+    0..15, ``W = s q + m`` with minimums (GGUF Q4_1) or ``W = s (q - 8)`` without (GGUF Q4_0)."""
+
+    fmt: str
+    codes: torch.Tensor  # (N, K) int8 (8-bit) or uint8 (4-bit)
+    scales: torch.Tensor  # (N, K // group) float32
+    mins: torch.Tensor | None  # (N, K // group) float32 or None
+    group: int
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights these codes stand for, computed as the file formats define them
+        (``s * q``, or ``s * q + m`` with two roundings, as gguf-py does)."""
+        n, k = self.codes.shape
+        q = self.codes.float().view(n, k // self.group, self.group)
+        if self.bits == 4 and self.mins is None:  # Q4_0: d (q - 8)
+            q = q - 8.0
+        w = q * self.scales[:, :, None]
+        if self.mins is not None:
+            w = w + self.mins[:, :, None]
+        return w.view(n, k)
+
+    def nbytes(self) -> int:
+        """Bytes a decode step streams: codes at their bit width plus scales and minimums."""
+        return (self.codes.numel() * self.bits) // 8 + 4 * self.scales.numel() * (2 if self.mins is not None else 1)
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
+    """Symmetric round-to-nearest int8 with one scale per output channel (``group=None``) or per
+    ``group`` input weights (``K`` not a multiple of ``group``: per channel): ``s = max|w| / 127``, ``q = round(w / s)``; every weight is then
+    within ``s / 2`` of ``s q`` (tests/test_quant.py)."""
+    w = w.detach().float()
+    n, k = w.shape
+    g = k if group is None or k % group else group
+    blocks = w.view(n, k // g, g)
+    scales = blocks.abs().amax(-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe[:, :, None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return QuantWeight("int8" if g == k else f"int8-g{g}", codes, scales.contiguous(), None, g, 8)
+
+
+@dataclass(slots=True)
+class QLinear:
+    """``y = x W^T + b`` over a :class:`QuantWeight`, packed for the kernel's ``qlinear``
+    (csrc/small_gemm.cpp: 8-bit and 4-bit panels, per-group scales, fp32 accumulation,
+    batch-invariant; AVX-512 where the CPU has it, else AVX2)."""
+
+    quant: QuantWeight
+    bias: torch.Tensor | None
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    module: Any
+    isa: str = "auto"
+
+    @classmethod
+    def make(cls, quant: QuantWeight, bias: torch.Tensor | None, module: Any) -> "QLinear":
+        n, k = quant.codes.shape
+        np_ = (n + 15) // 16
+
+        def panels(t: torch.Tensor) -> torch.Tensor:  # (N, C) -> (np, C, 16), zero-padded outputs
+            padded = t.new_zeros(np_ * 16, t.shape[1])
+            padded[:n] = t
+            return padded.view(np_, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+        codes = panels(quant.codes)
+        if quant.bits == 4:  # byte [kk, j] = q(2kk) | q(2kk+1) << 4
+            pairs = codes.view(np_, k // 2, 2, 16).to(torch.uint8)
+            codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+        else:
+            codes = codes.view(torch.uint8)
+        mins = panels(quant.mins) if quant.mins is not None else None
+        b = None if bias is None else bias.detach().float().contiguous()
+        return cls(quant, b, codes, panels(quant.scales), mins, module)
+
+    @property
+    def out_features(self) -> int:
+        return self.quant.codes.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.module is None or x.dim() != 2:
+            return F.linear(x.float(), self.quant.dequantize(), self.bias).to(x.dtype)
+        y = self.module.qlinear(x.float(), self.codes, self.scales, self.mins, self.out_features, self.quant.group,
+                                self.quant.bits, self.bias, self.isa)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def isa() -> str | None:
+    """The instruction set the quantized kernels use on this CPU ("avx512" or "avx2"), or None
+    without the kernel. ``SELFSPEC_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU."""
+    module = load_extension()
+    if module is None:
+        return None
+    forced = os.environ.get("SELFSPEC_ISA", "").strip().lower()
+    return "avx2" if forced == "avx2" else module.qisa()
+
+
 def main() -> None:
     """Build the kernel now; ``make setup`` runs this."""
     t0 = time.perf_counter()

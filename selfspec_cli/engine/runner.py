@@ -20,6 +20,9 @@ range of layers ``[start, end)``:
   windows are cut by stored positions (so layers with holes stay right);
 * ``positions`` are the rotary positions of the new rows: an int ``p`` means the
   chain ``p, p+1, ...``; a tensor gives explicit ids (trees);
+* ``weights`` picks the matrices: None, the target's own; a precision name
+  (``int8``, ``int8-g32``, ``gguf``), the quantized draft copy :meth:`Engine.draft`
+  builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
 * hidden states (residual stream after layer ``l``) are returned for the layers in
   ``output_hidden`` and logits only for the rows in ``logits_rows``, over the whole
   vocabulary or over a subset's ``head`` (:meth:`Engine.subset_head`).
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 from . import kernels
 from .adapter import ModelAdapter
 from .cache import KVCache
+from .quant import DraftWeights, build_draft
 
 
 @dataclass(slots=True)
@@ -87,6 +91,21 @@ class Engine:
                             "pack_s": round(time.perf_counter() - t0, 3),
                             # every op row-wise: a k-row forward equals k one-row steps bit for bit
                             "batch_invariant": self._ops is not None}
+        self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
+
+    def draft(self, precision: str) -> DraftWeights:
+        """The draft copy of the matrices at ``precision`` (engine/quant.py), built on first use
+        (or read from the disk cache) and kept; ``forward(..., weights=precision)`` runs on it."""
+        if precision not in self.drafts:
+            from ..loading import gguf_source, model_fingerprint  # shared module; imported late (it imports engine)
+
+            where = getattr(self.model, "name_or_path", "") or ""
+            source = gguf_source(where) or {}
+            # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)
+            gguf_file = source.get("gguf_file") if self.dtype == torch.float32 else None
+            self.drafts[precision] = build_draft(self.adapter, precision, model_fingerprint(self.model), gguf_file,
+                                                 self._module, where or None)
+        return self.drafts[precision]
 
     # -- setup -------------------------------------------------------------
     def _linears(self, module: Any | None) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
@@ -128,15 +147,22 @@ class Engine:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.adapter.embed)
 
-    def final_logits(self, hidden: torch.Tensor, head: kernels.Linear | None = None) -> torch.Tensor:
+    def final_logits(self, hidden: torch.Tensor, head: Any = None, weights: str | None = None) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or
-        (R, N) through ``head`` (a :meth:`subset_head`)."""
-        return (head or self.lm_head)(self._norm(hidden, self.adapter.final_norm)).float()
+        (R, N) through ``head`` (a :meth:`subset_head`); ``weights``: the draft copy's head."""
+        if head is None:
+            head = self.lm_head if weights is None else self.drafts[weights].head
+        return head(self._norm(hidden, self.adapter.final_norm)).float()
 
-    def subset_head(self, ids: torch.Tensor) -> kernels.Linear:
+    def subset_head(self, ids: torch.Tensor, weights: str | None = None) -> Any:
         """The LM head's rows for the tokens ``ids`` only (prepacked once): logits column ``i``
         is token ``ids[i]``'s logit, bit-identical to the full head's (same kernel, same
-        per-output order). FR-Spec's draft vocabulary (methods/fr_spec.py)."""
+        per-output order). FR-Spec's draft vocabulary (methods/fr_spec.py); with ``weights``,
+        the rows of that draft copy's quantized head."""
+        if weights is not None:
+            from .quant import subset
+
+            return subset(self.draft(weights).head, ids, self._module)
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module)
 
     # -- masks -------------------------------------------------------------
@@ -170,7 +196,7 @@ class Engine:
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
                 skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
                 output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,
-                attn_cosine: bool = False, head: kernels.Linear | None = None) -> ForwardOutput:
+                attn_cosine: bool = False, head: Any = None, weights: str | None = None) -> ForwardOutput:
         a = self.adapter
         end = self.num_layers if end is None else end
         assert 0 <= start <= end <= self.num_layers, (start, end)
@@ -202,10 +228,11 @@ class Engine:
         masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
         cache.ensure_capacity(max((cache.length(l) for l in range(start, end)), default=0) + t)
         cosines: list[torch.Tensor] = []
+        lins = self._lin if weights is None else self.draft(weights).layers
 
         for l in range(start, end):
             w = a.layers[l]
-            lin = self._lin[l]
+            lin = lins[l]
             if l not in skip_attn:
                 # 1) attention sublayer
                 x = self._norm(h, w.attn_norm)
@@ -256,6 +283,7 @@ class Engine:
             if l in output_hidden:
                 hidden_at[l] = h
 
-        logits = self.final_logits(h[logits_rows], head) if logits_rows is not None and end == self.num_layers else None
+        logits = (self.final_logits(h[logits_rows], head, weights)
+                  if logits_rows is not None and end == self.num_layers else None)
         return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
                              attn_cosine=torch.stack(cosines) if cosines else None)

@@ -19,13 +19,15 @@ from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
-from .base import DraftOptions, Method
+from .base import DraftOptions, Method, resolve_precision
 from .pld import PLDConfig, PromptLookup, lookup
 from .self_sd import SelfSD
 from .specee import SpecEE
+from .specqd import SpecQD
 from .swift import Swift
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, AdaDecode, SpecEE, PromptLookup, Auto)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, SpecQD, AdaDecode, SpecEE, PromptLookup,
+                                                         Auto)}
 
 
 def method_class(name: str) -> type[Method]:
@@ -50,6 +52,7 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     config = config if config is not None else config_for(name, values)
     method = method_class(name).build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
+        method.use_precision(resolve_precision(engine, config.draft_precision))  # before the draft vocabulary's head
         fr_spec.attach(method, engine.model, config.draft_vocab, config.draft_vocab_size)
         if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults
             pld = PLDConfig()
@@ -58,4 +61,4 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     return method
 
 
-__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "Auto", "build", "config_for", "method_class"]
+__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "SpecQD", "Auto", "build", "config_for", "method_class"]

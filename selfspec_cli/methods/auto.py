@@ -1,8 +1,11 @@
 """``--method auto``: per round, the drafting source with the best expected tokens per second.
 
-The sources: n-gram drafts from the context (:mod:`.pld`), layer-skip drafts with this
-model's calibrated Self-SD skip set when one exists (else ASD's per-prompt set, which
-needs no artifact), and none (a plain step). Before each round every source's planner
+The sources: n-gram drafts from the context (:mod:`.pld`); quantized full-depth chains
+(:mod:`.specqd`: the model's own weights as int8 or the GGUF's own blocks); layer-skip
+drafts with this model's calibrated Self-SD skip set when one exists (else ASD's
+per-prompt set, which needs no artifact), over the same quantized weights; and none (a
+plain step). With ``hybrid`` (the default) the quantized and layer-skip chains carry the
+n-gram continuation as a second branch of one verified tree. Before each round every source's planner
 (:mod:`selfspec_cli.decoding.cost`) gives the best expected gain over plain decoding at
 its measured draft cost and acceptance; the round goes to the source with the highest
 gain, which then plans its own draft length (and may still decline or probe). Each
@@ -25,33 +28,46 @@ from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError
 from . import fr_spec
 from .asd import ASD
-from .base import Method, option
+from .base import DRAFT_PRECISIONS, Method, option, require
 from .pld import PLDConfig, PromptLookup
+from .base import resolve_precision
 from .self_sd import SelfSD
+from .specqd import SpecQD
 
 
 @dataclass(frozen=True)
 class AutoConfig:
-    ngram_only: bool = option(False, "n-gram drafts only, no layer-skip drafts")
+    ngram_only: bool = option(False, "n-gram drafts only, no layer-skip or quantized drafts")
+    draft_precision: str = option("auto", "weights of the quantized and layer-skip drafts: auto (the GGUF's own "
+                                          "blocks when the model came from one, else int8), int8, int8-g32, gguf, or "
+                                          "target (no quantized chains)")
     hybrid: bool = option(True, "when layer-skip drafts are chosen, merge the n-gram continuation into the same "
                                 "tree (--no-hybrid: one source per round)")
+
+    def __post_init__(self) -> None:
+        require(self.draft_precision in DRAFT_PRECISIONS, "draft_precision", f"one of {', '.join(DRAFT_PRECISIONS)}",
+                self.draft_precision)
 
 
 class Auto(Method):
     name = "auto"
     lossless = True
-    description = "auto: per round the best of n-gram drafts, layer-skip drafts and none, by expected tokens/s"
+    description = ("auto: per round the best of n-gram drafts, quantized chains, layer-skip drafts and none, by "
+                   "expected tokens/s")
     Config = AutoConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None,
-                 layer_skip: LayerSkipProposer | None = None) -> None:
+                 layer_skip: LayerSkipProposer | None = None, quant: LayerSkipProposer | None = None) -> None:
         super().__init__(engine, tokenizer, config)
         self.pld = PromptLookup(engine, tokenizer, PLDConfig())
         self.layer_skip = layer_skip
-        if layer_skip is not None and self.config.hybrid:
-            layer_skip.ngram = self.pld.candidate  # hybrid trees (decoding/layer_skip.py)
+        self.quant = quant
+        for source in (layer_skip, quant):
+            if source is not None and self.config.hybrid:
+                source.ngram = self.pld.candidate  # hybrid trees (decoding/layer_skip.py)
         self.needs_attn_cosine = bool(layer_skip and layer_skip.needs_attn_cosine)
-        self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0)
+        self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0,
+                             quant.lookahead if quant else 0)
         self.rounds: Counter[str] = Counter()
         self._last: Proposer | None = None
         self._turn = 0
@@ -60,19 +76,27 @@ class Auto(Method):
     def build(cls, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None) -> Auto:
         config = config or AutoConfig()
         layer_skip: LayerSkipProposer | None = None
+        quant: LayerSkipProposer | None = None
         if not config.ngram_only:
+            precision = resolve_precision(engine, config.draft_precision)
             try:
                 layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
             except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
                 layer_skip = ASD(engine, tokenizer)
+            layer_skip.use_precision(precision)
             fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
-        return cls(engine, tokenizer, config, layer_skip)
+            if precision is not None:
+                quant = SpecQD(engine, tokenizer)
+                quant.use_precision(precision)
+                fr_spec.attach(quant, engine.model)
+        return cls(engine, tokenizer, config, layer_skip, quant)
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.rounds = Counter()
         self.pld.begin(state, prefill)
-        if self.layer_skip is not None:
-            self.layer_skip.begin(state, prefill)
+        for source in (self.layer_skip, self.quant):
+            if source is not None:
+                source.begin(state, prefill)
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
         options: list[tuple[float, str, Proposer]] = []
@@ -81,6 +105,8 @@ class Auto(Method):
             options.append((self.pld.planner(n).best(0.0, len(cont))[1], "ngram", self.pld))
         if self.layer_skip is not None and budget > 0:
             options.append((self.layer_skip.expected_gain(budget), "layer_skip", self.layer_skip))
+        if self.quant is not None and budget > 0:
+            options.append((self.quant.expected_gain(budget), "quant", self.quant))
         if not options:
             self._last = None
             self.rounds["none"] += 1
@@ -94,7 +120,7 @@ class Auto(Method):
         self._last = proposer
         draft = proposer.propose(state, budget)
         self.rounds[source if draft.tokens else "none"] += 1
-        self.t1_s = self.pld.t1_s or getattr(self.layer_skip, "t1_s", None)
+        self.t1_s = self.pld.t1_s or getattr(self.layer_skip, "t1_s", None) or getattr(self.quant, "t1_s", None)
         return draft
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput | None) -> None:
@@ -105,4 +131,6 @@ class Auto(Method):
         out: dict[str, Any] = {"auto_rounds": dict(self.rounds), "ngram": self.pld.describe()}
         if self.layer_skip is not None:
             out["layer_skip"] = {"method": self.layer_skip.name, **self.layer_skip.describe()}
+        if self.quant is not None:
+            out["quant"] = self.quant.describe()
         return out

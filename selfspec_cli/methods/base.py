@@ -13,7 +13,32 @@ from typing import Any, ClassVar
 from ..decoding.driver import Proposer
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
-from ..errors import FieldError
+from ..engine.quant import PRECISIONS, GGUFDraftError
+from ..errors import ConfigError, FieldError
+
+DRAFT_PRECISIONS = ("auto", "target", *PRECISIONS)
+
+
+def resolve_precision(engine: Engine, precision: str) -> str | None:
+    """The draft weights ``precision`` names (None: the target's own). ``auto``: the GGUF's
+    own blocks when the fp32 target was dequantized from them (the draft then computes with
+    the target's very weights), else int8 per channel; the target's weights when the CPU
+    kernel is unavailable (a quantized draft without it would be slower than the target)."""
+    if precision == "target":
+        return None
+    if precision == "auto":
+        if engine.kernel_info["backend"] != "small_gemm":
+            return None
+        try:
+            engine.draft("gguf")
+            return "gguf"
+        except GGUFDraftError:
+            return "int8"
+    try:
+        engine.draft(precision)
+    except GGUFDraftError as exc:
+        raise ConfigError(str(exc)) from None
+    return precision
 
 
 def option(default: Any, help: str, *, flag: str | None = None) -> Any:
@@ -95,10 +120,15 @@ class DraftOptions:
                                       "--method fr-spec)")
     draft_vocab_size: int | None = option(None, "draft over this many most frequent tokens (default: the size the "
                                                 "calibration chose)")
+    draft_precision: str = option("auto", "the draft's weights: auto (the GGUF's own blocks when the model was "
+                                          "converted from a GGUF, else int8), int8 (per channel), int8-g32, gguf, or "
+                                          "target (the model's own float weights); verification always uses the target's")
 
     def __post_init__(self) -> None:
         require(self.max_draft >= 1, "max_draft", ">= 1", self.max_draft)
         require(0 <= self.draft_threshold <= 1, "draft_threshold", "in [0, 1]", self.draft_threshold)
+        require(self.draft_precision in DRAFT_PRECISIONS, "draft_precision", f"one of {', '.join(DRAFT_PRECISIONS)}",
+                self.draft_precision)
 
     def draft(self, **kw: Any) -> DraftConfig:
         return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting, **kw)

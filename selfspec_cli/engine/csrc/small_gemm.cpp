@@ -410,7 +410,368 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return y;
 }
 
+
+// ---- quantized weight panels: the self-draft's low-precision copy (issue 22; docs/engine.md)
+//
+// A quantized matrix W (N, K) is stored as integer codes with one scale (and, for 4-bit, one
+// minimum) per group of `gs` consecutive weights along K (gs = K: one scale per output channel):
+//     W[n, k] = s[n, g] * q[n, k] (+ m[n, g]),  g = k / gs   (Q4_0: q - 8 for q).
+// Formats: 8-bit signed codes (int8 per channel or per group, GGUF Q8_0); 4-bit codes 0..15 with
+// a minimum (GGUF Q4_1: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
+// Packed (kernels.py packs): codes in panels of 16 outputs, k-major: 8-bit (np, K, 16) int8;
+// 4-bit (np, K/2, 16) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums
+// (np, K/gs, 16) float32.
+// Arithmetic, per output and row, in float32 with FMA and a fixed order:
+//     p_g = sum over k in g (ascending) of float(q[n, k]) * x[k]     (one FMA chain)
+//     y   = sum over g (ascending) of  s[n, g] * p_g (+ m[n, g] * xs_g)   (one FMA chain)
+// where xs_g = sum of x over the group (ascending, scalar). Codes convert to float exactly, so
+// this is an exact-to-fp32-accumulation product with the quantized weights, and every output is
+// the same chain of operations whatever the number of rows, its row's place in the batch, or
+// the instruction set (AVX2 or AVX-512: lanes are outputs, never k): batch-invariant, and bit-
+// identical across the two code paths (tests/test_quant.py).
+
+namespace {
+
+template <int R, int P, bool Q4, bool MIN>
+inline void qtile_avx2(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+                       int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n0, int64_t n_valid,
+                       const float* bias) {
+  __m256 acc[R][2 * P];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t ng = k_n / gs;
+  const int64_t cstride = Q4 ? (k_n / 2) * PW : k_n * PW;  // bytes per panel of codes
+  const int64_t sstride = ng * PW;                         // floats per panel of scales
+  const __m128i lo_mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 p[R][2 * P];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int j = 0; j < 2 * P; ++j) p[r][j] = _mm256_setzero_ps();
+    const int64_t k0 = g * gs;
+    if constexpr (!Q4) {
+      for (int64_t k = k0; k < k0 + gs; ++k) {
+        __m256 wv[2 * P];
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) {
+          const uint8_t* c = codes + q * cstride + k * PW;
+          if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + 4 * PF_DIST * PW), _MM_HINT_T0);
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+          wv[2 * q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+          wv[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 16
+          for (int j = 0; j < 2 * P; ++j) p[r][j] = _mm256_fmadd_ps(wv[j], xb, p[r][j]);
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + gs; k += 2) {
+        __m256 we[2 * P], wo[2 * P];
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) {
+          const uint8_t* c = codes + q * cstride + (k / 2) * PW;
+          if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + 4 * PF_DIST * PW), _MM_HINT_T0);
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+          const __m128i lo = _mm_and_si128(b, lo_mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
+          const __m256i off = _mm256_set1_epi32(MIN ? 0 : 8);  // no minimums: Q4_0's q - 8
+          we[2 * q] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off));
+          we[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off));
+          wo[2 * q] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off));
+          wo[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m256 xe = _mm256_broadcast_ss(x + r * ldx + k), xo = _mm256_broadcast_ss(x + r * ldx + k + 1);
+#pragma GCC unroll 16
+          for (int j = 0; j < 2 * P; ++j) p[r][j] = _mm256_fmadd_ps(wo[j], xo, _mm256_fmadd_ps(we[j], xe, p[r][j]));
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int q = 0; q < P; ++q) {
+      const float* s = sc + q * sstride + g * PW;
+      const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * q] = _mm256_fmadd_ps(s0, p[r][2 * q], acc[r][2 * q]);
+        acc[r][2 * q + 1] = _mm256_fmadd_ps(s1, p[r][2 * q + 1], acc[r][2 * q + 1]);
+      }
+      if constexpr (MIN) {
+        const float* m = mn + q * sstride + g * PW;
+        const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m256 xsb = _mm256_broadcast_ss(xs + r * ldxs + g);
+          acc[r][2 * q] = _mm256_fmadd_ps(m0, xsb, acc[r][2 * q]);
+          acc[r][2 * q + 1] = _mm256_fmadd_ps(m1, xsb, acc[r][2 * q + 1]);
+        }
+      }
+    }
+  }
+  alignas(32) float buf[2 * P * 8];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 2 * P; ++j) _mm256_store_ps(buf + 8 * j, acc[r][j]);
+    float* out = y + r * ldy + n0;
+    if (bias != nullptr)
+      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[n0 + i];
+    else
+      std::memcpy(out, buf, sizeof(float) * n_valid);
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+// The same arithmetic with one 16-lane register per panel (lane = output, as above).
+template <int R, int P, bool Q4, bool MIN>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+void qtile_avx512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+                  int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n0, int64_t n_valid,
+                  const float* bias) {
+  __m512 acc[R][P];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t ng = k_n / gs;
+  const int64_t cstride = Q4 ? (k_n / 2) * PW : k_n * PW;
+  const int64_t sstride = ng * PW;
+  const __m128i lo_mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 p[R][P];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int j = 0; j < P; ++j) p[r][j] = _mm512_setzero_ps();
+    const int64_t k0 = g * gs;
+    if constexpr (!Q4) {
+      int64_t k = k0;
+      for (; k + 4 <= k0 + gs; k += 4) {  // one 64-byte line of codes per panel
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + q * cstride + (k + 4 * PF_DIST) * PW), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          __m512 wv[P];
+#pragma GCC unroll 16
+          for (int q = 0; q < P; ++q)
+            wv[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + q * cstride + (k + u) * PW))));
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + k + u]);
+#pragma GCC unroll 16
+            for (int j = 0; j < P; ++j) p[r][j] = _mm512_fmadd_ps(wv[j], xb, p[r][j]);
+          }
+        }
+      }
+      for (; k < k0 + gs; ++k) {
+        __m512 wv[P];
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q)
+          wv[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + q * cstride + k * PW))));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 16
+          for (int j = 0; j < P; ++j) p[r][j] = _mm512_fmadd_ps(wv[j], xb, p[r][j]);
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + gs; k += 2) {
+        __m512 we[P], wo[P];
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) {
+          const uint8_t* c = codes + q * cstride + (k / 2) * PW;
+          if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + 4 * PF_DIST * PW), _MM_HINT_T0);
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+          const __m512i off = _mm512_set1_epi32(MIN ? 0 : 8);  // no minimums: Q4_0's q - 8
+          we[q] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, lo_mask)), off));
+          wo[q] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo_mask)), off));
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m512 xe = _mm512_set1_ps(x[r * ldx + k]), xo = _mm512_set1_ps(x[r * ldx + k + 1]);
+#pragma GCC unroll 16
+          for (int j = 0; j < P; ++j) p[r][j] = _mm512_fmadd_ps(wo[j], xo, _mm512_fmadd_ps(we[j], xe, p[r][j]));
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int q = 0; q < P; ++q) {
+      const __m512 s = _mm512_loadu_ps(sc + q * sstride + g * PW);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(s, p[r][q], acc[r][q]);
+      if constexpr (MIN) {
+        const __m512 m = _mm512_loadu_ps(mn + q * sstride + g * PW);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), acc[r][q]);
+      }
+    }
+  }
+  alignas(64) float buf[P * 16];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) _mm512_store_ps(buf + 16 * j, acc[r][j]);
+    float* out = y + r * ldy + n0;
+    if (bias != nullptr)
+      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[n0 + i];
+    else
+      std::memcpy(out, buf, sizeof(float) * n_valid);
+  }
+}
+#pragma GCC pop_options
+
+struct QArgs {
+  const uint8_t* codes;
+  const float* sc;
+  const float* mn;
+  int64_t k_n, gs, n;
+  const float* x;
+  const float* xs;
+  int64_t ldxs;
+  float* y;
+  const float* bias;
+};
+
+// rows [0, rows) against panels [p0, p0 + P): balanced row tiles of up to 4 (AVX2: 8 accumulators
+// and 8 partial sums per panel pair; AVX-512 the same count of registers per panel)
+template <int P, bool Q4, bool MIN, bool AVX512>
+void qpanel_group(const QArgs& a, int64_t rows, int64_t p0) {
+  const int64_t cstride = Q4 ? (a.k_n / 2) * PW : a.k_n * PW;
+  const int64_t sstride = (a.k_n / a.gs) * PW;
+  const uint8_t* codes = a.codes + p0 * cstride;
+  const float* sc = a.sc + p0 * sstride;
+  const float* mn = MIN ? a.mn + p0 * sstride : nullptr;
+  const int64_t n0 = p0 * PW;
+  const int64_t n_valid = std::min<int64_t>(P * PW, a.n - n0);
+  const int64_t tiles = (rows + 3) / 4;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t size = (rows - r) / (tiles - t);
+    const float* xt = a.x + r * a.k_n;
+    const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
+    float* yt = a.y + r * a.n;
+#define QT(RR)                                                                                                  \
+  if constexpr (AVX512)                                                                                         \
+    qtile_avx512<RR, P, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n0, n_valid, a.bias); \
+  else                                                                                                          \
+    qtile_avx2<RR, P, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n0, n_valid, a.bias);
+    switch (size) {
+      case 4: QT(4) break;
+      case 3: QT(3) break;
+      case 2: QT(2) break;
+      default: QT(1) break;
+    }
+#undef QT
+    r += size;
+  }
+}
+
+template <bool Q4, bool MIN, bool AVX512>
+void qrun(const QArgs& a, int64_t rows) {
+  const int64_t panels = (a.n + PW - 1) / PW;
+  const int64_t group = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;  // few rows: several panels keep FMA chains in flight
+  const int64_t groups = (panels + group - 1) / group;
+  const int64_t bytes = group * (Q4 ? a.k_n / 2 : a.k_n) * PW;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t p = g * group;
+      const int64_t p_end = std::min(panels, p + group);
+      if (p_end - p == 4) {
+        qpanel_group<4, Q4, MIN, AVX512>(a, rows, p);
+      } else if (p_end - p == 2) {
+        qpanel_group<2, Q4, MIN, AVX512>(a, rows, p);
+      } else {
+        for (; p < p_end; ++p) qpanel_group<1, Q4, MIN, AVX512>(a, rows, p);
+      }
+    }
+  });
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+}  // namespace
+
+// "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
+std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
+
+// x (R, K) float32; codes packed (np, K or K/2, 16) uint8/int8; scales (np, K/gs, 16) float32; mins the same or
+// None; bits 8 or 4; isa "auto", "avx2" or "avx512". Returns (R, N) float32.
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                      int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear: x must be 2-D float32");
+  TORCH_CHECK(bits == 8 || bits == 4, "qlinear: bits must be 8 or 4");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(gs > 0 && k % gs == 0 && (bits == 8 || gs % 2 == 0), "qlinear: group size ", gs, " must divide K=", k);
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == PW && codes.size(1) == (bits == 4 ? k / 2 : k) &&
+                  codes.element_size() == 1 && codes.is_contiguous(),
+              "qlinear: packed codes expected");
+  const int64_t np = codes.size(0);
+  TORCH_CHECK(np * PW >= n && np * PW - n < PW, "qlinear: bad output size");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == np && scales.size(1) == k / gs && scales.size(2) == PW,
+              "qlinear: packed scales expected");
+  const bool has_min = mins.has_value() && mins->defined();
+  TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
+                           mins->scalar_type() == torch::kFloat32), "qlinear: mins must match scales");
+  TORCH_CHECK(bits == 4 || !has_min, "qlinear: 8-bit codes take no minimums");
+  const bool avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
+  TORCH_CHECK(!avx512 || cpu_has_avx512(), "qlinear: this CPU has no AVX-512");
+  torch::Tensor xc = x.contiguous();
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  torch::Tensor bc, xs;
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bc.numel() == n, "qlinear: bias has ", bc.numel(), " elements, expected ", n);
+    b = bc.data_ptr<float>();
+  }
+  const int64_t ng = k / gs;
+  if (has_min) {  // group sums of x, each in ascending k
+    xs = torch::empty({rows, ng}, x.options());
+    const float* xp = xc.data_ptr<float>();
+    float* sp = xs.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < ng; ++g) {
+        float s = 0.0f;
+        for (int64_t i = g * gs; i < (g + 1) * gs; ++i) s += xp[r * k + i];
+        sp[r * ng + g] = s;
+      }
+  }
+  QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+          has_min ? mins->data_ptr<float>() : nullptr, k, gs, n, xc.data_ptr<float>(),
+          has_min ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b};
+  if (bits == 8) {
+    if (avx512) qrun<false, false, true>(a, rows); else qrun<false, false, false>(a, rows);
+  } else {
+    if (has_min) {
+      if (avx512) qrun<true, true, true>(a, rows); else qrun<true, true, false>(a, rows);
+    } else {
+      if (avx512) qrun<true, false, true>(a, rows); else qrun<true, false, false>(a, rows);
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "y = x W^T (+ b) with W quantized (8-bit or 4-bit codes, per-group scales), batch-invariant");
+  m.def("qisa", &qisa, "the instruction set qlinear dispatches to on this CPU");
+
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("pack", &pack, "repack a (N, K) weight into 4x8 blocks");
   m.def("linear", &linear, "y = x W^T (+ b) for a few rows, batch-invariant");

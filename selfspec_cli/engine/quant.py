@@ -1,0 +1,285 @@
+"""Quantized self-drafts: a low-precision copy of a model's own matrices, beside the target's.
+
+The draft is the target model with every matrix product (q/k/v, o, gate/up, down, the LM
+head) read from integer codes instead of the float weights; norms, embeddings, rotary
+tables and the KV cache are the target's. Verification never touches this copy, so
+every lossless method stays exact whatever the draft computes (docs/engine.md,
+"Quantized drafts").
+
+Precisions (``PRECISIONS``):
+
+* ``int8``: symmetric round-to-nearest, one scale per output channel;
+* ``int8-g32``: the same with one scale per 32 input weights;
+* ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0) for a model converted from a GGUF.
+  Where the fp32 target was dequantized from that file, the block draft's weights *are*
+  the target's weights (checked at build, row by row, exactly; only the summation order
+  in the kernel differs). Tensors of other GGUF types (K-quants, F16) fall back to int8
+  per channel, reported per matrix.
+
+Invariants:
+
+* the target's weights are never modified; the draft copy is built once per model and
+  precision, cached on disk (beside a converted GGUF model, in its ``drafts/`` folder, else in
+  ``$SELFSPEC_CACHE/drafts/``; ``<fingerprint>-<precision>.safetensors``, written atomically),
+  and a second load reads the cache instead of re-quantizing;
+* every quantized weight is within its format's bound of the float weight it stands for
+  (int8: half a scale step; tests/test_quant.py);
+* the kernel (``kernels.QLinear``) is batch-invariant, like the float one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import kernels
+from .adapter import ModelAdapter
+from .kernels import QLinear, QuantWeight, quantize_int8
+
+PRECISIONS = ("int8", "int8-g32", "gguf")
+LINEARS = ("qkv", "o", "gate_up", "down")
+_GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+               "down": ("ffn_down",)}
+
+
+@dataclass
+class DraftWeights:
+    """One precision's matrices: ``layers[l][name]`` for :data:`LINEARS` and ``head``."""
+
+    precision: str
+    layers: list[dict[str, QLinear]]
+    head: QLinear
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(q.quant.nbytes() for d in self.layers for q in d.values()) + self.head.quant.nbytes()
+
+
+# ------------------------------------------------------------------ building
+
+
+def _int8(adapter: ModelAdapter, group: int | None) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
+    layers = [{n: quantize_int8(getattr(w, f"w_{n}"), group) for n in LINEARS} for w in adapter.layers]
+    return layers, quantize_int8(adapter.lm_head, group), {}
+
+
+def _gguf_block(t: Any) -> QuantWeight | None:
+    """A GGUF tensor's blocks as a QuantWeight (rows = the tensor's rows as stored), or None
+    for a type the kernel does not take."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    raw = np.asarray(t.data)
+    n = raw.shape[0]
+    kind = t.tensor_type
+    if kind == Q.Q8_0:
+        b = raw.reshape(n, -1, 34)
+        d = b[:, :, :2].copy().view(np.float16).astype(np.float32)[..., 0]
+        q = b[:, :, 2:].copy().view(np.int8).reshape(n, -1)
+        return QuantWeight("q8_0", torch.from_numpy(q), torch.from_numpy(d), None, 32, 8)
+    if kind in (Q.Q4_0, Q.Q4_1):
+        size = 18 if kind == Q.Q4_0 else 20
+        b = raw.reshape(n, -1, size)
+        d = torch.from_numpy(b[:, :, :2].copy().view(np.float16).astype(np.float32)[..., 0])
+        m = torch.from_numpy(b[:, :, 2:4].copy().view(np.float16).astype(np.float32)[..., 0]) if kind == Q.Q4_1 else None
+        qs = torch.from_numpy(b[:, :, size - 16:].copy())  # (n, blocks, 16): weights j and j + 16
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1)
+        return QuantWeight("q4_1" if m is not None else "q4_0", codes, d, m, 32, 4)
+    return None
+
+
+def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None:
+    """The row order that makes ``block`` dequantize to ``target`` exactly (llama.cpp stores
+    q/k rows permuted for its rotary layout), or None when some target row is not in the file."""
+    deq = block.dequantize()
+    if deq.shape != target.shape:
+        return None
+    if torch.equal(deq, target):
+        return torch.arange(target.shape[0])
+    where: dict[bytes, list[int]] = {}
+    for i, row in enumerate(deq.numpy()):
+        where.setdefault(row.tobytes(), []).append(i)
+    order = []
+    for row in target.detach().float().numpy():
+        hits = where.get(row.tobytes())
+        if not hits:
+            return None
+        order.append(hits[0])
+    return torch.tensor(order)
+
+
+def _take_rows(q: QuantWeight, order: torch.Tensor) -> QuantWeight:
+    return QuantWeight(q.fmt, q.codes[order].contiguous(), q.scales[order].contiguous(),
+                       None if q.mins is None else q.mins[order].contiguous(), q.group, q.bits)
+
+
+def _cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    first = parts[0]
+    if any((p.fmt, p.group, p.bits, p.mins is None) != (first.fmt, first.group, first.bits, first.mins is None)
+           for p in parts):
+        raise ValueError("fused matrices of different GGUF types")
+    return QuantWeight(first.fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                       None if first.mins is None else torch.cat([p.mins for p in parts]), first.group, first.bits)
+
+
+class GGUFDraftError(ValueError):
+    """The model's GGUF blocks cannot serve as its draft (no GGUF source, or other weights)."""
+
+
+def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
+    """The GGUF's own blocks for every matrix, rows matched to the target's. A tensor whose
+    type the kernel does not take is quantized to int8 per channel instead (reported)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    tensors = {t.name: t for t in reader.tensors}
+    fallback: list[str] = []
+    exact = 0
+
+    def load(name: str, target: torch.Tensor) -> QuantWeight:
+        nonlocal exact
+        t = tensors.get(name)
+        if t is None:
+            raise GGUFDraftError(f"tensor '{name}' is missing from {gguf_file}")
+        block = _gguf_block(t)
+        if block is None:
+            fallback.append(f"{name} ({t.tensor_type.name})")
+            return quantize_int8(target)
+        order = _match_rows(block, target.detach().float())
+        if order is None:
+            raise GGUFDraftError(f"the weights of '{name}' in {gguf_file} are not the model's (the target was not "
+                                 "dequantized from this file); use --draft-precision int8")
+        exact += 1
+        return _take_rows(block, order)
+
+    layers = []
+    for l, w in enumerate(adapter.layers):
+        row: dict[str, QuantWeight] = {}
+        for name in LINEARS:
+            target = getattr(w, f"w_{name}")
+            parts = _GGUF_PARTS[name]
+            if len(parts) == 1:
+                row[name] = load(f"blk.{l}.{parts[0]}.weight", target)
+            else:
+                split = _split_sizes(adapter, name)
+                pieces = target.split(split)
+                got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
+                row[name] = _cat_rows(got) if len({(g.fmt, g.group) for g in got}) == 1 else quantize_int8(target)
+        layers.append(row)
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head = load(head_name, adapter.lm_head)
+    info = {"gguf_file": gguf_file, "exact_matrices": exact, "int8_fallback": fallback,
+            "types": sorted({t.tensor_type.name for t in reader.tensors if t.name.endswith(".weight")})}
+    return layers, head, info
+
+
+def _split_sizes(adapter: ModelAdapter, name: str) -> list[int]:
+    d = adapter.head_dim
+    if name == "qkv":
+        return [adapter.num_heads * d, adapter.num_kv_heads * d, adapter.num_kv_heads * d]
+    inter = adapter.layers[0].w_gate_up.shape[0] // 2
+    return [inter, inter]
+
+
+# ------------------------------------------------------------------ cache
+
+
+def cache_path(fingerprint: str, precision: str, model_dir: str | None = None) -> Path:
+    """Beside the converted model when the model is one of selfspec's GGUF conversions, else in
+    ``$SELFSPEC_CACHE/drafts``; keyed by the model's fingerprint and the precision."""
+    name = f"{fingerprint}-{precision}.safetensors"
+    if model_dir and (Path(model_dir) / "selfspec-source.json").is_file() and os.access(model_dir, os.W_OK):
+        return Path(model_dir) / "drafts" / name
+    return kernels.cache_root() / "drafts" / name
+
+
+def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, meta: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    formats: list[str] = []
+    for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(layers) for n, q in d.items()), ("head", head)]:
+        tensors[f"{key}.codes"] = q.codes.contiguous()
+        tensors[f"{key}.scales"] = q.scales.contiguous()
+        if q.mins is not None:
+            tensors[f"{key}.mins"] = q.mins.contiguous()
+        formats.append(f"{key}={q.fmt}:{q.group}:{q.bits}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"info": json.dumps(meta), "formats": ";".join(formats)})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load(path: Path, num_layers: int) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict[str, Any]] | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            formats = dict(item.split("=", 1) for item in meta.get("formats", "").split(";") if "=" in item)
+
+            def get(key: str) -> QuantWeight:
+                fmt, group, bits = formats[key].split(":")
+                mins = f.get_tensor(f"{key}.mins") if f"{key}.mins" in f.keys() else None
+                return QuantWeight(fmt, f.get_tensor(f"{key}.codes"), f.get_tensor(f"{key}.scales"), mins, int(group),
+                                   int(bits))
+
+            layers = [{n: get(f"{l}.{n}") for n in LINEARS} for l in range(num_layers)]
+            return layers, get("head"), json.loads(meta.get("info", "{}"))
+    except (OSError, KeyError, ValueError, RuntimeError):  # absent, partial or foreign: rebuild
+        return None
+
+
+def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, gguf_file: str | None,
+                module: Any, model_dir: str | None = None) -> DraftWeights:
+    """The draft copy at ``precision``: from the disk cache when it holds one for this model
+    (``fingerprint``), else quantized now and cached. Raises :class:`GGUFDraftError` for
+    ``gguf`` without a usable GGUF source."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown draft precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
+    t0 = time.perf_counter()
+    path = cache_path(fingerprint, precision, model_dir) if fingerprint else None
+    loaded = _load(path, adapter.num_layers) if path is not None and path.is_file() else None
+    if loaded is not None:
+        layers, head, meta = loaded
+        info = {"cache": "hit", **meta}
+    else:
+        if precision == "gguf":
+            if not gguf_file:
+                raise GGUFDraftError("--draft-precision gguf needs a model loaded from a GGUF file; use int8")
+            layers, head, extra = _gguf(adapter, gguf_file)
+        else:
+            layers, head, extra = _int8(adapter, 32 if precision == "int8-g32" else None)
+        meta = {"precision": precision, "built_s": round(time.perf_counter() - t0, 2), **extra}
+        if path is not None:
+            try:
+                _save(path, layers, head, meta)
+            except OSError:
+                path = None  # a read-only cache only costs the next load the quantization
+        info = {"cache": "miss" if path is not None else "off", **meta}
+    biases = [{n: getattr(w, f"b_{n}") for n in LINEARS} for w in adapter.layers]
+    draft = DraftWeights(precision, [{n: QLinear.make(q, biases[l][n], module) for n, q in d.items()}
+                                     for l, d in enumerate(layers)], QLinear.make(head, None, module))
+    draft.info = {**info, "load_s": round(time.perf_counter() - t0, 3), "bytes": draft.nbytes(),
+                  "formats": sorted({q.quant.fmt for d in draft.layers for q in d.values()} | {draft.head.quant.fmt}),
+                  "isa": kernels.isa() if module is not None else None}
+    if path is not None:
+        draft.info["path"] = str(path)
+    return draft
+
+
+def subset(head: QLinear, ids: torch.Tensor, module: Any) -> QLinear:
+    """The quantized head's rows for ``ids`` (FR-Spec's draft vocabulary over the draft copy)."""
+    q = head.quant
+    return QLinear.make(_take_rows(q, ids.cpu()), None, module)

@@ -1,0 +1,321 @@
+"""Quantized self-drafts (engine/quant.py, the kernel's qlinear, methods/specqd.py).
+
+* the kernel: close to a float64 product with the dequantized weights, batch-invariant, and
+  bit-identical on its AVX2 and AVX-512 paths;
+* quantization: every int8 weight within half a scale step of the float weight;
+* GGUF blocks: a draft read from a Q4_0 / Q4_1 / Q8_0 file has exactly the target's weights
+  (the target was dequantized from the same file); a model that is not the file's is refused;
+* the disk cache: a second build reads it and gives the same codes;
+* exactness: greedy parity with ``ar`` for every method drafting over quantized weights;
+  speculative sampling with a quantized draft law, by exact enumeration and by a chi-square
+  test, each with a control that hands the verifier the wrong law (the unquantized one).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec_cli.config import GenerationConfig, SamplingConfig
+from selfspec_cli.decoding import layer_skip as layer_skip_mod
+from selfspec_cli.decoding.sampling import processed_probs
+from selfspec_cli.engine import Engine, kernels, quant
+from selfspec_cli.engine.kernels import QLinear, QuantWeight, quantize_int8
+from selfspec_cli.methods import AR, build
+
+from .conftest import make_tiny_model
+from .test_decoding import ALPHA, distribution_test
+
+ext = kernels.load_extension()
+needs_kernel = pytest.mark.skipif(ext is None, reason=f"kernel unavailable: {kernels.status()['reason']}")
+HAS_AVX512 = ext is not None and ext.qisa() == "avx512"
+
+
+@pytest.fixture(autouse=True)
+def draft_cache(tmp_path, monkeypatch):
+    """Draft copies are cached under a fresh directory (the compiled kernel is already loaded)."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _q4(n: int, k: int, g: torch.Generator, with_min: bool) -> QuantWeight:
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02
+    mins = -torch.rand(n, k // 32, generator=g) * 0.1 if with_min else None
+    return QuantWeight("q4_1" if with_min else "q4_0", codes, scales, mins, 32, 4)
+
+
+FORMATS = {
+    "int8": lambda n, k, g: quantize_int8(torch.randn(n, k, generator=g)),
+    "int8-g32": lambda n, k, g: quantize_int8(torch.randn(n, k, generator=g), 32),
+    "q4_1": lambda n, k, g: _q4(n, k, g, True),
+    "q4_0": lambda n, k, g: _q4(n, k, g, False),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 96), (600, 576)])
+def test_qlinear_matches_the_dequantized_product(fmt, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    qw = FORMATS[fmt](n, k, g)
+    b = torch.randn(n, generator=g)
+    lin = QLinear.make(qw, b, ext)
+    for rows in (1, 2, 3, 4, 5, 9, 17):
+        x = torch.randn(rows, k, generator=g)
+        want = F.linear(x.double(), qw.dequantize().double(), b.double())
+        got = lin(x)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        tol = 2e-6 * k * float(want.abs().max() + 1)  # fp32 sums of k terms, grouped
+        assert float((got.double() - want).abs().max()) < tol, rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_qlinear_is_batch_invariant_and_isa_independent(fmt):
+    g = torch.Generator().manual_seed(3)
+    qw = FORMATS[fmt](300, 192, g)
+    lin = QLinear.make(qw, torch.randn(300, generator=g), ext)
+    x = torch.randn(40, 192, generator=g)
+    singles = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    for rows in (2, 3, 4, 5, 7, 8, 13, 33):
+        for start in (0, 3):
+            assert torch.equal(lin(x[start:start + rows]), singles[start:start + rows]), (rows, start)
+    if HAS_AVX512:  # the AVX2 path on the same machine: the same FMA chain per output lane
+        lin.isa = "avx2"
+        assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(40)]), singles)
+        assert torch.equal(lin(x), singles)
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_error_is_within_half_a_step(group):
+    w = torch.randn(97, 128, generator=torch.Generator().manual_seed(5)) * 3
+    w[0] = 0.0  # an all-zero channel quantizes to zeros
+    qw = quantize_int8(w, group)
+    assert qw.codes.dtype == torch.int8 and int(qw.codes.abs().max()) <= 127
+    step = qw.scales.repeat_interleave(qw.group, dim=1)
+    err = (qw.dequantize() - w).abs()
+    assert bool((err <= step / 2 * (1 + 1e-6) + 1e-12).all())
+    assert torch.equal(qw.dequantize()[0], torch.zeros(128))
+    # the bound is tight: round-to-nearest reaches close to half a step somewhere
+    assert float((err / step.clamp_min(1e-30))[1:].max()) > 0.45
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype,formats", [("Q4_1", {"q4_1"}), ("Q4_0", {"q4_0"}), ("Q8_0", {"q8_0"})])
+def test_gguf_block_draft_is_the_targets_weights(tmp_path, monkeypatch, qtype, formats):
+    """The target is dequantized from the file; the block draft reads the same blocks, so every
+    matrix dequantizes to the target's weights exactly (q/k rows matched through llama.cpp's
+    permutation); greedy decoding with the block draft is the target's."""
+    from selfspec_cli.loading import load_model
+
+    from .gguf_utils import make_tiny_gguf
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    path, _, _ = make_tiny_gguf(tmp_path, qtype=qtype, name=f"tiny-{qtype}.gguf")
+    model, _ = load_model(str(path), dtype="float32", device="cpu", log=None)
+    eng = Engine(model)
+    draft = eng.draft("gguf")
+    assert set(draft.info["formats"]) == formats and draft.info["int8_fallback"] == []
+    a = eng.adapter
+    for l, w in enumerate(a.layers):
+        for name in quant.LINEARS:
+            assert torch.equal(draft.layers[l][name].quant.dequantize(), getattr(w, f"w_{name}")), (l, name)
+    assert torch.equal(draft.head.quant.dequantize(), a.lm_head)
+    # the draft's own logits are the target's up to summation order
+    ids = torch.arange(2, 14)
+    c1, c2 = eng.new_cache(16), eng.new_cache(16)
+    want = eng.forward(c1, ids, positions=0, logits_rows=slice(None)).logits
+    got = eng.forward(c2, ids, positions=0, logits_rows=slice(None), weights="gguf").logits
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+    assert float((want - got).abs().max()) < 1e-3
+    # a second engine on the same model reads the cache (beside the converted model)
+    again = Engine(model).draft("gguf")
+    assert again.info["cache"] == "hit" and "drafts" in again.info["path"]
+    for l in range(len(a.layers)):
+        assert torch.equal(again.layers[l]["qkv"].quant.codes, draft.layers[l]["qkv"].quant.codes)
+
+
+@needs_kernel
+def test_gguf_draft_refuses_a_model_that_is_not_the_files():
+    from selfspec_cli.engine.quant import GGUFDraftError
+
+    eng = Engine(make_tiny_model("llama-gqa"))
+    with pytest.raises(GGUFDraftError, match="GGUF"):
+        eng.draft("gguf")
+
+
+@needs_kernel
+def test_int8_draft_cache_round_trip(draft_cache):
+    model = make_tiny_model("qwen2-bias")
+    first = Engine(model).draft("int8")
+    assert first.info["cache"] == "miss" and first.info["bytes"] > 0
+    second = Engine(model).draft("int8")
+    assert second.info["cache"] == "hit" and str(draft_cache) in second.info["path"]
+    for a, b in zip(first.layers, second.layers):
+        for name in quant.LINEARS:
+            assert torch.equal(a[name].quant.codes, b[name].quant.codes)
+            assert torch.equal(a[name].quant.scales, b[name].quant.scales)
+            assert (a[name].bias is None) == (b[name].bias is None)  # Qwen2's q/k/v biases are kept
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "qwen3-qknorm", "mistral-window"])
+@pytest.mark.parametrize("method,options", [
+    ("specqd", {"draft_precision": "int8", "paper_drafting": True}),
+    ("specqd", {"draft_precision": "int8-g32", "hybrid": True, "paper_drafting": True}),
+    ("specqd", {"draft_precision": "int8"}),  # planned: may decline to draft on a tiny model, stays exact
+    ("self-sd", {"draft_precision": "int8", "skip_attn": "1", "skip_mlp": "2", "paper_drafting": True}),
+    ("swift", {"draft_precision": "int8", "paper_drafting": True}),
+    ("asd", {"draft_precision": "int8", "paper_drafting": True}),
+    ("auto", {"draft_precision": "int8"}),
+])
+def test_quantized_drafts_keep_greedy_parity(arch, method, options):
+    model = make_tiny_model(arch, layers=4)
+    eng = Engine(model)
+    m = build(method, eng, None, **options)
+    ar = AR(eng)
+    drafted = 0
+    for seed, n in [(0, 40), (1, 13), (2, 2)]:
+        prompt = _prompt(6, seed, model.config.vocab_size)
+        cfg = GenerationConfig(max_new_tokens=n)
+        res = m.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids
+        drafted += res.stats.drafted_tokens
+    info = m.describe()
+    assert (info.get("quant") or info.get("layer_skip") or info)["draft_precision"] == options["draft_precision"]
+    if options.get("paper_drafting"):
+        assert drafted > 0
+
+
+# ---- sampling: exact enumeration with a real quantized draft law ------------------------------
+
+
+def _coarse_draft(eng: Engine, levels: int = 16) -> None:
+    """Replace the engine's int8 copy by a coarse one in the 4-bit format (``levels`` code values
+    per group of 32 weights, with a scale and a minimum), so that the draft law differs clearly
+    from the target's and a wrong law shows."""
+    def q4(w: torch.Tensor) -> QuantWeight:
+        n, k = w.shape
+        b = w.detach().float().view(n, k // 32, 32)
+        lo, hi = b.amin(-1), b.amax(-1)
+        s = ((hi - lo) / (levels - 1)).clamp_min(1e-8)
+        codes = torch.round((b - lo[..., None]) / s[..., None]).clamp(0, levels - 1).to(torch.uint8).view(n, k)
+        return QuantWeight("q4_1", codes, s.contiguous(), lo.contiguous(), 32, 4)
+
+    a = eng.adapter
+    layers = [{n: QLinear.make(q4(getattr(w, f"w_{n}")), getattr(w, f"b_{n}"), ext) for n in quant.LINEARS}
+              for w in a.layers]
+    eng.drafts["int8"] = quant.DraftWeights("int8", layers, QLinear.make(q4(a.lm_head), None, ext))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_quantized_draft_law_is_exact_by_enumeration(monkeypatch, k):
+    """The real chain rule, its randomness enumerated, with p the target's and q the quantized
+    draft's own processed laws along one chain of a tiny 4-token model: the output law is the
+    target's. Control: the verifier told the unquantized draft's law (the target's) fails."""
+    from . import test_verify_exact as ve
+
+    model = make_tiny_model("llama-gqa", vocab=ve.V, layers=2, hidden_size=64, intermediate_size=128)
+    eng = Engine(model)
+    _coarse_draft(eng)
+    chain = [2, 1, 3, 0, 2, 1, 3]
+    ids = torch.tensor(chain)
+    c1, c2 = eng.new_cache(16), eng.new_cache(16)
+    p_logits = eng.forward(c1, ids, positions=0, logits_rows=slice(None)).logits.double()
+    q_logits = eng.forward(c2, ids, positions=0, logits_rows=slice(None), weights="int8").logits.double()
+    p = processed_probs(p_logits, ve.SAMPLING).double()
+    q = processed_probs(q_logits, ve.SAMPLING).double()
+    assert float((p - q).abs().max()) > 0.02  # the coarse draft's law is not the target's
+
+    class WrongLaw(ve.ChainHarness):
+        def verifier_q(self, kk):
+            return self.p[:kk]
+
+    # the law the rule targets is the processed law of the logits it is handed (log p), as it computes it
+    target = processed_probs(p.log(), ve.SAMPLING).double()
+    for harness, exact in ((ve.ChainHarness, True), (WrongLaw, False)):
+        h = harness(monkeypatch, p=p, q=q)
+        law, branch = h.law(k)
+        dev = ve.law_deviation(law, lambda y: target[len(y)].tolist(), k + 1)
+        if exact:
+            assert all(b > 1e-4 for b in branch), branch
+            assert dev <= 1e-6  # float32 rounding of real laws (test_verify_exact gets 1e-9 from /16 rows)
+        else:
+            assert dev > ve.BROKEN
+
+
+# ---- sampling: the whole method, chi-square against the target's exact law --------------------
+
+SMALL_VOCAB = 40
+PAIR_RUN = 6
+SAMPLING = SamplingConfig(temperature=1.0, top_k=25, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def small_setup():
+    from .test_speculative import _exact_pair_law
+
+    model = make_tiny_model("llama-gqa", vocab=SMALL_VOCAB, layers=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)
+    prompt = _prompt(5, 11, SMALL_VOCAB)
+    return model, prompt, _exact_pair_law(model, prompt)
+
+
+def _pairs(method, prompt: list[int], n: int) -> list[int]:
+    out = []
+    for s in range(n):
+        cfg = GenerationConfig(max_new_tokens=PAIR_RUN, sampling=SamplingConfig(SAMPLING.temperature, SAMPLING.top_k,
+                                                                                SAMPLING.top_p, s))
+        t = method.generate(prompt, cfg).token_ids
+        out.append(t[1] * SMALL_VOCAB + t[2])
+    return out
+
+
+def _specqd(model) -> object:
+    eng = Engine(model)
+    m = build("specqd", eng, None, draft_precision="int8", paper_drafting=True, max_draft=4)
+    _coarse_draft(eng, levels=2)  # after build: the proposer reads engine.drafts["int8"] at every forward
+    return m
+
+
+@needs_kernel
+def test_specqd_sampling_is_exact(small_setup):
+    model, prompt, law = small_setup
+    m = _specqd(model)
+    samples = _pairs(m, prompt, 2500)
+    assert distribution_test(samples, law) > ALPHA
+
+
+@needs_kernel
+def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
+    """Control: drafts sampled from the quantized law, the verifier handed the law the target's
+    weights give at the same position (what a draft that forgot its precision would report)."""
+    model, prompt, law = small_setup
+    m = _specqd(model)
+    orig_propose = layer_skip_mod.LayerSkipProposer.propose
+
+    def propose(self, state, budget):
+        draft = orig_propose(self, state, budget)
+        if draft.q is not None and draft.tokens:  # recompute each row's law from the target's weights
+            rows = []
+            fed = [state.pending, *draft.tokens[:-1]]
+            state.rollback()
+            out = state.verify_forward(fed[1:]) if len(fed) > 1 else state.verify_forward([])
+            state.rollback()
+            for i in range(len(draft.tokens)):
+                rows.append(processed_probs(out.logits[i], state.sampling))
+            for t in draft.tokens:
+                state.feed(t)
+            draft.q = torch.stack(rows)
+        return draft
+
+    monkeypatch.setattr(layer_skip_mod.LayerSkipProposer, "propose", propose)
+    samples = _pairs(m, prompt, 2500)
+    assert distribution_test(samples, law) < ALPHA
