@@ -155,15 +155,19 @@ class Acceptance:
 
 @dataclass
 class Overhead:
-    """``o``: a drafting round's measured cost beyond its plan, in plain steps (mean of the
-    first 10 rounds, then an exponential average; each reading clipped to [-0.5, 1])."""
+    """``o``: a drafting round's measured cost beyond its plan, in plain steps. A mean that
+    starts from a prior of 0 worth ``prior`` rounds (so one outlying first round, a cold
+    cache or a page fault, cannot by itself make a source look unprofitable and stop it
+    from ever drafting again), then an exponential average over the last 10; each reading
+    clipped to [-0.5, 1]."""
 
     value: float = 0.0
     rounds: int = 0
+    prior: int = 3
 
     def observe(self, excess: float) -> None:
         self.rounds += 1
-        self.value += (min(1.0, max(-0.5, excess)) - self.value) / min(self.rounds, 10)
+        self.value += (min(1.0, max(-0.5, excess)) - self.value) / min(self.rounds + self.prior, 10)
 
 
 @dataclass

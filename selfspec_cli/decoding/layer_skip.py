@@ -12,7 +12,10 @@ Subclasses choose the skip set (:meth:`LayerSkipProposer.skip_sets`) and may
 adapt it after each round. The draft's precision is a second dimension
 (:meth:`LayerSkipProposer.use_precision`): draft forwards may read the quantized copy of
 the model's own matrices (engine/quant.py: int8, or a GGUF's own blocks), the skip set
-on top; verification always runs the target's weights. With ``cost_aware`` (the default) each round first asks
+on top; verification always runs the target's weights. With a quantized draft and cost-
+aware drafting, each round also weighs the quantized model at full depth (no skips)
+against the skip set on top of it, each with its own measured cost and acceptance, and
+drafts with the one of higher expected gain: skipping is used only where it pays. With ``cost_aware`` (the default) each round first asks
 the :class:`~.cost.Planner` how far drafting pays at the measured draft cost and
 acceptance, and does not draft at all when it does not pay. Greedy drafts are the draft's argmax; sampled chain
 drafts are drawn from the draft's processed distribution and handed to the driver
@@ -60,6 +63,16 @@ class DraftConfig:
 
     def topk_for(self, confidence: float) -> int:
         return next((k for upper, k in self.tree_topk if confidence <= upper), self.tree_topk[-1][1])
+
+
+@dataclass(slots=True)
+class CostSlot:
+    """The cost state of one draft variant: its planner, its draft step (EMA, seconds), and the
+    step timed before its first draft."""
+
+    planner: Planner | None = None
+    step_s: float | None = None
+    c0: float | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +130,12 @@ class LayerSkipProposer(Proposer):
         self._ngram_planner: Planner | None = None
         self.precision: str | None = None  # None: the target's own weights; else engine.draft(precision)
         self._c0: float | None = None  # c measured before any draft (measure_draft_step)
+        # quantized drafts: the inactive variant's cost state (the skip set, or full depth; see _pick_variant)
+        self._full = False  # this round drafts at full depth, no skips
+        self._other = CostSlot()
+        self.full_depth_variant = True  # weigh full depth against the skip set (auto turns it off: it has its own)
+        self._turn = False
+        self.full_depth_rounds = 0
         self.use_draft_vocab(None)  # FR-Spec: drafts may score only some tokens (methods/fr_spec.py)
         if draft.cost_aware:
             self._planner()  # measures the engine's verify curve now (once per engine), not inside a timed decode
@@ -146,10 +165,55 @@ class LayerSkipProposer(Proposer):
         self._reset_cost()
 
     def _reset_cost(self) -> None:
-        """Forget the measured draft cost; a quantized draft's is timed now, not inside a timed decode."""
+        """Forget the measured draft costs; a quantized draft's are timed now, not inside a timed decode."""
+        if self._full:
+            self._swap()
         self._step_s = self._c0 = None
+        self._other = CostSlot()
         if self.precision is not None and self.draft_cfg.cost_aware:
-            self._c0 = measure_draft_step(self.engine, self.precision, *self.skip_sets()) / self._planner().curve.t1_s
+            t1 = self._planner().curve.t1_s
+            self._c0 = measure_draft_step(self.engine, self.precision, *self.skip_sets()) / t1
+            self._other.c0 = measure_draft_step(self.engine, self.precision) / t1
+
+    # -- quantized drafts: skip set on top, or full depth -------------------
+    def _swap(self) -> None:
+        """Make the other variant (skip set / full depth) the active one."""
+        o = self._other
+        self.planner, o.planner = o.planner, self.planner
+        self._step_s, o.step_s = o.step_s, self._step_s
+        self._c0, o.c0 = o.c0, self._c0
+        self._full = not self._full
+
+    def _sets(self) -> tuple[frozenset[int], frozenset[int]]:
+        """The sublayers this round's draft skips: the method's set, or none at full depth."""
+        return (frozenset(), frozenset()) if self._full else self.skip_sets()
+
+    def _has_variants(self) -> bool:
+        return (self.full_depth_variant and self.precision is not None and self.draft_cfg.cost_aware
+                and any(self.skip_sets()))
+
+    def _gains(self, budget: int) -> tuple[float, float]:
+        """Expected gains of the skip set and of full depth this round (no side effects)."""
+        if self._full:
+            self._swap()
+        g_skip = self._planner().best(self.draft_cost(), budget)[1]
+        if not self._has_variants():
+            return g_skip, 0.0
+        self._swap()
+        g_full = self._planner().best(self.draft_cost(), budget)[1]
+        self._swap()
+        return g_skip, g_full
+
+    def _pick_variant(self, budget: int) -> None:
+        """Activate the variant with the higher expected gain (ties: the method's own skip set);
+        when neither pays, they take turns, so that each one's own probes still run."""
+        g_skip, g_full = self._gains(budget)
+        if max(g_skip, g_full) <= 1.0:
+            self._turn = not self._turn
+            if self._turn:
+                self._swap()
+        elif g_full > g_skip:
+            self._swap()
 
     def _full_law(self, probs: torch.Tensor) -> torch.Tensor:
         """A draft law over the subset as a law over the whole vocabulary (zero outside)."""
@@ -162,7 +226,7 @@ class LayerSkipProposer(Proposer):
         of sublayers the skip set keeps)."""
         if self._step_s is not None and self.planner is not None:
             return self._step_s / self.planner.curve.t1_s
-        attn, mlp = self.skip_sets()
+        attn, mlp = self._sets()
         if self.precision is None:
             return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
         if self._c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
@@ -172,24 +236,32 @@ class LayerSkipProposer(Proposer):
     def _planner(self) -> Planner:
         if self.planner is None:
             self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft,
-                                   width=2 if self.draft_cfg.tree else 1)
+                                   width=2 if self.draft_cfg.tree and not self._full else 1)
             self.t1_s = self.planner.curve.t1_s
         return self.planner
 
     def expected_gain(self, budget: int) -> float:
         """The best expected gain of drafting this round (1.0: drafting does not pay)."""
-        return self._planner().best(self.draft_cost(), budget)[1]
+        return max(self._gains(min(self.draft_cfg.max_draft, budget)))
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
+        if self._full:
+            self._swap()
         attn, mlp = self.skip_sets()
         out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.precision or "target",
                "draft_threshold": round(self.threshold.value, 4),
                "draft_vocab": len(self.vocab_ids) if self.vocab_ids is not None else "full"}
         if self.planner is not None:
             out["cost_model"] = {"c": round(self.draft_cost(), 4), **self.planner.report()}
+        if self._has_variants():
+            self._swap()
+            if self.planner is not None:
+                out["full_depth"] = {"rounds": self.full_depth_rounds,
+                                     "cost_model": {"c": round(self.draft_cost(), 4), **self.planner.report()}}
+            self._swap()
         return out
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
@@ -197,9 +269,14 @@ class LayerSkipProposer(Proposer):
         cont = self.ngram(state, budget)[0] if self.ngram is not None and budget > 0 else []
         budget = min(dc.max_draft, budget)
         plan = None
+        if budget > 0 and self._has_variants():
+            self._pick_variant(budget)
+        elif self._full:
+            self._swap()
         if budget > 0 and dc.cost_aware:
             budget = self._planner().plan(self.draft_cost(), budget)
             plan = self.planner.last
+        self.full_depth_rounds += self._full and budget > 0
         if cont and dc.cost_aware:  # how many looked-up tokens pay (they cost no draft forward)
             if self._ngram_planner is None:
                 self._ngram_planner = Planner(self._planner().curve, self.lookahead)
@@ -210,7 +287,10 @@ class LayerSkipProposer(Proposer):
                              plan=self._ngram_planner.last if self._ngram_planner is not None else plan)
             return Draft(plan=plan)
         t0 = time.perf_counter()
-        skip_attn, skip_mlp = self.skip_sets()
+        skip_attn, skip_mlp = self._sets()
+        # the quantized full-depth variant drafts as specqd does: a chain, no confidence exit
+        use_tree = dc.tree and not self._full
+        threshold = 0.0 if self._full else self.threshold.value
         tokens, parents, q_rows = [], [], []
         chain_parent = -1
         max_k = max(k for _, k in dc.tree_topk)
@@ -218,7 +298,7 @@ class LayerSkipProposer(Proposer):
         d, hit_limit = state.pending, True  # d: the newest token fed, drafted from next
         vocab = self.vocab_ids
         node_cap = dc.tree_max_nodes
-        if dc.tree and dc.cost_aware:  # a planned depth k: verify at most 2k nodes
+        if use_tree and dc.cost_aware:  # a planned depth k: verify at most 2k nodes
             node_cap = min(node_cap or 2 * budget, 2 * budget)
         for steps in range(1, budget + 1):
             inp[0] = d
@@ -226,7 +306,7 @@ class LayerSkipProposer(Proposer):
             logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head,
                                weights=self.precision).logits[0]
             probs = logits.softmax(-1) if state.sampling.greedy else processed_probs(logits, state.sampling)
-            if dc.tree:
+            if use_tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep
                 values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
                 values, indices = values.tolist(), indices.tolist()
@@ -252,15 +332,15 @@ class LayerSkipProposer(Proposer):
                 d = d if vocab is None else vocab[d]
                 tokens.append(d)
             state.feed(d)
-            if conf < self.threshold.value:
+            if conf < threshold:
                 hit_limit = False
                 break
         step_s = (time.perf_counter() - t0) / steps
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
         info: dict[str, Any] = {"hit_limit": hit_limit, "chain_nodes": len(tokens)}
-        tree = parents if dc.tree else None
+        tree = parents if use_tree else None
         if cont:
-            chain_parents = parents if dc.tree else list(range(-1, len(tokens) - 1))
+            chain_parents = parents if use_tree else list(range(-1, len(tokens) - 1))
             merged, merged_parents, info["ngram_path"] = merge_branch(tokens, chain_parents, cont)
             if len(merged) > len(tokens):  # the n-gram branch left the layer-skip draft somewhere
                 tokens, tree = merged, merged_parents
@@ -281,7 +361,7 @@ class LayerSkipProposer(Proposer):
         steps = draft.forwards
         # the layer-skip draft's own acceptance: accepted nodes among its chain (or tree) nodes
         own = sum(1 for i in verdict.accepted if i < draft.info.get("chain_nodes", len(draft.tokens)))
-        if self.draft_cfg.adaptive and steps:
+        if self.draft_cfg.adaptive and steps and not self._full:  # the skip set's own threshold
             self.threshold.update(own, steps, draft.info["hit_limit"])
         if self.planner is not None:
             self.planner.observe(steps, own)

@@ -74,9 +74,10 @@ class KVCache:
             setattr(self, name, new)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-              positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: Sequence[int], views: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Append ``T`` rows (``k_new``, ``v_new``: (Hkv, T, D)) holding ``positions`` at the
-        layer's end and return views of its keys/values including them: (1, Hkv, len, D)."""
+        layer's end and return views of its keys/values including them: (1, Hkv, len, D)
+        (None with ``views=False``: the caller reads ``k``/``v`` directly)."""
         pos = self.positions[layer]
         if pos and min(positions) <= pos[-1]:
             raise CacheInvariantError(f"layer {layer}: rows at positions {min(positions)}.. written after position "
@@ -85,9 +86,12 @@ class KVCache:
         end = start + k_new.shape[1]
         if end > self.capacity:
             raise CacheInvariantError(f"layer {layer}: {end} slots exceed the capacity {self.capacity}")
-        self.k[layer, :, start:end] = k_new
-        self.v[layer, :, start:end] = v_new
+        t = end - start
+        self.k[layer].narrow(1, start, t).copy_(k_new)
+        self.v[layer].narrow(1, start, t).copy_(v_new)
         pos.extend(positions)
+        if not views:
+            return None
         return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
 
     def crop(self, length: int) -> None:

@@ -251,7 +251,7 @@ class Engine:
                 # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
                 key = (past, cache.last_position(l), w.sliding_window,
                        l if w.sliding_window is not None and cache.has_holes(l) else -1)
-                keys, values = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list)
+                kv = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list, views=not few_rows)
                 mask = None
                 if not (q_pos is None and past == 0 and tree_mask is None
                         and (w.sliding_window is None or t <= w.sliding_window)):
@@ -263,6 +263,7 @@ class Engine:
                     o = ops.attend(q_rows, hq, cache.k[l], cache.v[l], past + t, None if mask is None else mask[0, 0], past)
                 else:
                     q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+                    keys, values = kv
                     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1,
                                                        enable_gqa=self._gqa)
                     o = o[0].transpose(0, 1).reshape(t, hq * d)

@@ -83,6 +83,7 @@ class Auto(Method):
                 layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
             except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
                 layer_skip = ASD(engine, tokenizer)
+            layer_skip.full_depth_variant = False  # the quantized full-depth chain is a source of its own here
             layer_skip.use_precision(precision)
             fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
             if precision is not None:

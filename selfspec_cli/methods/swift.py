@@ -204,7 +204,7 @@ class Swift(LayerSkipProposer, Method):
 
     def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
         LayerSkipProposer.update(self, state, draft, verdict, out)
-        if draft.forwards:
+        if draft.forwards and not self._full:  # the skip set's own rounds (not quantized full-depth ones)
             self._acceptance.append((len(verdict.accepted), draft.forwards))
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last

@@ -418,9 +418,10 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 //     W[n, k] = s[n, g] * q[n, k] (+ m[n, g]),  g = k / gs   (Q4_0: q - 8 for q).
 // Formats: 8-bit signed codes (int8 per channel or per group, GGUF Q8_0); 4-bit codes 0..15 with
 // a minimum (GGUF Q4_1: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
-// Packed (kernels.py packs): codes in panels of 16 outputs, k-major: 8-bit (np, K, 16) int8;
-// 4-bit (np, K/2, 16) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums
-// (np, K/gs, 16) float32.
+// Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
+// sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
+// (ns, K/2, 64) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums (ns, K/gs, 64)
+// float32. Made for drafting (one row at a time): rows are tiled by up to 3 (AVX-512) or 1 (AVX2).
 // Arithmetic, per output and row, in float32 with FMA and a fixed order:
 //     p_g = sum over k in g (ascending) of float(q[n, k]) * x[k]     (one FMA chain)
 //     y   = sum over g (ascending) of  s[n, g] * p_g (+ m[n, g] * xs_g)   (one FMA chain)
@@ -432,203 +433,145 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 namespace {
 
-template <int R, int P, bool Q4, bool MIN>
-inline void qtile_avx2(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
-                       int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n0, int64_t n_valid,
-                       const float* bias) {
-  __m256 acc[R][2 * P];
+constexpr int64_t SP = 64;  // outputs per quantized super-panel (one 64-byte line of 8-bit codes per k)
+constexpr int64_t QPF = 24;  // lines between a prefetch and its use
+
+// R rows x one super-panel, AVX-512: lane i of acc[r][j] is output 16 j + i of row r.
+template <int R, bool Q4, bool MIN>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+void qtile512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+              int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n_valid, const float* bias) {
+  __m512 acc[R][4];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < 2 * P; ++j) acc[r][j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t ng = k_n / gs;
-  const int64_t cstride = Q4 ? (k_n / 2) * PW : k_n * PW;  // bytes per panel of codes
-  const int64_t sstride = ng * PW;                         // floats per panel of scales
   const __m128i lo_mask = _mm_set1_epi8(0x0F);
+  const __m512i off = _mm512_set1_epi32(MIN ? 0 : 8);  // 4-bit without minimums: Q4_0's q - 8
   for (int64_t g = 0; g < ng; ++g) {
-    __m256 p[R][2 * P];
+    __m512 p[R][4];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-      for (int j = 0; j < 2 * P; ++j) p[r][j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) p[r][j] = _mm512_setzero_ps();
     const int64_t k0 = g * gs;
     if constexpr (!Q4) {
       for (int64_t k = k0; k < k0 + gs; ++k) {
-        __m256 wv[2 * P];
-#pragma GCC unroll 16
-        for (int q = 0; q < P; ++q) {
-          const uint8_t* c = codes + q * cstride + k * PW;
-          if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + 4 * PF_DIST * PW), _MM_HINT_T0);
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-          wv[2 * q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-          wv[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-        }
+        const uint8_t* c = codes + k * SP;
+        _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+        __m512 wv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+          wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-#pragma GCC unroll 16
-          for (int j = 0; j < 2 * P; ++j) p[r][j] = _mm256_fmadd_ps(wv[j], xb, p[r][j]);
+          const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) p[r][j] = _mm512_fmadd_ps(wv[j], xb, p[r][j]);
         }
       }
     } else {
       for (int64_t k = k0; k < k0 + gs; k += 2) {
-        __m256 we[2 * P], wo[2 * P];
-#pragma GCC unroll 16
-        for (int q = 0; q < P; ++q) {
-          const uint8_t* c = codes + q * cstride + (k / 2) * PW;
-          if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + 4 * PF_DIST * PW), _MM_HINT_T0);
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-          const __m128i lo = _mm_and_si128(b, lo_mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
-          const __m256i off = _mm256_set1_epi32(MIN ? 0 : 8);  // no minimums: Q4_0's q - 8
-          we[2 * q] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off));
-          we[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off));
-          wo[2 * q] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off));
-          wo[2 * q + 1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
+        const uint8_t* c = codes + (k / 2) * SP;
+        _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+        __m512 we[4], wo[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j));
+          we[j] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, lo_mask)), off));
+          wo[j] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo_mask)), off));
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const __m256 xe = _mm256_broadcast_ss(x + r * ldx + k), xo = _mm256_broadcast_ss(x + r * ldx + k + 1);
-#pragma GCC unroll 16
-          for (int j = 0; j < 2 * P; ++j) p[r][j] = _mm256_fmadd_ps(wo[j], xo, _mm256_fmadd_ps(we[j], xe, p[r][j]));
+          const __m512 xe = _mm512_set1_ps(x[r * ldx + k]), xo = _mm512_set1_ps(x[r * ldx + k + 1]);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) p[r][j] = _mm512_fmadd_ps(wo[j], xo, _mm512_fmadd_ps(we[j], xe, p[r][j]));
         }
       }
     }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 s = _mm512_loadu_ps(sc + g * SP + 16 * j);
 #pragma GCC unroll 16
-    for (int q = 0; q < P; ++q) {
-      const float* s = sc + q * sstride + g * PW;
-      const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        acc[r][2 * q] = _mm256_fmadd_ps(s0, p[r][2 * q], acc[r][2 * q]);
-        acc[r][2 * q + 1] = _mm256_fmadd_ps(s1, p[r][2 * q + 1], acc[r][2 * q + 1]);
-      }
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(s, p[r][j], acc[r][j]);
       if constexpr (MIN) {
-        const float* m = mn + q * sstride + g * PW;
-        const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8);
+        const __m512 m = _mm512_loadu_ps(mn + g * SP + 16 * j);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m256 xsb = _mm256_broadcast_ss(xs + r * ldxs + g);
-          acc[r][2 * q] = _mm256_fmadd_ps(m0, xsb, acc[r][2 * q]);
-          acc[r][2 * q + 1] = _mm256_fmadd_ps(m1, xsb, acc[r][2 * q + 1]);
-        }
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), acc[r][j]);
       }
     }
   }
-  alignas(32) float buf[2 * P * 8];
+  alignas(64) float buf[SP];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int j = 0; j < 2 * P; ++j) _mm256_store_ps(buf + 8 * j, acc[r][j]);
-    float* out = y + r * ldy + n0;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(buf + 16 * j, acc[r][j]);
+    float* out = y + r * ldy;
     if (bias != nullptr)
-      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[n0 + i];
+      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[i];
     else
       std::memcpy(out, buf, sizeof(float) * n_valid);
   }
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-// The same arithmetic with one 16-lane register per panel (lane = output, as above).
-template <int R, int P, bool Q4, bool MIN>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-void qtile_avx512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
-                  int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n0, int64_t n_valid,
-                  const float* bias) {
-  __m512 acc[R][P];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+// One row x half H (32 outputs) of a super-panel, AVX2: acc[j] lane i is output 32 H + 8 j + i.
+// The two halves read the same lines (the second pass finds them in L1/L2).
+template <bool Q4, bool MIN>
+void qhalf256(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+              const float* xs, float* out, int64_t h, const float* bias, int64_t n_valid) {
+  __m256 acc[4];
+  for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
   const int64_t ng = k_n / gs;
-  const int64_t cstride = Q4 ? (k_n / 2) * PW : k_n * PW;
-  const int64_t sstride = ng * PW;
   const __m128i lo_mask = _mm_set1_epi8(0x0F);
+  const __m256i off = _mm256_set1_epi32(MIN ? 0 : 8);
   for (int64_t g = 0; g < ng; ++g) {
-    __m512 p[R][P];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-      for (int j = 0; j < P; ++j) p[r][j] = _mm512_setzero_ps();
+    __m256 p[4];
+    for (int j = 0; j < 4; ++j) p[j] = _mm256_setzero_ps();
     const int64_t k0 = g * gs;
     if constexpr (!Q4) {
-      int64_t k = k0;
-      for (; k + 4 <= k0 + gs; k += 4) {  // one 64-byte line of codes per panel
-#pragma GCC unroll 16
-        for (int q = 0; q < P; ++q)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + q * cstride + (k + 4 * PF_DIST) * PW), _MM_HINT_T0);
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) {
-          __m512 wv[P];
-#pragma GCC unroll 16
-          for (int q = 0; q < P; ++q)
-            wv[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + q * cstride + (k + u) * PW))));
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const __m512 xb = _mm512_set1_ps(x[r * ldx + k + u]);
-#pragma GCC unroll 16
-            for (int j = 0; j < P; ++j) p[r][j] = _mm512_fmadd_ps(wv[j], xb, p[r][j]);
-          }
-        }
-      }
-      for (; k < k0 + gs; ++k) {
-        __m512 wv[P];
-#pragma GCC unroll 16
-        for (int q = 0; q < P; ++q)
-          wv[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + q * cstride + k * PW))));
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 16
-          for (int j = 0; j < P; ++j) p[r][j] = _mm512_fmadd_ps(wv[j], xb, p[r][j]);
-        }
+      for (int64_t k = k0; k < k0 + gs; ++k) {
+        const uint8_t* c = codes + k * SP + 32 * h;
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        p[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), xb, p[0]);
+        p[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), xb, p[1]);
+        p[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), xb, p[2]);
+        p[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), xb, p[3]);
       }
     } else {
       for (int64_t k = k0; k < k0 + gs; k += 2) {
-        __m512 we[P], wo[P];
-#pragma GCC unroll 16
-        for (int q = 0; q < P; ++q) {
-          const uint8_t* c = codes + q * cstride + (k / 2) * PW;
-          if ((k & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + 4 * PF_DIST * PW), _MM_HINT_T0);
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-          const __m512i off = _mm512_set1_epi32(MIN ? 0 : 8);  // no minimums: Q4_0's q - 8
-          we[q] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, lo_mask)), off));
-          wo[q] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo_mask)), off));
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512 xe = _mm512_set1_ps(x[r * ldx + k]), xo = _mm512_set1_ps(x[r * ldx + k + 1]);
-#pragma GCC unroll 16
-          for (int j = 0; j < P; ++j) p[r][j] = _mm512_fmadd_ps(wo[j], xo, _mm512_fmadd_ps(we[j], xe, p[r][j]));
+        const uint8_t* c = codes + (k / 2) * SP + 32 * h;
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+        const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
+        for (int q = 0; q < 2; ++q) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * q));
+          const __m128i lo = _mm_and_si128(b, lo_mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
+          const __m256 e0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off));
+          const __m256 e1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off));
+          const __m256 o0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off));
+          const __m256 o1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
+          p[2 * q] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, p[2 * q]));
+          p[2 * q + 1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, p[2 * q + 1]));
         }
       }
     }
-#pragma GCC unroll 16
-    for (int q = 0; q < P; ++q) {
-      const __m512 s = _mm512_loadu_ps(sc + q * sstride + g * PW);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(s, p[r][q], acc[r][q]);
-      if constexpr (MIN) {
-        const __m512 m = _mm512_loadu_ps(mn + q * sstride + g * PW);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), acc[r][q]);
-      }
+    for (int j = 0; j < 4; ++j) {
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + g * SP + 32 * h + 8 * j), p[j], acc[j]);
+      if constexpr (MIN)
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g * SP + 32 * h + 8 * j), _mm256_broadcast_ss(xs + g), acc[j]);
     }
   }
-  alignas(64) float buf[P * 16];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int j = 0; j < P; ++j) _mm512_store_ps(buf + 16 * j, acc[r][j]);
-    float* out = y + r * ldy + n0;
-    if (bias != nullptr)
-      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[n0 + i];
-    else
-      std::memcpy(out, buf, sizeof(float) * n_valid);
-  }
+  alignas(32) float buf[32];
+  for (int j = 0; j < 4; ++j) _mm256_store_ps(buf + 8 * j, acc[j]);
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, n_valid - 32 * h));
+  if (bias != nullptr)
+    for (int64_t i = 0; i < n; ++i) out[32 * h + i] = buf[i] + bias[32 * h + i];
+  else
+    std::memcpy(out + 32 * h, buf, sizeof(float) * n);
 }
-#pragma GCC pop_options
 
 struct QArgs {
   const uint8_t* codes;
@@ -642,59 +585,43 @@ struct QArgs {
   const float* bias;
 };
 
-// rows [0, rows) against panels [p0, p0 + P): balanced row tiles of up to 4 (AVX2: 8 accumulators
-// and 8 partial sums per panel pair; AVX-512 the same count of registers per panel)
-template <int P, bool Q4, bool MIN, bool AVX512>
-void qpanel_group(const QArgs& a, int64_t rows, int64_t p0) {
-  const int64_t cstride = Q4 ? (a.k_n / 2) * PW : a.k_n * PW;
-  const int64_t sstride = (a.k_n / a.gs) * PW;
-  const uint8_t* codes = a.codes + p0 * cstride;
-  const float* sc = a.sc + p0 * sstride;
-  const float* mn = MIN ? a.mn + p0 * sstride : nullptr;
-  const int64_t n0 = p0 * PW;
-  const int64_t n_valid = std::min<int64_t>(P * PW, a.n - n0);
-  const int64_t tiles = (rows + 3) / 4;
-  int64_t r = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t size = (rows - r) / (tiles - t);
-    const float* xt = a.x + r * a.k_n;
-    const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
-    float* yt = a.y + r * a.n;
-#define QT(RR)                                                                                                  \
-  if constexpr (AVX512)                                                                                         \
-    qtile_avx512<RR, P, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n0, n_valid, a.bias); \
-  else                                                                                                          \
-    qtile_avx2<RR, P, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n0, n_valid, a.bias);
-    switch (size) {
-      case 4: QT(4) break;
-      case 3: QT(3) break;
-      case 2: QT(2) break;
-      default: QT(1) break;
+template <bool Q4, bool MIN, bool AVX512>
+void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
+  const int64_t cstride = (Q4 ? a.k_n / 2 : a.k_n) * SP, sstride = (a.k_n / a.gs) * SP;
+  const uint8_t* codes = a.codes + sp * cstride;
+  const float* sc = a.sc + sp * sstride;
+  const float* mn = MIN ? a.mn + sp * sstride : nullptr;
+  const int64_t n0 = sp * SP, n_valid = std::min<int64_t>(SP, a.n - n0);
+  const float* bias = a.bias ? a.bias + n0 : nullptr;
+  if constexpr (AVX512) {
+    // balanced row tiles of up to 3 rows (12 accumulators and 12 partial sums)
+    const int64_t tiles = (rows + 2) / 3;
+    int64_t r = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t size = (rows - r) / (tiles - t);
+      const float* xt = a.x + r * a.k_n;
+      const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
+      float* yt = a.y + r * a.n + n0;
+      if (size == 3) qtile512<3, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias);
+      else if (size == 2) qtile512<2, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias);
+      else qtile512<1, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias);
+      r += size;
     }
-#undef QT
-    r += size;
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < 2; ++h)
+        qhalf256<Q4, MIN>(codes, sc, mn, a.k_n, a.gs, a.x + r * a.k_n, MIN ? a.xs + r * a.ldxs : nullptr,
+                          a.y + r * a.n + n0, h, bias, n_valid);
   }
 }
 
 template <bool Q4, bool MIN, bool AVX512>
 void qrun(const QArgs& a, int64_t rows) {
-  const int64_t panels = (a.n + PW - 1) / PW;
-  const int64_t group = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;  // few rows: several panels keep FMA chains in flight
-  const int64_t groups = (panels + group - 1) / group;
-  const int64_t bytes = group * (Q4 ? a.k_n / 2 : a.k_n) * PW;
+  const int64_t supers = (a.n + SP - 1) / SP;
+  const int64_t bytes = (Q4 ? a.k_n / 2 : a.k_n) * SP;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t p = g * group;
-      const int64_t p_end = std::min(panels, p + group);
-      if (p_end - p == 4) {
-        qpanel_group<4, Q4, MIN, AVX512>(a, rows, p);
-      } else if (p_end - p == 2) {
-        qpanel_group<2, Q4, MIN, AVX512>(a, rows, p);
-      } else {
-        for (; p < p_end; ++p) qpanel_group<1, Q4, MIN, AVX512>(a, rows, p);
-      }
-    }
+  at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) qsuper<Q4, MIN, AVX512>(a, rows, s);
   });
 }
 
@@ -709,7 +636,7 @@ bool cpu_has_avx512() {
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
 std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 
-// x (R, K) float32; codes packed (np, K or K/2, 16) uint8/int8; scales (np, K/gs, 16) float32; mins the same or
+// x (R, K) float32; codes packed (ns, K or K/2, 64) uint8/int8; scales (ns, K/gs, 64) float32; mins the same or
 // None; bits 8 or 4; isa "auto", "avx2" or "avx512". Returns (R, N) float32.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                       int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
@@ -717,13 +644,13 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   TORCH_CHECK(bits == 8 || bits == 4, "qlinear: bits must be 8 or 4");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(gs > 0 && k % gs == 0 && (bits == 8 || gs % 2 == 0), "qlinear: group size ", gs, " must divide K=", k);
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == PW && codes.size(1) == (bits == 4 ? k / 2 : k) &&
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == SP && codes.size(1) == (bits == 4 ? k / 2 : k) &&
                   codes.element_size() == 1 && codes.is_contiguous(),
               "qlinear: packed codes expected");
   const int64_t np = codes.size(0);
-  TORCH_CHECK(np * PW >= n && np * PW - n < PW, "qlinear: bad output size");
+  TORCH_CHECK(np * SP >= n && np * SP - n < SP, "qlinear: bad output size");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == np && scales.size(1) == k / gs && scales.size(2) == PW,
+                  scales.size(0) == np && scales.size(1) == k / gs && scales.size(2) == SP,
               "qlinear: packed scales expected");
   const bool has_min = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
