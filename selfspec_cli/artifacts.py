@@ -308,6 +308,13 @@ class SkipSet:
             sets.append(frozenset(ids))
         return cls(sets[0], sets[1], manifest)
 
+    @property
+    def draft_precision(self) -> str | None:
+        """The draft weights the set was calibrated with (``draft_precision`` in the file: target,
+        int8, int8-g32 or gguf; None in files from before quantized drafts: the target's)."""
+        value = self.manifest.get("draft_precision")
+        return str(value) if value else None
+
     def to_manifest(self, model: torch.nn.Module, *, objective: Mapping[str, Any], trials: int,
                     search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
         """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""

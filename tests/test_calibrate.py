@@ -44,7 +44,11 @@ MANIFEST_KEYS = {"kind", "format_version", "model_fingerprint", "model_name_or_p
 
 
 def calib_args(model: Path, *extra: str) -> list[str]:
-    return ["calibrate", "--method", "self-sd", "--model", str(model), "--device", "cpu", "--max-new-tokens", "8", *extra]
+    """A Self-SD calibration over the target's own weights only (the paper's search space), unless
+    ``extra`` names another --draft-precision (test_joint_precision_search)."""
+    precision = [] if "--draft-precision" in extra else ["--draft-precision", "target"]
+    return ["calibrate", "--method", "self-sd", "--model", str(model), "--device", "cpu", "--max-new-tokens", "8",
+            *precision, *extra]
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
@@ -473,3 +477,41 @@ def test_calibrate_package_imports_no_cli_libraries():
             "assert not bad, bad")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, cwd=Path(__file__).parent.parent)
+
+
+def test_joint_precision_search(tmp_path, tiny_model_dir, prompt_file):
+    """--draft-precision auto searches the skip set and the draft weights together: the study has a
+    ``precision`` parameter, the quantized full-depth draft is a starting point, the quantized
+    draft's full-depth cost is measured once and kept in the study (a resumed run reuses it), and
+    the artifact names the precision, which self-sd then drafts with."""
+    import optuna
+
+    from selfspec_cli.artifacts import SkipSet
+    from selfspec_cli.engine import Engine
+    from selfspec_cli.loading import load_model
+    from selfspec_cli.methods import build
+
+    out = tmp_path / "joint.json"
+    db = tmp_path / "joint.db"
+    run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "6", "--output", str(out),
+                      "--study-path", str(db), "--draft-precision", "auto"))
+    man = json.loads(out.read_text())
+    assert man["search"]["precisions"] == ["target", "int8"]  # a tiny in-memory model has no GGUF blocks
+    assert man["draft_precision"] in ("target", "int8")
+    names = [p["name"] for p in man["search"]["seed_points"]]
+    assert "full-depth-int8" in names and "uniform-0.3-target" in names and "uniform-0.3-int8" in names
+    study = optuna.load_study(study_name="self-sd", storage=f"sqlite:///{db}")
+    trials = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(trials) == 6 and all(t.params["precision"] in ("target", "int8") for t in trials)
+    assert {t.params["precision"] for t in trials} == {"target", "int8"}  # the seeds cover both
+    full_c = study.user_attrs["full_depth_c"]
+    assert full_c["target"] == 1.0 and 0 < full_c["int8"]
+    # resuming with more trials keeps the measured cost (the proxy of old and new trials compare)
+    run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "7", "--output", str(out),
+                      "--study-path", str(db), "--draft-precision", "auto", "--force"))
+    assert optuna.load_study(study_name="self-sd", storage=f"sqlite:///{db}").user_attrs["full_depth_c"] == full_c
+    model, _ = load_model(str(tiny_model_dir), dtype="float32", device="cpu", log=None)
+    skip = SkipSet.load(out, model)
+    assert skip.draft_precision == json.loads(out.read_text())["draft_precision"]
+    method = build("self-sd", Engine(model), None, layers=out)
+    assert method.describe()["draft_precision"] == (skip.draft_precision or "target")

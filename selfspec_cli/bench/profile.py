@@ -18,6 +18,12 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
 * ``lm_head_share``: final norm + LM head on one row, divided by ``T(1)``;
 * ``kernel_max_logit_diff``: the largest difference between the engine's fp32 logits
   with the CPU kernel (engine/kernels.py) and with plain ``F.linear``;
+* **quantized drafts** (engine/quant.py), per precision (int8, int8-g32, and the GGUF's
+  own blocks for a model converted from a GGUF): ``c``, a full-depth one-row forward on
+  the draft copy over ``T(1)`` (timed in the same interleaved rounds; also with the FR-Spec
+  draft vocabulary), its one-token top-1 agreement with the target along the target's
+  greedy continuations (the context's KV from the target, as in the redundancy map), the
+  draft copy's bytes and its load time (a disk-cache hit is the second-load time);
 * a **redundancy map**: top-1 agreement with the full model of a one-token draft that
   skips a single sublayer (each of the 2L in turn), and of the calibrated skip set,
   with the full model's KV for the context, along greedy continuations of a few prompts.
@@ -39,6 +45,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine import Engine, KVCache
+from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
 from ..methods import build, fr_spec
 from ..methods.self_sd import uniform_layers
@@ -213,7 +220,73 @@ def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
     return _save(fig, path)
 
 
-PREDICT_METHODS = ("pld", "auto", "self-sd", "asd", "swift", "adadecode")
+PREDICT_METHODS = ("pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecode")
+
+
+@torch.inference_mode()
+def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[Sequence[int]], tokens: int,
+                     rounds: int = 7, precisions: Sequence[str] = PRECISIONS,
+                     draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
+    """Per draft precision: c (full depth, and with the draft vocabulary), one-token agreement
+    with the target along its greedy continuations of ``prompts``, bytes and load time."""
+    out: dict[str, Any] = {}
+    avail: list[str] = []
+    for p in precisions:
+        try:
+            d = engine.draft(p)
+        except GGUFDraftError as exc:
+            out[p] = {"unavailable": str(exc).split(";")[0]}
+            continue
+        avail.append(p)
+        out[p] = {"draft_bytes": d.info["bytes"], "load_s": d.info["load_s"], "cache": d.info["cache"],
+                  "formats": d.info["formats"], "isa": d.info.get("isa")}
+        if d.info.get("int8_fallback"):
+            out[p]["int8_fallback"] = d.info["int8_fallback"]
+    if not avail:
+        return out
+    ctx = len(ctx_ids)
+    cache = _prefill(engine, ctx_ids, 2)
+    tok = torch.tensor(list(ctx_ids[-1:]), device=engine.device)
+    subs = {p: engine.subset_head(draft_vocab, p) for p in avail} if draft_vocab is not None else {}
+    jobs: dict[str, Callable[[], Any]] = {"t1": partial(engine.forward, cache, tok, positions=ctx)}
+    for p in avail:
+        jobs[p] = partial(engine.forward, cache, tok, positions=ctx, weights=p)
+        if p in subs:
+            jobs[p + "/vocab"] = partial(engine.forward, cache, tok, positions=ctx, weights=p, head=subs[p])
+    times: dict[str, list[float]] = {k: [] for k in jobs}
+    for fn in jobs.values():  # warm-up
+        fn()
+        cache.crop(ctx)
+    for _ in range(rounds):
+        for key, fn in jobs.items():
+            times[key].append(timed(fn, engine.device)[1])
+            cache.crop(ctx)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    hits = {p: 0 for p in avail}
+    total = 0
+    for ids in prompts:
+        c = _prefill(engine, ids[:-1], tokens + 1)
+        t = torch.tensor(list(ids[-1:]), device=engine.device)
+        for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
+            drafts = {}
+            for p in avail:
+                drafts[p] = int(engine.forward(c, t, positions=pos, weights=p).logits[0].argmax())
+                c.crop(pos)
+            full = int(engine.forward(c, t, positions=pos).logits[0].argmax())
+            hits = {p: h + (drafts[p] == full) for p, h in hits.items()}
+            total += 1
+            t = torch.tensor([full], device=engine.device)
+    for p in avail:
+        out[p]["c"] = round(med[p] / med["t1"], 3)
+        if p + "/vocab" in med:
+            out[p]["c_draft_vocab"] = round(med[p + "/vocab"] / med["t1"], 3)
+        out[p]["agreement"] = round(hits[p] / total, 4) if total else None
+        out[p]["draft_step_ms"] = round(med[p] * 1e3, 3)
+    out["_"] = {"t1_ms": round(med["t1"] * 1e3, 3), "agreement_positions": total, "rounds": rounds}
+    return out
+
+
+
 
 
 def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], methods: Sequence[str],

@@ -5,7 +5,10 @@ L MLP) the draft skips, maximizing measured decoding throughput on a few
 calibration prompts. Here:
 
 * search space: one categorical 0/1 parameter per sublayer, ``attn_<l>`` and
-  ``mlp_<l>`` (free cardinality, first and last layers included, as in Self-SD);
+  ``mlp_<l>`` (free cardinality, first and last layers included, as in Self-SD), and,
+  when more than one draft precision is searched, a categorical ``precision`` (the
+  target's own weights, or a quantized copy: engine/quant.py): skip set and precision are
+  searched together, the skip set on top of the quantized weights;
 * objective: tokens actually produced / wall seconds of real self-speculative
   decoding (:class:`selfspec_cli.methods.self_sd.SelfSD`, greedy, ``max_new_tokens``
   per prompt); only the decode calls are timed, with a CUDA synchronize on each
@@ -15,7 +18,8 @@ calibration prompts. Here:
 * sampler: Optuna's multivariate TPE by default (``gp`` and ``random`` on request);
   see ``docs/calibrate.md`` for the measurements behind that choice;
 * starting points: uniform SWIFT-style sets (interior layers at even spacing, both
-  sublayers) at skip ratios 0.3 and 0.45 are enqueued first;
+  sublayers) at skip ratios 0.3 and 0.45 at every searched precision, and the empty set
+  (full depth) at every quantized one, are enqueued first;
 * storage: an Optuna study in an SQLite file. Optuna commits each trial when it
   finishes, so a Ctrl-C loses at most the running trial, and a re-run with the same
   study resumes: ``n_trials`` counts COMPLETE trials, only the rest are run;
@@ -42,7 +46,7 @@ import torch
 from ..config import GenerationConfig
 from ..decoding.loop import DecodeResult
 from ..artifacts import SkipSet
-from ..decoding.cost import VerifyCurve
+from ..decoding.cost import VerifyCurve, measure_draft_step
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
 from ..errors import ConfigError, first_line
@@ -115,9 +119,12 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
                        tuple(k for s in st for k in s.draft_lengths))
 
 
-def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> float:
-    """c(S) without a timer: the weight bytes a draft step reads over those of a full step
-    (batch-1 decoding is memory-bound: docs/engine.md)."""
+def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+                          full_depth_c: float = 1.0) -> float:
+    """c(S) without a per-trial timer: the weight bytes a draft step reads over those of a full
+    step (batch-1 decoding is memory-bound: docs/engine.md), times ``full_depth_c``, the cost of
+    a full-depth step with the draft's weights (1 for the target's own; for a quantized copy
+    measured once per study, :func:`full_depth_costs`)."""
     a = engine.adapter
 
     def size(*ts: torch.Tensor | None) -> int:
@@ -127,7 +134,13 @@ def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: f
     attn = [size(w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm) for w in a.layers]
     mlp = [size(w.mlp_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down) for w in a.layers]
     kept = head + sum(b for l, b in enumerate(attn) if l not in skip_attn) + sum(b for l, b in enumerate(mlp) if l not in skip_mlp)
-    return kept / (head + sum(attn) + sum(mlp))
+    return full_depth_c * kept / (head + sum(attn) + sum(mlp))
+
+
+def full_depth_costs(engine: Engine, precisions: Sequence[str]) -> dict[str, float]:
+    """c of a full-depth draft step per precision, over T(1) (``target``: 1 by definition)."""
+    t1 = VerifyCurve.for_engine(engine).t1_s
+    return {p: 1.0 if p == "target" else round(measure_draft_step(engine, p) / t1, 4) for p in precisions}
 
 
 def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) -> float:
@@ -142,13 +155,18 @@ def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) ->
 
 def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
                     skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftConfig = DEFAULT_DRAFT,
-                    repeats: int = 1) -> Measurement:
-    """Throughput of Self-SD with this skip set. A fresh method per pass, so the
-    adaptive draft threshold starts from the same value for every candidate."""
-    m = measure(lambda: SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft).generate,
-                prompt_ids, cfg, torch.device(engine.device), repeats)
-    proxy = proxy_speedup(m, draft_cost_from_bytes(engine, skip_attn, skip_mlp), VerifyCurve.for_engine(engine), len(prompt_ids))
-    return dataclasses.replace(m, proxy=proxy)
+                    repeats: int = 1, precision: str = "target", full_depth_c: float = 1.0) -> Measurement:
+    """Throughput of Self-SD with this skip set over the draft weights ``precision``. A fresh
+    method per pass, so the adaptive draft threshold starts from the same value for every
+    candidate."""
+    def make() -> Any:
+        method = SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft)
+        method.use_precision(None if precision == "target" else precision)
+        return method.generate
+
+    m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
+    c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c)
+    return dataclasses.replace(m, proxy=proxy_speedup(m, c, VerifyCurve.for_engine(engine), len(prompt_ids)))
 
 
 def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
@@ -159,10 +177,15 @@ def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], 
 # ---------------------------------------------------------------- search space
 
 
-def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> dict[str, int]:
-    """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped."""
-    return {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
-            for l in range(num_layers)}
+def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+               precision: str | None = None) -> dict[str, Any]:
+    """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped;
+    then ``precision`` when the search has that dimension (``precision`` not None)."""
+    out: dict[str, Any] = {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
+                           for l in range(num_layers)}
+    if precision is not None:
+        out["precision"] = precision
+    return out
 
 
 def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], ...]:
@@ -174,15 +197,22 @@ class SeedPoint:
     name: str
     skip_attn: frozenset[int]
     skip_mlp: frozenset[int]
+    precision: str = "target"
 
 
-def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS) -> list[SeedPoint]:
-    """Distinct uniform starting sets, one per ratio (small models may merge them)."""
+def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
+                precisions: Sequence[str] = ("target",)) -> list[SeedPoint]:
+    """Distinct uniform starting sets, one per ratio (small models may merge them), at every
+    precision; and full depth (no skips) at every quantized precision."""
     out: list[SeedPoint] = []
-    for r in ratios:
-        layers = uniform_layers(num_layers, r)
-        if layers and all(p.skip_attn != layers for p in out):
-            out.append(SeedPoint(f"uniform-{r:g}", layers, layers))
+    tag = len(precisions) > 1
+    for p in precisions:
+        for r in ratios:
+            layers = uniform_layers(num_layers, r)
+            if layers and all((q.skip_attn, q.precision) != (layers, p) for q in out):
+                out.append(SeedPoint(f"uniform-{r:g}" + (f"-{p}" if tag else ""), layers, layers, p))
+        if p != "target":
+            out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
     return out
 
 
@@ -207,6 +237,7 @@ class SearchConfig:
     repeats: int = 1  # passes per measurement; per prompt the fastest counts
     objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
     draft: DraftConfig = DEFAULT_DRAFT
+    precisions: tuple[str, ...] = ("target",)  # draft weights searched with the skip set (engine/quant.py)
 
     def __post_init__(self) -> None:
         for flag, value in (("trials", self.n_trials), ("repeats", self.repeats)):
@@ -236,6 +267,7 @@ class SelfSDCalibration:
     num_layers: int
     skip_attn: frozenset[int]
     skip_mlp: frozenset[int]
+    precision: str
     best_trial: int
     best_value: float  # tokens/s measured in the search
     best_attrs: dict[str, Any]
@@ -346,7 +378,7 @@ def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
     return study, storage
 
 
-def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int) -> None:
+def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int, searched: bool) -> None:
     """Enqueue each starting point unless a finished or waiting trial already has it
     (a RUNNING one is stale: left by a process that was killed)."""
     from optuna.trial import TrialState
@@ -354,7 +386,7 @@ def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int) -> 
     have = [t.system_attrs.get("fixed_params", t.params)
             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING))]
     for p in points:
-        params = params_for(num_layers, p.skip_attn, p.skip_mlp)
+        params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
         if params not in have:
             study.enqueue_trial(params, user_attrs={"seed_point": p.name})
 
@@ -377,20 +409,33 @@ def calibrate_self_sd(
     if not cfg.sampling.greedy:
         raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
     L = engine.num_layers
-    points = seed_points(L)
+    precisions = search.precisions
+    searched = len(precisions) > 1  # precision is a search dimension
+    points = seed_points(L, precisions=precisions)
     # what must not change between runs that share a study (values would not compare)
     setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
              "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
              "repeats": search.repeats, "objective": search.objective,
              "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
+    if precisions != ("target",):
+        setup["precisions"] = list(precisions)
+    full_c: dict[str, float] = {}
 
-    def run(attn: frozenset[int], mlp: frozenset[int]) -> Measurement:
-        return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats)
+    def run(attn: frozenset[int], mlp: frozenset[int], precision: str) -> Measurement:
+        return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats,
+                               precision, full_c.get(precision, 1.0))
 
     guard = _DeferredInterrupt()
     with _optuna_quiet(), guard.installed():
         study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
         try:
+            # a quantized draft's full-depth cost: measured once per study and kept in it, so that a resumed
+            # study scores its trials with the same c (the proxy stays free of per-trial timing)
+            saved_c = study.user_attrs.get("full_depth_c") or {}
+            full_c.update({p: float(v) for p, v in saved_c.items()})
+            if missing := [p for p in precisions if p not in full_c]:
+                full_c.update(full_depth_costs(engine, missing))
+                study.set_user_attr("full_depth_c", full_c)
             def complete() -> list[Any]:
                 return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
@@ -398,7 +443,7 @@ def calibrate_self_sd(
             remaining = max(0, search.n_trials - done)
             if done:
                 log(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
-            _enqueue_seeds(study, points, L)
+            _enqueue_seeds(study, points, L, searched)
 
             def best() -> tuple[float | None, int | None]:
                 b = study.best_trial if complete() else None  # best_trial raises without a complete trial
@@ -409,14 +454,17 @@ def calibrate_self_sd(
             # warm-up, untimed: first-call allocations must not favour later trials
             warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
             with guard.interruptible():
-                measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft)
+                for p in precisions:
+                    measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft,
+                                    precision=p)
 
             def objective(trial: Any) -> float:
                 names = params_for(L, frozenset(), frozenset())
                 params = {name: trial.suggest_categorical(name, (0, 1)) for name in names}
                 attn, mlp = skip_sets_from_params(params, L)
+                precision = trial.suggest_categorical("precision", precisions) if searched else precisions[0]
                 with guard.interruptible():
-                    m = run(attn, mlp)
+                    m = run(attn, mlp, precision)
                 for k, v in {**m.as_dict(), "skip_ratio": round((len(attn) + len(mlp)) / (2 * L), 4)}.items():
                     trial.set_user_attr(k, v)
                 return m.proxy if search.objective == "proxy" else m.tokens_per_s
@@ -434,35 +482,38 @@ def calibrate_self_sd(
             finished = complete()
             best_t = study.best_trial
             durations = [t.duration.total_seconds() for t in finished if t.duration is not None]
-            seeds_in_study = _seed_values(finished, points, L)
+            seeds_in_study = _seed_values(finished, points, L, searched)
         finally:
             _dispose(storage)
 
     attn, mlp = skip_sets_from_params(best_t.params, L)
-    log("re-measuring the best set, the uniform sets and plain decoding back to back")
+    best_p = best_t.params.get("precision", precisions[0])
+    log("re-measuring the best set, the starting points and plain decoding back to back")
     confirm = {"ar": measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()}
-    confirm["best"] = run(attn, mlp).as_dict()
+    confirm["best"] = run(attn, mlp, best_p).as_dict()
     for p in points:  # a starting point that is the best set is not measured twice
-        same = (p.skip_attn, p.skip_mlp) == (attn, mlp)
-        confirm[p.name] = confirm["best"] if same else run(p.skip_attn, p.skip_mlp).as_dict()
+        same = (p.skip_attn, p.skip_mlp, p.precision) == (attn, mlp, best_p)
+        confirm[p.name] = confirm["best"] if same else run(p.skip_attn, p.skip_mlp, p.precision).as_dict()
     # the better uniform set, by the back-to-back re-measurement
-    base = max(seeds_in_study, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
+    uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
+    base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
     return SelfSDCalibration(
-        num_layers=L, skip_attn=attn, skip_mlp=mlp, best_trial=best_t.number, best_value=float(best_t.value),
+        num_layers=L, skip_attn=attn, skip_mlp=mlp, precision=best_p, best_trial=best_t.number, best_value=float(best_t.value),
         best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
         study_path=search.study_path, baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
         seed_points=seeds_in_study, search_time_s=round(sum(durations), 3) if durations else None,
     )
 
 
-def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int) -> list[dict[str, Any]]:
+def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int,
+                 searched: bool = False) -> list[dict[str, Any]]:
     """The study's best value of each starting point (None if it never completed)."""
     out = []
     for p in points:
-        params = params_for(num_layers, p.skip_attn, p.skip_mlp)
+        params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
         best = max((t.value for t in complete if t.params == params), default=None)
         out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
-                    "value": None if best is None else round(best, 3)})
+                    "precision": p.precision, "value": None if best is None else round(best, 3)})
     return out
 
 
@@ -500,11 +551,14 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
             objective["speedup_vs_baseline"] = round(best_c / base_c["tokens_per_s"], 4)
     return SkipSet(frozenset(result.skip_attn), frozenset(result.skip_mlp)).to_manifest(
         model, objective=objective, trials=result.trials, search_time_s=result.search_time_s,
+        draft_precision=result.precision,
         search={
             "sampler": search.sampler, "sampler_options": {"multivariate": True} if search.sampler == "tpe" else {},
             "seed": search.seed, "repeats": search.repeats,
             "n_trials": search.n_trials, "new_trials": result.new_trials,
-            "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>",
+            "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>"
+                     + (f", precision in {list(search.precisions)}" if len(search.precisions) > 1 else ""),
+            "precisions": list(search.precisions),
             "seed_points": result.seed_points, "study_path": str(result.study_path), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},

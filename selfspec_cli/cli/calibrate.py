@@ -20,6 +20,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import fr_spec
+from ..methods.base import DRAFT_PRECISIONS, resolve_precision
 from ..methods import head_store as store
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
@@ -50,17 +51,20 @@ def calibrate(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/self-sd/<model name>-<fingerprint>.json (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    draft_precision: str = typer.Option("auto", "--draft-precision", help="Self-SD: draft weights searched together with the skip set: auto (the target's own and the quantized copy generate would use: the GGUF's own blocks for a GGUF model, else int8), target (the target's only), int8, int8-g32 or gguf (that one only)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
-    """Self-SD: search skipped sublayers by Bayesian optimization of measured throughput. SpecEE: exit-frequency
+    """Self-SD: search skipped sublayers and the draft's precision by Bayesian optimization (of the predicted
+    speedup, or of measured throughput with --objective throughput). SpecEE: exit-frequency
     statistics per layer and the predictor subset they select. FR-Spec: the model's own output tokens ranked by
     frequency, and the draft-vocabulary size chosen by measured coverage and head cost. Saves an artifact."""
     if method is None:  # checked here, not by click: a missing option must also be a one-line error
         raise ConfigError(f"calibrate needs --method; choose one of: {', '.join(CALIBRATE_METHODS)}")
     check_choice(method, CALIBRATE_METHODS, "--method", " for calibrate")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
+    check_choice(draft_precision, DRAFT_PRECISIONS, "--draft-precision")
     apply_threads(threads)
     num_prompts = num_prompts if num_prompts is not None else (64 if method == "fr-spec" else 8)
     max_new_tokens = max_new_tokens if max_new_tokens is not None else (128 if method == "fr-spec" else 32)
@@ -96,13 +100,18 @@ def calibrate(
         check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, cfg, ctx, chat_template)
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
     check_writable(db_path, "--study-path")
-    search = dataclasses.replace(search, study_path=db_path)
+    if draft_precision in ("auto", "target"):
+        quantized = resolve_precision(engine, "auto") if draft_precision == "auto" else None
+        precisions = ("target",) if quantized is None else ("target", quantized)
+    else:
+        precisions = (resolve_precision(engine, draft_precision),)
+    search = dataclasses.replace(search, study_path=db_path, precisions=precisions)
     fingerprint = model_fingerprint(mdl)
     unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
     log(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
         f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens"
         f"{f' x {repeats} passes' if repeats > 1 else ''}; "
-        f"sampler {sampler}, seed {seed}; study {db_path}[/dim]")
+        f"sampler {sampler}, seed {seed}; draft weights {', '.join(precisions)}; study {db_path}[/dim]")
 
     state: dict[str, int] = {"done": 0}
     with contextlib.ExitStack() as stack:

@@ -21,7 +21,7 @@ from ..engine import Engine
 from ..errors import ArtifactError, ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS
-from ..methods import METHODS
+from ..methods import METHODS, fr_spec
 from ..runtime import encode_turn, eos_token_ids
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress, table
 
@@ -97,6 +97,11 @@ def profile(
             rtask = bar.add_task("redundancy map", total=len(sample) * redundancy_tokens, info="")
             red = prof.redundancy_map(engine, sample, redundancy_tokens, calibrated,
                                       on_token=lambda i, n: bar.update(rtask, completed=i))
+        qtask = bar.add_task("quantized drafts", total=None, info="")
+        vocab = fr_spec.resolve("auto", mdl)
+        quantized = prof.quantized_drafts(engine, ctx_ids, sample, redundancy_tokens, rounds=rounds,
+                                          draft_vocab=None if vocab is None else vocab.ids)
+        bar.update(qtask, total=1, completed=1)
         predicted = None
         if predict_methods:
             ptask = bar.add_task("predicted speedups", total=len(predict_methods), info="")
@@ -108,7 +113,7 @@ def profile(
     result: dict[str, Any] = {
         "kind": "selfspec-profile", "model": model_name(mdl), "model_fingerprint": model_fingerprint(mdl),
         "num_layers": engine.num_layers, **costs, "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
-        "kernel_max_logit_diff": diff, "redundancy": red, "predicted_speedup": predicted,
+        "kernel_max_logit_diff": diff, "redundancy": red, "quantized_drafts": quantized, "predicted_speedup": predicted,
         "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
         "profile_s": round(time.perf_counter() - t_start, 1)}
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +147,12 @@ def _table(r: dict[str, Any]) -> Table:
         if c := red.get("calibrated"):
             t.add_row("calibrated set: agreement",
                       f"{c['agreement']:.2f} ({len(c['skip_attn'])} attn + {len(c['skip_mlp'])} mlp skipped)")
+    for name, q in (r.get("quantized_drafts") or {}).items():
+        if name == "_":
+            continue
+        t.add_row(f"draft {name}", q["unavailable"] if "unavailable" in q else
+                  f"c {q['c']:.2f} (draft vocabulary {q.get('c_draft_vocab', q['c']):.2f}), agreement "
+                  f"{q['agreement']:.3f}, {q['draft_bytes'] / 1e6:.0f} MB, loaded in {q['load_s']:.2f} s ({q['cache']})")
     for name, p in (r.get("predicted_speedup") or {}).items():
         t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)")
                   if p.get("predicted_speedup") is None

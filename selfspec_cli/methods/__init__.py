@@ -52,7 +52,10 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     config = config if config is not None else config_for(name, values)
     method = method_class(name).build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
-        method.use_precision(resolve_precision(engine, config.draft_precision))  # before the draft vocabulary's head
+        precision = config.draft_precision
+        if precision == "auto" and getattr(method, "artifact_precision", None):  # what the skip set was calibrated with
+            precision = method.artifact_precision
+        method.use_precision(resolve_precision(engine, precision))  # before the draft vocabulary's head
         fr_spec.attach(method, engine.model, config.draft_vocab, config.draft_vocab_size)
         if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults
             pld = PLDConfig()

@@ -84,7 +84,8 @@ class Auto(Method):
             except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
                 layer_skip = ASD(engine, tokenizer)
             layer_skip.full_depth_variant = False  # the quantized full-depth chain is a source of its own here
-            layer_skip.use_precision(precision)
+            calibrated = getattr(layer_skip, "artifact_precision", None) if config.draft_precision == "auto" else None
+            layer_skip.use_precision(resolve_precision(engine, calibrated) if calibrated else precision)
             fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
             if precision is not None:
                 quant = SpecQD(engine, tokenizer)

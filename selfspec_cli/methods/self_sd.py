@@ -65,6 +65,7 @@ class SelfSD(LayerSkipProposer, Method):
         LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
         self.config = config
         self._skip = check_skip_sets(engine.num_layers, skip.attn, skip.mlp)
+        self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
         if m := skip.manifest:
             self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
                                        "trials": m.get("trials"), "created": m.get("created")})

@@ -8,7 +8,10 @@ The skipped-layer set is optimized *during* decoding, with no offline phase:
   except every ``beta``-th step a Gaussian-process (Matern 2.5) UCB suggestion. A
   candidate skips exactly ``k = int(2 (L - 2) r)`` sublayers among layers 1..L-2.
   Its *matchness* is one teacher-forced forward of the skipped model over the window,
-  reusing the prompt's full-model K/V: the share of window tokens it predicts (argmax).
+  reusing the prompt's full-model K/V: the share of window tokens it predicts (argmax),
+  over the draft's own weights (the quantized copy when the draft is quantized, so skip
+  set and precision are searched together; with cost-aware drafting each round also
+  weighs the quantized model at full depth against the skip set: decoding/layer_skip.py).
   The best candidate so far drafts. Optimization stops when matchness exceeds
   ``max_score``, after ``max_tolerance`` steps without improvement, or after
   ``max_steps``;
@@ -123,7 +126,9 @@ class Swift(LayerSkipProposer, Method):
         ``gamma + 1`` generated tokens), in scratch slots."""
         attn, mlp = self._as_sets(idx)
         n = self.config.context_window + 1
-        logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1)).logits
+        # over the weights the draft runs on: the skip set is searched on top of a quantized copy when there is one
+        logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1),
+                              weights=self.precision).logits
         return float((logits.argmax(-1) == state.ids(state.output[1:n])).float().mean())
 
     def _random_candidate(self) -> tuple[int, ...]:
