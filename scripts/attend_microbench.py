@@ -9,7 +9,7 @@ for n in (300,):
   for t in (1,8):
     qkv=torch.randn(t,(hq+2*hkv)*d)
     k=torch.randn(hkv,S,d); v=torch.randn(hkv,S,d)
-    def a(): return m.attend(qkv,hq,k,v,n,None,n-t)
+    def a(): return m.attend(qkv,hq,k,v,n,None,n-t,0,0)
     q=qkv[:, :hq*d].view(t,hq,d).transpose(0,1).unsqueeze(0)
     mask=torch.zeros(t,n); mask[:, n-t:]=torch.full((t,t),torch.finfo(torch.float32).min).triu(1)
     def b(): return F.scaled_dot_product_attention(q,k[None,:,:n],v[None,:,:n],attn_mask=mask[None,None] if t>1 else None,enable_gqa=True)[0].transpose(0,1).reshape(t,hq*d)

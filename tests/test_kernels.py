@@ -140,7 +140,7 @@ def test_small_ops_match_torch(d, t):
     for allowed, mask in ((causal, None), (holes, holes)):
         add = torch.zeros(t, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)
         ref = F.scaled_dot_product_attention(q, k[None, :, :n], v[None, :, :n], attn_mask=add[None, None], enable_gqa=True)
-        got = m.attend(qkv, hq, k, v, n, None if mask is None else add, past)
+        got = m.attend(qkv, hq, k, v, n, None if mask is None else add, past, 0, 0)
         assert float((got - ref[0].transpose(0, 1).reshape(t, hq * d)).abs().max()) < 1e-5
     cos, sin = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)
     x = qkv.clone()
@@ -152,3 +152,24 @@ def test_small_ops_match_torch(d, t):
     gu = torch.randn(t, 2 * 40, generator=g) * 6
     gate, up = gu.chunk(2, dim=-1)
     assert float((m.silu_mul(gu) - F.silu(gate) * up).abs().max()) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 64])
+def test_attend_window_is_attention_over_sinks_and_recent_keys(d):
+    """A draft's (sinks, window) view: bit-identical to attending over the gathered keys (the
+    first ``sinks`` and the newest ``window``), and the plain call when the context is short."""
+    m = kernels.load_extension()
+    g = torch.Generator().manual_seed(d)
+    hq, hkv, sinks, window = 6, 2, 4, 16
+    for n in (10, 20, 21, 57, 300):
+        qkv = torch.randn(1, (hq + 2 * hkv) * d, generator=g)
+        k, v = torch.randn(hkv, n + 2, d, generator=g), torch.randn(hkv, n + 2, d, generator=g)
+        got = m.attend(qkv, hq, k, v, n, None, n - 1, sinks, window)
+        if n <= sinks + window:
+            assert torch.equal(got, m.attend(qkv, hq, k, v, n, None, n - 1, 0, 0))
+            continue
+        keep = list(range(sinks)) + list(range(n - window, n))
+        kk, vv = k[:, keep].contiguous(), v[:, keep].contiguous()
+        assert torch.equal(got, m.attend(qkv, hq, kk, vv, len(keep), None, len(keep) - 1, 0, 0)), n
+        assert not torch.equal(got, m.attend(qkv, hq, k, v, n, None, n - 1, 0, 0))

@@ -60,6 +60,7 @@ class DraftConfig:
     tree_topk: tuple[tuple[float, int], ...] = PAPER_TREE_TOPK
     tree_max_nodes: int | None = None
     cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/cost.py)
+    kv_window: tuple[int, int] | None = None  # (sinks, window): drafts attend to those keys only (engine/runner.py)
 
     def topk_for(self, confidence: float) -> int:
         return next((k for upper, k in self.tree_topk if confidence <= upper), self.tree_topk[-1][1])
@@ -304,7 +305,7 @@ class LayerSkipProposer(Proposer):
             inp[0] = d
             # logits over the whole vocabulary, or over the draft vocabulary (column i: token vocab[i])
             logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head,
-                               weights=self.precision).logits[0]
+                               weights=self.precision, kv_window=dc.kv_window).logits[0]
             probs = logits.softmax(-1) if state.sampling.greedy else processed_probs(logits, state.sampling)
             if use_tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep

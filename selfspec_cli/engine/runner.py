@@ -20,6 +20,9 @@ range of layers ``[start, end)``:
   windows are cut by stored positions (so layers with holes stay right);
 * ``positions`` are the rotary positions of the new rows: an int ``p`` means the
   chain ``p, p+1, ...``; a tensor gives explicit ids (trees);
+* ``kv_window`` = (sinks, window): a draft's cheap view of a long context, as in
+  StreamingLLM and MagicDec: each row attends to the first ``sinks`` keys it may see and
+  the newest ``window`` (kernel attention only; None, the target's exact attention);
 * ``weights`` picks the matrices: None, the target's own; a precision name
   (``int8``, ``int8-g32``, ``gguf``), the quantized draft copy :meth:`Engine.draft`
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
@@ -196,7 +199,8 @@ class Engine:
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
                 skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
                 output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,
-                attn_cosine: bool = False, head: Any = None, weights: str | None = None) -> ForwardOutput:
+                attn_cosine: bool = False, head: Any = None, weights: str | None = None,
+                kv_window: tuple[int, int] | None = None) -> ForwardOutput:
         a = self.adapter
         end = self.num_layers if end is None else end
         assert 0 <= start <= end <= self.num_layers, (start, end)
@@ -260,7 +264,8 @@ class Engine:
                         masks[key] = self._mask(cache.positions[l][:past], qp, max(q_list), t, tree_mask, w.sliding_window)
                     mask = masks[key]  # None: one row sees everything cached
                 if few_rows:  # mask None = causal after the `past` cached slots
-                    o = ops.attend(q_rows, hq, cache.k[l], cache.v[l], past + t, None if mask is None else mask[0, 0], past)
+                    o = ops.attend(q_rows, hq, cache.k[l], cache.v[l], past + t, None if mask is None else mask[0, 0], past,
+                                   *(kv_window or (0, 0)))
                 else:
                     q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
                     keys, values = kv

@@ -17,6 +17,9 @@ from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import ConfigError, FieldError
 
 DRAFT_PRECISIONS = ("auto", "target", *PRECISIONS)
+# StreamingLLM's four attention sinks and a recent window of MagicDec's smallest draft budget (256 keys): fixed
+# from those papers, not tuned here; the planner measures what the window costs in acceptance
+DRAFT_SINKS, DRAFT_WINDOW = 4, 256
 
 
 def resolve_precision(engine: Engine, precision: str) -> str | None:
@@ -120,6 +123,10 @@ class DraftOptions:
                                       "--method fr-spec)")
     draft_vocab_size: int | None = option(None, "draft over this many most frequent tokens (default: the size the "
                                                 "calibration chose)")
+    draft_window: int = option(DRAFT_WINDOW, f"on long contexts drafts attend to the first {DRAFT_SINKS} tokens (attention "
+                                             "sinks) and the newest this many only, as StreamingLLM and MagicDec "
+                                             "drafts do (0: the whole context; --paper-drafting turns it off); "
+                                             "verification always attends to everything")
     draft_precision: str = option("auto", "the draft's weights: auto (the GGUF's own blocks when the model was "
                                           "converted from a GGUF, else int8), int8 (per channel), int8-g32, gguf, or "
                                           "target (the model's own float weights); verification always uses the target's")
@@ -127,8 +134,11 @@ class DraftOptions:
     def __post_init__(self) -> None:
         require(self.max_draft >= 1, "max_draft", ">= 1", self.max_draft)
         require(0 <= self.draft_threshold <= 1, "draft_threshold", "in [0, 1]", self.draft_threshold)
+        require(self.draft_window >= 0, "draft_window", ">= 0", self.draft_window)
         require(self.draft_precision in DRAFT_PRECISIONS, "draft_precision", f"one of {', '.join(DRAFT_PRECISIONS)}",
                 self.draft_precision)
 
     def draft(self, **kw: Any) -> DraftConfig:
-        return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting, **kw)
+        window = None if self.paper_drafting or not self.draft_window else (DRAFT_SINKS, self.draft_window)
+        return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting,
+                           kv_window=window, **kw)

@@ -253,7 +253,9 @@ inline __m256 hsum8(const __m256* a) {
 // One (row, head) of attend() for head size 8 * DV: scores, probabilities, weighted values.
 template <int DV>
 inline void attend_one(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, const float* mrow,
-                       int64_t limit, float scale, float* s, float* o) {
+                       int64_t limit, float scale, float* s, float* o, int64_t n1, int64_t off) {
+  // logical key j is cached slot j for j < n1, else slot j + off (a draft's sinks + recent window);
+  // n1 = limit, off = 0: every key in order, the target's attention
   __m256 qv[DV];
 #pragma GCC unroll 32
   for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
@@ -264,7 +266,9 @@ inline void attend_one(const float* q, const float* kb, int64_t ks1, const float
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
-      const float* kr = kb + std::min<int64_t>(j0 + u, limit - 1) * ks1;
+      int64_t jj = std::min<int64_t>(j0 + u, limit - 1);
+      jj += jj < n1 ? 0 : off;
+      const float* kr = kb + jj * ks1;
       __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
 #pragma GCC unroll 32
       for (int i = 1; i < DV; ++i) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kr + 8 * i), a);
@@ -274,7 +278,8 @@ inline void attend_one(const float* q, const float* kb, int64_t ks1, const float
     _mm256_store_ps(dots, hsum8(acc));
     const int64_t n = std::min<int64_t>(8, limit - j0);
     for (int64_t u = 0; u < n; ++u) {
-      const float add = mrow ? mrow[j0 + u] : 0.0f;
+      const int64_t jm = j0 + u;
+      const float add = mrow ? mrow[jm < n1 ? jm : jm + off] : 0.0f;
       s[j0 + u] = add < skip_below ? -INFINITY : dots[u] * scale + add;
     }
   }
@@ -296,7 +301,7 @@ inline void attend_one(const float* q, const float* kb, int64_t ks1, const float
   for (j = 0; j < limit; ++j) {
     if (s[j] == 0.0f) continue;
     const __m256 pv = _mm256_set1_ps(s[j]);
-    const float* vr = vb + j * vs1;
+    const float* vr = vb + (j < n1 ? j : j + off) * vs1;
 #pragma GCC unroll 32
     for (int i = 0; i < DV; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
   }
@@ -306,6 +311,9 @@ inline void attend_one(const float* q, const float* kb, int64_t ks1, const float
 }
 
 // Attention of T query rows over a layer's cached keys/values, float32, GQA, head size 16, 32, 64 or 128.
+// sinks, window (window 0: off): a row whose allowed keys number more than sinks + window attends only to
+// the first `sinks` of them and the newest `window` (a draft's cheap view of a long context, as in
+// StreamingLLM / MagicDec; the target never uses it).
 // q row t, head h: qkv[t, h*D : (h+1)*D]; keys/values: k[g, j, :] for j < n_keys, g = h / (Hq/Hkv).
 // mask: (T, n_keys) additive (0 or a huge negative: the key is skipped), or None: causal, row t sees
 // keys j <= past + t. Invariant: a row's result depends only on its own query, its allowed keys
@@ -313,7 +321,7 @@ inline void attend_one(const float* q, const float* kb, int64_t ks1, const float
 // over j in order with one scalar normalizer), so a row of a k-row verification equals the same
 // row decoded alone, bit for bit.
 torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tensor v, int64_t n_keys,
-                     c10::optional<torch::Tensor> mask, int64_t past) {
+                     c10::optional<torch::Tensor> mask, int64_t past, int64_t sinks, int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1, "attend: bad q");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
               "attend: k/v must be (Hkv, S, D) float32");
@@ -342,17 +350,23 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
     std::vector<float> s(n_keys + 8);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t t = idx / hq, h = idx % hq, g = h / group;
-      const int64_t limit = mp ? n_keys : std::min<int64_t>(n_keys, past + t + 1);
+      int64_t limit = mp ? n_keys : std::min<int64_t>(n_keys, past + t + 1);
       const float* mrow = mp ? mp + t * n_keys : nullptr;
+      int64_t n1 = limit, off = 0;
+      if (window > 0 && limit > sinks + window) {  // a draft's StreamingLLM-style view: sinks + the newest keys
+        n1 = sinks;
+        off = limit - window - sinks;
+        limit = sinks + window;
+      }
       const float* q = qp + t * ldq + h * d;
       float* o = op + t * hq * d + h * d;
       const float* kg = kp + g * ks0;
       const float* vg = vp + g * vs0;
       switch (d) {
-        case 16: attend_one<2>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
-        case 32: attend_one<4>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
-        case 64: attend_one<8>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
-        default: attend_one<16>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o); break;
+        case 16: attend_one<2>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
+        case 32: attend_one<4>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
+        case 64: attend_one<8>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
+        default: attend_one<16>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
       }
     }
   });
