@@ -120,7 +120,14 @@ def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -
 
 
 def attach(proposer: Any, model: torch.nn.Module, spec: str | None = "auto", size: int | None = None) -> None:
-    """Give a layer-skip proposer the draft vocabulary ``spec`` names (see :func:`resolve`)."""
+    """Give a layer-skip proposer the draft vocabulary ``spec`` names (see :func:`resolve`).
+    ``auto`` keeps the full vocabulary for a proposer that drafts over quantized weights: its
+    head is cheap there, and a subset caps the acceptance of a draft that otherwise agrees
+    with the target (measured on SmolLM2 with the GGUF-block draft: M 4.7 -> 9.0, decode-only
+    2.00x -> 2.07x `ar`; docs/engine.md, "Quantized drafts")."""
+    if spec == "auto" and size is None and getattr(proposer, "precision", None) is not None:
+        proposer.use_draft_vocab(None)
+        return
     vocab = resolve(spec, model, size)
     proposer.use_draft_vocab(None if vocab is None else vocab.ids)
 
