@@ -38,10 +38,18 @@ def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
     assert red["drafts_per_set"] == 2 * 3 and all(0 <= a <= 1 for a in red["attn"] + red["mlp"])
     assert (out / "verify_cost.png").stat().st_size > 1000 and (out / "redundancy.png").stat().st_size > 1000
     pred = doc["predicted_speedup"]
-    assert set(pred) == {"pld", "auto", "self-sd", "asd", "swift", "adadecode"}
+    assert set(pred) == {"pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecode"}
     for name in ("pld", "auto", "asd", "swift"):  # no artifacts needed: each decoded and planned
         assert pred[name]["predicted_speedup"] > 0 and 0 <= pred[name]["draft_round_share"] <= 1, (name, pred[name])
     assert "unavailable" in pred["self-sd"] and "unavailable" in pred["adadecode"]  # no skip set / heads for this model
+    quant = doc["quantized_drafts"]
+    assert "unavailable" in quant["gguf"]  # a plain Hugging Face directory: no GGUF blocks
+    for name in ("int8", "int8-g32"):
+        q = quant[name]
+        assert q["c"] > 0 and 0 <= q["agreement"] <= 1 and q["formats"] == [name] and q["cache"] in ("hit", "miss")
+    # int8 per 32 stores a scale per 32 weights, per channel one per row: more bytes, by exactly that
+    assert quant["int8-g32"]["draft_bytes"] > quant["int8"]["draft_bytes"]
+    assert quant["_"]["agreement_positions"] == 2 * 3
     line = json.loads(stdout.strip().splitlines()[-1])
     assert line["step_ms"] == doc["step_ms"] and line["verify_cost"] == doc["verify_cost"]
     # a second run into the same directory needs --force

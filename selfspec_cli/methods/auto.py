@@ -91,6 +91,8 @@ class Auto(Method):
                 quant = SpecQD(engine, tokenizer)
                 quant.use_precision(precision)
                 fr_spec.attach(quant, engine.model)
+                if isinstance(layer_skip, SelfSD) and not any(layer_skip.skip_sets()) and layer_skip.precision == precision:
+                    layer_skip = None  # a calibrated empty skip set is the quantized chain itself: one source
         return cls(engine, tokenizer, config, layer_skip, quant)
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:

@@ -28,6 +28,8 @@ class SpecQDConfig(DraftOptions):
     # no confidence exit by default: the chain's length is planned from the measured per-depth acceptance
     # (a draft that agrees with the target 0.97 of the time is often right when unsure; docs/engine.md, "Quantized drafts")
     draft_threshold: float = option(0.0, "draft-exit confidence threshold (initial value when adaptive)")
+    # a cap the planner should not hit when the draft agrees: SWIFT's 25 (its paper's default), not 12
+    max_draft: int = option(25, "most draft tokens per round")
 
     def __post_init__(self) -> None:
         DraftOptions.__post_init__(self)
