@@ -79,6 +79,30 @@ def main() -> None:
                     for p, sz in int4], dt)
     except Exception as exc:  # noqa: BLE001
         out["torch _weight_int4pack_mm_for_cpu"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    try:  # torchao's weight-only configs (not a dependency: timed when importable)
+        import torchao
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        configs = {"int8 weight-only": Int8WeightOnlyConfig()}
+        try:
+            from torchao.quantization import Int4WeightOnlyConfig
+
+            configs["int4 weight-only, 32 per group"] = Int4WeightOnlyConfig(group_size=32, int4_packing_format="opaque")
+        except Exception as exc:  # noqa: BLE001  (the CPU layout's name moves between releases)
+            out["torchao int4 weight-only"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        for label, cfg in configs.items():
+            for dt, dname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                try:
+                    mods = [torch.nn.Linear(k, n, bias=False).to(dt) for n, k in SHAPES]
+                    for mod, w in zip(mods, ws):
+                        mod.weight.data.copy_(w.to(dt))
+                        quantize_(mod, cfg)
+                    with torch.inference_mode():
+                        record(f"torchao {torchao.__version__} {label} ({dname} x)", mods, dt)
+                except Exception as exc:  # noqa: BLE001
+                    out[f"torchao {label} ({dname} x)"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    except ImportError:
+        out["torchao"] = {"error": "not installed"}
     if m is not None:
         formats = {"qlinear int8 per channel": q8,
                    "qlinear int8 per 32": [kernels.quantize_int8(w, 32) for w in ws],
