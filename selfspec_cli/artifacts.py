@@ -311,7 +311,9 @@ class SkipSet:
     @property
     def draft_precision(self) -> str | None:
         """The draft weights the set was calibrated with (``draft_precision`` in the file: target,
-        int8, int8-g32 or gguf; None in files from before quantized drafts: the target's)."""
+        int8, int8-g32 or gguf). None in files from before quantized drafts (calibrated on the
+        target's weights): methods then follow their own ``--draft-precision`` (``auto``: the
+        quantized copy, the skip set on top, weighed against full depth each round)."""
         value = self.manifest.get("draft_precision")
         return str(value) if value else None
 

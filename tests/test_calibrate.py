@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from selfspec_cli.engine import kernels
 import torch
 
 from selfspec_cli import artifacts, loading
@@ -479,6 +481,7 @@ def test_calibrate_package_imports_no_cli_libraries():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, cwd=Path(__file__).parent.parent)
 
 
+@pytest.mark.skipif(kernels.load_extension() is None, reason="quantized drafts need the CPU kernel")
 def test_joint_precision_search(tmp_path, tiny_model_dir, prompt_file):
     """--draft-precision auto searches the skip set and the draft weights together: the study has a
     ``precision`` parameter, the quantized full-depth draft is a starting point, the quantized

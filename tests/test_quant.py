@@ -319,3 +319,38 @@ def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
     monkeypatch.setattr(layer_skip_mod.LayerSkipProposer, "propose", propose)
     samples = _pairs(m, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
+
+
+@needs_kernel
+@pytest.mark.parametrize("method,options", [("self-sd", {"skip_attn": "1,3", "skip_mlp": "2,4"}), ("asd", {})])
+def test_skip_set_and_full_depth_variants_keep_parity(method, options):
+    """Cost-aware drafting over a quantized copy weighs the method's skip set against full depth
+    each round (decoding/layer_skip.py, CostSlot and _swap): both variants are planned and the
+    output stays the target's."""
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    m = build(method, eng, None, draft_precision="int8", **options)
+    ar = AR(eng)
+    for seed, n in [(0, 40), (1, 17)]:
+        prompt = _prompt(6, seed, model.config.vocab_size)
+        cfg = GenerationConfig(max_new_tokens=n)
+        assert m.generate(prompt, cfg).token_ids == ar.generate(prompt, cfg).token_ids
+    info = m.describe()
+    assert any(info["skip_attn"] + info["skip_mlp"]) and "full_depth" in info  # both variants have planners
+    assert info["cost_model"]["c"] > 0 and info["full_depth"]["cost_model"]["c"] > 0
+    assert not m._full  # describe() leaves the method's own skip set active
+
+
+def test_artifact_precision_falls_back_when_this_engine_cannot_have_it(tmp_path):
+    """A skip set calibrated on GGUF blocks, loaded for a model that is not a GGUF conversion:
+    the method drafts on what ``auto`` gives here instead of refusing (the user asked for nothing)."""
+    from selfspec_cli.artifacts import SkipSet, environment_info, save_json_artifact
+
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    manifest = SkipSet(frozenset({1}), frozenset()).to_manifest(
+        model, objective={"name": "test", "value": 1.0, "unit": "x"}, trials=1, search={},
+        environment=environment_info(eng.device, eng.dtype), draft_precision="gguf")
+    path = save_json_artifact(tmp_path / "s.json", manifest)
+    m = build("self-sd", eng, None, layers=path)
+    assert m.describe()["draft_precision"] == ("int8" if ext is not None else "target")

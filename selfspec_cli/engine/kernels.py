@@ -207,7 +207,8 @@ class QLinear:
             codes = codes.view(torch.uint8)
         mins = panels(quant.mins) if quant.mins is not None else None
         b = None if bias is None else bias.detach().float().contiguous()
-        return cls(quant, b, codes, panels(quant.scales), mins, module, "auto", n)
+        forced = os.environ.get("SELFSPEC_ISA", "").strip().lower() == "avx2"  # the AVX2 path on any CPU
+        return cls(quant, b, codes, panels(quant.scales), mins, module, "avx2" if forced else "auto", n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:

@@ -20,7 +20,8 @@ Invariants:
 
 * the target's weights are never modified; the draft copy is built once per model and
   precision, cached on disk (beside a converted GGUF model, in its ``drafts/`` folder, else in
-  ``$SELFSPEC_CACHE/drafts/``; ``<fingerprint>-<precision>.safetensors``, written atomically),
+  ``$SELFSPEC_CACHE/drafts/``; ``<fingerprint>-<dtype>-<precision>-v<format>.safetensors``,
+  written atomically; an unreadable file is rebuilt),
   and a second load reads the cache instead of re-quantizing;
 * every quantized weight is within its format's bound of the float weight it stands for
   (int8: half a scale step; tests/test_quant.py);
@@ -137,7 +138,12 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
     type the kernel does not take is quantized to int8 per channel instead (reported)."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_file)
+    if not Path(gguf_file).is_file():
+        raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file}); use int8")
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+    except (OSError, ValueError) as exc:
+        raise GGUFDraftError(f"cannot read {gguf_file} ({exc}); use int8") from None
     tensors = {t.name: t for t in reader.tensors}
     fallback: list[str] = []
     exact = 0
@@ -190,10 +196,15 @@ def _split_sizes(adapter: ModelAdapter, name: str) -> list[int]:
 # ------------------------------------------------------------------ cache
 
 
-def cache_path(fingerprint: str, precision: str, model_dir: str | None = None) -> Path:
+CACHE_FORMAT = 1  # bump when the quantizers or the file layout change: older files are not read
+
+
+def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:
     """Beside the converted model when the model is one of selfspec's GGUF conversions, else in
-    ``$SELFSPEC_CACHE/drafts``; keyed by the model's fingerprint and the precision."""
-    name = f"{fingerprint}-{precision}.safetensors"
+    ``$SELFSPEC_CACHE/drafts``; keyed by the model's fingerprint (dtype-independent), the dtype
+    the weights were loaded in (an int8 copy of bf16-rounded weights is another copy), the
+    precision and :data:`CACHE_FORMAT`."""
+    name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.safetensors"
     if model_dir and (Path(model_dir) / "selfspec-source.json").is_file() and os.access(model_dir, os.W_OK):
         return Path(model_dir) / "drafts" / name
     return kernels.cache_root() / "drafts" / name
@@ -237,7 +248,7 @@ def _load(path: Path, num_layers: int) -> tuple[list[dict[str, QuantWeight]], Qu
 
             layers = [{n: get(f"{l}.{n}") for n in LINEARS} for l in range(num_layers)]
             return layers, get("head"), json.loads(meta.get("info", "{}"))
-    except (OSError, KeyError, ValueError, RuntimeError):  # absent, partial or foreign: rebuild
+    except Exception:  # noqa: BLE001  absent, partial or foreign (safetensors raises its own types): rebuild
         return None
 
 
@@ -249,7 +260,8 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
     if precision not in PRECISIONS:
         raise ValueError(f"unknown draft precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
     t0 = time.perf_counter()
-    path = cache_path(fingerprint, precision, model_dir) if fingerprint else None
+    dtype = str(adapter.dtype).removeprefix("torch.")
+    path = cache_path(fingerprint, precision, model_dir, dtype) if fingerprint else None
     loaded = _load(path, adapter.num_layers) if path is not None and path.is_file() else None
     if loaded is not None:
         layers, head, meta = loaded

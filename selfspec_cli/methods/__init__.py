@@ -52,10 +52,15 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     config = config if config is not None else config_for(name, values)
     method = method_class(name).build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
-        precision = config.draft_precision
-        if precision == "auto" and getattr(method, "artifact_precision", None):  # what the skip set was calibrated with
-            precision = method.artifact_precision
-        method.use_precision(resolve_precision(engine, precision))  # before the draft vocabulary's head
+        calibrated = getattr(method, "artifact_precision", None) if config.draft_precision == "auto" else None
+        if calibrated:  # what the skip set was calibrated with, when this engine can have it (else auto)
+            precision = resolve_precision(engine, calibrated, strict=False)
+        else:
+            precision = resolve_precision(engine, config.draft_precision)
+        if precision is None and isinstance(method, SpecQD):
+            raise ConfigError("specqd drafts with quantized weights, which need the CPU kernel "
+                              f"({engine.kernel_info.get('reason') or 'unavailable'}); use --method ar or pld here")
+        method.use_precision(precision)  # before the draft vocabulary's head
         fr_spec.attach(method, engine.model, config.draft_vocab, config.draft_vocab_size)
         if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults
             pld = PLDConfig()

@@ -85,7 +85,7 @@ class Auto(Method):
                 layer_skip = ASD(engine, tokenizer)
             layer_skip.full_depth_variant = False  # the quantized full-depth chain is a source of its own here
             calibrated = getattr(layer_skip, "artifact_precision", None) if config.draft_precision == "auto" else None
-            layer_skip.use_precision(resolve_precision(engine, calibrated) if calibrated else precision)
+            layer_skip.use_precision(resolve_precision(engine, calibrated, strict=False) if calibrated else precision)
             fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
             if precision is not None:
                 quant = SpecQD(engine, tokenizer)

@@ -23,14 +23,16 @@ DRAFT_PRECISIONS = ("auto", "target", *PRECISIONS)
 DRAFT_SINKS, DRAFT_WINDOW = 4, 0
 
 
-def resolve_precision(engine: Engine, precision: str) -> str | None:
+def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) -> str | None:
     """The draft weights ``precision`` names (None: the target's own). ``auto``: the GGUF's
     own blocks when the fp32 target was dequantized from them (the draft then computes with
     the target's very weights), else int8 per channel; the target's weights when the CPU
-    kernel is unavailable (a quantized draft without it would be slower than the target)."""
+    kernel is unavailable (a quantized draft without it would be slower than the target).
+    An explicit precision that cannot be had is refused (``strict``) or resolved as ``auto``
+    (a precision read from an artifact, which the user did not ask for)."""
     if precision == "target":
         return None
-    if precision == "auto":
+    if precision == "auto" or (not strict and engine.kernel_info["backend"] != "small_gemm"):
         if engine.kernel_info["backend"] != "small_gemm":
             return None
         try:
@@ -41,6 +43,8 @@ def resolve_precision(engine: Engine, precision: str) -> str | None:
     try:
         engine.draft(precision)
     except GGUFDraftError as exc:
+        if not strict:
+            return resolve_precision(engine, "auto")
         raise ConfigError(str(exc)) from None
     return precision
 
