@@ -354,3 +354,25 @@ def test_artifact_precision_falls_back_when_this_engine_cannot_have_it(tmp_path)
     path = save_json_artifact(tmp_path / "s.json", manifest)
     m = build("self-sd", eng, None, layers=path)
     assert m.describe()["draft_precision"] == ("int8" if ext is not None else "target")
+
+
+@needs_kernel
+def test_draft_window_reaches_the_draft_forward():
+    """--draft-window N: drafts attend to 4 sinks + the newest N keys (not with --paper-drafting);
+    the engine's forward changes only once the context is longer than that."""
+    from selfspec_cli.methods.base import DRAFT_SINKS
+
+    eng = Engine(make_tiny_model("llama-gqa", layers=2))
+    assert build("specqd", eng, None, draft_precision="int8", draft_window=8).draft_cfg.kv_window == (DRAFT_SINKS, 8)
+    assert build("specqd", eng, None, draft_precision="int8").draft_cfg.kv_window is None  # off by default
+    assert build("specqd", eng, None, draft_precision="int8", draft_window=8,
+                 paper_drafting=True).draft_cfg.kv_window is None
+    ids = torch.arange(2, 42)
+
+    def last_logits(n: int, window) -> torch.Tensor:
+        cache = eng.new_cache(64)
+        eng.forward(cache, ids[:n], positions=0)
+        return eng.forward(cache, ids[n:n + 1], positions=n, weights="int8", kv_window=window).logits
+
+    assert torch.equal(last_logits(10, (DRAFT_SINKS, 8)), last_logits(10, None))  # 11 keys <= 4 + 8
+    assert not torch.equal(last_logits(39, (DRAFT_SINKS, 8)), last_logits(39, None))

@@ -43,8 +43,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "self-sd-full-vocab": ("self-sd", {"draft_vocab": "full"}, " [drafts over the full vocabulary, no FR-Spec subset]"),
     "auto-single": ("auto", {"hybrid": False}, " [one drafting source per round, no hybrid trees]"),
     "specqd-int8": ("specqd", {"draft_precision": "int8"}, " [int8 per-channel draft weights]"),
-    "specqd-full-vocab": ("specqd", {"draft_vocab": "full"}, " [drafts over the full vocabulary, no FR-Spec subset]"),
-    "self-sd-target": ("self-sd", {"draft_precision": "target"}, " [drafts on the target's own float weights]"),
 }
 DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"

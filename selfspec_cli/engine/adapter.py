@@ -34,6 +34,9 @@ def check_supported(config: Any) -> str:
     return mt
 
 
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)
+
+
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # (H,)

@@ -127,9 +127,6 @@ class Linear:
         return self.module.linear(x.float(), self.packed, self.weight.shape[0], self.bias_f32).to(x.dtype)
 
 
-QUANT_FORMATS = ("int8", "int8-g32", "q8_0", "q4_0", "q4_1")  # what QLinear holds (docs/engine.md)
-
-
 @dataclass(slots=True)
 class QuantWeight:
     """A matrix as integer codes with per-group scales (and minimums): ``W[n, k] = scale[n, g] *
@@ -207,17 +204,18 @@ class QLinear:
             codes = codes.view(torch.uint8)
         mins = panels(quant.mins) if quant.mins is not None else None
         b = None if bias is None else bias.detach().float().contiguous()
-        forced = os.environ.get("SELFSPEC_ISA", "").strip().lower() == "avx2"  # the AVX2 path on any CPU
-        return cls(quant, b, codes, panels(quant.scales), mins, module, "avx2" if forced else "auto", n)
+        return cls(quant, b, codes, panels(quant.scales), mins, module, "avx2" if _avx2_forced() else "auto", n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:
             return F.linear(x.float(), self.quant.dequantize(), self.bias).to(x.dtype)
-        if x.dtype == torch.float32:  # the draft's hot path: one call
-            return self.module.qlinear(x, self.codes, self.scales, self.mins, self.out_features, self.quant.group,
-                                       self.quant.bits, self.bias, self.isa)
-        return self.module.qlinear(x.float(), self.codes, self.scales, self.mins, self.out_features, self.quant.group,
-                                   self.quant.bits, self.bias, self.isa).to(x.dtype)
+        y = self.module.qlinear(x if x.dtype == torch.float32 else x.float(), self.codes, self.scales, self.mins,
+                                self.out_features, self.quant.group, self.quant.bits, self.bias, self.isa)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def _avx2_forced() -> bool:
+    return os.environ.get("SELFSPEC_ISA", "").strip().lower() == "avx2"
 
 
 def isa() -> str | None:
@@ -226,8 +224,7 @@ def isa() -> str | None:
     module = load_extension()
     if module is None:
         return None
-    forced = os.environ.get("SELFSPEC_ISA", "").strip().lower()
-    return "avx2" if forced == "avx2" else module.qisa()
+    return "avx2" if _avx2_forced() else module.qisa()
 
 
 def main() -> None:

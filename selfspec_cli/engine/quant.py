@@ -40,11 +40,10 @@ from typing import Any
 import torch
 
 from . import kernels
-from .adapter import ModelAdapter
+from .adapter import LINEARS, ModelAdapter
 from .kernels import QLinear, QuantWeight, quantize_int8
 
 PRECISIONS = ("int8", "int8-g32", "gguf")
-LINEARS = ("qkv", "o", "gate_up", "down")
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                "down": ("ffn_down",)}
 
@@ -121,10 +120,8 @@ def _take_rows(q: QuantWeight, order: torch.Tensor) -> QuantWeight:
 
 
 def _cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Row-concatenate blocks of one format (q/k/v or gate/up, fused as the engine fuses them)."""
     first = parts[0]
-    if any((p.fmt, p.group, p.bits, p.mins is None) != (first.fmt, first.group, first.bits, first.mins is None)
-           for p in parts):
-        raise ValueError("fused matrices of different GGUF types")
     return QuantWeight(first.fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                        None if first.mins is None else torch.cat([p.mins for p in parts]), first.group, first.bits)
 
@@ -173,10 +170,13 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
             if len(parts) == 1:
                 row[name] = load(f"blk.{l}.{parts[0]}.weight", target)
             else:
-                split = _split_sizes(adapter, name)
-                pieces = target.split(split)
-                got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
-                row[name] = _cat_rows(got) if len({(g.fmt, g.group) for g in got}) == 1 else quantize_int8(target)
+                got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, target.split(_split_sizes(adapter, name, target)))]
+                if len({g.fmt for g in got}) == 1:
+                    row[name] = _cat_rows(got)
+                else:  # parts of different types cannot share one fused matrix's kernel call
+                    fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
+                    exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
+                    row[name] = quantize_int8(target)
         layers.append(row)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = load(head_name, adapter.lm_head)
@@ -185,12 +185,12 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
     return layers, head, info
 
 
-def _split_sizes(adapter: ModelAdapter, name: str) -> list[int]:
-    d = adapter.head_dim
+def _split_sizes(adapter: ModelAdapter, name: str, fused: torch.Tensor) -> list[int]:
+    """Row counts of the parts of fused matrix ``name``: q, k, v or gate, up."""
     if name == "qkv":
+        d = adapter.head_dim
         return [adapter.num_heads * d, adapter.num_kv_heads * d, adapter.num_kv_heads * d]
-    inter = adapter.layers[0].w_gate_up.shape[0] // 2
-    return [inter, inter]
+    return [fused.shape[0] // 2] * 2
 
 
 # ------------------------------------------------------------------ cache

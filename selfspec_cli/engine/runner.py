@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .adapter import ModelAdapter
+from .adapter import LINEARS, ModelAdapter
 from .cache import KVCache
 from .quant import DraftWeights, build_draft
 
@@ -59,7 +59,6 @@ ALL_ROWS = slice(None)
 KERNEL_HEAD_SIZES = (16, 32, 64, 128)  # what csrc's attend() and rope_() take
 ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
-LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)
 
 
 class Engine:

@@ -19,7 +19,7 @@ from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
-from .base import DraftOptions, Method, resolve_precision
+from .base import DraftOptions, Method, method_precision
 from .pld import PLDConfig, PromptLookup, lookup
 from .self_sd import SelfSD
 from .specee import SpecEE
@@ -52,11 +52,7 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     config = config if config is not None else config_for(name, values)
     method = method_class(name).build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
-        calibrated = getattr(method, "artifact_precision", None) if config.draft_precision == "auto" else None
-        if calibrated:  # what the skip set was calibrated with, when this engine can have it (else auto)
-            precision = resolve_precision(engine, calibrated, strict=False)
-        else:
-            precision = resolve_precision(engine, config.draft_precision)
+        precision = method_precision(engine, config.draft_precision, getattr(method, "artifact_precision", None))
         if precision is None and isinstance(method, SpecQD):
             raise ConfigError("specqd drafts with quantized weights, which need the CPU kernel "
                               f"({engine.kernel_info.get('reason') or 'unavailable'}); use --method ar or pld here")

@@ -28,9 +28,8 @@ from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError
 from . import fr_spec
 from .asd import ASD
-from .base import DRAFT_PRECISIONS, Method, option, require
+from .base import DRAFT_PRECISIONS, Method, method_precision, option, require, resolve_precision
 from .pld import PLDConfig, PromptLookup
-from .base import resolve_precision
 from .self_sd import SelfSD
 from .specqd import SpecQD
 
@@ -79,20 +78,21 @@ class Auto(Method):
         quant: LayerSkipProposer | None = None
         if not config.ngram_only:
             precision = resolve_precision(engine, config.draft_precision)
-            try:
-                layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
-            except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
-                layer_skip = ASD(engine, tokenizer)
-            layer_skip.full_depth_variant = False  # the quantized full-depth chain is a source of its own here
-            calibrated = getattr(layer_skip, "artifact_precision", None) if config.draft_precision == "auto" else None
-            layer_skip.use_precision(resolve_precision(engine, calibrated, strict=False) if calibrated else precision)
-            fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
             if precision is not None:
                 quant = SpecQD(engine, tokenizer)
                 quant.use_precision(precision)
                 fr_spec.attach(quant, engine.model)
-                if isinstance(layer_skip, SelfSD) and not any(layer_skip.skip_sets()) and layer_skip.precision == precision:
-                    layer_skip = None  # a calibrated empty skip set is the quantized chain itself: one source
+            try:
+                layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
+            except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
+                layer_skip = ASD(engine, tokenizer)
+            ls_precision = method_precision(engine, config.draft_precision, getattr(layer_skip, "artifact_precision", None))
+            if isinstance(layer_skip, SelfSD) and not any(layer_skip.skip_sets()) and ls_precision == precision:
+                layer_skip = None  # a calibrated empty skip set is the quantized chain itself: one source
+            else:
+                layer_skip.full_depth_variant = False  # the quantized full-depth chain is a source of its own here
+                layer_skip.use_precision(ls_precision)
+                fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
         return cls(engine, tokenizer, config, layer_skip, quant)
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:

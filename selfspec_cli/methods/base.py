@@ -49,6 +49,15 @@ def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) ->
     return precision
 
 
+def method_precision(engine: Engine, asked: str, calibrated: str | None) -> str | None:
+    """The draft weights of a layer-skip method: what ``--draft-precision`` asked for, except
+    that ``auto`` follows the precision its skip set was calibrated with (``calibrated``) when
+    this engine can have it (else ``auto``'s own choice)."""
+    if asked == "auto" and calibrated:
+        return resolve_precision(engine, calibrated, strict=False)
+    return resolve_precision(engine, asked)
+
+
 def option(default: Any, help: str, *, flag: str | None = None) -> Any:
     """A config field that the CLI exposes as ``--flag`` (default: the field name)."""
     return field(default=default, metadata={"help": help, "flag": flag})
