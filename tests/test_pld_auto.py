@@ -284,3 +284,17 @@ def test_auto_lets_sources_take_turns_when_none_pays():
     for _ in range(6):
         auto.propose(state, 4)
     assert stub.proposed == 3 and len(pld_calls) == 3  # each source gets every other round (and its own probes)
+
+
+def test_pld_draft_ends_at_an_end_of_sequence_token():
+    """A looked-up continuation is cut after its first stop token (nothing after it can be
+    emitted); --paper-drafting keeps the paper's whole match."""
+    eng = Engine(make_tiny_model("llama-gqa", layers=2))
+    ctx = [5, 6, 2, 7, 8, 9, 5, 6]  # "5 6" was followed by the stop token 2, then more
+    state = DecodeState(eng, ctx, max_new_tokens=8, lookahead=8, sampling=GenerationConfig().sampling,
+                        generator=None, eos=frozenset({2}))
+    assert state.through_stop([2, 7, 8]) == [2] and state.through_stop([7, 8]) == [7, 8]
+    pld = build("pld", eng, None)
+    pld.planner(2).plan = lambda c, n: n  # take every token this round offers
+    assert pld.propose(state, 4).tokens == [2]
+    assert build("pld", eng, None, paper_drafting=True).propose(state, 4).tokens == [2, 7, 8, 9]

@@ -376,3 +376,34 @@ def test_draft_window_reaches_the_draft_forward():
 
     assert torch.equal(last_logits(10, (DRAFT_SINKS, 8)), last_logits(10, None))  # 11 keys <= 4 + 8
     assert not torch.equal(last_logits(39, (DRAFT_SINKS, 8)), last_logits(39, None))
+
+
+@needs_kernel
+@pytest.mark.parametrize("method,options", [
+    ("specqd", {"draft_precision": "int8", "paper_drafting": True}),
+    ("specqd", {"draft_precision": "int8-g32", "paper_drafting": True}),
+])
+def test_a_draft_ends_at_an_end_of_sequence_token(method, options):
+    """Nothing after an end of sequence can be emitted: a chain draft stops at a stop token
+    instead of spending draft and verification rows past it (answers that end early)."""
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    prompt = _prompt(6, 0, model.config.vocab_size)
+    free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True)).token_ids
+    stop = free[12]  # a token the answer reaches mid-way: made the end of sequence
+    cfg = GenerationConfig(max_new_tokens=24, eos_token_ids=(stop,))
+    m = build(method, eng, None, **options)
+    drafts = []
+    propose = m.propose
+
+    def spy(state, budget):
+        d = propose(state, budget)
+        drafts.append(list(d.tokens))
+        return d
+
+    m.propose = spy
+    res = m.generate(prompt, cfg)
+    assert res.token_ids == AR(eng).generate(prompt, cfg).token_ids
+    assert res.token_ids[-1] == stop
+    assert any(d and d[-1] == stop for d in drafts)  # the draft reached the stop token ...
+    assert all(stop not in d[:-1] for d in drafts)  # ... and never drafted past it

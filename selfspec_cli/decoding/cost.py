@@ -231,6 +231,14 @@ class Planner:
         self.last = (self.expected_tokens(best_k), self.cost(best_k, c))
         return best_k
 
+    def drafted(self, k: int, nodes: int, c: float) -> tuple[float, float]:
+        """Expected tokens and cost of the round as drafted: ``k`` draft steps (fewer than
+        planned when the draft stopped at a confidence exit or an end of sequence) and
+        ``nodes`` verified draft nodes. The prediction and ``o`` then rest on what ran,
+        not on what was planned (a round cut short is cheaper than its plan, and would
+        otherwise read as a negative overhead)."""
+        return self.expected_tokens(k), k * c + self.curve.v(nodes + 1) + (self.overhead.value if k else 0.0)
+
     def probe_loss(self, c: float) -> float:
         """Expected loss of a one-token probe, in plain steps: its cost less the tokens it yields."""
         return self.cost(1, c) - self.expected_tokens(1)

@@ -267,7 +267,7 @@ class LayerSkipProposer(Proposer):
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
         dc = self.draft_cfg
-        cont = self.ngram(state, budget)[0] if self.ngram is not None and budget > 0 else []
+        cont = state.through_stop(self.ngram(state, budget)[0]) if self.ngram is not None and budget > 0 else []
         budget = min(dc.max_draft, budget)
         plan = None
         if budget > 0 and self._has_variants():
@@ -336,8 +336,12 @@ class LayerSkipProposer(Proposer):
             if conf < threshold:
                 hit_limit = False
                 break
+            if d in state.eos:  # nothing after an end of sequence can be emitted
+                break
         step_s = (time.perf_counter() - t0) / steps
         self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
+        if plan is not None and (steps < budget or use_tree):  # the round as drafted, not as planned
+            plan = self.planner.drafted(steps, len(tokens), self.draft_cost())
         info: dict[str, Any] = {"hit_limit": hit_limit, "chain_nodes": len(tokens)}
         tree = parents if use_tree else None
         if cont:

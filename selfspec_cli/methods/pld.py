@@ -102,6 +102,7 @@ class PromptLookup(Method):
             return Draft()
         if self.config.paper_drafting:
             return Draft(cont, info={"ngram": n})
+        cont = state.through_stop(cont)
         planner = self.planner(n)
         k = planner.plan(0.0, len(cont))
         return Draft(cont[:k], info={"ngram": n}, plan=planner.last)
