@@ -44,6 +44,7 @@ import torch
 
 from . import loading, paths
 from .errors import ArtifactError, first_line
+from .jsonio import dumps
 
 SKIP_KIND = "self-sd-layers"
 FORMAT_VERSION = 1
@@ -204,7 +205,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
     """Write ``obj`` as indented JSON, atomically."""
-    data = (json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    data = (dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8")
     return atomic_write(path, lambda f: f.write(data))
 
 
@@ -293,7 +294,8 @@ class SkipSet:
         manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
         kind = manifest.get("kind")
         if kind != SKIP_KIND:
-            raise ArtifactError(f"'{p}' is a {kind!r} artifact, not a Self-SD skip set (kind {SKIP_KIND!r}); "
+            what = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
+            raise ArtifactError(f"'{p}' is {what}, not a Self-SD skip set (kind {SKIP_KIND!r}); "
                                 f"pass a file made by `{cmd}`")
         _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
         num_layers = int(model.config.num_hidden_layers)
@@ -382,7 +384,9 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
     tfile, mfile = tensors_artifact_paths(dir_or_path)
     manifest = _read_json(mfile, "artifact manifest", create_hint)
     if kind is not None and manifest.get("kind") != kind:
-        raise ArtifactError(f"'{mfile}' is a {manifest.get('kind')!r} artifact, not {kind!r}; {create_hint}")
+        found = manifest.get("kind")
+        what = f"a {found!r} artifact" if found is not None else "not a selfspec artifact (it has no 'kind')"
+        raise ArtifactError(f"'{mfile}' is {what}, not {kind!r}; {create_hint}")
     if model is not None:
         _check_fingerprint(manifest, model, mfile, f"recreate it for this model ({create_hint})")
     if not tfile.is_file():

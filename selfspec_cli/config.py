@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from .errors import ConfigError
 
 
+SAMPLING_RULES = ("gumbel", "speculative")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
     """How the next token is chosen from the target's logits.
@@ -20,6 +23,9 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None
+    # gumbel: a sample is a function of (seed, position, distribution), so every lossless method gives
+    # ar's tokens; speculative: standard speculative sampling (decoding/sampling.py, docs/sampling.md)
+    rule: str = "gumbel"
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -28,6 +34,8 @@ class SamplingConfig:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.rule not in SAMPLING_RULES:
+            raise ConfigError(f"--sampling-rule must be one of {', '.join(SAMPLING_RULES)}, got '{self.rule}'")
 
     @property
     def greedy(self) -> bool:

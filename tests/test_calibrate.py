@@ -518,3 +518,20 @@ def test_joint_precision_search(tmp_path, tiny_model_dir, prompt_file):
     assert skip.draft_precision == json.loads(out.read_text())["draft_precision"]
     method = build("self-sd", Engine(model), None, layers=out)
     assert method.describe()["draft_precision"] == (skip.draft_precision or "target")
+
+
+def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir, prompt_file, tiny_model, monkeypatch):
+    """One random trial on a tiny random model skips too much to pay (its predicted speedup
+    is far below 1): written beside the default path and named, never made the default."""
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    model, _ = tiny_model
+    summary = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "1", "--seed", "3"))
+    default = default_skip_artifact_path(model)
+    assert summary["objective"] < 1.0 and summary["below_ar"] is True
+    assert not default.exists()
+    assert Path(summary["artifact"]) == default.with_name(default.stem + ".below-ar.json")
+    assert Path(summary["artifact"]).is_file()
+    # asked for by name, it is written where asked (and still reported as below ar)
+    named = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "1", "--seed", "3",
+                              "--output", str(tmp_path / "mine.json")))
+    assert named["artifact"] == str(tmp_path / "mine.json") and named["below_ar"] is True

@@ -26,7 +26,7 @@ ROOT = "selfspec_cli"
 
 # rank: a package may import packages of strictly lower rank (and itself)
 RANK = {"cli": 4, "calibrate": 3, "heads": 3, "bench": 3, "methods": 2, "decoding": 1, "engine": 0}
-SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime"}
+SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime", "jsonio"}
 ENTRY = {"__main__"}  # `python -m selfspec_cli`: the command line's entry point, may import cli
 NOT_FROM_SHARED = {"cli", "calibrate", "heads", "bench", "methods"}
 # third-party module -> the packages allowed to import it

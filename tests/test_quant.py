@@ -272,7 +272,7 @@ def _pairs(method, prompt: list[int], n: int) -> list[int]:
     out = []
     for s in range(n):
         cfg = GenerationConfig(max_new_tokens=PAIR_RUN, sampling=SamplingConfig(SAMPLING.temperature, SAMPLING.top_k,
-                                                                                SAMPLING.top_p, s))
+                                                                                SAMPLING.top_p, s, "speculative"))
         t = method.generate(prompt, cfg).token_ids
         out.append(t[1] * SMALL_VOCAB + t[2])
     return out

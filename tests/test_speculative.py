@@ -154,10 +154,14 @@ def _exact_pair_law(model, prompt: list[int]) -> np.ndarray:
     return joint.sum(0).double().numpy().reshape(-1)  # over (t2, t3)
 
 
-def _pair_samples(method, prompt: list[int], n: int) -> list[int]:
+def _pair_samples(method, prompt: list[int], n: int, rule: str = "speculative") -> list[int]:
+    """Tokens 2 and 3 of ``n`` seeded runs. The sampling tests of each method run the
+    speculative rule (their controls break its verifier); tests/test_sampling_rule.py runs
+    the gumbel rule."""
     out = []
     for s in range(n):
-        cfg = GenerationConfig(max_new_tokens=PAIR_RUN, sampling=SamplingConfig(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, s))
+        cfg = GenerationConfig(max_new_tokens=PAIR_RUN, sampling=SamplingConfig(SAMPLING.temperature, SAMPLING.top_k,
+                                                                                SAMPLING.top_p, s, rule))
         t = method.generate(prompt, cfg).token_ids
         out.append(t[1] * SMALL_VOCAB + t[2])
     return out

@@ -1,12 +1,14 @@
 """Entry point: ``selfspec <command>``. User errors become one line and exit status 2."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 import click
 import typer
 
+from .. import __version__
 from ..errors import SelfSpecError
 from .bench import bench
 from .common import pop_exit_note, set_invocation
@@ -17,7 +19,21 @@ from .train_heads import train_heads
 
 app = typer.Typer(
     name="selfspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: wraps at any width where rich cuts option names ("--draft-thresho…")
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"selfspec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_version,
+                                       help="Print the version and exit.")) -> None:
+    """Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes)."""
 for _name, _command in (("generate", generate), ("bench", bench), ("calibrate", calibrate),
                         ("train-heads", train_heads), ("profile", profile)):
     app.command(_name)(_command)
@@ -30,7 +46,7 @@ try:
 except ImportError:  # pragma: no cover - older typer
     _CLICK_ERRORS = (click.ClickException,)
 
-INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
+from .entry import INTERRUPTED  # noqa: E402 (one wording for both places)
 TERMINATED = "selfspec: terminated (SIGTERM); everything finished before it was kept"
 SIGTERM_STATUS = 128 + signal.SIGTERM  # 143, as a shell reports a process ended by SIGTERM
 
@@ -70,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()
-    except _CLICK_ERRORS as exc:
-        exc.show()  # usage errors: click's own message (missing or unknown option, bad type)
+    except _CLICK_ERRORS as exc:  # usage errors (missing or unknown option, bad type): one line, as every error
+        ctx = getattr(exc, "ctx", None)
+        where = f"'{ctx.command_path} --help'" if ctx is not None else "'selfspec --help'"
+        msg = " ".join(exc.format_message().split())
+        print(f"selfspec: error: {msg} (see {where})", file=sys.stderr)
         return 2
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader closed the pipe (`| head -n1`): what it wanted was written
+        _quiet_stdout()
         return 0
     except BaseException:
         note = pop_exit_note()
@@ -85,5 +105,17 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, old)
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush into a closed pipe
+    neither fails nor prints 'Exception ignored'."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def run() -> None:
-    sys.exit(main())
+    from .entry import run as entry_run
+
+    entry_run()

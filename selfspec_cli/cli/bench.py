@@ -25,16 +25,17 @@ from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suites import DEFAULT_SUITE, load_prompts
-from ..config import GenerationConfig
+from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build
 from ..prompts import PROMPT_FORMATS
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import (MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
+from .common import (MODEL_HELP, SAMPLING_RULE_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
                      log, progress, table, write_record)
 from .method_options import method_config
+from ..jsonio import dumps
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -137,13 +138,17 @@ def bench(
     costs: bool = typer.Option(True, "--costs/--no-costs", help="Measure the engine's costs first (floor, T(1), v(k), c(r), LM head share, as `selfspec profile` does, 7 rounds; about 10 s on the default model) and record them in results.json."),
     early_exit_layer: Optional[int] = typer.Option(None, "--early-exit-layer", help="hf-early-exit: layer the draft exits at (default: half the layers)."),
     assistant_model: Optional[str] = typer.Option(None, "--assistant-model", help="hf-assisted: a second model with the same tokenizer."),
-    seed: int = typer.Option(0, "--seed", help="Seed of methods with random search (swift)."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy (the default); > 0 samples, every pass with the same --seed, so lossless methods keep parity under the default --sampling-rule."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    sampling_rule: str = typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP),
+    seed: int = typer.Option(0, "--seed", help="Seed of sampling and of methods with random search (swift)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
-    """Benchmark methods and peers greedily on the same model and prompts: speed, speedup, M, alpha, parity."""
+    """Benchmark methods and peers on the same model and prompts (greedy, or sampled with one seed): speed, speedup, M, alpha, parity."""
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
     unknown = [m for m in names if m not in METHODS and m not in VARIANTS and m not in PEERS]
     if not names or unknown:
@@ -168,7 +173,10 @@ def bench(
                           "those files first, or choose another --output-dir")
     for f in stale:  # only with --force
         check_not_input(f, (prompt_file,), "--output-dir")
-    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens)  # greedy; validates first
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
+    cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates first
+    decoding = "greedy" if sampling.greedy else (f"sampling (temperature {temperature}, top-p {top_p}, top-k {top_k}, "
+                                                 f"rule {sampling_rule}, seed {seed})")
     prompts, source = load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
@@ -244,7 +252,7 @@ def bench(
     base = BASELINE if BASELINE in results else None
     summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
-             "warmup": warmup, "repeats": repeats, "decoding": "greedy", "batch_size": 1,
+             "warmup": warmup, "repeats": repeats, "decoding": decoding, "batch_size": 1,
              "chat_template": chat_template, "seed": seed, "command": invocation(),
              "early_exit_layer": early_exit_layer, "assistant_model": assistant_model}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
@@ -261,20 +269,22 @@ def bench(
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
                    reference=ref, baseline=base, files=file_map)
     doc["engine_costs"] = engine_costs
-    atomic_write(output_dir / "results.json", lambda f: f.write((json.dumps(doc, indent=2) + "\n").encode()))
+    atomic_write(output_dir / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))
 
     title = (f"selfspec bench: {source.get('suite') or source.get('prompt_file')}, {len(prompts)} prompts x "
-             f"{max_new_tokens} tokens, {dev}, {str(engine.dtype).replace('torch.', '')}, greedy, "
+             f"{max_new_tokens} tokens, {dev}, {str(engine.dtype).replace('torch.', '')}, {decoding}, "
              f"median of {repeats} pass{'es' if repeats > 1 else ''}")
     err_console.print(_table(summary, title, ref is not None, base is not None))
     for extra in (_category_table(summary, base is not None), _cost_table(summary)):
         if extra is not None:
             err_console.print(extra)
     lossless_bad = [n for n, m in summary.items() if m["lossless"] and m.get("parity") and m["parity"]["parity"] < 1]
-    if lossless_bad:
+    if lossless_bad and not sampling.greedy and sampling.rule == "speculative":
+        log("parity below 100% is expected under --sampling-rule speculative: the same law, other samples")
+    elif lossless_bad:
         log(f"[bold red]parity below 100% for lossless {', '.join(lossless_bad)}: see 'differing' in {output_dir}/results.json[/bold red]")
     log(f"wrote {output_dir}/results.json")
-    print(json.dumps(headline(doc)), flush=True)
+    print(dumps(headline(doc)), flush=True)
 
 
 def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,

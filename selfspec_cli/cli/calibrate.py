@@ -1,9 +1,11 @@
-"""``selfspec calibrate``: offline searches saved as artifacts (Self-SD's skip set for now)."""
+"""``selfspec calibrate``: offline searches saved as artifacts: Self-SD's skip set and draft
+precision, SpecEE's exit statistics, FR-Spec's draft vocabulary. A Self-SD result predicted
+slower than plain decoding is written beside the default path (``*.below-ar.json``), never
+as the model's default."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +27,7 @@ from ..methods import head_store as store
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress, set_exit_note
+from ..jsonio import dumps
 
 
 def _check_output(path: Path, force: bool, directory: bool = False) -> Path:
@@ -145,6 +148,10 @@ def calibrate(
         prompts_info["dataset_field"] = dataset_field
     manifest = build_manifest(result, model=mdl, cfg=cfg, search=search, prompts=prompts_info,
                               environment=environment_info(engine.device, engine.dtype))
+    vs_ar = result.best_value if objective == "proxy" else manifest["objective"].get("speedup_vs_ar")
+    below_ar = vs_ar is not None and vs_ar < 1.0
+    if below_ar and output is None:  # never install, as this model's default, a set slower than plain decoding
+        out_path = _check_output(out_path.with_name(out_path.stem + ".below-ar.json"), force)
     save_json_artifact(out_path, manifest)
 
     obj = manifest["objective"]
@@ -155,6 +162,10 @@ def calibrate(
         f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search; "
         f"re-measured: {re_measured} tok/s[/bold]")
     log(f"wrote {out_path}")
+    if below_ar:
+        log(f"[bold yellow]the best set found is {vs_ar:.2f}x ar, slower than plain decoding: "
+            + ("not made this model's default (generate keeps the previous one); " if output is None else "")
+            + f"run more --trials (the study resumes), or pass --layers {out_path} to use it anyway[/bold yellow]")
     summary = {
         "method": method, "artifact": str(out_path), "study": str(db_path), "model": model_name(mdl),
         "model_fingerprint": fingerprint, "num_layers": result.num_layers,
@@ -164,9 +175,9 @@ def calibrate(
         "baseline": base and {"name": base["name"], "value": base["value"], "confirm": base["confirm"]["tokens_per_s"]},
         "confirm": {k: v["tokens_per_s"] for k, v in conf.items()},
         "speedup_vs_ar": obj.get("speedup_vs_ar"), "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
-        "trials": result.trials, "new_trials": result.new_trials,
+        "trials": result.trials, "new_trials": result.new_trials, "below_ar": below_ar,
     }
-    print(json.dumps(summary), flush=True)
+    print(dumps(summary), flush=True)
 
 
 def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
@@ -202,7 +213,7 @@ def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg
     log(f"exit probability per layer: {probs}; exit rate {manifest['exit_rate']:.3f}")
     log(f"[bold]selected predictor layers {st.selected_layers} ({manifest['selected_exit_share']:.0%} of exits)[/bold]")
     log(f"wrote {out_path}")
-    print(json.dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}), flush=True)
+    print(dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}), flush=True)
 
 
 def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
@@ -227,4 +238,4 @@ def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cf
     log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({res.tokens} tokens counted, "
         f"{int((res.counts > 0).sum())} distinct)[/bold]")
     log(f"wrote {out_path}")
-    print(json.dumps({"method": "fr-spec", "artifact": str(out_path), **res.summary()}), flush=True)
+    print(dumps({"method": "fr-spec", "artifact": str(out_path), **res.summary()}), flush=True)

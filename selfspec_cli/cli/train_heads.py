@@ -2,7 +2,6 @@
 SpecEE's exit predictors (``--kind exit-mlp``) on the target's own greedy output."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,9 +21,13 @@ from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
 from ..prompts import PROMPT_FORMATS
 from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress
+from ..jsonio import dumps
 
 KINDS = ("lm-heads", "exit-mlp")
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
+
+
+MIN_PROMPTS = 3
 
 
 def train_heads(
@@ -41,7 +44,7 @@ def train_heads(
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Training epochs (default: 30 for lm-heads, 100 for exit-mlp)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Adam learning rate (default: 5e-3 for lm-heads, 1e-3 for exit-mlp)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Rows per step (default: 128 for lm-heads, 1024 for exit-mlp)."),
-    heads_path: Optional[Path] = typer.Option(None, "--heads", help="exit-mlp: the lm-heads artifact whose shallowest head drafts (default: artifacts/adadecode/<model>/)."),
+    heads_path: Optional[Path] = typer.Option(None, "--heads", help="exit-mlp: the lm-heads artifact whose shallowest head drafts (default: this model's, the one `selfspec train-heads --kind lm-heads` wrote under $SELFSPEC_HOME first, then the shipped one)."),
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation and shuffling."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory. Default: <selfspec home>/artifacts/adadecode/<model>-<fingerprint>/ or .../specee/<model>-<fingerprint>/ (home: $SELFSPEC_HOME, else ~/.local/share/selfspec)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
@@ -64,6 +67,9 @@ def train_heads(
     if prompt_file is None and dataset is None:
         prompt_file = DEFAULT_PROMPTS
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
+    if len(texts) < MIN_PROMPTS:  # training, validation and test prompts are disjoint (heads/data.py)
+        raise ConfigError(f"train-heads needs at least {MIN_PROMPTS} prompts (disjoint training, validation and test "
+                          f"prompts), got {len(texts)}; pass --num-prompts {MIN_PROMPTS} or more, or a longer prompt file")
     apply_threads(threads)
     if output is not None:
         check_new_artifact(output, force)
@@ -156,4 +162,4 @@ def train_heads(
     summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), **extra, "report": manifest["report"],
                "rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
                "thresholds": list(DEFAULT_THRESHOLDS)}
-    print(json.dumps(summary), flush=True)
+    print(dumps(summary), flush=True)

@@ -55,10 +55,20 @@ _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDicti
 
 @dataclass(frozen=True)
 class VerifyCurve:
-    """``v(m)``: a full-depth forward of ``m`` rows over one of one row, and T(1) in seconds."""
+    """``v(m)``: a full-depth forward of ``m`` rows over one of one row, and T(1) in seconds
+    after ``context`` tokens. A plain step grows with the context it attends to (on the
+    default model at 1 thread, about 20 % from 64 to 800 tokens): ``t1_at(n)`` is T(1)
+    after ``n`` tokens, linear in ``n`` with the slope ``slope_s`` measured beside it, so
+    that a draft step or a round measured in seconds at a long context is put in units of
+    the plain step *there*, which is what plain decoding would spend."""
 
     t1_s: float
     ratios: dict[int, float]
+    context: int = 64
+    slope_s: float = 0.0  # seconds per context token of a one-row step
+
+    def t1_at(self, context: int) -> float:
+        return self.t1_s + self.slope_s * max(0, context - self.context)
 
     def v(self, m: int) -> float:
         if m in self.ratios:
@@ -100,7 +110,26 @@ class VerifyCurve:
         for m in CURVE_ROWS:
             run = max(run, best[m] / t1)
             ratios[m] = round(run, 4)
-        return cls(t1, ratios)
+        return cls(t1, ratios, context, cls._slope(engine, context, t1, rounds))
+
+    @staticmethod
+    def _slope(engine: Engine, context: int, t1: float, rounds: int, extra: int = 512) -> float:
+        """Seconds per context token of a one-row step: T(1) after ``context + extra`` tokens
+        (fewer where the model's positions end sooner) against T(1) after ``context``; never negative."""
+        extra = min(extra, engine.adapter.max_positions - context - 2)
+        if extra < 64:
+            return 0.0
+        long = context + extra
+        cache = engine.new_cache(long + 2)
+        ids = torch.arange(long + 1, device=engine.device) % max(2, engine.vocab_size)
+        engine.forward(cache, ids[:long], positions=0, logits_rows=None)
+        best = float("inf")
+        for r in range(rounds + 1):  # pass 0 warms up
+            dt = timed(lambda: engine.forward(cache, ids[long:], positions=long), engine.device)[1]
+            if r:
+                best = min(best, dt)
+            cache.crop(long)
+        return max(0.0, (best - t1) / extra)
 
 
 @torch.inference_mode()

@@ -6,7 +6,9 @@ statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
 
 1. ``draft = proposer.propose(state, budget)`` where ``budget`` is the most draft
    tokens the round could still emit (``remaining - 1``: a round emits drafts + 1);
-2. the driver verifies the draft with the shared exact rules of :mod:`.verify`:
+2. the driver verifies the draft with the shared exact rules of :mod:`.verify`
+   (under the sampling rule ``gumbel``, the greedy rules applied to the rows'
+   processed scores plus their positions' noise, :mod:`.sampling`):
 
    * a chain (``tokens``; ``q`` the laws they were sampled from, or None for
      deterministic drafts) or a tree (``parents``): one full-depth forward of the
@@ -34,11 +36,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine, ForwardOutput
 from ..engine.tree import tree_depths
 from .loop import DecodeResult, DecodeStats, TokenSink
-from .sampling import make_generator, select_token
+from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
 from .state import DecodeState
 from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
 
@@ -81,6 +83,7 @@ class Proposer:
     lookahead: int = 0
     needs_attn_cosine: bool = False
     t1_s: float | None = None  # a plain step's seconds, when the proposer plans with measured costs
+    curve: Any = None  # with it, the plain step at a context (decoding/cost.py VerifyCurve.t1_at)
     plain_s: float | None = None  # a plain round's seconds (running average kept by the driver)
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
@@ -116,14 +119,18 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     sink = TokenSink(cfg, proposer.tokenizer)
     stats = DecodeStats()
     gen = make_generator(cfg.sampling, eng.device)
+    noise = None
+    if gen is not None and cfg.sampling.rule == "gumbel":  # a sample is a function of (seed, position, law)
+        noise = PositionNoise(gen.initial_seed(), eng.vocab_size, eng.device)
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
-                        sampling=cfg.sampling, generator=gen, eos=sink.eos)
+                        sampling=cfg.sampling, generator=gen, eos=sink.eos, noise=noise)
     expected = cost = 0.0  # the planners' predictions, summed over rounds
+    plain_equiv = 0.0  # what plain decoding would have spent on the tokens emitted, at their contexts
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = state.prefill(attn_cosine=proposer.needs_attn_cosine, **proposer.verify_options())
-        first = select_token(out.logits[-1], cfg.sampling, gen)
+        first = select_token(out.logits[-1], cfg.sampling, gen, noise(state.pos + 1) if noise is not None else None)
         state.commit_decided([first])
         _record(stats, sink, [first], 0, on_tokens)
         stats.target_forwards += 1
@@ -141,7 +148,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             if not depth and draft.logits is None and not draft.decided:  # a plain round: the unit of cost
                 plain = proposer.plain_s
                 proposer.plain_s = t3 - t1 if plain is None else 0.8 * plain + 0.2 * (t3 - t1)
-            elif depth and (unit := proposer.plain_s or proposer.t1_s):  # before any plain round: T(1)
+            elif depth and (unit := proposer.plain_s or _plain_step(proposer, state.pos)):  # before any plain round: T(1)
                 draft.round_steps = (t3 - t1) / unit
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
@@ -153,13 +160,14 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
                 stats.draft_rounds += 1
                 stats.drafted_tokens += depth
             _record(stats, sink, verdict.tokens, len(verdict.accepted), on_tokens)
+            plain_equiv += stats.accept_lengths[-1] * (_plain_step(proposer, state.pos) or 0.0)
             t4 = time.perf_counter()
             proposer.update(state, draft, verdict, out)
             timings["update_s"] += time.perf_counter() - t4
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
     decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a proposer's own work counts
-    if proposer.t1_s and decode_s > 0:  # tokens per plain step's time: the gain the plans realized
-        stats.extra["realized_gain"] = round((len(sink.tokens) - 1) * proposer.t1_s / decode_s, 4)
+    if proposer.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain the plans realized
+        stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
             stats.extra["predicted_gain"] = round(expected / cost, 4)
             stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
@@ -176,6 +184,16 @@ def _record(stats: DecodeStats, sink: TokenSink, tokens: list[int], accepted: in
         on_tokens(tokens[:kept])
 
 
+_GREEDY = SamplingConfig()
+
+
+def _plain_step(proposer: Proposer, context: int) -> float | None:
+    """A plain step's seconds after ``context`` tokens, for a proposer that plans with measured costs."""
+    if proposer.curve is not None:
+        return proposer.curve.t1_at(context)
+    return proposer.t1_s
+
+
 def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:
     """Apply the shared exact rule to a draft and commit the result in ``state``."""
     sampling = state.sampling
@@ -186,6 +204,9 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
     if draft.logits is None:
         out = state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options())
     logits = draft.logits if out is None else out.logits
+    if state.noise is not None:  # rule gumbel: the greedy rules on the rows' perturbed scores
+        logits = gumbel_scores(logits, sampling, state.noise.rows(state.row_positions(logits.shape[0], draft.parents)))
+        sampling = _GREEDY
     if draft.parents is not None:
         verdict = verify_tree(draft.tokens, draft.parents, logits, sampling, state.generator)
     elif sampling.greedy:

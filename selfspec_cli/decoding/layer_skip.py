@@ -33,7 +33,7 @@ import torch
 from ..engine import Engine
 from .cost import Planner, VerifyCurve, measure_draft_step
 from .driver import Draft, Proposer
-from .sampling import processed_probs, sample_from
+from .sampling import processed_scores, sample_from
 from .state import DecodeState
 from .verify import Verdict, tree_children
 
@@ -72,7 +72,7 @@ class CostSlot:
     step timed before its first draft."""
 
     planner: Planner | None = None
-    step_s: float | None = None
+    step_c: float | None = None
     c0: float | None = None
 
 
@@ -124,7 +124,7 @@ class LayerSkipProposer(Proposer):
         self.threshold = AdaptiveThreshold(draft.threshold)
         self.lookahead = draft.max_draft if not draft.tree else (draft.tree_max_nodes or 64)
         self.planner: Planner | None = None
-        self._step_s: float | None = None  # EMA of one draft forward, seconds
+        self._step_c: float | None = None  # EMA of one draft forward over the plain step at its context
         # hybrid drafts: an n-gram source (state, budget) -> (continuation, n); its continuation joins
         # the layer-skip draft as a second branch of one tree (deterministic nodes, the exact tree rule)
         self.ngram: Callable[[DecodeState, int], tuple[list[int], int]] | None = None
@@ -169,7 +169,7 @@ class LayerSkipProposer(Proposer):
         """Forget the measured draft costs; a quantized draft's are timed now, not inside a timed decode."""
         if self._full:
             self._swap()
-        self._step_s = self._c0 = None
+        self._step_c = self._c0 = None
         self._other = CostSlot()
         if self.precision is not None and self.draft_cfg.cost_aware:
             t1 = self._planner().curve.t1_s
@@ -181,7 +181,7 @@ class LayerSkipProposer(Proposer):
         """Make the other variant (skip set / full depth) the active one."""
         o = self._other
         self.planner, o.planner = o.planner, self.planner
-        self._step_s, o.step_s = o.step_s, self._step_s
+        self._step_c, o.step_c = o.step_c, self._step_c
         self._c0, o.c0 = o.c0, self._c0
         self._full = not self._full
 
@@ -225,8 +225,8 @@ class LayerSkipProposer(Proposer):
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share
         of sublayers the skip set keeps)."""
-        if self._step_s is not None and self.planner is not None:
-            return self._step_s / self.planner.curve.t1_s
+        if self._step_c is not None and self.planner is not None:
+            return self._step_c
         attn, mlp = self._sets()
         if self.precision is None:
             return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
@@ -238,7 +238,7 @@ class LayerSkipProposer(Proposer):
         if self.planner is None:
             self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft,
                                    width=2 if self.draft_cfg.tree and not self._full else 1)
-            self.t1_s = self.planner.curve.t1_s
+            self.t1_s, self.curve = self.planner.curve.t1_s, self.planner.curve
         return self.planner
 
     def expected_gain(self, budget: int) -> float:
@@ -306,10 +306,22 @@ class LayerSkipProposer(Proposer):
             # logits over the whole vocabulary, or over the draft vocabulary (column i: token vocab[i])
             logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head,
                                weights=self.precision, kv_window=dc.kv_window).logits[0]
-            probs = logits.softmax(-1) if state.sampling.greedy else processed_probs(logits, state.sampling)
+            key = None  # rule gumbel: the position's perturbed scores, whose argmax the target takes too
+            if state.sampling.greedy:
+                probs = logits.softmax(-1)
+            else:
+                scores = processed_scores(logits, state.sampling)
+                probs = scores.softmax(-1)
+                if state.noise is not None:
+                    g = state.noise(state.next_position)
+                    key = scores + (g if vocab is None else g[self._vocab_index])
             if use_tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep
-                values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
+                if key is None:
+                    values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
+                else:  # the candidates in the order the target's perturbed argmax would take them
+                    indices = torch.topk(key, min(max_k, key.shape[-1])).indices
+                    values = probs[indices]
                 values, indices = values.tolist(), indices.tolist()
                 if vocab is not None:
                     indices = [vocab[i] for i in indices]
@@ -323,7 +335,9 @@ class LayerSkipProposer(Proposer):
                 if node_cap is not None and len(tokens) >= node_cap:
                     break  # node budget spent (counts as the length limit: hit_limit stays True)
             else:
-                if state.sampling.greedy or cont:  # hybrid trees hold deterministic nodes only
+                if key is not None:  # the Gumbel pick: deterministic given the noise, coupled with the target's
+                    d, conf = key.argmax(), probs.max()
+                elif state.sampling.greedy or cont:  # hybrid trees hold deterministic nodes only
                     conf, d = probs.max(-1)
                 else:
                     d = sample_from(probs, state.generator)
@@ -338,8 +352,9 @@ class LayerSkipProposer(Proposer):
                 break
             if d in state.eos:  # nothing after an end of sequence can be emitted
                 break
-        step_s = (time.perf_counter() - t0) / steps
-        self._step_s = step_s if self._step_s is None else 0.8 * self._step_s + 0.2 * step_s
+        # one draft step over the plain step at this context (decoding/cost.py, VerifyCurve.t1_at)
+        step_c = (time.perf_counter() - t0) / steps / self._planner().curve.t1_at(state.pos + steps // 2)
+        self._step_c = step_c if self._step_c is None else 0.8 * self._step_c + 0.2 * step_c
         if plan is not None and (steps < budget or use_tree):  # the round as drafted, not as planned
             plan = self.planner.drafted(steps, len(tokens), self.draft_cost())
         info: dict[str, Any] = {"hit_limit": hit_limit, "chain_nodes": len(tokens)}

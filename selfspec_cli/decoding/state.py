@@ -30,12 +30,14 @@ import torch
 from ..config import SamplingConfig
 from ..engine import Engine, ForwardOutput
 from ..engine.runner import ALL_ROWS
-from ..engine.tree import tree_mask_from_parents, tree_positions
+from ..engine.tree import tree_depths, tree_mask_from_parents, tree_positions
+from .sampling import PositionNoise
 
 
 class DecodeState:
     def __init__(self, engine: Engine, prompt_ids: Sequence[int], *, max_new_tokens: int, lookahead: int,
-                 sampling: SamplingConfig, generator: torch.Generator | None, eos: frozenset[int] = frozenset()) -> None:
+                 sampling: SamplingConfig, generator: torch.Generator | None, eos: frozenset[int] = frozenset(),
+                 noise: PositionNoise | None = None) -> None:
         if not prompt_ids:
             raise ValueError("an empty prompt has nothing to condition on")
         self.engine = engine
@@ -44,6 +46,7 @@ class DecodeState:
         self.in_flight: list[int] = []
         self.sampling = sampling
         self.generator = generator
+        self.noise = noise  # sampling rule gumbel: the per-position noise (decoding/sampling.py)
         self.eos = eos
         # the one place capacity is computed: prompt + output + what a round may write beyond it
         self.cache = engine.new_cache(self.prompt_len + max_new_tokens + lookahead + 2)
@@ -61,6 +64,19 @@ class DecodeState:
     @property
     def output(self) -> list[int]:
         return self.committed[self.prompt_len :]
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token drafted next (after the committed and in-flight tokens)."""
+        return len(self.committed) + len(self.in_flight)
+
+    def row_positions(self, n_rows: int, parents: Sequence[int] | None = None) -> list[int]:
+        """Positions of the tokens a verification's rows predict: row 0 (the pending token's)
+        predicts ``pos + 1``; a chain's row ``i`` ``pos + 1 + i``; a tree node's row, the
+        position after its own."""
+        if parents is None:
+            return [self.pos + 1 + i for i in range(n_rows)]
+        return [self.pos + 1] + [self.pos + 2 + d for d in tree_depths(list(parents))]
 
     def through_stop(self, tokens: Sequence[int]) -> list[int]:
         """``tokens`` up to and including the first stop token: nothing after an end of
@@ -117,6 +133,8 @@ class DecodeState:
         """Commit tokens a (lossy) proposer chose itself; the rows it ran stay cached."""
         self.committed.extend(int(t) for t in tokens)
         self.in_flight.clear()
+        if self.noise is not None:
+            self.noise.forget_before(len(self.committed))
 
     def rollback(self) -> None:
         """Drop everything past ``pos`` at every layer, and the tokens in flight."""

@@ -22,6 +22,9 @@ rows verify them in order:
   ``min(1, p*/p_i)``, resample from ``norm(max(0, p* - p_i))``) treats the gated
   proposal as if it were a sample of ``p_i`` and is biased; the sampling test runs
   it as a control and rejects it.
+  That is the sampling rule ``speculative``; under ``gumbel`` (the default) the early
+  token is the head's pick with the position's Gumbel noise, accepted when it equals
+  the target's (decoding/sampling.py).
 * if all are accepted the last row's final distribution gives one more token.
 
 As a proposer of the shared driver, one round is the run of the pending token (and
@@ -108,7 +111,8 @@ class AdaDecode(Method):
 
     def _measure_head_cost(self) -> float:
         """One head check (low-rank correction + the LM head on one row) over a plain step."""
-        self.t1_s = VerifyCurve.for_engine(self.engine).t1_s
+        self.curve = VerifyCurve.for_engine(self.engine)
+        self.t1_s = self.curve.t1_s
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         self._head(k, row)  # warm-up: the first call allocates
@@ -177,10 +181,12 @@ class AdaDecode(Method):
                 q = head.softmax(-1) if sampling.greedy else processed_probs(head, sampling)
                 conf, guess = q.max(-1)
                 if float(conf) > c.adadecode_threshold:
+                    if state.noise is not None:  # rule gumbel: the position's perturbed pick, which the target's may equal
+                        guess = (q.log() + state.noise(state.next_position)).argmax()
                     token = int(guess)
                     waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
                     early.append(token)
-                    if not sampling.greedy:
+                    if not sampling.greedy and state.noise is None:
                         early_q.append(proposal_law(q, token))
                     state.feed(token)
                     self.exits[e - 1] += 1

@@ -1,0 +1,22 @@
+"""The console script: ``selfspec``. Kept free of heavy imports, so that a Ctrl-C while
+torch and transformers load (the first second or two) ends with the one interrupt line
+and status 130 rather than a traceback; and a signal that arrives after the command
+finished (while the interpreter exits) is ignored, since the work is done."""
+from __future__ import annotations
+
+import signal
+import sys
+
+INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
+
+
+def run() -> None:
+    try:
+        from .app import main
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
+    status = main()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the command has finished: exit whatever arrives now
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(status)
