@@ -252,6 +252,31 @@ def _stderr_log(msg: str) -> None:
     print(f"selfspec: {msg}", file=sys.stderr, flush=True)
 
 
+def _check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
+    """A hub id not in the local cache needs the hub: refuse at once (one line) when it cannot be
+    reached, instead of transformers' retries (about 30 s and a dozen warnings on a machine
+    without network)."""
+    import socket
+
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return  # cached: loads offline
+    except Exception:  # noqa: BLE001 - a malformed id: transformers' own error below names it
+        return
+    if os.environ.get("HF_HUB_OFFLINE"):
+        raise ModelLoadError(f"'{repo_id}' is not a local path and not in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                             "set; pass --model a local directory or .gguf file, or download it first")
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        raise ModelLoadError(f"'{repo_id}' is not a local path and not in the Hugging Face cache, and {host} cannot be "
+                             "reached from here; pass --model a local directory or .gguf file, or check the hub id "
+                             "and network access") from None
+
+
 def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto",
                log: Any = _stderr_log) -> tuple[torch.nn.Module, Any]:
     """Load (model, tokenizer) in eval mode. Errors are SelfSpecError with a fix.
@@ -263,6 +288,8 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     where = resolve_model_path(spec, log)
+    if not Path(str(where)).exists():
+        _check_hub_reachable(str(where))
     try:
         config = AutoConfig.from_pretrained(where)
     except (OSError, ValueError) as exc:

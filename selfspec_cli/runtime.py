@@ -47,7 +47,9 @@ def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template
 
 
 def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx: int, use_chat_template: bool) -> None:
-    """Refuse up front a prompt whose first turn cannot fit the model's context."""
+    """Refuse up front a prompt that may not fit the model's context: its first turn plus
+    --max-new-tokens, and for a conversation every turn with every answer at its longest
+    (--max-new-tokens is an exact upper bound per turn, so the worst case must fit)."""
     if not ctx:
         return
     n = len(encode_turn(tokenizer, [{"role": "user", "content": prompt.turns[0]}], use_chat_template))
@@ -58,6 +60,19 @@ def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx
             f"prompt {prompt.id!r} ({n} tokens) plus --max-new-tokens {cfg.max_new_tokens} exceeds the model's "
             f"context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten the prompt"
         )
+    if len(prompt.turns) > 1:
+        history: list[dict[str, str]] = []
+        for i, turn in enumerate(prompt.turns):  # the last turn's prefill with empty answers, then the answers
+            if i:
+                history.append({"role": "assistant", "content": ""})
+            history.append({"role": "user", "content": turn})
+        k = len(prompt.turns)
+        total = len(encode_turn(tokenizer, history, use_chat_template)) + k * cfg.max_new_tokens
+        if total > ctx:
+            most = (ctx - (total - k * cfg.max_new_tokens)) // k
+            fix = (f"lower --max-new-tokens to at most {most}" if most > 0 else "shorten the turns") + " or drop turns"
+            raise ConfigError(f"prompt {prompt.id!r}: its {k} turns with answers of up to --max-new-tokens "
+                              f"{cfg.max_new_tokens} each reach {total} tokens, more than the model's context of {ctx}; {fix}")
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
@@ -83,8 +98,10 @@ def run_prompt(
 ) -> dict[str, Any]:
     """Decode every turn of ``prompt`` and return its output record.
 
-    Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` and
-    ``text`` are the turns' outputs concatenated, ``new_tokens``, ``prompt_tokens``
+    Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` are the
+    turns' outputs concatenated and ``text`` the turns' texts joined by a blank line
+    (:data:`TURN_SEPARATOR`); a turn cut by the length limit inside a multi-byte character
+    leaves that torn character out of its text (never out of ``token_ids``); ``new_tokens``, ``prompt_tokens``
     (tokens prefilled: each turn's prompt holds the conversation so far),
     ``wall_time_s``, ``tokens_per_s`` and ``stats`` are totals over the turns, and
     ``finish_reason`` is the last turn's. Per-turn values are in ``turns[i]``
@@ -97,6 +114,8 @@ def run_prompt(
         ids = encode_turn(tokenizer, history, use_chat_template)
         res, wall = timed(lambda: generate(ids, cfg), device)
         text = tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        if res.finish_reason == "length":  # cut inside a multi-byte character: drop the torn one (token_ids keep it)
+            text = text.rstrip("\ufffd")
         history.append({"role": "assistant", "content": text})
         stats = res.stats.as_dict()
         turns.append({
@@ -117,7 +136,7 @@ def run_prompt(
         "id": prompt.id,
         "method": method_name,
         "lossless": lossless,
-        "text": "".join(t["text"] for t in turns),
+        "text": TURN_SEPARATOR.join(t["text"] for t in turns),
         "token_ids": [x for t in turns for x in t["token_ids"]],
         "new_tokens": new_tokens,
         "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
@@ -134,6 +153,9 @@ def run_prompt(
         record["num_turns"] = len(turns)
         record["turns"] = turns
     return record
+
+
+TURN_SEPARATOR = "\n\n"
 
 
 def _merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -97,7 +97,9 @@ class MemorySampler:
 
 def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokenizer: Any, cfg: GenerationConfig,
               device: torch.device, warmup: int = 1, repeats: int = 1, use_chat_template: bool = True,
-              on_record: Callable[[str, int, dict[str, Any]], None] | None = None) -> dict[str, ContenderResult]:
+              on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
+              done: dict[str, dict[tuple[int, Any], dict[str, Any]]] | None = None,
+              partial: dict[str, ContenderResult] | None = None) -> dict[str, ContenderResult]:
     """Warm up each contender on the first prompt, then ``repeats`` timed passes.
 
     Within a pass the order is prompt-major: every contender decodes prompt 1, then every
@@ -105,8 +107,15 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
     A slowdown of a shared machine (another job, CPU steal) then lands on all contenders
     within seconds of each other instead of on whichever ran during it. Each contender's
     instance lives for the whole pass (SWIFT's state carries across its prompts).
+
+    ``done``: records of an interrupted run, per contender and (pass, prompt id), kept as
+    they are and not run again (``bench --resume``). ``partial``: filled as the run goes, so
+    that a caller interrupted mid-run has every finished record.
     """
+    done = done or {}
     results = {c.name: ContenderResult(c.name, c.lossless, c.kind) for c in contenders}
+    if partial is not None:
+        partial.update(results)
     for c in contenders:
         for _ in range(warmup):
             run_prompt(c.make(), tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
@@ -120,6 +129,9 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
                 for j in range(len(contenders)):
                     c = contenders[(i + rep + j) % len(contenders)]
                     res = results[c.name]
+                    if (rep, p.id) in done.get(c.name, {}):
+                        res.repeats[-1].append(done[c.name][(rep, p.id)])
+                        continue
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
                     mem.running(c.name)

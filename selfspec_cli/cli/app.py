@@ -11,7 +11,7 @@ import typer
 from .. import __version__
 from ..errors import SelfSpecError
 from .bench import bench
-from .common import pop_exit_note, set_invocation
+from .common import OutputClosed, pop_exit_note, set_invocation
 from .calibrate import calibrate
 from .generate import generate
 from .profile import profile
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(exc.format_message().split())
         print(f"selfspec: error: {msg} (see {where})", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader closed the pipe (`| head -n1`): what it wanted was written
+    except (BrokenPipeError, OutputClosed):  # the reader closed the pipe (`| head -n1`): what it wanted was written
         _quiet_stdout()
         return 0
     except BaseException:

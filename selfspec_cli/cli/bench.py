@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -30,9 +31,10 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build
-from ..prompts import PROMPT_FORMATS
+from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import (MODEL_HELP, SAMPLING_RULE_HELP, THREADS_HELP, apply_threads, check_choice, check_not_input, err_console, invocation,
+from .common import (MODEL_HELP, SAMPLING_RULE_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
+                     check_not_input, err_console, invocation, set_exit_note,
                      log, progress, table, write_record)
 from .method_options import method_config
 from ..jsonio import dumps
@@ -50,14 +52,53 @@ REFERENCE, BASELINE = "ar", "hf"
 
 
 # files bench writes into --output-dir (and only these are ever deleted, with --force)
-BENCH_FILES = ("results.json", "speedup_by_category.png", "accept_lengths.png", "records/*.jsonl", "answers/*.jsonl",
-               "*_skip_sets.png")
+BENCH_FILES = ("results.json", "run.json", "speedup_by_category.png", "accept_lengths.png", "records/*.jsonl",
+               "answers/*.jsonl", "*_skip_sets.png")
 
 
 def bench_files(output_dir: Path) -> list[Path]:
     """Files of an earlier bench run in ``output_dir``: its fixed names, records/*.jsonl,
     answers/*.jsonl and *_skip_sets.png. Nothing else there is touched."""
     return [p for pattern in BENCH_FILES for p in sorted(output_dir.glob(pattern)) if p.is_file()]
+
+
+def _earlier_records(output_dir: Path, run_key: dict[str, Any], names: list[str]) -> dict[str, dict[tuple[int, Any], dict]]:
+    """--resume: the finished records of the interrupted run in ``output_dir``, per contender,
+    keyed by (pass, prompt id); a torn last line is dropped. Refused when that run was another command."""
+    try:
+        earlier = json.loads((output_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ConfigError(f"--resume: '{output_dir}' holds no interrupted bench run (no readable run.json); "
+                          "drop --resume to start one") from None
+    diff = [k for k in run_key if earlier.get(k) != run_key[k]]
+    if diff:
+        raise ConfigError(f"--resume: the run in '{output_dir}' was made with other settings ({', '.join(diff)}); "
+                          "resume it with its own command, or choose another --output-dir")
+    done: dict[str, dict[tuple[int, Any], dict]] = {}
+    for n in names:
+        path = output_dir / "records" / f"{n}.jsonl"
+        if not path.is_file():
+            continue
+        cut_to_last_line(path)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            done.setdefault(n, {})[(rec["repeat"], rec["id"])] = rec
+    return done
+
+
+def _complete_cells(partial: dict[str, ContenderResult], prompts: Sequence[Prompt]) -> dict[str, ContenderResult] | None:
+    """The (pass, prompt) cells every contender finished, as results (None when there is none)."""
+    if not partial:
+        return None
+    passes = min(len(r.repeats) for r in partial.values())
+    out = {n: ContenderResult(r.name, r.lossless, r.kind, peak_rss_mb=r.peak_rss_mb) for n, r in partial.items()}
+    for rep in range(passes):
+        ids = set.intersection(*({rec["id"] for rec in r.repeats[rep]} for r in partial.values()))
+        if not ids:
+            continue
+        for n, r in partial.items():
+            out[n].repeats.append([rec for rec in r.repeats[rep] if rec["id"] in ids])
+    return out if any(r.repeats for r in out.values()) else None
 
 
 def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
@@ -134,6 +175,7 @@ def bench(
     repeats: int = typer.Option(1, "--repeats", help="Timed passes over all prompts (interleaved); tokens/s is the median."),
     output_dir: Path = typer.Option(Path("bench-out"), "--output-dir", "-o", help="Where results.json, records, answers and plots go. Refused when it holds an earlier bench run's files, unless --force."),
     force: bool = typer.Option(False, "--force", help="Delete the files an earlier bench run wrote in --output-dir (only those) before running."),
+    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run in --output-dir: the same command plus --resume keeps every finished record and runs only the prompts and passes missing (a method's state that carries across the prompts of a pass, SWIFT's search, restarts where the pass resumes)."),
     plot: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
     costs: bool = typer.Option(True, "--costs/--no-costs", help="Measure the engine's costs first (floor, T(1), v(k), c(r), LM head share, as `selfspec profile` does, 7 rounds; about 10 s on the default model) and record them in results.json."),
     early_exit_layer: Optional[int] = typer.Option(None, "--early-exit-layer", help="hf-early-exit: layer the draft exits at (default: half the layers)."),
@@ -166,7 +208,9 @@ def bench(
     if "hf-assisted" in names and assistant_model is None:
         raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
-    stale = bench_files(output_dir)
+    if resume and force:
+        raise ConfigError("--resume keeps the earlier run's records and --force deletes them; pass one of them")
+    stale = [] if resume else bench_files(output_dir)
     if stale and not force:
         shown = ", ".join(str(p.relative_to(output_dir)) for p in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
         raise ConfigError(f"--output-dir '{output_dir}' holds files of an earlier bench run ({shown}); pass --force to delete "
@@ -213,6 +257,10 @@ def bench(
             descriptions[n] = PEERS[n]
             contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
+    run_key = {"methods": names, "prompts": [p.id for p in prompts], "max_new_tokens": max_new_tokens,
+               "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype),
+               "chat_template": chat_template, "warmup": warmup}
+    done = _earlier_records(output_dir, run_key, names) if resume else {}
     for f in stale:
         f.unlink(missing_ok=True)
     try:
@@ -220,6 +268,9 @@ def bench(
             (output_dir / sub).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create --output-dir '{output_dir}' ({exc.strerror}); choose a writable directory") from None
+    atomic_write(output_dir / "run.json", lambda f: f.write((dumps(run_key, indent=2) + "\n").encode()))
+    if done:
+        log(f"[dim]resuming: {sum(len(v) for v in done.values())} finished records kept[/dim]")
     cats = Counter(p.category or "all" for p in prompts)
     log(f"[dim]model {model_name(mdl)} ({mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {dev}, "
         f"{torch.get_num_threads()} threads); {len(prompts)} prompts ({', '.join(f'{c} {k}' for c, k in cats.items())}) "
@@ -235,10 +286,13 @@ def bench(
             f"c(0.5) {engine_costs['draft_cost']['0.5']:.2f}, LM head {engine_costs['lm_head_share']:.0%}; "
             f"matrix products: {engine.kernel_info['backend']}[/dim]")
 
+    partial: dict[str, ContenderResult] = {}
     with ExitStack() as stack, progress() as bar:
-        files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open("w", encoding="utf-8")) for n in names}
+        mode = "a" if resume else "w"
+        files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open(mode, encoding="utf-8")) for n in names}
         running = {n: Counter() for n in names}  # new tokens and seconds so far, per contender
         task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
+        bar.update(task, advance=sum(len(v) for v in done.values()))
 
         def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
             write_record(files[name], rec)
@@ -246,14 +300,31 @@ def bench(
             r.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
             bar.update(task, advance=1, info=f"{name} {r['tokens'] / max(r['seconds'], 1e-9):.1f} tok/s")
 
-        results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record)
+        try:
+            results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record,
+                                done=done, partial=partial)
+        except KeyboardInterrupt:
+            stack.close()
+            kept = _complete_cells(partial, prompts)
+            note = f"records are in {output_dir}/records; the same command with --resume finishes the run"
+            if kept is not None:
+                summary = summarize(kept, REFERENCE if REFERENCE in kept else None, BASELINE if BASELINE in kept else None,
+                                    descriptions, offline, num_layers=engine.num_layers)
+                doc = document(summary, setup={**source, "complete": False, "command": invocation(), "decoding": decoding},
+                               environment=environment_info(dev, engine.dtype), model={"name": model_name(mdl)},
+                               reference=REFERENCE if REFERENCE in kept else None,
+                               baseline=BASELINE if BASELINE in kept else None, files={})
+                atomic_write(output_dir / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))
+                note = f"results.json holds the prompts every contender finished (marked incomplete); {note}"
+            set_exit_note(note)
+            raise
 
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
     summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": decoding, "batch_size": 1,
-             "chat_template": chat_template, "seed": seed, "command": invocation(),
+             "chat_template": chat_template, "seed": seed, "command": invocation(), "complete": True,
              "early_exit_layer": early_exit_layer, "assistant_model": assistant_model}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
                   "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}
@@ -284,7 +355,7 @@ def bench(
     elif lossless_bad:
         log(f"[bold red]parity below 100% for lossless {', '.join(lossless_bad)}: see 'differing' in {output_dir}/results.json[/bold red]")
     log(f"wrote {output_dir}/results.json")
-    print(dumps(headline(doc)), flush=True)
+    print_json(headline(doc))
 
 
 def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,

@@ -26,8 +26,7 @@ from ..methods.base import DRAFT_PRECISIONS, resolve_precision
 from ..methods import head_store as store
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress, set_exit_note
-from ..jsonio import dumps
+from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, log, progress, set_exit_note
 
 
 def _check_output(path: Path, force: bool, directory: bool = False) -> Path:
@@ -177,7 +176,7 @@ def calibrate(
         "speedup_vs_ar": obj.get("speedup_vs_ar"), "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
         "trials": result.trials, "new_trials": result.new_trials, "below_ar": below_ar,
     }
-    print(dumps(summary), flush=True)
+    print_json(summary)
 
 
 def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
@@ -213,7 +212,7 @@ def _calibrate_specee(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg
     log(f"exit probability per layer: {probs}; exit rate {manifest['exit_rate']:.3f}")
     log(f"[bold]selected predictor layers {st.selected_layers} ({manifest['selected_exit_share']:.0%} of exits)[/bold]")
     log(f"wrote {out_path}")
-    print(dumps({"method": "specee", "artifact": str(out_path), **st.as_dict()}), flush=True)
+    print_json({"method": "specee", "artifact": str(out_path), **st.as_dict()})
 
 
 def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cfg: GenerationConfig, out_path: Path,
@@ -238,4 +237,4 @@ def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cf
     log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({res.tokens} tokens counted, "
         f"{int((res.counts > 0).sum())} distinct)[/bold]")
     log(f"wrote {out_path}")
-    print(dumps({"method": "fr-spec", "artifact": str(out_path), **res.summary()}), flush=True)
+    print_json({"method": "fr-spec", "artifact": str(out_path), **res.summary()})

@@ -72,6 +72,9 @@ def apply_threads(threads: int | None) -> int:
     n = DEFAULT_THREADS if threads is None else threads
     if n < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n > cores:  # more threads than cores only make them wait on each other
+        raise ConfigError(f"--threads {n} is more than the {cores} CPU cores this process may use; pass at most {cores}")
     torch.set_num_threads(n)
     return n
 
@@ -111,7 +114,7 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def _cut_to_last_line(path: Path) -> int:
+def cut_to_last_line(path: Path) -> int:
     """Drop a torn last line (an interrupted write); returns the number of complete lines."""
     data = path.read_bytes()
     keep = data[: data.rfind(b"\n") + 1]
@@ -194,7 +197,7 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
             yield f
         os.replace(tmp, path)
     except BaseException:
-        n = _cut_to_last_line(tmp)
+        n = cut_to_last_line(tmp)
         if n == 0:
             tmp.unlink(missing_ok=True)
         else:
@@ -202,9 +205,22 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
         raise
 
 
+class OutputClosed(Exception):
+    """The reader of stdout or of an --output pipe went away (``| head -n1``). Not an OSError,
+    so that click does not turn it into exit status 1; the entry point ends quietly."""
+
+
 def write_record(stream: IO[str], record: dict[str, Any]) -> None:
-    stream.write(dumps(record, ensure_ascii=False) + "\n")
-    stream.flush()
+    try:
+        stream.write(dumps(record, ensure_ascii=False) + "\n")
+        stream.flush()
+    except BrokenPipeError:
+        raise OutputClosed from None
+
+
+def print_json(obj: Any) -> None:
+    """A command's one-line JSON summary on stdout."""
+    write_record(sys.stdout, obj)
 
 
 MODEL_HELP = ("Model: a .gguf file (converted once into the model cache), a local Hugging Face directory, a hub id, "

@@ -10,9 +10,21 @@ import sys
 INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
 
 
+_seen: list[int] = []
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _seen.append(signum)  # remembered: some import-time code catches every exception and would lose it
+    raise KeyboardInterrupt
+
+
 def run() -> None:
+    signal.signal(signal.SIGINT, _on_sigint)
     try:
         from .app import main
+
+        if _seen:  # interrupted while importing, and the interrupt was swallowed on the way
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)

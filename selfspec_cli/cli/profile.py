@@ -22,8 +22,7 @@ from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS, fr_spec
 from ..runtime import encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, err_console, log, progress, table
-from ..jsonio import dumps
+from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, err_console, log, progress, table
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -55,6 +54,9 @@ def profile(
     predict_methods = [m for m in predict.replace(" ", "").split(",") if m]
     if unknown := [m for m in predict_methods if m not in METHODS]:
         raise ConfigError(f"--predict: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    if unplanned := [m for m in predict_methods if m not in prof.PREDICT_METHODS]:
+        raise ConfigError(f"--predict: {unplanned[0]} does not plan its rounds with the cost model, so there is nothing "
+                          f"to predict; choose from {', '.join(prof.PREDICT_METHODS)} (selfspec bench measures it)")
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
@@ -126,7 +128,7 @@ def profile(
     log(f"wrote {output_dir / 'profile.json'}")
     keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
             "kernel_max_logit_diff")
-    print(dumps({k: result[k] for k in keys}), flush=True)
+    print_json({k: result[k] for k in keys})
 
 
 def _table(r: dict[str, Any]) -> Table:

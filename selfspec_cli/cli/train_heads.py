@@ -20,8 +20,7 @@ from ..loading import load_model, model_fingerprint
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
 from ..prompts import PROMPT_FORMATS
-from .common import MODEL_HELP, THREADS_HELP, apply_threads, check_choice, log, progress
-from ..jsonio import dumps
+from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
@@ -162,4 +161,4 @@ def train_heads(
     summary = {"kind": kind, "artifact": str(out_path), "layers": sorted(trained), **extra, "report": manifest["report"],
                "rows": data.num_rows, "collect_seconds": collect_s, "train_seconds": train_s, "total_seconds": total,
                "thresholds": list(DEFAULT_THRESHOLDS)}
-    print(dumps(summary), flush=True)
+    print_json(summary)
