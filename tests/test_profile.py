@@ -7,6 +7,7 @@ import json
 import torch
 
 from selfspec_cli.bench import profile as prof
+from selfspec_cli.decoding.cost import CURVE_ROWS
 from selfspec_cli.cli.app import main
 from selfspec_cli.engine import Engine
 
@@ -28,7 +29,7 @@ def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
     for key in ("floor_ms", "step_ms", "verify_cost", "draft_cost", "lm_head_share", "bandwidth_gbs", "weight_bytes",
                 "kernel", "kernel_max_logit_diff", "redundancy", "environment"):
         assert key in doc, key
-    assert sorted(int(k) for k in doc["verify_cost"]) == list(range(1, 17))
+    assert sorted(int(k) for k in doc["verify_cost"]) == list(CURVE_ROWS)  # the planners' curve, shared
     assert doc["verify_cost"]["1"] == 1.0
     assert set(doc["draft_cost"]) == {"0.2", "0.3", "0.4", "0.5", "0.6"}
     assert doc["floor_ms"] > 0 and doc["step_ms"] > 0 and 0 < doc["lm_head_share"]
@@ -68,8 +69,12 @@ def test_profile_bad_inputs(capsys, tiny_model_dir, tmp_path):
     assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(f)], "is a file")
 
 
-def test_verify_cost_uses_k_rows_even_for_a_short_prompt(monkeypatch):
-    """v(k) must time forwards of exactly k rows, also when the context prompt is shorter than 16."""
+def test_profile_reports_the_planners_own_verify_curve(monkeypatch):
+    """T(1) and v(k) are measured once per engine and shared: profile's figures are the
+    planners' (with k-row forwards of exactly k rows, also when the prompt is short), and a
+    second call measures nothing again."""
+    from selfspec_cli.decoding import cost as cost_mod
+
     eng = Engine(make_tiny_model("llama-gqa", layers=2))
     seen: list[int] = []
     forward = eng.forward
@@ -81,8 +86,15 @@ def test_verify_cost_uses_k_rows_even_for_a_short_prompt(monkeypatch):
 
     monkeypatch.setattr(eng, "forward", spy)
     costs = prof.measure_costs(eng, [5, 17, 42], rounds=1)
-    assert sorted(set(seen)) == list(range(1, 17))
-    assert sorted(int(k) for k in costs["verify_cost"]) == list(range(1, 17))
+    assert sorted(set(seen)) == list(CURVE_ROWS)
+    curve = cost_mod.VerifyCurve.for_engine(eng)
+    assert costs["verify_cost"] == {str(k): round(v, 3) for k, v in curve.ratios.items()}
+    assert costs["step_ms"] == round(curve.t1_s * 1e3, 3)
+    multi = lambda: sum(k > 1 for k in seen)  # noqa: E731 (profile's own one-row steps at the prompt's context aside)
+    n = multi()
+    prof.measure_costs(eng, [5, 17, 42], rounds=1)
+    assert multi() == n  # the curve is not measured twice
+    assert all(b >= a for a, b in zip(list(curve.ratios.values()), list(curve.ratios.values())[1:]))
 
 
 def test_redundancy_map_matches_direct_computation():

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
+from ..decoding.cost import VerifyCurve
 from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
@@ -52,7 +53,6 @@ from ..methods.self_sd import uniform_layers
 from ..runtime import timed
 from .plots import _plt, _save
 
-VERIFY_ROWS = tuple(range(1, 17))
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
 
 
@@ -77,11 +77,13 @@ def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
     return cache
 
 
-def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = VERIFY_ROWS,
+def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = (1,),
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
-    """T(1), v(k), c(r) and the LM head's share at the context of ``prompt_ids``; with a
-    ``draft_vocab`` (FR-Spec's token ids) also c(r) of drafts that score only those tokens."""
+    """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.cost.VerifyCurve`:
+    one measurement per engine, shared with the planners), and c(r) and the LM head's share at
+    the context of ``prompt_ids`` (over a one-row step timed there, the median of ``rounds``);
+    with a ``draft_vocab`` (FR-Spec's token ids) also c(r) of drafts that score only those tokens."""
     ctx = len(prompt_ids)
     cache = _prefill(engine, prompt_ids, max(rows))
     # real tokens for the k-row forwards, the prompt's tail repeated when it is shorter than max(rows)
@@ -110,14 +112,18 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         if on_round is not None:
             on_round(i + 1, rounds)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    step = med["v1"]
+    step = med["v1"]  # c(r) and the head over a one-row step at this same context
     vocab = {} if sub is None else {
         "draft_vocab_size": int(draft_vocab.numel()),
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
+    # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost.py)
+    curve = VerifyCurve.for_engine(engine)
     return {
-        "context_tokens": ctx, "step_ms": round(step, 3),
-        "verify_ms": {str(k): round(med[f"v{k}"], 3) for k in rows},
-        "verify_cost": {str(k): round(med[f"v{k}"] / step, 3) for k in rows},
+        "context_tokens": curve.context, "step_ms": round(curve.t1_s * 1e3, 3),
+        "step_ms_per_1k_context": round(curve.slope_s * 1e6, 3),
+        "verify_ms": {str(k): round(t * 1e3, 3) for k, t in curve.times_s.items()},
+        "verify_cost": {str(k): round(v, 3) for k, v in curve.ratios.items()},
+        "draft_context_tokens": ctx,
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
         "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3), "rounds": rounds, **vocab}
