@@ -51,7 +51,7 @@ from ..engine import Engine
 from ..runtime import timed
 
 CURVE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
-CURVE_ROUNDS = 5  # timed passes per row count (after one warm-up pass); the median is kept
+CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the median is kept (docs/engine.md)
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
 
 
@@ -86,7 +86,7 @@ class VerifyCurve:
 
     @classmethod
     def for_engine(cls, engine: Engine) -> VerifyCurve:
-        """Measured once per engine (about 70 forwards) and kept with it: the planners,
+        """Measured once per engine (about 140 forwards, 4-5 s on the default model) and kept with it: the planners,
         ``selfspec profile`` and the bench's engine costs all read this one measurement."""
         if engine not in _CURVES:
             _CURVES[engine] = cls.measure(engine)
