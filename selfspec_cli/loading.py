@@ -257,20 +257,24 @@ def _check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
     reached, instead of transformers' retries (about 30 s and a dozen warnings on a machine
     without network)."""
     import socket
+    from urllib.parse import urlsplit
 
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import constants, try_to_load_from_cache
 
     try:
         if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
             return  # cached: loads offline
     except Exception:  # noqa: BLE001 - a malformed id: transformers' own error below names it
         return
-    if os.environ.get("HF_HUB_OFFLINE"):
+    if constants.HF_HUB_OFFLINE:
         raise ModelLoadError(f"'{repo_id}' is not a local path and not in the Hugging Face cache, and HF_HUB_OFFLINE is "
                              "set; pass --model a local directory or .gguf file, or download it first")
-    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return  # reached through a proxy: let the hub client try
+    url = urlsplit(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        socket.create_connection((host, url.port or (80 if url.scheme == "http" else 443)), timeout=timeout).close()
     except OSError:
         raise ModelLoadError(f"'{repo_id}' is not a local path and not in the Hugging Face cache, and {host} cannot be "
                              "reached from here; pass --model a local directory or .gguf file, or check the hub id "

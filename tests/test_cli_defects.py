@@ -207,3 +207,32 @@ def test_multi_turn_text_separates_the_turns_and_drops_a_torn_last_character(cap
         assert raw.startswith(r["text"])
         torn += raw != r["text"]
     assert torn > 0  # the tiny model's random tokens end inside a character often enough
+
+
+def test_bare_command_shows_its_help(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Usage: selfspec") and "generate" in err and "selfspec: error" not in err
+
+
+def test_bench_sampling_refuses_greedy_only_contenders_up_front(capsys, tiny_model_dir, prompt_file, tmp_path):
+    assert_user_error(capsys, ["bench", "--methods", "ar,hf,specee", "-m", str(tiny_model_dir), "-p", str(prompt_file),
+                               "-t", "0.8", "-o", str(tmp_path / "b")], "hf, specee run greedy only", "--methods")
+    assert not (tmp_path / "b").exists()  # refused before anything was written
+
+
+def test_paper_drafting_does_not_time_the_engine_inside_a_decode():
+    """--paper-drafting plans nothing: its first decode must not measure the verify curve (seconds
+    of forwards inside a timed run) nor report a cost model."""
+    from selfspec_cli.config import GenerationConfig
+    from selfspec_cli.decoding import cost as cost_mod
+    from selfspec_cli.engine import Engine
+    from selfspec_cli.methods import build
+
+    from .conftest import make_tiny_model
+
+    eng = Engine(make_tiny_model("llama-gqa", layers=4))
+    m = build("self-sd", eng, None, skip_attn="1", skip_mlp="2", paper_drafting=True)
+    res = m.generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
+    assert res.stats.drafted_tokens > 0
+    assert eng not in cost_mod._CURVES and "cost_model" not in res.stats.extra

@@ -133,3 +133,26 @@ def test_unknown_rule_is_refused():
 
     with pytest.raises(ConfigError, match="--sampling-rule"):
         SamplingConfig(temperature=1.0, rule="metropolis")
+
+
+def test_a_draft_equal_to_the_target_is_accepted_under_the_same_noise(small_vocab_setup, monkeypatch):  # noqa: F811
+    """Drafts read the noise of the position they draft: a draft that is the target itself (no
+    sublayer skipped) agrees with the target's pick almost always; reading the next position's
+    noise (control) makes it agree only by chance."""
+    from selfspec_cli.decoding import state as state_mod
+
+    model, prompt, _ = small_vocab_setup
+
+    def acceptance() -> float:
+        m = build("self-sd", Engine(model), None, skip_attn="", skip_mlp="", draft_precision="target",
+                  paper_drafting=True, max_draft=4, draft_threshold=0.0)
+        drafted = accepted = 0
+        for seed in range(15):
+            st = m.generate(prompt, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.0, 0, 1.0, seed))).stats
+            drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_draft_tokens
+        return accepted / drafted
+
+    assert acceptance() > 0.9
+    nxt = state_mod.DecodeState.next_position
+    monkeypatch.setattr(state_mod.DecodeState, "next_position", property(lambda self: nxt.fget(self) + 1))
+    assert acceptance() < 0.6

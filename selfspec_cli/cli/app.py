@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()
     except _CLICK_ERRORS as exc:  # usage errors (missing or unknown option, bad type): one line, as every error
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `selfspec`: the help, as before
+            print(exc.format_message(), file=sys.stderr)
+            return 2
         ctx = getattr(exc, "ctx", None)
         where = f"'{ctx.command_path} --help'" if ctx is not None else "'selfspec --help'"
         msg = " ".join(exc.format_message().split())

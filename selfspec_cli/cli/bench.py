@@ -8,6 +8,7 @@ goes to stderr; the last line on stdout is one JSON document with the headline f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections import Counter
 from contextlib import ExitStack
@@ -80,9 +81,13 @@ def _earlier_records(output_dir: Path, run_key: dict[str, Any], names: list[str]
         if not path.is_file():
             continue
         cut_to_last_line(path)
-        for line in path.read_text(encoding="utf-8").splitlines():
-            rec = json.loads(line)
-            done.setdefault(n, {})[(rec["repeat"], rec["id"])] = rec
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                done.setdefault(n, {})[(rec["repeat"], rec["id"])] = rec
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"--resume: line {i} of '{path}' is not a bench record; start the run again "
+                                  "with --force") from None
     return done
 
 
@@ -205,6 +210,9 @@ def bench(
                              ("--assistant-model", assistant_model, "hf-assisted")):
         if value is not None and peer not in names:
             raise ConfigError(f"{opt} is an option of the {peer} peer; drop it or add {peer} to --methods")
+    if temperature > 0 and (greedy_only := [n for n in names if n in PEERS or VARIANTS.get(n, (n,))[0] == "specee"]):
+        raise ConfigError(f"{', '.join(greedy_only)} run greedy only; with --temperature drop them from --methods "
+                          "(e.g. --methods ar,specqd,self-sd,swift,asd,pld,auto,adadecode)")
     if "hf-assisted" in names and assistant_model is None:
         raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
@@ -259,7 +267,9 @@ def bench(
 
     run_key = {"methods": names, "prompts": [p.id for p in prompts], "max_new_tokens": max_new_tokens,
                "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype),
-               "chat_template": chat_template, "warmup": warmup}
+               "chat_template": chat_template, "warmup": warmup, "seed": seed, "threads": torch.get_num_threads(),
+               "early_exit_layer": early_exit_layer, "assistant_model": assistant_model,
+               "prompts_sha256": hashlib.sha256(dumps([list(p.turns) for p in prompts]).encode()).hexdigest()}
     done = _earlier_records(output_dir, run_key, names) if resume else {}
     for f in stale:
         f.unlink(missing_ok=True)

@@ -126,6 +126,8 @@ def cut_to_last_line(path: Path) -> int:
 def _is_stream(path: Path) -> bool:
     """A pipe, a character device (/dev/stdout, /dev/null, a terminal) or a socket: written in
     place, never replaced (a reader waits on it), and never 'already existing' output."""
+    if str(path).startswith(("/dev/", "/proc/self/fd/")):  # /dev/stdout may point at a redirected file
+        return True
     try:
         mode = path.stat().st_mode
     except OSError:

@@ -25,8 +25,10 @@ def run() -> None:
 
         if _seen:  # interrupted while importing, and the interrupt was swallowed on the way
             raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
+    except BaseException:
+        if not _seen:
+            raise
+        print(INTERRUPTED, file=sys.stderr)  # whatever the swallowed interrupt left behind
         sys.exit(130)
     status = main()
     for sig in (signal.SIGINT, signal.SIGTERM):  # the command has finished: exit whatever arrives now

@@ -143,19 +143,19 @@ class VerifyCurve:
 def measure_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
                        skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
     """Seconds of one one-row draft forward with these weights and skip sets after a
-    ``context``-token prefix, the fastest of ``rounds`` (as :meth:`VerifyCurve.measure` times
-    T(1)), so that ``c`` is known before the first drafting round."""
+    ``context``-token prefix (as :meth:`VerifyCurve.measure` times
+    T(1): the median of ``rounds``), so that ``c`` is known before the first drafting round."""
     cache = engine.new_cache(context + 2)
     ids = torch.arange(context + 1, device=engine.device) % max(2, engine.vocab_size)
     engine.forward(cache, ids[:context], positions=0, logits_rows=None)
-    best = float("inf")
+    times = []
     for r in range(rounds + 1):  # pass 0 warms up
         dt = timed(lambda: engine.forward(cache, ids[context:], positions=context, skip_attn=skip_attn,
                                           skip_mlp=skip_mlp, weights=weights), engine.device)[1]
         if r:
-            best = min(best, dt)
+            times.append(dt)
         cache.crop(context)
-    return best
+    return statistics.median(times)
 
 
 @dataclass

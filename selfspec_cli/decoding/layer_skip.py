@@ -352,9 +352,9 @@ class LayerSkipProposer(Proposer):
                 break
             if d in state.eos:  # nothing after an end of sequence can be emitted
                 break
-        # one draft step over the plain step at this context (decoding/cost.py, VerifyCurve.t1_at)
-        step_c = (time.perf_counter() - t0) / steps / self._planner().curve.t1_at(state.pos + steps // 2)
-        self._step_c = step_c if self._step_c is None else 0.8 * self._step_c + 0.2 * step_c
+        if self.planner is not None:  # one draft step over the plain step at this context (VerifyCurve.t1_at)
+            step_c = (time.perf_counter() - t0) / steps / self.planner.curve.t1_at(state.pos + steps // 2)
+            self._step_c = step_c if self._step_c is None else 0.8 * self._step_c + 0.2 * step_c
         if plan is not None and (steps < budget or use_tree):  # the round as drafted, not as planned
             plan = self.planner.drafted(steps, len(tokens), self.draft_cost())
         info: dict[str, Any] = {"hit_limit": hit_limit, "chain_nodes": len(tokens)}
