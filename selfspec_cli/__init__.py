@@ -5,6 +5,7 @@ import os as _os
 # environment before torch loads its OpenMP runtime (libgomp reads it once, at load), so it
 # is set here, the first selfspec module any entry point imports; an explicit
 # OMP_WAIT_POLICY in the environment wins. Measurements: docs/log.md, 2026-11-23.
+WAIT_POLICY_FROM_USER = "OMP_WAIT_POLICY" in _os.environ
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

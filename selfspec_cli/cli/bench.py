@@ -190,7 +190,7 @@ def bench(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     sampling_rule: str = typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of sampling and of methods with random search (swift)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),

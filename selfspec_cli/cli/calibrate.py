@@ -52,7 +52,7 @@ def calibrate(
     study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/self-sd/<model name>-<fingerprint>.json (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     draft_precision: str = typer.Option("auto", "--draft-precision", help="Self-SD: draft weights searched together with the skip set: auto (the target's own and the quantized copy generate would use: the GGUF's own blocks for a GGUF model, else int8), target (the target's only), int8, int8-g32 or gguf (that one only)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),

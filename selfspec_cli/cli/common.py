@@ -61,18 +61,31 @@ def table(title: str, columns: Collection[str], left: Collection[str] = ("method
 # ---------------------------------------------------------------- threads
 
 DEFAULT_THREADS = 1  # measured: docs/log.md, 2026-11-23
-THREADS_HELP = ("CPU threads for torch (default 1: a lone thread degrades gracefully when other work shares the "
-                "cores, where two threads on two busy cores stall each other; docs/log.md, 2026-11-23).")
+THREADS_HELP = ("CPU threads for torch: a number, or auto (every core while the machine is otherwise idle, one "
+                "thread the moment another process takes a core; engine/threads.py). Default 1: a lone thread "
+                "degrades gracefully when other work shares the cores (docs/log.md, 2026-11-23).")
 
 
-def apply_threads(threads: int | None) -> int:
-    """Set torch's intra-op thread count (``None``: :data:`DEFAULT_THREADS`); returns it."""
+def apply_threads(threads: str | int | None) -> int:
+    """Set torch's intra-op thread count (``None``: :data:`DEFAULT_THREADS`; ``auto``: the usable
+    cores under the thread governor of engine/threads.py, for engines made after this call);
+    returns it."""
     import torch
 
-    n = DEFAULT_THREADS if threads is None else threads
+    from ..engine import threads as governor
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    governor.AUTO.clear()
+    if str(threads).strip().lower() == "auto":
+        governor.AUTO["threads"] = cores
+        torch.set_num_threads(cores)
+        return cores
+    try:
+        n = DEFAULT_THREADS if threads is None else int(threads)
+    except ValueError:
+        raise ConfigError(f"--threads must be a number or auto, got '{threads}'") from None
     if n < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if n > cores:  # more threads than cores only make them wait on each other
         raise ConfigError(f"--threads {n} is more than the {cores} CPU cores this process may use; pass at most {cores}")
     torch.set_num_threads(n)

@@ -4,6 +4,7 @@ and status 130 rather than a traceback; and a signal that arrives after the comm
 finished (while the interpreter exits) is ignored, since the work is done."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -18,7 +19,25 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _spin_for_auto_threads(argv: list[str]) -> None:
+    """``--threads auto`` needs waiting threads that spin briefly (engine/threads.py); the wait
+    policy is read once, when torch loads, so it is set here, before any heavy import, unless
+    the user chose one."""
+    auto = any(a == "--threads=auto" or (a == "--threads" and i + 1 < len(argv) and argv[i + 1] == "auto")
+               for i, a in enumerate(argv))
+    if auto and not _user_wait_policy():
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+def _user_wait_policy() -> bool:
+    from .. import WAIT_POLICY_FROM_USER
+
+    return WAIT_POLICY_FROM_USER
+
+
 def run() -> None:
+    _spin_for_auto_threads(sys.argv[1:])
     signal.signal(signal.SIGINT, _on_sigint)
     try:
         from .app import main

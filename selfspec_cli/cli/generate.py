@@ -38,7 +38,7 @@ def generate(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --output (or --save-layers artifact)."),
     append: bool = typer.Option(False, "--append", help="Add the records to the end of an existing --output instead of refusing."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
     **method_options: Any,
 ) -> None:

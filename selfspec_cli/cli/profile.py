@@ -41,7 +41,7 @@ def profile(
     predict: str = typer.Option(",".join(prof.PREDICT_METHODS), "--predict", help="Methods whose speedup to predict from the measured costs and the acceptance they show on the prompts ('' for none)."),
     predict_tokens: int = typer.Option(32, "--predict-tokens", help="Greedy tokens per prompt for the predictions (on --redundancy-prompts prompts, at least 1)."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the chat template (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),

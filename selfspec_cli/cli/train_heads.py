@@ -49,7 +49,7 @@ def train_heads(
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="On-disk cache of the on-policy data (default <selfspec home>/cache/onpolicy; home: $SELFSPEC_HOME, else ~/.local/share/selfspec)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N (the data is collected there; training runs on CPU)."),
 ) -> None:
     """Train early-exit add-ons on the target's own greedy continuations; saves safetensors + manifest."""

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .adapter import LINEARS, ModelAdapter
+from .threads import governor_for_new_engine
 from .cache import KVCache
 from .quant import DraftWeights, build_draft
 
@@ -67,6 +68,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True) -> None:
         self.adapter = a = ModelAdapter(model)
         self.model = model
+        self.governor = governor_for_new_engine()  # --threads auto (engine/threads.py), else None
         self.num_layers = a.num_layers
         self.dtype = a.dtype
         self.device = a.device
@@ -194,7 +196,18 @@ class Engine:
 
     # -- forward -----------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
+    def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, **kw: Any) -> ForwardOutput:
+        """One forward (see :meth:`_forward`); under ``--threads auto`` timed for the thread
+        governor (engine/threads.py), which may change the thread count between forwards."""
+        if self.governor is None:
+            return self._forward(cache, input_ids, **kw)
+        t0 = time.perf_counter()
+        out = self._forward(cache, input_ids, **kw)
+        rows = input_ids.shape[0] if input_ids is not None else kw["hidden"].shape[0]
+        self.governor.observe(rows, time.perf_counter() - t0)
+        return out
+
+    def _forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
                 skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
                 output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,

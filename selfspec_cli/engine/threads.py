@@ -1,0 +1,90 @@
+"""``--threads auto``: two threads while they pay, one the moment another process takes a core.
+
+On a 2-core machine a second torch thread makes a decode step about 1.4-1.8x faster when the
+machine is idle, but only if the waiting thread spins between the many small parallel regions
+of a step; and a spinning team collapses to 0.2-0.4x as soon as another process runs, since
+every region then waits for a descheduled thread (docs/log.md, session 7; README, "Threads").
+The governor watches the engine's own forwards and switches ``torch.set_num_threads`` at run
+time:
+
+* it starts at one thread for ``warm`` forwards, then goes to ``n``; per thread count and
+  row-count bucket (powers of two) it keeps the best forward time; at ``n`` threads, two
+  consecutive forwards slower than ``drop`` x their best, or than ``one_margin`` x the best
+  one-thread forward of that bucket, mean contention: one thread;
+* at one thread, after ``interval`` forwards it probes ``n`` threads again; a probe whose first
+  forward is slower than ``probe_ok`` x the best goes back at once and doubles the interval
+  (up to ``max_interval``), a good probe stays and resets it.
+
+Invariant: only the thread count changes, never what is computed (the kernel is
+batch- and thread-count-invariant: its row tiles and reduction order do not depend on the
+team size), so outputs are the same at any setting. The spin itself is the wait policy,
+chosen before torch loads (``cli/entry.py``): libgomp's default policy with
+``GOMP_SPINCOUNT=10000``, so that an unused thread sleeps within microseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+@dataclass
+class ThreadGovernor:
+    threads: int
+    drop: float = 1.8
+    probe_ok: float = 1.3
+    interval: int = 50
+    max_interval: int = 1600
+    warm: int = 8  # forwards at one thread first, so that a team slowed from the start is seen as slow
+    one_margin: float = 1.25  # "slower than one thread": than its best x this (the context grows meanwhile)
+    set_threads: object = torch.set_num_threads  # injectable for tests
+    current: int = 0
+    switches: int = 0
+    _best: dict[tuple[int, int], float] = field(default_factory=dict)  # (threads, bucket) -> best seconds
+    _slow: int = 0
+    _since: int = 0
+    _probing: bool = False
+    _base_interval: int = 0
+
+    def __post_init__(self) -> None:
+        self._base_interval, self.current = self.interval, 1
+        self.set_threads(1)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One forward of ``rows`` rows took ``seconds`` at the current thread count."""
+        bucket = min(rows, 1 << 10).bit_length()
+        key = (self.current, bucket)
+        best = self._best.get(key)
+        self._best[key] = seconds if best is None else min(best, seconds)
+        if self.current != self.threads:
+            self._since += 1
+            if self._since >= (self.warm if not self.switches else self.interval):
+                self._since, self._probing = 0, True
+                self._set(self.threads)
+            return
+        one = self._best.get((1, bucket))  # slower than one thread ever was: contended, whatever the team's best
+        if self._probing:
+            self._probing = False
+            if (best is not None and seconds > self.probe_ok * best) or (one is not None and seconds > self.one_margin * one):
+                self.interval = min(2 * self.interval, self.max_interval)
+                self._set(1)
+                return
+            self.interval = self._base_interval
+        slow = (best is not None and seconds > self.drop * best) or (one is not None and seconds > self.one_margin * one)
+        self._slow = self._slow + 1 if slow else 0
+        if self._slow >= 2:
+            self._set(1)
+
+    def _set(self, n: int) -> None:
+        if n != self.current:
+            self.set_threads(n)
+            self.current, self.switches, self._slow = n, self.switches + 1, 0
+
+    def describe(self) -> dict[str, int]:
+        return {"threads": self.current, "switches": self.switches}
+
+
+AUTO: dict[str, int] = {}  # set by the CLI's --threads auto: {"threads": n}; engines made after it get a governor
+
+
+def governor_for_new_engine() -> ThreadGovernor | None:
+    return ThreadGovernor(AUTO["threads"]) if AUTO else None
