@@ -378,18 +378,22 @@ def test_bench_unknown_methods(capsys, tiny_model_dir, prompt_file):
 # ---------------------------------------------------------------- interrupt
 
 
-def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, prompt_file, tmp_path):
-    gen_mod = importlib.import_module("selfspec_cli.cli.generate")
-    real = gen_mod.run_prompt
-    calls = {"n": 0}
+def interrupt_at(call: int, real, calls: dict | None = None):
+    """``real`` that raises KeyboardInterrupt (a Ctrl-C) on its ``call``-th call; ``calls["n"]`` counts."""
+    calls = {"n": 0} if calls is None else calls
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == call:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen_mod, "run_prompt", flaky)
+    return flaky
+
+
+def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, prompt_file, tmp_path):
+    gen_mod = importlib.import_module("selfspec_cli.cli.generate")
+    monkeypatch.setattr(gen_mod, "run_prompt", interrupt_at(3, gen_mod.run_prompt))
     out_file = tmp_path / "partial.jsonl"
     capsys.readouterr()
     rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "5", "-o", str(out_file)))

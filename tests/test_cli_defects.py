@@ -12,7 +12,7 @@ import pytest
 from selfspec_cli.cli.app import main
 from selfspec_cli.jsonio import dumps
 
-from .test_cli import assert_user_error, gen_args, prompt_file, run_generate, write_jsonl, write_lines  # noqa: F401 (fixture)
+from .test_cli import assert_user_error, gen_args, interrupt_at, prompt_file, run_generate, write_jsonl, write_lines  # noqa: F401 (fixture)
 
 
 def test_seed_reproduces_ars_tokens_with_every_lossless_method(capsys, tiny_model_dir, tmp_path):
@@ -83,14 +83,7 @@ def test_an_interrupted_bench_writes_what_it_has_and_resumes(capsys, tiny_model_
             "--repeats", "2", "--no-plots", "--no-costs", "--device", "cpu", "-o", str(out)]
     real = runner.run_prompt
     calls = {"n": 0}
-
-    def interrupted(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(runner, "run_prompt", interrupted)
+    monkeypatch.setattr(runner, "run_prompt", interrupt_at(5, real, calls))
     capsys.readouterr()
     assert main(argv) == 130
     err = capsys.readouterr().err

@@ -82,9 +82,13 @@ class Proposer:
     lossless: bool = True
     lookahead: int = 0
     needs_attn_cosine: bool = False
-    t1_s: float | None = None  # a plain step's seconds, when the proposer plans with measured costs
-    curve: Any = None  # with it, the plain step at a context (decoding/cost.py VerifyCurve.t1_at)
+    curve: Any = None  # the engine's verify curve, when the proposer plans with measured costs (decoding/cost.py)
     plain_s: float | None = None  # a plain round's seconds (running average kept by the driver)
+
+    @property
+    def t1_s(self) -> float | None:
+        """A plain step's seconds (after the curve's context), when the proposer plans with measured costs."""
+        return self.curve.t1_s if self.curve is not None else None
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
         self.engine = engine
@@ -189,9 +193,7 @@ _GREEDY = SamplingConfig()
 
 def _plain_step(proposer: Proposer, context: int) -> float | None:
     """A plain step's seconds after ``context`` tokens, for a proposer that plans with measured costs."""
-    if proposer.curve is not None:
-        return proposer.curve.t1_at(context)
-    return proposer.t1_s
+    return proposer.curve.t1_at(context) if proposer.curve is not None else None
 
 
 def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:

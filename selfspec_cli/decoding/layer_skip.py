@@ -238,7 +238,7 @@ class LayerSkipProposer(Proposer):
         if self.planner is None:
             self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft,
                                    width=2 if self.draft_cfg.tree and not self._full else 1)
-            self.t1_s, self.curve = self.planner.curve.t1_s, self.planner.curve
+            self.curve = self.planner.curve
         return self.planner
 
     def expected_gain(self, budget: int) -> float:

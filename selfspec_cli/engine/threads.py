@@ -15,9 +15,9 @@ time:
   forward is slower than ``probe_ok`` x the best goes back at once and doubles the interval
   (up to ``max_interval``), a good probe stays and resets it.
 
-Invariant: only the thread count changes, never what is computed (the kernel is
-batch- and thread-count-invariant: its row tiles and reduction order do not depend on the
-team size), so outputs are the same at any setting. The spin itself is the wait policy,
+Invariant: only the thread count changes, never the decoding rules; outputs at ``auto`` are
+checked equal to one thread's (tests/test_threads.py on a tiny model; on the default model,
+docs/log.md session 7). The spin itself is the wait policy,
 chosen before torch loads (``cli/entry.py``): libgomp's default policy with
 ``GOMP_SPINCOUNT=10000``, so that an unused thread sleeps within microseconds.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 
 @dataclass
 class ThreadGovernor:

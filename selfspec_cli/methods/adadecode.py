@@ -112,7 +112,6 @@ class AdaDecode(Method):
     def _measure_head_cost(self) -> float:
         """One head check (low-rank correction + the LM head on one row) over a plain step."""
         self.curve = VerifyCurve.for_engine(self.engine)
-        self.t1_s = self.curve.t1_s
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         self._head(k, row)  # warm-up: the first call allocates

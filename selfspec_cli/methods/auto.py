@@ -124,7 +124,6 @@ class Auto(Method):
         self._last = proposer
         draft = proposer.propose(state, budget)
         self.rounds[source if draft.tokens else "none"] += 1
-        self.t1_s = self.pld.t1_s or getattr(self.layer_skip, "t1_s", None) or getattr(self.quant, "t1_s", None)
         self.curve = self.pld.curve or getattr(self.layer_skip, "curve", None) or getattr(self.quant, "curve", None)
         return draft
 

@@ -77,12 +77,11 @@ class PromptLookup(Method):
         self._last_lookup: tuple[Any, tuple[list[int], int]] = (None, ([], 0))
         if not self.config.paper_drafting:
             self.curve = VerifyCurve.for_engine(engine)  # measured now (once per engine), not inside a timed decode
-            self.t1_s = self.curve.t1_s
 
     def planner(self, n: int) -> Planner:
         if n not in self.planners:
             curve = VerifyCurve.for_engine(self.engine)
-            self.t1_s, self.curve = curve.t1_s, curve
+            self.curve = curve
             self.planners[n] = Planner(curve, self.config.max_draft, overhead=self.overhead)
         return self.planners[n]
 
