@@ -20,9 +20,14 @@ calibration prompts. Here:
 * starting points: uniform SWIFT-style sets (interior layers at even spacing, both
   sublayers) at skip ratios 0.3 and 0.45 at every searched precision, and the empty set
   (full depth) at every quantized one, are enqueued first;
-* storage: an Optuna study in an SQLite file. Optuna commits each trial when it
-  finishes, so a Ctrl-C loses at most the running trial, and a re-run with the same
-  study resumes: ``n_trials`` counts COMPLETE trials, only the rest are run;
+* storage: an Optuna study in an SQLite file by default, or any storage Optuna shares
+  between processes and machines (a database URL, a journal file: calibrate/study.py),
+  worked on by one or many workers at once. Optuna commits each trial when it finishes,
+  so a Ctrl-C loses at most the running trial, and a re-run with the same study resumes:
+  ``n_trials`` counts COMPLETE trials, only the rest are run; a worker killed mid-trial
+  is detected by heartbeat and its trial run again. The proxy's measured inputs (the
+  verify curve, a quantized draft's full-depth cost) are measured by the first worker and
+  kept in the study, so every worker scores trials with the same numbers;
 * confirmation: after the search, the best set, the uniform sets and plain
   autoregressive decoding are measured again back to back, so the reported
   speedups compare numbers taken under the same machine load (the best trial's
@@ -34,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +57,8 @@ from ..errors import ConfigError, first_line
 from ..methods.ar import AR
 from ..methods.self_sd import SelfSD, SelfSDConfig, uniform_layers
 from ..runtime import timed
+from .study import (DEFAULT_HEARTBEAT_S, check_slot, describe, dispose, finished_last, machine_id, open_storage, quiet,
+                    run_workers_share, sqlite_url, worker_id)
 
 STUDY_NAME = "self-sd"
 SAMPLERS = ("tpe", "gp", "random")
@@ -155,10 +161,11 @@ def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) ->
 
 def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
                     skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftConfig = DEFAULT_DRAFT,
-                    repeats: int = 1, precision: str = "target", full_depth_c: float = 1.0) -> Measurement:
+                    repeats: int = 1, precision: str = "target", full_depth_c: float = 1.0,
+                    curve: VerifyCurve | None = None) -> Measurement:
     """Throughput of Self-SD with this skip set over the draft weights ``precision``. A fresh
     method per pass, so the adaptive draft threshold starts from the same value for every
-    candidate."""
+    candidate. ``curve``: the verify curve the proxy uses (default: the engine's own)."""
     def make() -> Any:
         method = SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft)
         method.use_precision(None if precision == "target" else precision)
@@ -166,7 +173,7 @@ def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[in
 
     m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
     c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c)
-    return dataclasses.replace(m, proxy=proxy_speedup(m, c, VerifyCurve.for_engine(engine), len(prompt_ids)))
+    return dataclasses.replace(m, proxy=proxy_speedup(m, c, curve or VerifyCurve.for_engine(engine), len(prompt_ids)))
 
 
 def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
@@ -238,9 +245,18 @@ class SearchConfig:
     objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
     draft: DraftConfig = DEFAULT_DRAFT
     precisions: tuple[str, ...] = ("target",)  # draft weights searched with the skip set (engine/quant.py)
+    storage: str | None = None  # an Optuna storage (calibrate/study.py); None: the SQLite file study_path
+    heartbeat_s: int = DEFAULT_HEARTBEAT_S  # seconds between a running trial's heartbeats
+    worker_index: int = 0  # this process among the --workers of one command (0: the one that writes)
+    search_only: bool = False  # a helper worker: run trials, never the confirmation or the artifact
+    worker: str = ""  # this worker's name in the study (the helpers of --workers share their first process's)
+
+    @property
+    def storage_spec(self) -> str:
+        return self.storage if self.storage is not None else sqlite_url(Path(self.study_path))
 
     def __post_init__(self) -> None:
-        for flag, value in (("trials", self.n_trials), ("repeats", self.repeats)):
+        for flag, value in (("trials", self.n_trials), ("repeats", self.repeats), ("heartbeat", self.heartbeat_s)):
             if value < 1:
                 raise ConfigError(f"--{flag} must be >= 1, got {value}")
         for flag, value, choices in (("objective", self.objective, OBJECTIVES), ("sampler", self.sampler, SAMPLERS)):
@@ -273,25 +289,13 @@ class SelfSDCalibration:
     best_attrs: dict[str, Any]
     trials: int  # COMPLETE trials in the study
     new_trials: int  # trials run by this call
-    study_path: Path
+    study_path: Path | str  # the SQLite file, or the --storage as given
     baseline: dict[str, Any] | None  # the better uniform set
     confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
     seed_points: list[dict[str, Any]] = field(default_factory=list)
     search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
-
-
-@contextlib.contextmanager
-def _optuna_quiet() -> Iterator[None]:
-    """Optuna logs every trial at INFO, and a trial ended by Ctrl-C with a traceback at
-    WARNING, on stderr; the caller owns stderr (real errors still propagate)."""
-    import optuna
-
-    old = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(logging.ERROR)
-    try:
-        yield
-    finally:
-        optuna.logging.set_verbosity(old)
+    writer: bool = True  # False: another worker finished the study last and writes the artifact
+    started_trials: int = 0  # trials this process started (pruned surplus or duplicate ones included)
 
 
 class _DeferredInterrupt:
@@ -352,39 +356,54 @@ def check_writable(path: Path, option: str) -> None:
         raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
 
 
-def open_study(study_path: Path, sampler: Any, setup: dict[str, Any]):
-    """Create or resume the study in ``study_path`` (SQLite); refuse a study made
-    for another model or another calibration setup."""
+def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
+    """Create or join the study in ``search``'s storage; refuse a study made for another model or
+    another calibration setup, and a throughput study timed on another machine."""
     import optuna
 
-    check_writable(study_path, "--study-path")
+    if search.storage is None:
+        check_writable(Path(search.study_path), "--study-path")
+    spec = search.storage_spec
+    shown = describe(search.storage or str(search.study_path))
+    option = "--storage" if search.storage is not None else "--study-path"
     try:
-        storage = optuna.storages.RDBStorage(f"sqlite:///{study_path.resolve()}")
+        storage = open_storage(spec, search.heartbeat_s)
         study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
                                     direction="maximize", load_if_exists=True)
+    except ConfigError:
+        raise
     except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
-        raise ConfigError(f"cannot open the Optuna study '{study_path}' ({first_line(exc)[:200]}); "
-                          "pass another --study-path or delete that file") from None
+        raise ConfigError(f"cannot open the Optuna study '{shown}' ({first_line(exc)[:200]}); "
+                          f"pass another {option} or delete that file") from None
     saved = study.user_attrs.get("setup")
     if saved is None:
         study.set_user_attr("setup", setup)
     elif saved != setup:
         diff = sorted(k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k))
         raise ConfigError(
-            f"the study '{study_path}' was made with another {', '.join(diff)} "
+            f"the study '{shown}' was made with another {', '.join(diff)} "
             f"({', '.join(f'{k}: {saved.get(k)} then, {setup.get(k)} now' for k in diff if k != 'prompts_sha256') or 'other prompts'}); "
-            "pass another --study-path (or --output) or delete that file to start over"
+            f"pass another {option} (or --output) or delete that file to start over"
         )
+    if search.objective == "throughput":  # measured tokens/s from two machines do not compare
+        here = machine_id()
+        timed_on = study.user_attrs.get("machine")
+        if timed_on is None:
+            study.set_user_attr("machine", here)
+        elif timed_on != here:
+            raise ConfigError(f"the throughput study '{shown}' is timed on {timed_on}, not on this machine ({here}); "
+                              "run it there, or use --objective proxy (the same on every machine) or another "
+                              f"{option}")
     return study, storage
 
 
 def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int, searched: bool) -> None:
-    """Enqueue each starting point unless a finished or waiting trial already has it
-    (a RUNNING one is stale: left by a process that was killed)."""
+    """Enqueue each starting point unless a finished, running or waiting trial already has it (a
+    running one whose worker died is queued again by the heartbeat check: calibrate/study.py)."""
     from optuna.trial import TrialState
 
     have = [t.system_attrs.get("fixed_params", t.params)
-            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING))]
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING))]
     for p in points:
         params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
         if params not in have:
@@ -402,8 +421,13 @@ def calibrate_self_sd(
     prompts_sha: str,
     on_trial: Callable[[TrialReport], None] = lambda _report: None,
     log: Callable[[str], None] = lambda _msg: None,
+    on_ready: Callable[[], None] = lambda: None,
+    before_finish: Callable[[], None] = lambda: None,
 ) -> SelfSDCalibration:
-    """Run (or resume) the search until the study holds ``search.n_trials`` COMPLETE trials."""
+    """Run (or resume, or join) the search until the study holds ``search.n_trials`` COMPLETE
+    trials. ``on_ready``: called once the study holds its setup, starting points and measured
+    costs (other workers may start then); ``before_finish``: called when the study is complete,
+    before this worker decides whether it writes the result (wait for the other local workers)."""
     from optuna.trial import TrialState
 
     if not cfg.sampling.greedy:
@@ -421,29 +445,46 @@ def calibrate_self_sd(
         setup["precisions"] = list(precisions)
     full_c: dict[str, float] = {}
 
+    curve: list[VerifyCurve] = []  # the study's, once read
+
     def run(attn: frozenset[int], mlp: frozenset[int], precision: str) -> Measurement:
         return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats,
-                               precision, full_c.get(precision, 1.0))
+                               precision, full_c.get(precision, 1.0), curve[0] if curve else None)
 
+    import optuna
+    from datetime import datetime
+
+    me = search.worker or worker_id()
+    joined = datetime.now()
     guard = _DeferredInterrupt()
-    with _optuna_quiet(), guard.installed():
-        study, storage = open_study(search.study_path, make_sampler(search.sampler, search.seed), setup)
+    main_sampler = make_sampler(search.sampler, search.seed + search.worker_index)
+    with quiet(), guard.installed():
+        study, storage = open_study(search, main_sampler, setup)
         try:
-            # a quantized draft's full-depth cost: measured once per study and kept in it, so that a resumed
-            # study scores its trials with the same c (the proxy stays free of per-trial timing)
+            # the proxy's measured inputs, measured once per study by the first worker and kept in it, so that
+            # every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)
             saved_c = study.user_attrs.get("full_depth_c") or {}
             full_c.update({p: float(v) for p, v in saved_c.items()})
             if missing := [p for p in precisions if p not in full_c]:
                 full_c.update(full_depth_costs(engine, missing))
                 study.set_user_attr("full_depth_c", full_c)
+            if search.objective == "proxy":
+                if (ratios := study.user_attrs.get("verify_ratios")) is None:
+                    ratios = VerifyCurve.for_engine(engine).ratios
+                    study.set_user_attr("verify_ratios", {str(k): v for k, v in ratios.items()})
+                own = VerifyCurve.for_engine(engine)
+                curve.append(dataclasses.replace(own, ratios={int(k): float(v) for k, v in ratios.items()}))
+
             def complete() -> list[Any]:
                 return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
             done = len(complete())
             remaining = max(0, search.n_trials - done)
-            if done:
-                log(f"resuming study {search.study_path}: {done} trials done, {remaining} to run")
-            _enqueue_seeds(study, points, L, searched)
+            if done and not search.search_only:
+                log(f"resuming study {describe(search.storage or str(search.study_path))}: {done} trials done, "
+                    f"{remaining} to run")
+            if not search.search_only:
+                _enqueue_seeds(study, points, L, searched)
 
             def best() -> tuple[float | None, int | None]:
                 b = study.best_trial if complete() else None  # best_trial raises without a complete trial
@@ -453,16 +494,29 @@ def calibrate_self_sd(
 
             # warm-up, untimed: first-call allocations must not favour later trials
             warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
+            if remaining:
+                with guard.interruptible():
+                    for p in precisions:
+                        measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp,
+                                        search.draft, precision=p)
+            random_next = [False]  # after a duplicate, one trial drawn at random
             with guard.interruptible():
-                for p in precisions:
-                    measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft,
-                                    precision=p)
+                on_ready()
 
             def objective(trial: Any) -> float:
                 names = params_for(L, frozenset(), frozenset())
                 params = {name: trial.suggest_categorical(name, (0, 1)) for name in names}
                 attn, mlp = skip_sets_from_params(params, L)
                 precision = trial.suggest_categorical("precision", precisions) if searched else precisions[0]
+                trial.set_user_attr("worker", me)
+                trial.set_user_attr("worker_index", search.worker_index)
+                trial.set_user_attr("pid", os.getpid())
+                if search.objective == "throughput":
+                    trial.set_user_attr("machine", machine_id())
+                if (why := check_slot(study, trial, search.n_trials)) is not None:
+                    trial.set_user_attr("pruned", why)
+                    random_next[0] = why == "duplicate"
+                    raise optuna.TrialPruned(why)
                 with guard.interruptible():
                     m = run(attn, mlp, precision)
                 for k, v in {**m.as_dict(), "skip_ratio": round((len(attn) + len(mlp)) / (2 * L), 4)}.items():
@@ -476,16 +530,31 @@ def calibrate_self_sd(
                                          frozen.user_attrs.get("acceptance_rate")))
                 guard.check()  # a Ctrl-C during Optuna's bookkeeping stops here, the trial saved
 
-            if remaining:
-                study.optimize(objective, n_trials=remaining, callbacks=[callback], gc_after_trial=False)
+            def run_one() -> None:
+                study.sampler = make_sampler("random", search.seed + 7919 * (1 + started[0])) if random_next[0] else main_sampler
+                random_next[0] = False
+                started[0] += 1
+                study.optimize(objective, n_trials=1, callbacks=[callback], gc_after_trial=False)
+
+            started = [0]
+            run_workers_share(study, run_one, search.n_trials, poll_s=min(1.0, search.heartbeat_s / 2), check=guard.check)
             guard.check()
+            before_finish()
             finished = complete()
             best_t = study.best_trial
             durations = [t.duration.total_seconds() for t in finished if t.duration is not None]
             seeds_in_study = _seed_values(finished, points, L, searched)
+            writer = not search.search_only and finished_last(study, me, joined)
         finally:
-            _dispose(storage)
+            dispose(storage)
 
+    where = search.storage if search.storage is not None else search.study_path
+    mine = sum(t.user_attrs.get("worker") == me for t in finished)
+    if not writer:
+        return SelfSDCalibration(
+            num_layers=L, skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0], best_trial=best_t.number,
+            best_value=float(best_t.value), best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=mine,
+            study_path=where, baseline=None, writer=False, started_trials=started[0])
     attn, mlp = skip_sets_from_params(best_t.params, L)
     best_p = best_t.params.get("precision", precisions[0])
     log("re-measuring the best set, the starting points and plain decoding back to back")
@@ -499,8 +568,8 @@ def calibrate_self_sd(
     base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
     return SelfSDCalibration(
         num_layers=L, skip_attn=attn, skip_mlp=mlp, precision=best_p, best_trial=best_t.number, best_value=float(best_t.value),
-        best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=len(finished) - done,
-        study_path=search.study_path, baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+        best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=mine,
+        study_path=where, started_trials=started[0], baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
         seed_points=seeds_in_study, search_time_s=round(sum(durations), 3) if durations else None,
     )
 
@@ -515,14 +584,6 @@ def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layer
         out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
                     "precision": p.precision, "value": None if best is None else round(best, 3)})
     return out
-
-
-def _dispose(storage: Any) -> None:
-    """Close the SQLite connections (the file stays consistent either way)."""
-    with contextlib.suppress(Exception):
-        storage.remove_session()
-    with contextlib.suppress(Exception):
-        storage.engine.dispose()
 
 
 # ---------------------------------------------------------------- the artifact

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +20,7 @@ from ..artifacts import (check_new_artifact, default_skip_artifact_path, environ
 from ..calibrate import CALIBRATE_METHODS
 from ..calibrate.data import load_calibration_prompts, prompts_digest
 from ..calibrate.self_sd import SAMPLERS, SearchConfig, TrialReport, build_manifest, calibrate_self_sd, check_writable
+from ..calibrate.study import DEFAULT_HEARTBEAT_S, describe, worker_id
 from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
@@ -26,7 +30,7 @@ from ..methods.base import DRAFT_PRECISIONS, resolve_precision
 from ..methods import head_store as store
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, log, progress, set_exit_note
+from .common import MODEL_HELP, THREADS_HELP, invocation_args, print_json, apply_threads, check_choice, log, progress, set_exit_note
 
 
 def _check_output(path: Path, force: bool, directory: bool = False) -> Path:
@@ -50,6 +54,11 @@ def calibrate(
     objective: str = typer.Option("proxy", "--objective", help="proxy (default): the predicted speedup from measured acceptance and draft lengths, draft cost from weight bytes and the engine's measured verify curve; no per-trial timing, so machine load cannot reorder candidates (docs/calibrate.md). throughput: measured tokens/s."),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Decode the prompts this many times per trial; per prompt the fastest pass counts (default 3 with --objective throughput, 1 with proxy)."),
     study_path: Optional[Path] = typer.Option(None, "--study-path", help="Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside --output."),
+    storage: Optional[str] = typer.Option(None, "--storage", help="Self-SD: the study in any storage Optuna shares between processes and machines, instead of --study-path: a database URL (sqlite:///study.db, postgresql://user@host/db, mysql://...) or a journal file on a disk every worker sees (journal:PATH, or a path ending in .journal). Another machine joins by running the same command with the same --storage (docs/calibrate.md)."),
+    workers: int = typer.Option(1, "--workers", help="Self-SD: processes working on the study at once on this machine (each loads the model; one thread each unless --threads)."),
+    heartbeat: int = typer.Option(DEFAULT_HEARTBEAT_S, "--heartbeat", help="Seconds between a running trial's heartbeats; a worker silent for 3 of them is taken as dead and its trial is run again."),
+    worker_index: int = typer.Option(0, "--worker-index", hidden=True, help="Set by --workers for the helper processes it starts."),
+    worker_group: Optional[str] = typer.Option(None, "--worker-group", hidden=True, help="Set by --workers: the first process's worker name."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/self-sd/<model name>-<fingerprint>.json (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
@@ -71,13 +80,21 @@ def calibrate(
     num_prompts = num_prompts if num_prompts is not None else (64 if method == "fr-spec" else 8)
     max_new_tokens = max_new_tokens if max_new_tokens is not None else (128 if method == "fr-spec" else 32)
     search = None
+    if method != "self-sd" and (storage is not None or workers != 1):
+        raise ConfigError(f"--storage and --workers are options of the Self-SD search; {method} calibration runs in one process")
+    if storage is not None and study_path is not None:
+        raise ConfigError("--storage and --study-path both name the study; pass one of them")
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    helper = worker_index > 0  # a process started by --workers: searches only
     if method == "self-sd":  # SearchConfig validates the search options before any loading
         repeats = repeats if repeats is not None else (1 if objective == "proxy" else 3)
         search = SearchConfig(study_path=study_path, n_trials=trials, seed=seed, sampler=sampler, repeats=repeats,
-                              objective=objective)
+                              objective=objective, storage=storage, heartbeat_s=heartbeat, worker_index=worker_index,
+                              search_only=helper, worker=worker_group or worker_id())
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates before any loading
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, num_prompts, prompt_format)
-    if output is not None:
+    if output is not None and not helper:
         _check_output(output, force, directory=method == "fr-spec")
     if search is not None and study_path is not None:
         check_writable(study_path, "--study-path")
@@ -85,7 +102,9 @@ def calibrate(
     mdl, tok = load_model(model, dtype=dtype, device=device)
     default_path = {"self-sd": default_skip_artifact_path, "specee": store.default_schedule_path,
                     "fr-spec": fr_spec.default_path}[method]
-    out_path = _check_output(output or default_path(mdl), force, directory=method == "fr-spec")  # before the search
+    out_path = output or default_path(mdl)
+    if not helper:
+        _check_output(out_path, force, directory=method == "fr-spec")  # before the search
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     prompts_info = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
@@ -101,7 +120,9 @@ def calibrate(
     for i, t in enumerate(texts):
         check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, cfg, ctx, chat_template)
     db_path = study_path if study_path is not None else out_path.with_name(out_path.stem + ".optuna.db")
-    check_writable(db_path, "--study-path")
+    if storage is None:
+        check_writable(db_path, "--study-path")
+    where = describe(storage) if storage is not None else str(db_path)
     if draft_precision in ("auto", "target"):
         quantized = resolve_precision(engine, "auto") if draft_precision == "auto" else None
         precisions = ("target",) if quantized is None else ("target", quantized)
@@ -110,16 +131,43 @@ def calibrate(
     search = dataclasses.replace(search, study_path=db_path, precisions=precisions)
     fingerprint = model_fingerprint(mdl)
     unit = "x ar (predicted)" if objective == "proxy" else "tok/s"
-    log(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
+    say = (lambda _m: None) if helper else log  # the helpers of --workers report through the first process
+    say(f"[dim]model {mdl.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
         f"{engine.dtype}, {engine.device}; {len(prompt_ids)} prompts x {max_new_tokens} tokens"
         f"{f' x {repeats} passes' if repeats > 1 else ''}; "
-        f"sampler {sampler}, seed {seed}; draft weights {', '.join(precisions)}; study {db_path}[/dim]")
+        f"sampler {sampler}, seed {seed}; draft weights {', '.join(precisions)}; study {where}"
+        f"{f'; {workers} workers' if workers > 1 else ''}[/dim]")
 
     state: dict[str, int] = {"done": 0}
+    helpers: list[subprocess.Popen] = []
     with contextlib.ExitStack() as stack:
         bar_task: list = []  # the bar starts with the first report, once the study has opened
 
+        def start_helpers() -> None:
+            """Once the study holds its setup, seeds and measured costs: start the helpers and wait until
+            each has loaded the model and warmed up (or died), so that every worker starts trials together."""
+            import select
+
+            if helper:  # tell the first process this helper is ready
+                print("ready", flush=True)
+                return
+            argv = _helper_argv(storage, db_path)
+            for i in range(1, workers):
+                helpers.append(subprocess.Popen([*argv, "--worker-index", str(i), "--worker-group", search.worker],
+                                                stdout=subprocess.PIPE, text=True))
+            for h in helpers:
+                select.select([h.stdout], [], [], 600)
+                h.stdout.readline()  # "ready", or "" when the helper ended before it
+
+        def wait_helpers() -> None:
+            for i, h in enumerate(helpers, 1):
+                h.stdout.read()
+                if (rc := h.wait()) != 0:
+                    log(f"[yellow]worker {i} ended with exit status {rc}; its unfinished trial, if any, was run again[/yellow]")
+
         def on_trial(r: TrialReport) -> None:
+            if helper:
+                return
             if not bar_task:
                 bar = stack.enter_context(progress())
                 bar_task.extend([bar, bar.add_task("calibrate self-sd", total=trials, info="")])
@@ -136,11 +184,28 @@ def calibrate(
 
         try:
             result = calibrate_self_sd(engine, tok, prompt_ids, cfg, search, fingerprint=fingerprint,
-                                       prompts_sha=prompts_info["sha256"], on_trial=on_trial, log=log)
+                                       prompts_sha=prompts_info["sha256"], on_trial=on_trial, log=say,
+                                       on_ready=start_helpers, before_finish=wait_helpers)
         except KeyboardInterrupt:
             stack.close()
-            set_exit_note(f"{state['done']} finished trials are saved in {db_path}; run the same command again to resume")
+            for h in helpers:  # they got the terminal's Ctrl-C too; wait for them to save their trials
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    h.wait(timeout=30)
+            set_exit_note(f"{state['done']} finished trials are saved in {where}; run the same command again to resume")
             raise
+        finally:
+            for h in helpers:
+                if h.poll() is None:
+                    h.kill()
+
+    if helper:
+        return
+    if not result.writer:
+        log(f"the study holds its {result.trials} trials ({result.new_trials} from this worker); the worker that finished "
+            "the last one writes the artifact")
+        print_json({"method": method, "artifact": None, "study": where, "trials": result.trials,
+                    "new_trials": result.new_trials, "best_trial": result.best_trial, "writer": False})
+        return
 
     prompts_info["chat_template"] = chat_template
     if dataset is not None:
@@ -166,7 +231,7 @@ def calibrate(
             + ("not made this model's default (generate keeps the previous one); " if output is None else "")
             + f"run more --trials (the study resumes), or pass --layers {out_path} to use it anyway[/bold yellow]")
     summary = {
-        "method": method, "artifact": str(out_path), "study": str(db_path), "model": model_name(mdl),
+        "method": method, "artifact": str(out_path), "study": where, "model": model_name(mdl),
         "model_fingerprint": fingerprint, "num_layers": result.num_layers,
         "skip_attn": sorted(result.skip_attn), "skip_mlp": sorted(result.skip_mlp),
         "objective": obj["value"], "unit": obj["unit"], "best_trial": result.best_trial,
@@ -174,7 +239,7 @@ def calibrate(
         "baseline": base and {"name": base["name"], "value": base["value"], "confirm": base["confirm"]["tokens_per_s"]},
         "confirm": {k: v["tokens_per_s"] for k, v in conf.items()},
         "speedup_vs_ar": obj.get("speedup_vs_ar"), "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
-        "trials": result.trials, "new_trials": result.new_trials, "below_ar": below_ar,
+        "trials": result.trials, "new_trials": result.new_trials, "below_ar": below_ar, "writer": True,
     }
     print_json(summary)
 
@@ -238,3 +303,22 @@ def _calibrate_fr_spec(engine: Engine, tok: Any, prompt_ids: list[list[int]], cf
         f"{int((res.counts > 0).sum())} distinct)[/bold]")
     log(f"wrote {out_path}")
     print_json({"method": "fr-spec", "artifact": str(out_path), **res.summary()})
+
+
+def _helper_argv(storage: str | None, db_path: Path) -> list[str]:
+    """The command line of a --workers helper: this run's arguments without --workers, --force and
+    the study's name, then the study named explicitly (the caller adds --worker-index)."""
+    args, out = invocation_args(), [sys.executable, "-m", "selfspec_cli"]
+    drop_with_value, drop_flag = ("--workers", "--study-path", "--storage"), ("--force",)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name = a.split("=", 1)[0]
+        if name in drop_flag:
+            i += 1
+        elif name in drop_with_value:
+            i += 1 if "=" in a else 2
+        else:
+            out.append(a)
+            i += 1
+    return out + (["--storage", storage] if storage is not None else ["--study-path", str(db_path)])

@@ -32,7 +32,12 @@ def set_invocation(argv: list[str]) -> None:
 
 def invocation() -> str:
     """The command line of this run, as a user would retype it."""
-    return "selfspec " + shlex.join(_INVOCATION if _INVOCATION is not None else sys.argv[1:])
+    return "selfspec " + shlex.join(invocation_args())
+
+
+def invocation_args() -> list[str]:
+    """The arguments of this run (after ``selfspec``)."""
+    return list(_INVOCATION if _INVOCATION is not None else sys.argv[1:])
 
 
 def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:

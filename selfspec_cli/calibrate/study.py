@@ -1,0 +1,268 @@
+"""An Optuna study that many processes and machines work on together (docs/calibrate.md,
+"More than one process").
+
+Optuna already runs one study from many processes through a shared storage; this module
+only picks the storage from what the user names and keeps three promises on top of it:
+
+* **no trial lost**: every storage records a heartbeat per running trial (Optuna's own for
+  SQL databases; :class:`HeartbeatJournal` adds the same protocol to a journal file). A
+  worker that dies mid-trial stops beating; any live worker then fails the stale trial and
+  queues a copy with the same parameters (Optuna's ``RetryHeartbeatStaleTrialCallback``), which the
+  next free worker runs.
+* **exactly N complete trials**: :func:`run_workers_share` starts a trial only while the
+  complete and running trials number fewer than N; two workers that start the last free
+  trial at the same moment both see each other, and the later-numbered one is pruned
+  (``surplus``) before it decodes anything.
+* **no parameters reported twice**: a trial whose parameters equal those of a complete or
+  earlier running trial is pruned (``duplicate``) before it decodes, and the worker's next
+  trial is drawn at random (a model-based sampler that has converged would otherwise keep
+  proposing the same point).
+
+Which process writes the result: :func:`finished_last` (the worker whose trial completed
+last; a worker that re-opens a study finished before it joined writes too). No typer or
+rich here.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, first_line
+
+RDB_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql")
+JOURNAL_PREFIX = "journal:"
+DEFAULT_HEARTBEAT_S = 10  # a worker silent for GRACE_BEATS of these is declared dead
+GRACE_BEATS = 3
+MAX_RETRY = 3  # a trial whose worker died this many times is not queued again
+
+
+def worker_id() -> str:
+    """This worker's name in the study: host, process and start time (a restarted worker is a new one)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{time.time_ns() // 1_000_000}"
+
+
+def machine_id() -> str:
+    """Where a throughput trial was timed: host name and CPU model (timings from two machines do not compare)."""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{socket.gethostname()} ({cpu})" if cpu else socket.gethostname()
+
+
+def describe(spec: str) -> str:
+    """The storage as a log line shows it (a database password is not printed)."""
+    if "://" in spec and "@" in spec.split("://", 1)[1]:
+        scheme, rest = spec.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return spec
+
+
+def _journal_path(spec: str) -> Path | None:
+    if spec.startswith(JOURNAL_PREFIX):
+        return Path(spec[len(JOURNAL_PREFIX):].removeprefix("//"))
+    if "://" not in spec and spec.endswith((".journal", ".log")):
+        return Path(spec)
+    return None
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite:///{path.resolve()}"
+
+
+def open_storage(spec: str, heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> Any:
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9; they are what we need
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return _open_storage(spec, heartbeat_s)
+
+
+def _open_storage(spec: str, heartbeat_s: int) -> Any:
+    """An Optuna storage with heartbeats for ``spec``: a database URL (sqlite:///file.db,
+    postgresql://..., mysql://...), a journal file (``journal:PATH``, or a path ending in
+    .journal or .log: one file on a disk every worker sees), or a plain path (an SQLite file)."""
+    import optuna
+
+    try:  # Optuna >= 4.9 renamed the callback and its RDBStorage argument
+        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
+        stale_arg = "heartbeat_stale_trial_callback"
+    except ImportError:
+        from optuna.storages import RetryFailedTrialCallback as Retry
+        stale_arg = "failed_trial_callback"
+    retry = Retry(max_retry=MAX_RETRY)
+    if (jpath := _journal_path(spec)) is not None:
+        from optuna.storages.journal import JournalFileBackend
+
+        try:
+            jpath.parent.mkdir(parents=True, exist_ok=True)
+            return HeartbeatJournal(JournalFileBackend(str(jpath)), heartbeat_s, retry)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the journal '{jpath}' ({exc.strerror}); pass a writable --storage path") from None
+    url = spec if "://" in spec else sqlite_url(Path(spec))
+    scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
+    if scheme not in RDB_SCHEMES:
+        raise ConfigError(f"--storage '{describe(spec)}' is neither a database URL ({', '.join(RDB_SCHEMES)}) nor a "
+                          f"journal file ({JOURNAL_PREFIX}PATH or *.journal); pass one of those")
+    kwargs: dict[str, Any] = {}
+    if scheme == "sqlite":  # several writers wait for the file lock instead of failing at once
+        kwargs = {"connect_args": {"timeout": 120}}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
+                                          grace_period=GRACE_BEATS * heartbeat_s, **{stale_arg: retry})
+    except ImportError as exc:  # a driver (psycopg2, pymysql) that is not installed
+        raise ConfigError(f"--storage '{describe(spec)}' needs a database driver that is not installed ({first_line(exc)}); "
+                          "pip install it, or use a journal file") from None
+
+
+def _heartbeat_base() -> type:
+    from optuna.storages._heartbeat import BaseHeartbeat  # Optuna's heartbeat protocol (RDBStorage implements it)
+
+    return BaseHeartbeat
+
+
+def _journal_class() -> type:
+    from optuna.storages import JournalStorage
+
+    class _HeartbeatJournal(JournalStorage, _heartbeat_base()):  # type: ignore[misc]
+        """A journal-file storage that keeps Optuna's heartbeat protocol (Optuna implements it
+        for SQL databases only): a running trial's heartbeat is a system attribute with the wall
+        time, written every ``interval`` seconds by Optuna's heartbeat thread; a running trial
+        whose last beat (or start) is older than ``GRACE_BEATS`` intervals is stale. Workers on
+        several machines need clocks in step, as with a database."""
+
+        def __init__(self, backend: Any, interval: int, callback: Callable[..., None]) -> None:
+            super().__init__(backend)
+            self._interval, self._callback = interval, callback
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            from optuna.exceptions import UpdateFinishedTrialError
+
+            with contextlib.suppress(UpdateFinishedTrialError):  # failed meanwhile by a worker that thought us dead
+                self.set_trial_system_attr(trial_id, "heartbeat", time.time())
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            from optuna.trial import TrialState
+
+            now, grace = time.time(), GRACE_BEATS * self._interval
+            stale = []
+            for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+                beat = t.system_attrs.get("heartbeat")
+                if beat is None and t.datetime_start is not None:
+                    beat = t.datetime_start.timestamp()
+                if beat is not None and now - beat > grace:
+                    stale.append(t._trial_id)
+            return stale
+
+        def get_heartbeat_interval(self) -> int:
+            return self._interval
+
+        def get_heartbeat_stale_trial_callback(self) -> Callable[..., None]:
+            return self._callback
+
+        def get_failed_trial_callback(self) -> Callable[..., None]:  # the name before Optuna 4.9
+            return self._callback
+
+    return _HeartbeatJournal
+
+
+def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None]) -> Any:  # noqa: N802 (a class, built lazily)
+    return _journal_class()(backend, interval, callback)
+
+
+def dispose(storage: Any) -> None:
+    """Close a database storage's connections (the study stays consistent either way)."""
+    with contextlib.suppress(Exception):
+        storage.remove_session()
+    with contextlib.suppress(Exception):
+        storage.engine.dispose()
+
+
+# ---------------------------------------------------------------- one worker's share
+
+
+def _states() -> tuple[Any, Any]:
+    from optuna.trial import TrialState
+
+    return TrialState.COMPLETE, TrialState.RUNNING
+
+
+def check_slot(study: Any, trial: Any, n_trials: int) -> str | None:
+    """Why ``trial`` (just started, parameters suggested) must not run: ``surplus`` when the complete
+    trials and the running ones numbered before it already make ``n_trials``; ``duplicate`` when a
+    complete trial, or a running one numbered before it, has the same parameters. None: run it."""
+    complete, running = _states()
+    before = [t for t in study.get_trials(deepcopy=False, states=(complete, running))
+              if t.state == complete or t.number < trial.number]
+    if len(before) >= n_trials:
+        return "surplus"
+    if any(t.params == trial.params for t in before):
+        return "duplicate"
+    return None
+
+
+def run_workers_share(study: Any, run_one: Callable[[], None], n_trials: int, *, poll_s: float = 1.0,
+                      check: Callable[[], None] = lambda: None) -> int:
+    """Run trials (``run_one`` runs one: ``study.optimize(..., n_trials=1)``) until the study holds
+    ``n_trials`` COMPLETE ones. While the complete and running trials already make ``n_trials``,
+    wait (polling every ``poll_s``) for them to end: a running one whose worker died goes stale,
+    is failed here and queued again with its parameters. Returns the trials this worker started."""
+    import optuna
+
+    complete, running = _states()
+    started = 0
+    while True:
+        with contextlib.suppress(Exception):  # a busy database: the next round tries again
+            optuna.storages.fail_stale_trials(study)
+        trials = study.get_trials(deepcopy=False, states=(complete, running))
+        if sum(t.state == complete for t in trials) >= n_trials:
+            return started
+        if len(trials) >= n_trials:
+            check()
+            time.sleep(poll_s)
+            continue
+        run_one()
+        started += 1
+        check()
+
+
+def finished_last(study: Any, me: str, joined: Any) -> bool:
+    """Whether this worker (``me``, the ``worker`` user attribute of its trials) ran the trial that
+    completed last: that worker writes the result, once. A worker that ran no trial writes only when
+    the study was already finished when it joined (``joined``, a naive local datetime as Optuna keeps
+    them): it re-opened a finished study."""
+    complete, _ = _states()
+    done = study.get_trials(deepcopy=False, states=(complete,))
+    if not done:
+        return False
+    last = max(done, key=lambda t: (t.datetime_complete, t.number))
+    if last.user_attrs.get("worker") == me:
+        return True
+    return not any(t.user_attrs.get("worker") == me for t in done) and last.datetime_complete < joined
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Optuna logs every trial at INFO on stderr; the caller owns stderr (real errors still propagate)."""
+    import logging
+    import warnings
+
+    import optuna
+
+    old = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            yield
+    finally:
+        optuna.logging.set_verbosity(old)

@@ -1,0 +1,181 @@
+"""Self-SD calibration by many processes on one Optuna study (calibrate/study.py).
+
+Real processes (``python -m selfspec_cli calibrate`` in subprocesses), real storages (an
+SQLite file, an Optuna journal file), a real SIGKILL. What must hold: the study ends with
+exactly the trials asked for, no two complete trials share their parameters, a worker
+killed mid-trial loses nothing (its trial is run again), and one process writes the artifact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from selfspec_cli.calibrate.study import check_slot, finished_last, open_storage
+
+from .test_calibrate import PROMPTS, calib_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("".join(x + "\n" for x in PROMPTS), encoding="utf-8")
+    return p
+
+
+def cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "selfspec_cli", *argv]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def load(storage: str) -> optuna.Study:
+    return optuna.load_study(study_name="self-sd", storage=open_storage(storage, 1))
+
+
+def states(study: optuna.Study) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state.name] = out.get(t.state.name, 0) + 1
+    return out
+
+
+def assert_exact(study: optuna.Study, n: int) -> list[optuna.trial.FrozenTrial]:
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(done) == n, states(study)
+    params = [tuple(sorted(t.params.items())) for t in done]
+    assert len(set(params)) == len(params), "two complete trials share their parameters"
+    assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    return done
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_two_local_workers_finish_exactly_n_trials(kind, tiny_model_dir, prompt_file, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else f"journal:{tmp_path / 'study.journal'}"
+    out = tmp_path / "skip.json"
+    n = 16
+    args = calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", str(n), "--storage", storage,
+                      "--heartbeat", "1", "--output", str(out), "--max-new-tokens", "48", "--repeats", "2")
+    proc = subprocess.run(cli(*args, "--workers", "2"),
+                          capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["writer"] is True and summary["artifact"] == str(out) and summary["trials"] == n
+    done = assert_exact(load(storage), n)
+    assert len({t.user_attrs["worker"] for t in done}) == 1  # one command: one worker name
+    assert {t.user_attrs["worker_index"] for t in done} == {0, 1}, proc.stderr  # both processes ran trials
+    manifest = json.loads(out.read_text())
+    assert manifest["trials"] == n and manifest["kind"] == "self-sd-layers"
+    # a second run on the finished study runs nothing and rewrites the artifact from it
+    again = subprocess.run(cli(*args, "--force"),
+                           capture_output=True, text=True, env=env(), timeout=600)
+    assert again.returncode == 0, again.stderr
+    s2 = json.loads(again.stdout.strip().splitlines()[-1])
+    assert s2["writer"] is True and s2["new_trials"] == 0 and s2["skip_attn"] == summary["skip_attn"]
+
+
+def test_a_worker_killed_mid_trial_loses_nothing(tiny_model_dir, prompt_file, tmp_path):
+    """``--workers 2`` on a journal file; the helper process is SIGKILLed while a trial of its own
+    runs. The first process fails the stale trial by its heartbeat, runs its copy, and the study
+    ends with exactly N complete trials and the artifact written."""
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    n = 16
+    argv = cli(*calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", str(n), "--storage", storage,
+                           "--heartbeat", "1", "--output", str(tmp_path / "skip.json"), "--max-new-tokens", "48",
+                           "--repeats", "2", "--workers", "2"))
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    killed = None
+    try:
+        deadline = time.time() + 300
+        while killed is None and time.time() < deadline and first.poll() is None:
+            time.sleep(0.05)
+            if not (tmp_path / "study.journal").exists():
+                continue
+            running = [t for t in load(storage).get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                       if t.user_attrs.get("worker_index") == 1]
+            if running:
+                killed = running[0].number
+                os.kill(running[0].user_attrs["pid"], signal.SIGKILL)
+        assert killed is not None, "the helper never ran a trial"
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert "worker 1 ended with exit status -9" in err
+    study = load(storage)
+    done = assert_exact(study, n)
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert trials[killed].state == optuna.trial.TrialState.FAIL  # failed by the survivor's heartbeat check
+    retried = [t for t in done if t.system_attrs.get("failed_trial") == killed]
+    assert len(retried) == 1 and retried[0].params == trials[killed].params  # its copy ran to completion
+    assert retried[0].user_attrs["worker_index"] == 0
+    assert json.loads(out.strip().splitlines()[-1])["writer"] is True
+
+
+def test_surplus_and_duplicate_trials_are_pruned(tmp_path):
+    """The rule behind "exactly N": a started trial runs only while the complete trials and the
+    running ones numbered before it make fewer than N; one with the parameters of a complete or
+    earlier running trial does not run."""
+    storage = open_storage(f"journal:{tmp_path / 's.journal'}", 1)
+    study = optuna.create_study(study_name="self-sd", storage=storage)
+    dist = optuna.distributions.IntDistribution(0, 10)
+
+    def start(x: int) -> optuna.Trial:
+        study.enqueue_trial({"x": x})
+        return study.ask({"x": dist})
+
+    a, b = start(1), start(2)
+    assert check_slot(study, b, n_trials=2) is None  # a (running, before b) and b make 2
+    assert check_slot(study, b, n_trials=1) == "surplus"
+    assert check_slot(study, a, n_trials=1) is None  # a is first: b does not count against it
+    c = start(1)  # the parameters of a, which runs and is numbered before c
+    assert check_slot(study, c, n_trials=10) == "duplicate"
+    assert check_slot(study, a, n_trials=10) is None  # c is after a: a runs
+    study.tell(a, 1.0)
+    assert check_slot(study, b, n_trials=1) == "surplus"  # a complete trial always counts
+    study.tell(b, 2.0)
+    d = start(2)
+    assert check_slot(study, d, n_trials=10) == "duplicate"  # of a complete trial
+
+
+def test_throughput_study_refuses_another_machine(tmp_path, monkeypatch):
+    from selfspec_cli.calibrate import self_sd, study as study_mod
+    from selfspec_cli.errors import ConfigError
+
+    search = self_sd.SearchConfig(study_path=tmp_path / "t.db", objective="throughput")
+    s, storage = self_sd.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
+    assert s.user_attrs["machine"] == study_mod.machine_id()
+    monkeypatch.setattr(self_sd, "machine_id", lambda: "elsewhere (another CPU)")
+    with pytest.raises(ConfigError, match="timed on .* not on this machine"):
+        self_sd.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
+    # the proxy objective is the same on every machine: no refusal
+    proxy = self_sd.SearchConfig(study_path=tmp_path / "p.db", objective="proxy")
+    self_sd.open_study(proxy, optuna.samplers.RandomSampler(0), {"kind": "x"})
+    self_sd.open_study(proxy, optuna.samplers.RandomSampler(0), {"kind": "x"})
+
+
+def test_finished_last_names_one_writer(tmp_path):
+    from datetime import datetime, timedelta
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'w.db'}", 1)
+    study = optuna.create_study(study_name="self-sd", storage=storage)
+    before = datetime.now() - timedelta(hours=1)
+    for i, who in enumerate(["A", "B", "A", "B"]):
+        t = study.ask({"x": optuna.distributions.IntDistribution(0, 10)})
+        t.set_user_attr("worker", who)
+        study.tell(t, float(i))
+    assert finished_last(study, "B", before) and not finished_last(study, "A", before)
+    assert not finished_last(study, "C", before)  # joined before the end and ran nothing
+    assert finished_last(study, "C", datetime.now() + timedelta(seconds=1))  # re-opened a finished study
