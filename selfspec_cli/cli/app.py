@@ -65,6 +65,12 @@ def _interrupted() -> int:
     return SIGTERM_STATUS if _signals else 130
 
 
+def _rank_prefix() -> str:
+    """Under torchrun every rank prints its own errors: each says which rank it is."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return f"rank {rank} of {world}: " if world.isdigit() and int(world) > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (also used by tests)."""
     command = typer.main.get_command(app)
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return rv if isinstance(rv, int) else 0
     except SelfSpecError as exc:
         note = pop_exit_note()
-        print(f"selfspec: error: {exc}" + (f" ({note})" if note else ""), file=sys.stderr)
+        print(f"selfspec: error: {_rank_prefix()}{exc}" + (f" ({note})" if note else ""), file=sys.stderr)
         return 2
     except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()

@@ -21,7 +21,7 @@ import typer
 from rich.table import Table
 
 from ..artifacts import atomic_write, environment_info, model_name
-from ..bench import plots, profile as prof
+from ..bench import plots, profile as prof, ranks as rk
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize
@@ -54,16 +54,18 @@ REFERENCE, BASELINE = "ar", "hf"
 
 # files bench writes into --output-dir (and only these are ever deleted, with --force)
 BENCH_FILES = ("results.json", "run.json", "speedup_by_category.png", "accept_lengths.png", "records/*.jsonl",
-               "answers/*.jsonl", "*_skip_sets.png")
+               "records/rank*/*.jsonl", "answers/*.jsonl", "*_skip_sets.png")
 
 
 def bench_files(output_dir: Path) -> list[Path]:
-    """Files of an earlier bench run in ``output_dir``: its fixed names, records/*.jsonl,
-    answers/*.jsonl and *_skip_sets.png. Nothing else there is touched."""
+    """Files of an earlier bench run in ``output_dir``: its fixed names, records/*.jsonl (and a
+    torchrun run's records/rank<r>/*.jsonl), answers/*.jsonl and *_skip_sets.png. Nothing else
+    there is touched."""
     return [p for pattern in BENCH_FILES for p in sorted(output_dir.glob(pattern)) if p.is_file()]
 
 
-def _earlier_records(output_dir: Path, run_key: dict[str, Any], names: list[str]) -> dict[str, dict[tuple[int, Any], dict]]:
+def _earlier_records(output_dir: Path, run_key: dict[str, Any], names: list[str],
+                     records_dir: Path) -> dict[str, dict[tuple[int, Any], dict]]:
     """--resume: the finished records of the interrupted run in ``output_dir``, per contender,
     keyed by (pass, prompt id); a torn last line is dropped. Refused when that run was another command."""
     try:
@@ -77,7 +79,7 @@ def _earlier_records(output_dir: Path, run_key: dict[str, Any], names: list[str]
                           "resume it with its own command, or choose another --output-dir")
     done: dict[str, dict[tuple[int, Any], dict]] = {}
     for n in names:
-        path = output_dir / "records" / f"{n}.jsonl"
+        path = records_dir / f"{n}.jsonl"
         if not path.is_file():
             continue
         cut_to_last_line(path)
@@ -216,6 +218,8 @@ def bench(
     if "hf-assisted" in names and assistant_model is None:
         raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
+    ranks = rk.from_env()  # torchrun's ranks (one when not under torchrun)
+    say = log if ranks.lead else (lambda _msg: None)  # the other ranks report through rank 0
     if resume and force:
         raise ConfigError("--resume keeps the earlier run's records and --force deletes them; pass one of them")
     stale = [] if resume else bench_files(output_dir)
@@ -225,6 +229,7 @@ def bench(
                           "those files first, or choose another --output-dir")
     for f in stale:  # only with --force
         check_not_input(f, (prompt_file,), "--output-dir")
+    rk.init(ranks)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates first
     decoding = "greedy" if sampling.greedy else (f"sampling (temperature {temperature}, top-p {top_p}, top-k {top_k}, "
@@ -237,6 +242,8 @@ def bench(
     cfg = dataclasses.replace(cfg0, eos_token_ids=eos_token_ids(mdl, tok))
     for p in prompts:
         check_prompt_fits(p, tok, cfg, context_length(mdl), chat_template)
+    suite_prompts, prompts = prompts, ranks.share(prompts)  # this rank's prompts (all of them in one process)
+    records_dir = output_dir / "records" / (f"rank{ranks.rank}" if ranks.many else "")
     assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
     engine = Engine(mdl)
     dev = torch.device(engine.device)
@@ -265,46 +272,56 @@ def bench(
             descriptions[n] = PEERS[n]
             contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
-    run_key = {"methods": names, "prompts": [p.id for p in prompts], "max_new_tokens": max_new_tokens,
+    run_key = {"methods": names, "prompts": [p.id for p in suite_prompts], "max_new_tokens": max_new_tokens,
                "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype),
                "chat_template": chat_template, "warmup": warmup, "seed": seed, "threads": torch.get_num_threads(),
                "early_exit_layer": early_exit_layer, "assistant_model": assistant_model,
-               "prompts_sha256": hashlib.sha256(dumps([list(p.turns) for p in prompts]).encode()).hexdigest()}
-    done = _earlier_records(output_dir, run_key, names) if resume else {}
-    for f in stale:
-        f.unlink(missing_ok=True)
+               "prompts_sha256": hashlib.sha256(dumps([list(p.turns) for p in suite_prompts]).encode()).hexdigest(),
+               "ranks": ranks.world}
+    done = _earlier_records(output_dir, run_key, names, records_dir) if resume else {}
+    if ranks.lead:
+        for f in stale:
+            f.unlink(missing_ok=True)
+    rk.barrier(ranks)  # the earlier run's files are gone before any rank makes its own
     try:
-        for sub in ("records", "answers"):
-            (output_dir / sub).mkdir(parents=True, exist_ok=True)
+        for d in (records_dir, output_dir / "answers"):
+            d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create --output-dir '{output_dir}' ({exc.strerror}); choose a writable directory") from None
-    atomic_write(output_dir / "run.json", lambda f: f.write((dumps(run_key, indent=2) + "\n").encode()))
+    if ranks.lead:
+        atomic_write(output_dir / "run.json", lambda f: f.write((dumps(run_key, indent=2) + "\n").encode()))
     if done:
-        log(f"[dim]resuming: {sum(len(v) for v in done.values())} finished records kept[/dim]")
-    cats = Counter(p.category or "all" for p in prompts)
-    log(f"[dim]model {model_name(mdl)} ({mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {dev}, "
-        f"{torch.get_num_threads()} threads); {len(prompts)} prompts ({', '.join(f'{c} {k}' for c, k in cats.items())}) "
+        say(f"[dim]resuming: {sum(len(v) for v in done.values())} finished records kept[/dim]")
+    cats = Counter(p.category or "all" for p in suite_prompts)
+    if ranks.many:
+        say(f"[dim]torchrun: {ranks.world} ranks, every {ranks.world}th prompt each; records per rank in "
+            f"{output_dir}/records/rank<r>/[/dim]")
+    say(f"[dim]model {model_name(mdl)} ({mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {dev}, "
+        f"{torch.get_num_threads()} threads{' per rank' if ranks.many else ''}); {len(suite_prompts)} prompts ({', '.join(f'{c} {k}' for c, k in cats.items())}) "
         f"x {max_new_tokens} tokens; warm-up {warmup}, repeats {repeats}; contenders {', '.join(names)}[/dim]")
 
     engine_costs = None
-    if costs:
+    if costs and ranks.lead:
         ids = sorted((encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts), key=len)
         engine_costs = prof.engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
-        log(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
+        say(f"[dim]engine costs: floor {engine_costs['floor_ms']:.1f} ms ({engine_costs['bandwidth_gbs']:.1f} GB/s), "
             f"T(1) {engine_costs['step_ms']:.1f} ms ({engine_costs['step_over_floor']:.2f}x floor), "
             f"v(4) {engine_costs['verify_cost']['4']:.2f}, v(8) {engine_costs['verify_cost']['8']:.2f}, "
             f"c(0.5) {engine_costs['draft_cost']['0.5']:.2f}, LM head {engine_costs['lm_head_share']:.0%}; "
             f"matrix products: {engine.kernel_info['backend']}[/dim]")
 
+    rk.barrier(ranks)  # every rank starts timing together, after rank 0's cost measurement
     partial: dict[str, ContenderResult] = {}
-    with ExitStack() as stack, progress() as bar:
+    with ExitStack() as stack, progress(disable=not ranks.lead) as bar:
         mode = "a" if resume else "w"
-        files = {n: stack.enter_context((output_dir / "records" / f"{n}.jsonl").open(mode, encoding="utf-8")) for n in names}
+        files = {n: stack.enter_context((records_dir / f"{n}.jsonl").open(mode, encoding="utf-8")) for n in names}
         running = {n: Counter() for n in names}  # new tokens and seconds so far, per contender
         task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
         bar.update(task, advance=sum(len(v) for v in done.values()))
 
         def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
+            if ranks.many:
+                rec["rank"] = ranks.rank
             write_record(files[name], rec)
             r = running[name]
             r.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
@@ -316,7 +333,10 @@ def bench(
         except KeyboardInterrupt:
             stack.close()
             kept = _complete_cells(partial, prompts)
-            note = f"records are in {output_dir}/records; the same command with --resume finishes the run"
+            note = f"records are in {records_dir}; the same command with --resume finishes the run"
+            if ranks.many:  # torchrun stops every rank when one fails; rank 0 alone cannot summarize the run
+                set_exit_note(f"{ranks}: {note}")
+                raise
             if kept is not None:
                 summary = summarize(kept, REFERENCE if REFERENCE in kept else None, BASELINE if BASELINE in kept else None,
                                     descriptions, offline, num_layers=engine.num_layers)
@@ -329,13 +349,30 @@ def bench(
             set_exit_note(note)
             raise
 
+    if ranks.many:  # rank 0 gathers every rank's passes and merges them in the suite's order
+        payload = {n: {"repeats": r.repeats, "peak_rss_mb": r.peak_rss_mb, "peak_cuda_mb": r.peak_cuda_mb}
+                   for n, r in results.items()}
+        parts = rk.gather(ranks, payload)
+        rk.close(ranks)
+        if not ranks.lead:
+            return
+        order = [p.id for p in suite_prompts]
+        for n, r in results.items():
+            r.repeats = rk.merge_repeats([part[n]["repeats"] for part in parts], order)
+            for k in ("peak_rss_mb", "peak_cuda_mb"):
+                setattr(r, k, max((v for part in parts if (v := part[n][k]) is not None), default=None))
+            with open(output_dir / "records" / f"{n}.jsonl", "w", encoding="utf-8") as f:
+                for passed in r.repeats:
+                    for rec in passed:
+                        write_record(f, rec)
+        prompts = suite_prompts
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
     summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": decoding, "batch_size": 1,
              "chat_template": chat_template, "seed": seed, "command": invocation(), "complete": True,
-             "early_exit_layer": early_exit_layer, "assistant_model": assistant_model}
+             "early_exit_layer": early_exit_layer, "assistant_model": assistant_model, "ranks": ranks.world}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
                   "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}
     file_map: dict[str, Any] = {"results": str(output_dir / "results.json"),

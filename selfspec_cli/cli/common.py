@@ -50,9 +50,10 @@ def log(msg: str) -> None:
     err_console.print(msg, highlight=False)
 
 
-def progress() -> Progress:
+def progress(disable: bool = False) -> Progress:
     return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=err_console, transient=False)
+                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=err_console, transient=False,
+                    disable=disable)
 
 
 def table(title: str, columns: Collection[str], left: Collection[str] = ("method",)) -> Table:

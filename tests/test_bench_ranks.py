@@ -1,0 +1,67 @@
+"""``selfspec bench`` under ``torchrun`` (bench/ranks.py): real processes, gloo, the shipped code model.
+
+Two ranks split the suite; rank 0 gathers and writes one results.json. Greedy decoding is the
+same computation whichever process runs it, so every prompt's tokens must equal those of a
+one-process run, and each pass's merged records must be in the suite's order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfspec_cli.bench.ranks import Ranks, merge_repeats
+
+from .conftest import needs_shipped_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["bench", "--model", "pystdlib", "--suite", "pystdlib-mini", "--methods", "ar,pld,swift", "-n", "12",
+        "--no-costs", "--no-plots", "--repeats", "2"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def records(out: Path, name: str) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "records" / f"{name}.jsonl").read_text().splitlines()]
+
+
+@needs_shipped_model
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun not installed")
+def test_two_ranks_give_the_one_process_tokens(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    p1 = subprocess.run([sys.executable, "-m", "selfspec_cli", *ARGS, "-o", str(one)], capture_output=True, text=True,
+                        env=env(), timeout=900)
+    assert p1.returncode == 0, p1.stderr
+    p2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "-m", "selfspec_cli", *ARGS, "-o", str(two)], capture_output=True, text=True, env=env(), timeout=900)
+    assert p2.returncode == 0, p2.stderr
+    assert len([ln for ln in p2.stdout.splitlines() if ln.startswith("{")]) == 1  # rank 0 alone prints the headline
+    r1, r2 = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    assert r2["setup"]["ranks"] == 2 and r1["setup"]["ranks"] == 1
+    assert r2["setup"]["prompts"] == r1["setup"]["prompts"] == 8
+    for name in ("ar", "pld", "swift"):
+        a, b = records(one, name), records(two, name)
+        assert [(r["repeat"], r["id"]) for r in a] == [(r["repeat"], r["id"]) for r in b]  # suite order, pass by pass
+        assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+        assert {r["rank"] for r in b} == {0, 1}
+        # each prompt ran every contender on one rank: the paired ratios compare timings of one process
+        assert all(r["rank"] == i % 2 for r in b for i in [[p["id"] for p in a[:8]].index(r["id"])])
+        assert r2["methods"][name]["parity"]["parity"] == 1.0
+    per_rank = sorted(p.relative_to(two).as_posix() for p in (two / "records").glob("rank*/*.jsonl"))
+    assert per_rank == [f"records/rank{r}/{n}.jsonl" for r in (0, 1) for n in ("ar", "pld", "swift")]
+
+
+def test_shares_cover_the_suite_once_and_merge_in_order():
+    items = list(range(11))
+    shares = [Ranks(r, 3).share(items) for r in range(3)]
+    assert sorted(x for s in shares for x in s) == items
+    recs = [[[{"id": x} for x in s]] for s in shares]  # one pass per rank
+    assert [r["id"] for r in merge_repeats(recs, items)[0]] == items
