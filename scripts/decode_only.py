@@ -5,7 +5,7 @@ prefill is a large share of the time. Decode-only = (new tokens - 1 per turn, th
 token) / (draft + verify seconds), from the records' per-turn stats (selfspec methods only;
 HF peers do not report them).
 
-    python scripts/decode_only.py docs/bench/smollm2-mini-auto
+    python scripts/decode_only.py docs/bench/smollm2-quant-1t
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ only in calibrate/ and cli/; typer, rich and click only in cli/.
 Every import counts: module level or inside a function, absolute or relative (level
 1 and 2). The checker is a plain function of (path, source), and a self-check runs
 it on synthetic sources so that a broken checker cannot pass silently.
+
+The repository holds code, docs and the artifacts the tool ships: no library file cites the
+lab notebook (docs/log.md), and the files git tracks outside artifacts/models/ stay under
+10 MB (skipped outside a git checkout).
 """
 from __future__ import annotations
 
@@ -187,3 +191,93 @@ def test_third_party_confined(module):
     found = [v for rel, src in _sources() for v in violations(rel, src) if v.endswith(f"{module} may only be imported in "
                                                                                     f"{sorted(THIRD_PARTY_ONLY_IN[module])}")]
     assert not found, "\n".join(found)
+
+
+# -- the repository: code, user docs, shipped artifacts ----------------------
+
+REPO = PKG.parent
+NOTEBOOK = "docs/log.md"
+TRACKED_LIMIT = 10_000_000  # bytes of tracked files outside artifacts/models/ (issue 24)
+
+
+def notebook_citations(rel: str, text: str) -> list[str]:
+    """Lines of the library file ``rel`` that cite the lab notebook: a library file cites the
+    user doc that states a fact (docs/engine.md, docs/design.md, ...), never docs/log.md."""
+    return [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if "log.md" in line]
+
+
+@pytest.mark.parametrize("text,found", [
+    ("# measured: docs/log.md, 2026-11-23\n", 1),
+    ('"""Why (docs/log.md, issue 12)."""\n', 1),
+    ("// see log.md\n", 1),
+    ('# measured: docs/engine.md, "Threads"\n', 0),
+    ("logging.info('x')\n", 0),
+])
+def test_notebook_checker(text, found):
+    assert len(notebook_citations("x.py", text)) == found
+
+
+def test_library_does_not_cite_the_notebook():
+    found = []
+    for path in sorted(p for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary data (none is expected to cite a document)
+        found += notebook_citations(path.relative_to(REPO).as_posix(), text)
+    assert not found, ("cite the user doc that states the fact, not the lab notebook:\n" + "\n".join(found))
+
+
+def _tracked_files() -> list[str] | None:
+    """Paths git tracks in the checkout this package lives in, or None outside a git checkout."""
+    import subprocess
+
+    try:
+        top = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=60)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != REPO.resolve():
+            return None
+        out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return [p for p in out.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
+
+
+def tracked_size(paths: list[str], root: Path) -> tuple[int, dict[str, int]]:
+    """Bytes of the tracked files outside artifacts/models/ (as `du -b`: a link counts its own
+    size; a tracked file missing from the working tree counts nothing), and per top folder."""
+    total, by_dir = 0, {}
+    for rel in paths:
+        if rel.startswith("artifacts/models/"):
+            continue
+        try:
+            size = (root / rel).lstat().st_size
+        except FileNotFoundError:
+            continue
+        total += size
+        key = "/".join(rel.split("/")[:2]) if rel.startswith("docs/") else rel.split("/")[0]
+        by_dir[key] = by_dir.get(key, 0) + size
+    return total, by_dir
+
+
+def test_tracked_size_counts_outside_models(tmp_path):
+    (tmp_path / "artifacts" / "models").mkdir(parents=True)
+    (tmp_path / "artifacts" / "models" / "w.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    (tmp_path / "docs" / "bench" / "r.json").write_bytes(b"x" * 30)
+    (tmp_path / "README.md").write_bytes(b"x" * 7)
+    total, by_dir = tracked_size(["artifacts/models/w.bin", "docs/bench/r.json", "README.md", "gone.txt"], tmp_path)
+    assert total == 37 and by_dir == {"docs/bench": 30, "README.md": 7}
+
+
+def test_tracked_files_outside_models_stay_small():
+    paths = _tracked_files()
+    if paths is None:
+        pytest.skip("not a git checkout (an installed package): nothing to measure")
+    total, by_dir = tracked_size(paths, REPO)
+    largest = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(by_dir.items(), key=lambda kv: -kv[1])[:8])
+    assert total <= TRACKED_LIMIT, (
+        f"tracked files outside artifacts/models/ hold {total / 1e6:.1f} MB, over {TRACKED_LIMIT / 1e6:.0f} MB: "
+        f"keep one current run per setting in docs/bench (older ones live in git history). Largest: {largest}")

@@ -13,7 +13,7 @@ A suite line is ``{"id": ..., "category": ..., "turns": [prompt, ...]}`` (or ``p
 instead of ``turns``), the format :mod:`selfspec_cli.prompts` reads; other fields
 (``source``) are kept in the file for provenance and ignored here. The built-in
 suites are made by ``scripts/make_suites.py`` from the shipped model's held-out
-files (docs/log.md, "benchmark suites").
+files (docs/benchmarks.md, "Suites").
 """
 from __future__ import annotations
 

@@ -66,10 +66,10 @@ def table(title: str, columns: Collection[str], left: Collection[str] = ("method
 
 # ---------------------------------------------------------------- threads
 
-DEFAULT_THREADS = 1  # measured: docs/log.md, 2026-11-23
+DEFAULT_THREADS = 1  # measured: docs/engine.md, "Threads"
 THREADS_HELP = ("CPU threads for torch: a number, or auto (every core while the machine is otherwise idle, one "
                 "thread the moment another process takes a core; engine/threads.py). Default 1: a lone thread "
-                "degrades gracefully when other work shares the cores (docs/log.md, 2026-11-23).")
+                "degrades gracefully when other work shares the cores (docs/engine.md, Threads).")
 
 
 def apply_threads(threads: str | int | None) -> int:

@@ -20,7 +20,7 @@ rounds of the same proposer (``Draft.round_steps``: its seconds over the running
 average of plain rounds', or over T(1) until a plain round has run), and the difference from the planned cost is averaged into
 ``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``. On the code
 model (a 2.5 ms step) the learned ``o`` ranged from -0.04 to +0.10 of a step across
-methods (docs/log.md, session 5); it also makes the reported prediction the measured
+methods (docs/design.md, "Decoding"); it also makes the reported prediction the measured
 cost of the rounds.
 
 So that an estimate that once turned pessimistic can recover, a planner that chose

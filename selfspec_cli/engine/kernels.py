@@ -2,7 +2,7 @@
 (``csrc/small_gemm.cpp``) for every matrix product (prefill, decode steps, verification)
 and for float32 RMSNorm.
 
-Why (measured on the 2-core AVX2 EPYC this project runs on; docs/log.md, issue 12):
+Why (measured on the 2-core AVX2 EPYC this project runs on; docs/engine.md, "The kernel"):
 ``F.linear`` with one row reads the 49152 x 576 LM head at about 11 GB/s and costs
 twice that for two rows; the kernel reads it at 27-33 GB/s, and for up to about
 four rows the extra rows cost FMAs, not memory traffic.
@@ -14,7 +14,7 @@ Invariants:
   of a k-row verification forward match k one-row decode steps exactly (attention and
   the norms still may differ in the last bit: at most 1e-6 on the tiny test models,
   tests/test_kernels.py). Prompt prefill goes through the kernel too: at 100-800 rows it
-  ran at 107-113 GFLOP/s on one core against MKL's 84-104 (docs/log.md), and a prefilled
+  ran at 107-113 GFLOP/s on one core against MKL's 84-104 (docs/engine.md), and a prefilled
   row's products then equal a decoded row's.
 * the kernel changes fp32 logits only by summation order (a single FMA chain per
   output instead of the BLAS blocking): 4e-5 to 5e-5 on SmolLM2's logits, reported by

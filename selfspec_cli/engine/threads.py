@@ -3,7 +3,7 @@
 On a 2-core machine a second torch thread makes a decode step about 1.4-1.8x faster when the
 machine is idle, but only if the waiting thread spins between the many small parallel regions
 of a step; and a spinning team collapses to 0.2-0.4x as soon as another process runs, since
-every region then waits for a descheduled thread (docs/log.md, session 7; README, "Threads").
+every region then waits for a descheduled thread (docs/engine.md, "Threads"; README, "Threads").
 The governor watches the engine's own forwards and switches ``torch.set_num_threads`` at run
 time:
 
@@ -17,7 +17,7 @@ time:
 
 Invariant: only the thread count changes, never the decoding rules; outputs at ``auto`` are
 checked equal to one thread's (tests/test_threads.py on a tiny model; on the default model,
-docs/log.md session 7). The spin itself is the wait policy,
+docs/engine.md, "Threads"). The spin itself is the wait policy,
 chosen before torch loads (``cli/entry.py``): libgomp's default policy with
 ``GOMP_SPINCOUNT=10000``, so that an unused thread sleeps within microseconds.
 """
