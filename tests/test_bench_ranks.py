@@ -65,3 +65,56 @@ def test_shares_cover_the_suite_once_and_merge_in_order():
     assert sorted(x for s in shares for x in s) == items
     recs = [[[{"id": x} for x in s]] for s in shares]  # one pass per rank
     assert [r["id"] for r in merge_repeats(recs, items)[0]] == items
+
+
+def _rank_pid(rank: int) -> int | None:
+    """The pid of the bench process torchrun started as ``rank`` (from its environment)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            envs = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"selfspec_cli" in cmd and b"bench" in cmd and f"RANK={rank}".encode() in envs:
+            return int(d.name)
+    return None
+
+
+@needs_shipped_model
+def test_a_dead_rank_fails_the_run_and_resume_finishes_it(tmp_path):
+    """SIGKILL rank 1 once it has finished a prompt: torchrun stops rank 0, which says where its
+    records are; every finished record stays; the same command with --resume completes the run
+    with the one-process tokens."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "selfspec_cli",
+            "bench", "--model", "pystdlib", "--suite", "pystdlib-mini", "--methods", "ar,pld", "-n", "48",
+            "--no-costs", "--no-plots", "--repeats", "2", "-o", str(out)]
+    run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        deadline = time.time() + 300
+        rec1 = out / "records" / "rank1" / "ar.jsonl"
+        while time.time() < deadline and run.poll() is None and not (rec1.exists() and rec1.read_text().strip()):
+            time.sleep(0.2)
+        pid = _rank_pid(1)
+        assert pid is not None and run.poll() is None, "rank 1 finished before it could be killed"
+        os.kill(pid, signal.SIGKILL)
+        _, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0
+    assert "rank 0 of 2: records are in" in err and "the same command with --resume" in err
+    assert "rank      : 1" in err  # torchrun's report names the rank that died
+    kept = {r: len((out / "records" / f"rank{r}" / "ar.jsonl").read_text().splitlines()) for r in (0, 1)}
+    assert kept[1] >= 1
+    assert not (out / "results.json").exists() or not json.loads((out / "results.json").read_text())["setup"]["complete"]
+    done = subprocess.run(argv + ["--resume"], capture_output=True, text=True, env=env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert res["setup"]["complete"] and res["setup"]["ranks"] == 2 and res["methods"]["pld"]["parity"]["parity"] == 1.0
+    assert len(records(out, "ar")) == 16  # 8 prompts x 2 passes, the kept ones included
