@@ -179,3 +179,18 @@ def test_finished_last_names_one_writer(tmp_path):
     assert finished_last(study, "B", before) and not finished_last(study, "A", before)
     assert not finished_last(study, "C", before)  # joined before the end and ran nothing
     assert finished_last(study, "C", datetime.now() + timedelta(seconds=1))  # re-opened a finished study
+
+
+def test_bad_storage_and_worker_options_get_one_line(tiny_model_dir, prompt_file, tmp_path):
+    from .test_calibrate import user_error
+
+    base = calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "2", "--output", str(tmp_path / "o.json"))
+    user_error([*base, "--storage", "redis://host/0"], "neither a database URL", "journal")
+    user_error([*base, "--storage", "postgresql://u:secret@nohost.invalid/db"], "--storage")
+    user_error([*base, "--workers", "0"], "--workers must be >= 1")
+    user_error([*base, "--storage", f"journal:{tmp_path / 'j.journal'}", "--study-path", str(tmp_path / "s.db")],
+               "pass one of them")
+    user_error(["calibrate", "--method", "specee", "--model", str(tiny_model_dir), "--prompt-file", str(prompt_file),
+                "--workers", "2"], "options of the Self-SD search")
+    rc_line = user_error([*base, "--storage", "postgresql://u:secret@nohost.invalid/db"])
+    assert "secret" not in rc_line  # a password in a URL is not printed
