@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
+from selfspec_cli.decoding.drafts import NoDraft
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods.exit_heads import LowRankHead, init_head
 from selfspec_cli.methods import AR
@@ -110,7 +111,7 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
     def spy(state, budget):
         nonlocal plain
         d = real(state, budget)
-        plain += d.logits is None and not d.tokens
+        plain += isinstance(d, NoDraft)
         return d
 
     m.propose = spy

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
-from selfspec_cli.decoding.driver import Draft, Proposer, decode
+from selfspec_cli.decoding.drafts import Chain, Decided, Draft, NoDraft, depth as draft_depth
+from selfspec_cli.decoding.driver import Proposer, decode
 from selfspec_cli.decoding.state import DecodeState
 from selfspec_cli.engine import Engine
 from selfspec_cli.engine.cache import CacheInvariantError
@@ -92,9 +93,11 @@ def record_rounds(proposer: Proposer) -> list[Round]:
     rounds: list[Round] = []
     inner = proposer.update
 
-    def update(state, draft, verdict, out):
-        rounds.append(Round(draft.depth, draft.decided, draft.full_depth, len(verdict.tokens), len(verdict.accepted)))
-        return inner(state, draft, verdict, out)
+    def update(state, rnd):
+        d, v = rnd.draft, rnd.verdict
+        decided = isinstance(d, Decided)
+        rounds.append(Round(draft_depth(d), decided, decided and d.full_depth, len(v.tokens), len(v.accepted)))
+        return inner(state, rnd)
 
     proposer.update = update
     return rounds
@@ -291,7 +294,7 @@ class Oracle(Proposer):
     def propose(self, state: DecodeState, budget: int) -> Draft:
         i = len(state.output)
         k = min(3, budget) if self.respect else 3
-        return Draft(self.ref[i : i + k])
+        return Chain(self.ref[i : i + k])
 
 
 def test_stats_last_round_cut(setup):
@@ -358,7 +361,7 @@ class RunsTwice(Proposer):
     def propose(self, state: DecodeState, budget: int) -> Draft:
         state.run(state.ids([state.pending]))
         state.run(state.ids([state.pending]))
-        return Draft()
+        return NoDraft()
 
 
 def test_proposer_misuse_fails_loudly(setup):
@@ -379,7 +382,7 @@ class WrongChain(Proposer):
         self.chain = chain
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
-        return Draft(self.chain[: max(0, budget)])
+        return Chain(self.chain[: max(0, budget)])
 
 
 def test_custom_proposer_is_exact(setup):

@@ -10,6 +10,7 @@ import torch
 from selfspec_cli.artifacts import SkipSet, save_tensors_artifact
 from selfspec_cli.calibrate.fr_spec import calibrate_draft_vocab, held_out_coverage
 from selfspec_cli.config import GenerationConfig
+from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ArtifactError, FieldError
@@ -48,7 +49,7 @@ def test_drafts_come_only_from_the_draft_vocabulary(monkeypatch):
 
     def spy(self, state, budget):
         d = real(self, state, budget)
-        seen.extend(d.tokens)
+        seen.extend(d.tokens if isinstance(d, (Chain, Tree)) else [])
         return d
 
     monkeypatch.setattr(LayerSkipProposer, "propose", spy)

@@ -9,6 +9,7 @@ from selfspec_cli.artifacts import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.cost import Planner, VerifyCurve
+from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer, merge_branch
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
@@ -53,8 +54,9 @@ def test_hybrid_greedy_equals_ar(arch, tree, monkeypatch):
     def spy(self, state, budget):
         nonlocal offered, merged
         d = real(self, state, budget)
-        offered += d.info.get("ngram_path") is not None
-        merged += d.parents is not None and d.info.get("ngram_path") is not None and d.forwards > 0
+        path = getattr(d.note, "ngram_path", None) if isinstance(d, (Chain, Tree)) else None
+        offered += path is not None
+        merged += isinstance(d, Tree) and path is not None and d.forwards > 0
         return d
 
     monkeypatch.setattr(LayerSkipProposer, "propose", spy)
@@ -134,8 +136,8 @@ def test_hybrid_round_plans_both_branches():
 
     def spy(self, state, budget):
         d = real(self, state, budget)
-        if d.forwards and d.info.get("ngram_path"):
-            ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(d.info["ngram_path"]))
+        if isinstance(d, (Chain, Tree)) and d.forwards and d.note.ngram_path:
+            ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(d.note.ngram_path))
             plans.append((d.plan, ls, ng, len(d.tokens), d.forwards, self.planner.overhead.value))
         return d
 

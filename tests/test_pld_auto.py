@@ -6,9 +6,9 @@ import torch
 
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver
-from selfspec_cli.decoding.driver import Draft
+from selfspec_cli.decoding.drafts import NoDraft, depth as draft_depth
 from selfspec_cli.decoding.state import DecodeState
-from selfspec_cli.decoding.cost import Planner, VerifyCurve
+from selfspec_cli.decoding.cost import Planner, RoundClock, VerifyCurve
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import AR, build
 from selfspec_cli.methods.auto import Auto
@@ -166,9 +166,7 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     plan_cost = p.cost(k, 0.0)
     first = None
     for i in range(60):  # every round measured at plan + 0.9 plain steps
-        d = Draft(list(range(k)), plan=(p.expected_tokens(k), p.cost(k, 0.0)))
-        d.round_steps = plan_cost + 0.9
-        p.observe_round(d)
+        p.observe_round(plan_cost + 0.9, (p.expected_tokens(k), p.cost(k, 0.0)))
         first = p.overhead.value if i == 0 else first
     assert first == pytest.approx(0.9 / 4)  # one round against a prior of 0 worth 3 rounds
     assert p.overhead.value == pytest.approx(0.9, abs=2e-3)
@@ -178,35 +176,44 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     assert p.probe_loss(0.0) == pytest.approx(1.05 + o - p.expected_tokens(1))  # a probe pays it too
     free = _trained(0.5)
     for _ in range(30):  # rounds that cost what they were planned to: no overhead
-        d = Draft([0] * k, plan=(1.0, free.cost(k, 0.0)))
-        d.round_steps = free.cost(k, 0.0)
-        free.observe_round(d)
+        free.observe_round(free.cost(k, 0.0), (1.0, free.cost(k, 0.0)))
     assert free.overhead.value == pytest.approx(0.0, abs=1e-9) and free.best(0.0, 8) == (k, g)
-    d = Draft([], plan=(1.0, 1.0))
-    d.round_steps = 5.0
-    free.observe_round(d)  # a round that drafted nothing teaches nothing
+    free.observe_round(None, (1.0, 1.0))  # the driver measures no steps for a round that drafted nothing
     assert free.overhead.rounds == 30
 
 
 def test_driver_times_drafting_rounds_against_plain_ones():
-    """The driver sets ``round_steps`` on drafting rounds only (in T(1) until a plain round
-    has run, then in plain rounds), and the n-gram planners learn a finite overhead from it."""
+    """The driver hands ``update`` each drafting round's measured cost in plain steps (in T(1)
+    until a plain round has run, then in plain rounds) and none for plain rounds, and the n-gram
+    planners learn a finite overhead from it."""
     eng = Engine(make_tiny_model("llama-gqa", layers=4))
     m = build("pld", eng)
     seen: list[tuple[int, float | None]] = []
     real = m.update
 
-    def spy(state, draft, verdict, out):
-        seen.append((len(draft.tokens), draft.round_steps))
-        real(state, draft, verdict, out)
+    def spy(state, rnd):
+        seen.append((draft_depth(rnd.draft), rnd.steps))
+        real(state, rnd)
 
     m.update = spy
     ar = AR(eng).generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)).token_ids
     assert m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)).token_ids == ar
-    assert all(r is None for n, r in seen if n == 0) and m.plain_s is not None and m.plain_s > 0
+    assert any(n == 0 for n, _ in seen) and all(r is None for n, r in seen if n == 0)
     drafted = [r for n, r in seen if n]
     assert drafted and all(r is not None and r > 0 for r in drafted)
     assert m.overhead.rounds == len(drafted) and -0.5 <= m.overhead.value <= 1.0
+
+
+def test_round_clock_measures_rounds_in_plain_rounds_then_t1():
+    """Known readings: before any plain round a drafting round is measured in T(1) at its
+    context (the curve's, with its slope); after, in the running average of plain rounds."""
+    clock = RoundClock(VerifyCurve(0.010, {1: 1.0, 2: 1.1}, context=64, slope_s=1e-5))
+    assert clock.steps(0.030, context=164) == pytest.approx(0.030 / 0.011)  # T(1) after 164 tokens: 11 ms
+    clock.plain_round(0.020)
+    clock.plain_round(0.040)  # running average: 0.8 * 20 + 0.2 * 40 ms
+    assert clock.plain_s == pytest.approx(0.024)
+    assert clock.steps(0.048, context=10_000) == pytest.approx(2.0)
+    assert RoundClock(None).steps(1.0, 64) is None  # a proposer that does not plan: no unit
 
 
 def test_verify_curve_interpolates_and_is_monotone():
@@ -269,7 +276,7 @@ class _NeverPays:
 
     def propose(self, state, budget):
         self.proposed += 1
-        return Draft()
+        return NoDraft()
 
     def begin(self, state, prefill) -> None: ...
 
@@ -286,7 +293,7 @@ def test_auto_lets_sources_take_turns_when_none_pays():
     state = DecodeState(eng, [3, 4, 3, 4, 3], max_new_tokens=8, lookahead=4, sampling=GenerationConfig().sampling,
                         generator=None)
     pld_calls = []
-    auto.pld.propose = lambda st, b: pld_calls.append(b) or Draft()
+    auto.pld.propose = lambda st, b: pld_calls.append(b) or NoDraft()
     auto.pld.candidate = lambda st, b: ([4, 3], 3)  # a match every round...
     auto.pld.planner(3).best = lambda c, b: (0, 1.0)  # ...that does not pay either
     for _ in range(6):

@@ -35,7 +35,6 @@ figure is a median. Nothing here changes the model.
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from functools import partial
 from collections.abc import Callable, Sequence
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.cost import VerifyCurve
+from ..decoding.cost import VerifyCurve, weight_bytes
 from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
@@ -61,14 +60,6 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()  # touch every page before timing
     return nbytes / min(timed(buf.sum, buf.device)[1] for _ in range(repeats)) / 1e9
-
-
-def step_weight_bytes(engine: Engine) -> int:
-    """Bytes of weights one decode step reads: every layer's matrices and norms, the final
-    norm and the LM head (one row of the embedding table is negligible)."""
-    a = engine.adapter
-    tensors = [a.final_norm, a.lm_head, *(getattr(w, f.name) for w in a.layers for f in dataclasses.fields(w))]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))  # not None biases
 
 
 def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
@@ -134,7 +125,7 @@ def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
     """The floor and the measured costs in one record (what profile.json and bench's
     ``engine_costs`` hold): bandwidth, weight bytes, floor, T(1), v(k), c(r), LM head share."""
     bw = read_bandwidth_gbs()
-    wbytes = step_weight_bytes(engine)
+    wbytes = weight_bytes(engine)
     floor_ms = wbytes / (bw * 1e9) * 1e3
     vocab = fr_spec.resolve("auto", engine.model)  # this model's FR-Spec draft vocabulary, if calibrated
     costs = measure_costs(engine, prompt_ids, rounds=rounds, on_round=on_round,

@@ -50,7 +50,7 @@ import torch
 from ..config import GenerationConfig
 from ..decoding.loop import DecodeResult
 from ..artifacts import SkipSet
-from ..decoding.cost import VerifyCurve, measure_draft_step
+from ..decoding.cost import VerifyCurve, measure_draft_step, weight_bytes
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
 from ..errors import ConfigError, first_line
@@ -131,16 +131,7 @@ def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: f
     step (batch-1 decoding is memory-bound: docs/engine.md), times ``full_depth_c``, the cost of
     a full-depth step with the draft's weights (1 for the target's own; for a quantized copy
     measured once per study, :func:`full_depth_costs`)."""
-    a = engine.adapter
-
-    def size(*ts: torch.Tensor | None) -> int:
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-    head = size(a.lm_head, a.final_norm)
-    attn = [size(w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm) for w in a.layers]
-    mlp = [size(w.mlp_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down) for w in a.layers]
-    kept = head + sum(b for l, b in enumerate(attn) if l not in skip_attn) + sum(b for l, b in enumerate(mlp) if l not in skip_mlp)
-    return full_depth_c * kept / (head + sum(attn) + sum(mlp))
+    return full_depth_c * weight_bytes(engine, skip_attn, skip_mlp) / weight_bytes(engine)
 
 
 def full_depth_costs(engine: Engine, precisions: Sequence[str]) -> dict[str, float]:

@@ -16,8 +16,9 @@ A drafting round also pays for work no forward accounts for: the Python around e
 draft step, the lookup, building and checking a tree. And ``v`` is one reading, taken
 once per engine, that can be off by 5-10 % on a busy host. :class:`Overhead` learns
 both from the rounds themselves: the driver measures each drafting round in plain
-rounds of the same proposer (``Draft.round_steps``: its seconds over the running
-average of plain rounds', or over T(1) until a plain round has run), and the difference from the planned cost is averaged into
+rounds of the same proposer (``Round.steps``, from :class:`RoundClock`: its seconds over the
+running average of plain rounds', or over T(1) until a plain round has run), and the
+difference from the planned cost is averaged into
 ``o``, added to every drafting round's cost: ``E(k) / (k c + v(k+1) + o)``. On the code
 model (a 2.5 ms step) the learned ``o`` ranged from -0.04 to +0.10 of a step across
 methods (docs/design.md, "Decoding"); it also makes the reported prediction the measured
@@ -51,6 +52,7 @@ from ..engine import Engine
 from ..runtime import timed
 
 CURVE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+PROBE_BUDGET = 0.01  # share of a plain step a source that does not draft saves up per round, to probe
 CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the median is kept (docs/engine.md)
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
 
@@ -139,6 +141,21 @@ class VerifyCurve:
         return max(0.0, (statistics.median(times) - t1) / extra)
 
 
+def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset()) -> int:
+    """Bytes of target weights one decode step reads with these sublayers skipped: the kept layers'
+    matrices, biases and norms, the final norm and the LM head (one embedding row is negligible).
+    Batch-1 decoding is memory-bound (docs/engine.md), so a skip set's draft cost is about its
+    share of these bytes."""
+    a = engine.adapter
+
+    def size(*ts: torch.Tensor | None) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    attn = [size(w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm) for l, w in enumerate(a.layers) if l not in skip_attn]
+    mlp = [size(w.mlp_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down) for l, w in enumerate(a.layers) if l not in skip_mlp]
+    return size(a.lm_head, a.final_norm) + sum(attn) + sum(mlp)
+
+
 @torch.inference_mode()
 def measure_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
                        skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
@@ -213,7 +230,7 @@ class Planner:
     curve: VerifyCurve
     max_len: int
     acceptance: Acceptance = None  # type: ignore[assignment]
-    probe_budget: float = 0.01  # probes may cost this share of a plain step per round that does not draft
+    probe_budget: float = PROBE_BUDGET  # probes may cost this share of a plain step per round that does not draft
     width: int = 1  # verified rows per draft depth (2 for a tree of at most 2k nodes)
     overhead: Overhead = field(default_factory=Overhead)  # shared by planners whose rounds cost alike
     _savings: float = 0.0  # probe budget earned and not yet spent, in plain steps
@@ -282,15 +299,45 @@ class Planner:
     def observe(self, drafted: int, accepted: int) -> None:
         self.acceptance.observe(drafted, accepted)  # no draft: no depth reached
 
-    def observe_round(self, draft: Any) -> None:
-        """Learn ``o`` from a drafting round this planner planned: the driver's
-        ``round_steps`` is its measured cost in plain steps; its plan's cost less ``o`` is
-        what the forwards were expected to cost."""
-        if draft.round_steps is None or draft.plan is None or not draft.tokens:
+    def observe_round(self, steps: float | None, plan: tuple[float, float] | None) -> None:
+        """Learn ``o`` from a drafting round this planner planned: ``steps`` is its measured
+        cost in plain steps (:class:`RoundClock`); its ``plan``'s cost less ``o`` is what the
+        forwards were expected to cost."""
+        if steps is None or plan is None:
             return
-        self.overhead.observe(draft.round_steps - (draft.plan[1] - self.overhead.value))
+        self.overhead.observe(steps - (plan[1] - self.overhead.value))
 
     def report(self) -> dict[str, Any]:
         return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
                 "round_overhead": round(self.overhead.value, 4),
                 "verify_curve": {m: round(self.curve.v(m), 3) for m in (2, 4, 8)}}  # the reading this planner uses
+
+
+EMA_OLD = 0.8  # the running averages of measured seconds: this much of the old value, the rest new
+
+
+def ema(old: float | None, new: float) -> float:
+    """A running average of measured seconds (the first reading as it is)."""
+    return new if old is None else EMA_OLD * old + (1 - EMA_OLD) * new
+
+
+class RoundClock:
+    """The unit every round is measured in: a plain round's seconds, as a running average
+    (:func:`ema`) of the rounds that drafted nothing; until one has run, T(1) at the round's
+    context from the verify curve. Kept by the driver for one decode."""
+
+    def __init__(self, curve: VerifyCurve | None) -> None:
+        self.curve = curve
+        self.plain_s: float | None = None
+
+    def plain_round(self, seconds: float) -> None:
+        self.plain_s = ema(self.plain_s, seconds)
+
+    def t1_at(self, context: int) -> float | None:
+        """A plain step's seconds after ``context`` tokens (None without a curve: the proposer does not plan)."""
+        return self.curve.t1_at(context) if self.curve is not None else None
+
+    def steps(self, seconds: float, context: int) -> float | None:
+        """A drafting round's seconds in plain steps."""
+        unit = self.plain_s or self.t1_at(context)
+        return seconds / unit if unit else None

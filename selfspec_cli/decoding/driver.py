@@ -6,21 +6,23 @@ statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
 
 1. ``draft = proposer.propose(state, budget)`` where ``budget`` is the most draft
    tokens the round could still emit (``remaining - 1``: a round emits drafts + 1);
-2. the driver verifies the draft with the shared exact rules of :mod:`.verify`
-   (under the sampling rule ``gumbel``, the greedy rules applied to the rows'
-   processed scores plus their positions' noise, :mod:`.sampling`):
+   the draft is one of the typed values of :mod:`.drafts`;
+2. the driver verifies it with the shared exact rules of :mod:`.verify` (under the
+   sampling rule ``gumbel``, the greedy rules applied to the rows' processed scores
+   plus their positions' noise, :mod:`.sampling`), by its type:
 
-   * a chain (``tokens``; ``q`` the laws they were sampled from, or None for
-     deterministic drafts) or a tree (``parents``): one full-depth forward of the
+   * :class:`~.drafts.Chain` or :class:`~.drafts.Tree`: one full-depth forward of the
      pending token and the drafts, then the chain or tree rule;
-   * deferred rows (``logits`` given): the proposer already ran the rows to full
-     depth (AdaDecode); only the chain rule is applied;
-   * ``decided``: a lossy proposer's own tokens (SpecEE), committed unverified;
+   * :class:`~.drafts.Deferred`: the proposer already ran the rows to full depth
+     (AdaDecode); only the chain rule is applied;
+   * :class:`~.drafts.Decided`: a lossy proposer's own tokens (SpecEE), committed unverified;
+   * :class:`~.drafts.NoDraft`: one plain step;
 
 3. the state keeps the accepted K/V and commits the tokens, the sink applies the
-   stopping rules, and ``proposer.update(state, draft, verdict, out)`` learns
-   what was accepted (as transformers separates ``get_candidates`` from
-   ``update_candidate_strategy``).
+   stopping rules, and ``proposer.update(state, round)`` learns what was accepted and
+   what the round cost (:class:`~.drafts.Round`; as transformers separates
+   ``get_candidates`` from ``update_candidate_strategy``). Time is measured with one
+   :class:`~.cost.RoundClock` per decode; nothing is written into the proposer.
 
 An empty draft makes the round a plain decoding step, so ``ar`` is the proposer
 that never drafts. Every lossless proposer gets exact greedy output and the
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,36 +39,12 @@ import torch.nn.functional as F
 
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine, ForwardOutput
-from ..engine.tree import tree_depths
+from .cost import RoundClock
+from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .loop import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
 from .state import DecodeState
 from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
-
-
-@dataclass(slots=True)
-class Draft:
-    """What a proposer offers in one round (an empty chain: no draft)."""
-
-    tokens: list[int] = field(default_factory=list)  # chain drafts, or tree nodes
-    parents: list[int] | None = None  # tree: parent node of each node (-1: child of the pending token)
-    q: torch.Tensor | None = None  # chain sampled from these laws (k, V); None: deterministic drafts
-    logits: torch.Tensor | None = None  # deferred rows: target logits of [pending, *tokens], already computed
-    decided: bool = False  # lossy: the tokens are final, no verification
-    full_depth: bool = False  # decided tokens made by a full-depth forward
-    forwards: int = 0  # draft forwards the proposer made (a layer-skip draft: one per chain token)
-    info: dict[str, Any] = field(default_factory=dict)  # proposer-specific (e.g. hit the length limit)
-    plan: tuple[float, float] | None = None  # planned: expected tokens, cost in plain steps (decoding/cost.py)
-    # set by the driver before ``update``: this round's seconds over a plain round's (the proposer's running
-    # average), i.e. its measured cost in plain steps (decoding/cost.py learns the overhead from it)
-    round_steps: float | None = None
-
-    @property
-    def depth(self) -> int:
-        """Draft positions proposed: the chain length, or the tree's number of levels."""
-        if self.parents is None:
-            return len(self.tokens)
-        return max(tree_depths(self.parents), default=-1) + 1
 
 
 class Proposer:
@@ -83,7 +60,6 @@ class Proposer:
     lookahead: int = 0
     needs_attn_cosine: bool = False
     curve: Any = None  # the engine's verify curve, when the proposer plans with measured costs (decoding/cost.py)
-    plain_s: float | None = None  # a plain round's seconds (running average kept by the driver)
 
     @property
     def t1_s(self) -> float | None:
@@ -98,14 +74,14 @@ class Proposer:
         """After the prompt is cached and the first token committed."""
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
-        return Draft()
+        return NoDraft()
 
     def verify_options(self) -> dict[str, Any]:
         """Extra engine options for verification forwards (e.g. ``output_hidden``)."""
         return {}
 
-    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput | None) -> None:
-        """After each round, with what was accepted (``state`` already committed it)."""
+    def update(self, state: DecodeState, rnd: Round) -> None:
+        """After each round, with what was accepted and what it cost (``state`` already committed it)."""
 
     def describe(self) -> dict[str, Any]:
         """Proposer state reported in each prompt's ``stats``."""
@@ -130,6 +106,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
                         sampling=cfg.sampling, generator=gen, eos=sink.eos, noise=noise)
     expected = cost = 0.0  # the planners' predictions, summed over rounds
     plain_equiv = 0.0  # what plain decoding would have spent on the tokens emitted, at their contexts
+    clock = RoundClock(proposer.curve)
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -148,25 +125,26 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             t3 = time.perf_counter()
             timings["draft_s"] += t2 - t1
             timings["verify_s"] += t3 - t2
-            depth = draft.depth
-            if not depth and draft.logits is None and not draft.decided:  # a plain round: the unit of cost
-                plain = proposer.plain_s
-                proposer.plain_s = t3 - t1 if plain is None else 0.8 * plain + 0.2 * (t3 - t1)
-            elif depth and (unit := proposer.plain_s or _plain_step(proposer, state.pos)):  # before any plain round: T(1)
-                draft.round_steps = (t3 - t1) / unit
+            depth = draft_depth(draft)
+            decided = isinstance(draft, Decided)
+            steps = None
+            if isinstance(draft, NoDraft) or (not depth and isinstance(draft, Chain)):  # a plain round: the unit
+                clock.plain_round(t3 - t1)
+            elif depth:
+                steps = clock.steps(t3 - t1, state.pos)
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
             unplanned |= bool(depth) and draft.plan is None
-            if not draft.decided or draft.full_depth:
+            if not decided or draft.full_depth:
                 stats.target_forwards += 1
-            stats.draft_lengths.append(0 if draft.decided else depth)
-            if depth and not draft.decided:
+            stats.draft_lengths.append(0 if decided else depth)
+            if depth and not decided:
                 stats.draft_rounds += 1
                 stats.drafted_tokens += depth
             _record(stats, sink, verdict.tokens, len(verdict.accepted), on_tokens)
-            plain_equiv += stats.accept_lengths[-1] * (_plain_step(proposer, state.pos) or 0.0)
+            plain_equiv += stats.accept_lengths[-1] * (clock.t1_at(state.pos) or 0.0)
             t4 = time.perf_counter()
-            proposer.update(state, draft, verdict, out)
+            proposer.update(state, Round(draft, verdict, out, steps))
             timings["update_s"] += time.perf_counter() - t4
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
     decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a proposer's own work counts
@@ -191,32 +169,31 @@ def _record(stats: DecodeStats, sink: TokenSink, tokens: list[int], accepted: in
 _GREEDY = SamplingConfig()
 
 
-def _plain_step(proposer: Proposer, context: int) -> float | None:
-    """A plain step's seconds after ``context`` tokens, for a proposer that plans with measured costs."""
-    return proposer.curve.t1_at(context) if proposer.curve is not None else None
-
-
 def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:
     """Apply the shared exact rule to a draft and commit the result in ``state``."""
-    sampling = state.sampling
-    if draft.decided:
+    if isinstance(draft, Decided):
         state.commit_decided(draft.tokens)
         return Verdict([], list(draft.tokens)), None
+    tokens: list[int] = [] if isinstance(draft, NoDraft) else draft.tokens
+    parents = draft.parents if isinstance(draft, Tree) else None
     out = None
-    if draft.logits is None:
-        out = state.verify_forward(draft.tokens, draft.parents, **proposer.verify_options())
-    logits = draft.logits if out is None else out.logits
-    if state.noise is not None:  # rule gumbel: the greedy rules on the rows' perturbed scores
-        logits = gumbel_scores(logits, sampling, state.noise.rows(state.row_positions(logits.shape[0], draft.parents)))
-        sampling = _GREEDY
-    if draft.parents is not None:
-        verdict = verify_tree(draft.tokens, draft.parents, logits, sampling, state.generator)
-    elif sampling.greedy:
-        verdict = verify_chain_greedy(draft.tokens, logits)
+    if isinstance(draft, Deferred):
+        logits = draft.logits
     else:
-        q = draft.q
+        out = state.verify_forward(tokens, parents, **proposer.verify_options())
+        logits = out.logits
+    sampling = state.sampling
+    if state.noise is not None:  # rule gumbel: the greedy rules on the rows' perturbed scores
+        logits = gumbel_scores(logits, sampling, state.noise.rows(state.row_positions(logits.shape[0], parents)))
+        sampling = _GREEDY
+    if parents is not None:
+        verdict = verify_tree(tokens, parents, logits, sampling, state.generator)
+    elif sampling.greedy:
+        verdict = verify_chain_greedy(tokens, logits)
+    else:
+        q = None if isinstance(draft, NoDraft) else draft.q
         if q is None:  # deterministic drafts: a point mass at each drafted token
-            q = F.one_hot(state.ids(draft.tokens), logits.shape[-1]).to(logits.dtype)
-        verdict = verify_chain_sampling(draft.tokens, q, logits, sampling, state.generator)
-    state.commit(verdict.tokens, verdict.accepted, tree=draft.parents is not None)
+            q = F.one_hot(state.ids(tokens), logits.shape[-1]).to(logits.dtype)
+        verdict = verify_chain_sampling(tokens, q, logits, sampling, state.generator)
+    state.commit(verdict.tokens, verdict.accepted, tree=parents is not None)
     return verdict, out

@@ -32,10 +32,12 @@ import torch
 
 from ..engine import Engine
 from .cost import Planner, VerifyCurve, measure_draft_step
-from .driver import Draft, Proposer
+from .cost import ema
+from .drafts import Chain, Draft, NoDraft, Round, Tree, chain_or_tree
+from .driver import Proposer
 from .sampling import processed_scores, sample_from
 from .state import DecodeState
-from .verify import Verdict, tree_children
+from .verify import tree_children
 
 PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
@@ -113,6 +115,17 @@ def merge_branch(tokens: list[int], parents: list[int], branch: list[int]) -> tu
         path.append(nxt)
         node = nxt
     return tokens, parents, path
+
+
+@dataclass(slots=True)
+class DraftNote:
+    """How a layer-skip round drafted (handed back to ``update``): whether the chain ran to its
+    length limit (no confidence exit), how many nodes the layer-skip draft made, and which nodes
+    are the merged n-gram branch's path (hybrid rounds)."""
+
+    hit_limit: bool
+    chain_nodes: int
+    ngram_path: list[int] | None = None
 
 
 class LayerSkipProposer(Proposer):
@@ -284,9 +297,9 @@ class LayerSkipProposer(Proposer):
             cont = cont[: self._ngram_planner.plan(0.0, len(cont))]
         if budget <= 0:
             if cont:  # layer skipping does not pay this round, the n-gram branch alone may (its own plan)
-                return Draft(cont, info={"hit_limit": True, "chain_nodes": 0, "ngram_path": list(range(len(cont)))},
+                return Chain(cont, note=DraftNote(hit_limit=True, chain_nodes=0, ngram_path=list(range(len(cont)))),
                              plan=self._ngram_planner.last if self._ngram_planner is not None else plan)
-            return Draft(plan=plan)
+            return NoDraft(plan=plan)
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self._sets()
         # the quantized full-depth variant drafts as specqd does: a chain, no confidence exit
@@ -354,10 +367,10 @@ class LayerSkipProposer(Proposer):
                 break
         if self.planner is not None:  # one draft step over the plain step at this context (VerifyCurve.t1_at)
             step_c = (time.perf_counter() - t0) / steps / self.planner.curve.t1_at(state.pos + steps // 2)
-            self._step_c = step_c if self._step_c is None else 0.8 * self._step_c + 0.2 * step_c
+            self._step_c = ema(self._step_c, step_c)
         if plan is not None and (steps < budget or use_tree):  # the round as drafted, not as planned
             plan = self.planner.drafted(steps, len(tokens), self.draft_cost())
-        info: dict[str, Any] = {"hit_limit": hit_limit, "chain_nodes": len(tokens)}
+        note = DraftNote(hit_limit=hit_limit, chain_nodes=len(tokens))
         tree = parents if use_tree else None
         if cont:
             chain_parents = parents if use_tree else list(range(-1, len(tokens) - 1))
@@ -371,9 +384,10 @@ class LayerSkipProposer(Proposer):
                 if merge:
                     plan = m_plan
             if merge:
-                tokens, tree, info["ngram_path"] = merged, (merged_parents if len(merged) > len(chain_parents)
-                                                            else tree), path
-        return Draft(tokens, tree, torch.stack(q_rows) if q_rows else None, forwards=steps, info=info, plan=plan)
+                tokens, tree, note.ngram_path = merged, (merged_parents if len(merged) > len(chain_parents)
+                                                         else tree), path
+        return chain_or_tree(tokens, tree, q=torch.stack(q_rows) if q_rows else None, forwards=steps, note=note,
+                             plan=plan)
 
     def _merged_plan(self, k: int, n: int, nodes: int) -> tuple[float, float]:
         """Expected tokens and cost of a hybrid round: a k-token layer-skip draft and an
@@ -384,17 +398,20 @@ class LayerSkipProposer(Proposer):
         reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(max(k, n))]
         return 1.0 + sum(reach), k * self.draft_cost() + self.planner.curve.v(nodes + 1) + self.planner.overhead.value
 
-    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
+    def update(self, state: DecodeState, rnd: Round) -> None:
+        draft, verdict = rnd.draft, rnd.verdict
+        if not isinstance(draft, (Chain, Tree)):  # no draft this round: nothing to learn
+            return
+        note: DraftNote = draft.note
         steps = draft.forwards
         # the layer-skip draft's own acceptance: accepted nodes among its chain (or tree) nodes
-        own = sum(1 for i in verdict.accepted if i < draft.info.get("chain_nodes", len(draft.tokens)))
+        own = sum(1 for i in verdict.accepted if i < note.chain_nodes)
         if self.draft_cfg.adaptive and steps and not self._full:  # the skip set's own threshold
-            self.threshold.update(own, steps, draft.info["hit_limit"])
+            self.threshold.update(own, steps, note.hit_limit)
         if self.planner is not None:
             self.planner.observe(steps, own)
-        path = draft.info.get("ngram_path")
-        if path and self._ngram_planner is not None:
-            self._ngram_planner.observe(len(path), len(set(path) & set(verdict.accepted)))
+        if note.ngram_path and self._ngram_planner is not None:
+            self._ngram_planner.observe(len(note.ngram_path), len(set(note.ngram_path) & set(verdict.accepted)))
         owner = self.planner if steps else self._ngram_planner  # the planner whose plan the round was
         if owner is not None:
-            owner.observe_round(draft)
+            owner.observe_round(rnd.steps, draft.plan)

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..decoding.state import DecodeState
-from ..decoding.verify import Verdict
+from ..decoding.drafts import Round
 from ..engine import Engine, ForwardOutput
 from ..methods.ar import AR
 from ..errors import ArtifactError
@@ -102,8 +102,8 @@ class _HiddenRecorder(AR):
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self._take(prefill, state.pending)
 
-    def update(self, state: DecodeState, draft: Any, verdict: Verdict, out: ForwardOutput | None) -> None:
-        self._take(out, verdict.tokens[0])
+    def update(self, state: DecodeState, rnd: Round) -> None:
+        self._take(rnd.out, rnd.verdict.tokens[0])
 
 
 def collect_on_policy(

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ..decoding.cost import VerifyCurve
-from ..decoding.driver import Draft
+from ..decoding.cost import PROBE_BUDGET, VerifyCurve
+from ..decoding.drafts import Deferred, Draft, NoDraft, Round
 from ..decoding.sampling import processed_probs
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
@@ -130,7 +130,7 @@ class AdaDecode(Method):
         if value > 0:
             self._savings[k] = 0.0
             return True
-        self._savings[k] += 0.01
+        self._savings[k] += PROBE_BUDGET
         if self._savings[k] >= -value:
             self._savings[k] += value
             return True
@@ -166,7 +166,7 @@ class AdaDecode(Method):
             can_exit = len(early) < min(c.adadecode_max_pending, budget) and token not in state.eos
             check = {k for k in self.heads if self._worth_checking(k)} if can_exit else set()
             if not early and not check:  # no head pays for this token: a plain step, one forward by the driver
-                return Draft()
+                return NoDraft()
             h = self.engine.embed(state.ids([token]))
             for s, e in self.segments:
                 if s in waiting:
@@ -195,10 +195,11 @@ class AdaDecode(Method):
             else:  # no early prediction: this token reached the last layer
                 break
         assert out.logits.shape[0] == len(early) + 1 and not waiting, (out.logits.shape, len(early), list(waiting))
-        return Draft(early, q=torch.stack(early_q) if early_q else None, logits=out.logits, info={"heads": made_by})
+        return Deferred(early, out.logits, q=torch.stack(early_q) if early_q else None, note=made_by)
 
-    def update(self, state: DecodeState, draft: Draft, verdict: Any, out: Any) -> None:
-        for k in draft.info.get("heads", [])[: len(verdict.accepted)]:
+    def update(self, state: DecodeState, rnd: Round) -> None:
+        made_by = rnd.draft.note if isinstance(rnd.draft, Deferred) else []  # the head layer of each early token
+        for k in made_by[: len(rnd.verdict.accepted)]:
             self.head_stats[k][2] += 1
 
     def describe(self) -> dict[str, Any]:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..artifacts import SkipSet
-from ..decoding.driver import Draft, Proposer
+from ..decoding.drafts import Draft, NoDraft, Round, depth
+from ..decoding.driver import Proposer
 from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
-from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError
 from . import fr_spec
@@ -114,7 +114,7 @@ class Auto(Method):
         if not options:
             self._last = None
             self.rounds["none"] += 1
-            return Draft()
+            return NoDraft()
         if max(g for g, _, _ in options) <= 1.0 and len(options) > 1:
             # no source pays: let them take turns, so that each one's own probes can still run
             self._turn = (self._turn + 1) % len(options)
@@ -123,13 +123,13 @@ class Auto(Method):
             _, source, proposer = max(options, key=lambda o: o[0])
         self._last = proposer
         draft = proposer.propose(state, budget)
-        self.rounds[source if draft.tokens else "none"] += 1
+        self.rounds[source if depth(draft) else "none"] += 1
         self.curve = self.pld.curve or getattr(self.layer_skip, "curve", None) or getattr(self.quant, "curve", None)
         return draft
 
-    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput | None) -> None:
+    def update(self, state: DecodeState, rnd: Round) -> None:
         if self._last is not None:
-            self._last.update(state, draft, verdict, out)
+            self._last.update(state, rnd)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"auto_rounds": dict(self.rounds), "ngram": self.pld.describe()}

@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from ..decoding.cost import Overhead, Planner, VerifyCurve
-from ..decoding.driver import Draft
+from ..decoding.drafts import Chain, Draft, NoDraft, Round
 from ..decoding.state import DecodeState
-from ..decoding.verify import Verdict
 from ..engine import Engine
 from ..errors import FieldError
 from .base import Method, option, require
@@ -99,19 +98,21 @@ class PromptLookup(Method):
     def propose(self, state: DecodeState, budget: int) -> Draft:
         cont, n = self.candidate(state, budget)
         if not cont:
-            return Draft()
+            return NoDraft()
         if self.config.paper_drafting:
-            return Draft(cont, info={"ngram": n})
+            return Chain(cont, note=n)
         cont = state.through_stop(cont)
         planner = self.planner(n)
         k = planner.plan(0.0, len(cont))
-        return Draft(cont[:k], info={"ngram": n}, plan=planner.last)
+        return Chain(cont[:k], note=n, plan=planner.last) if k else NoDraft(plan=planner.last)
 
-    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
-        n = draft.info.get("ngram")
+    def update(self, state: DecodeState, rnd: Round) -> None:
+        draft = rnd.draft
+        n = draft.note if isinstance(draft, Chain) else None  # the n-gram order the chain was looked up with
         if n and n in self.planners:
-            self.planners[n].observe(len(draft.tokens), len(verdict.accepted))
-            self.planners[n].observe_round(draft)
+            self.planners[n].observe(len(draft.tokens), len(rnd.verdict.accepted))
+            if draft.tokens:
+                self.planners[n].observe_round(rnd.steps, draft.plan)
 
     def describe(self) -> dict[str, Any]:
         return {"cost_model": {str(n): p.report() for n, p in sorted(self.planners.items())}} if self.planners else {}

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.driver import Draft
+from ..decoding.drafts import Decided, Draft
 from ..decoding.loop import DecodeResult
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
@@ -225,7 +225,7 @@ class SpecEE(Method):
                 ev[f"{kind}_agree"] += int(new_token == ref)
             if new_token != ref and ev["first_divergence"] is None:
                 ev["first_divergence"] = len(state.output)
-        return Draft([new_token], decided=True, full_depth=exit_layer is None)
+        return Decided([new_token], full_depth=exit_layer is None)
 
     def describe(self) -> dict[str, Any]:
         n = self._counts

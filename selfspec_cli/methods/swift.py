@@ -38,10 +38,9 @@ from typing import Any
 import numpy as np
 
 from ..artifacts import SkipSet, environment_info, save_json_artifact
-from ..decoding.driver import Draft
+from ..decoding.drafts import Chain, Round, Tree
 from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
-from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
 from .base import DraftOptions, Method, option, require
@@ -207,10 +206,11 @@ class Swift(LayerSkipProposer, Method):
         self.optimize_s = 0.0
         self._last = time.perf_counter()
 
-    def update(self, state: DecodeState, draft: Draft, verdict: Verdict, out: Any) -> None:
-        LayerSkipProposer.update(self, state, draft, verdict, out)
-        if draft.forwards and not self._full:  # the skip set's own rounds (not quantized full-depth ones)
-            self._acceptance.append((len(verdict.accepted), draft.forwards))
+    def update(self, state: DecodeState, rnd: Round) -> None:
+        LayerSkipProposer.update(self, state, rnd)
+        draft = rnd.draft
+        if isinstance(draft, (Chain, Tree)) and draft.forwards and not self._full:  # the skip set's own rounds
+            self._acceptance.append((len(rnd.verdict.accepted), draft.forwards))
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last
         # the search counts its own cost: it runs only while it stays within its share of decoding

@@ -1,0 +1,98 @@
+"""What a proposer offers in one round, as one of five typed values, and what it gets back.
+
+The driver (:mod:`.driver`) matches on the draft's type, never on flags:
+
+* :class:`NoDraft`: the round is a plain decoding step (``ar``; a proposer that declines);
+* :class:`Chain`: tokens to verify with one full-depth forward of the pending token and the
+  chain (``q``: the laws they were sampled from; None: deterministic drafts);
+* :class:`Tree`: nodes with their parents (-1: a child of the pending token), verified by one
+  tree-masked forward and the tree rule;
+* :class:`Deferred`: a chain whose full-depth rows the proposer already computed (``logits``
+  of ``[pending, *tokens]``, AdaDecode's); only the chain rule is applied;
+* :class:`Decided`: a lossy proposer's final tokens (SpecEE), committed unverified.
+
+``plan`` (drafting kinds): the planner's prediction for the round, expected tokens and cost in
+plain steps (:mod:`.cost`); ``note``: the proposer's own record of how it drafted, which the
+driver never reads and hands back in :class:`Round`. After the round the proposer's ``update``
+receives a :class:`Round`: the draft, the verdict, the verification forward and the round's
+measured cost in plain steps. Nothing the driver learns is written into a proposer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from ..engine import ForwardOutput
+from ..engine.tree import tree_depths
+from .verify import Verdict
+
+Plan = tuple[float, float]  # expected tokens, cost in plain steps
+
+
+@dataclass(frozen=True, slots=True)
+class NoDraft:
+    plan: Plan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    tokens: list[int]
+    q: torch.Tensor | None = None  # (k, V): the laws the tokens were sampled from; None: deterministic
+    forwards: int = 0  # draft forwards the proposer made
+    plan: Plan | None = None
+    note: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    tokens: list[int]
+    parents: list[int]  # parent node of each node (-1: child of the pending token)
+    forwards: int = 0
+    plan: Plan | None = None
+    note: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    tokens: list[int]
+    logits: torch.Tensor  # target logits of [pending, *tokens], already computed at full depth
+    q: torch.Tensor | None = None
+    note: Any = None
+    plan: Plan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    tokens: list[int]
+    full_depth: bool = False  # made by a full-depth forward (counts as a target forward)
+    plan: Plan | None = None
+
+
+Draft = Union[NoDraft, Chain, Tree, Deferred, Decided]
+
+
+def chain_or_tree(tokens: list[int], parents: list[int] | None, **kw: Any) -> Chain | Tree:
+    """A chain, or a tree when ``parents`` is given (a tree takes no laws: its drafts are deterministic)."""
+    if parents is None:
+        return Chain(tokens, **kw)
+    kw.pop("q", None)
+    return Tree(tokens, parents, **kw)
+
+
+def depth(draft: Draft) -> int:
+    """Draft positions proposed: a chain's length, a tree's number of levels, 0 for no draft."""
+    if isinstance(draft, Tree):
+        return max(tree_depths(draft.parents), default=-1) + 1
+    return 0 if isinstance(draft, NoDraft) else len(draft.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What a proposer learns from one round (``update``'s argument)."""
+
+    draft: Draft
+    verdict: Verdict
+    out: ForwardOutput | None  # the verification forward (None: deferred rows or decided tokens)
+    steps: float | None = None  # the round's seconds over a plain round's: its measured cost in plain steps
