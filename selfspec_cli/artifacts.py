@@ -4,9 +4,9 @@ An artifact is something a command computes once and later commands load: Self-S
 skipped-sublayer set (``selfspec calibrate --method self-sd``), and later trained
 heads or exit statistics. Invariants:
 
-* writes are atomic: a temporary file in the destination directory, flushed and
-  fsynced, then ``os.replace``; a crash or Ctrl-C leaves the old file or the new
-  one, never a torn one, and no temporary file behind;
+* writes are atomic (:func:`selfspec_cli.paths.atomic_write`): a temporary file in the
+  destination directory, flushed and fsynced, then ``os.replace``; a crash or Ctrl-C
+  leaves the old file or the new one, never a torn one, and no temporary file behind;
 * every artifact records ``model_fingerprint`` (:func:`selfspec_cli.loading.model_fingerprint`)
   and refuses to load on another model;
 * every failure a user can cause is an :class:`ArtifactError` with a one-line
@@ -32,19 +32,19 @@ import os
 import platform
 import re
 import sys
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from . import loading, paths
 from .errors import ArtifactError, first_line
 from .jsonio import dumps
+from .paths import atomic_write
 
 SKIP_KIND = "self-sd-layers"
 FORMAT_VERSION = 1
@@ -156,51 +156,6 @@ def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
     if isinstance(model_or_spec, torch.nn.Module):
         cmd += output_advice(path, model_or_spec, "self-sd", ".json")
     return cmd
-
-
-# ---------------------------------------------------------------- atomic writes
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write ``path`` atomically: ``write(f)`` fills a temporary file in the same
-    directory, which then replaces ``path``. Creates missing parent directories."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:  # owns fd from here: closed whatever fails below
-            # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
-            os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:  # also Ctrl-C: never leave the temporary file behind
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise ArtifactError(f"cannot write '{path}' ({exc.strerror or exc}); choose a writable location") from None
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); harmless where unsupported."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:

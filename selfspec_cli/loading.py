@@ -25,7 +25,8 @@ import torch
 
 from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported
 from .engine.kernels import cache_root
-from .errors import ConfigError, ModelLoadError, UnsupportedModelError, first_line
+from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
+from .paths import atomic_write
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
@@ -137,12 +138,9 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    with contextlib.suppress(OSError):  # the index only saves time
-        index[key] = digest
-        index_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index_path.with_name(f".hashes.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
-        os.replace(tmp, index_path)
+    index[key] = digest
+    with contextlib.suppress(ArtifactError):  # the index only saves time
+        atomic_write(index_path, lambda f: f.write(json.dumps(index, indent=1).encode("utf-8")))
     return digest
 
 

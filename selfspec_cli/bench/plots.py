@@ -1,11 +1,12 @@
 """PNG plots of a bench run (matplotlib, headless Agg backend, written atomically)."""
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from ..paths import atomic_write
 
 
 def _plt():
@@ -18,11 +19,10 @@ def _plt():
 
 
 def _save(fig: Any, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
-    _plt().close(fig)
-    return path
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        _plt().close(fig)
 
 
 def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, reference: str = "ar",

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ArtifactError
+from ..paths import atomic_write
 from . import kernels
 from .adapter import LINEARS, ModelAdapter
 from .kernels import QLinear, QuantWeight, quantize_int8
@@ -221,15 +222,7 @@ def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, m
         if q.mins is not None:
             tensors[f"{key}.mins"] = q.mins.contiguous()
         formats.append(f"{key}={q.fmt}:{q.group}:{q.bits}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"info": json.dumps(meta), "formats": ";".join(formats)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: save_file(tensors, f.name, metadata={"info": json.dumps(meta), "formats": ";".join(formats)}))
 
 
 def _load(path: Path, num_layers: int) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict[str, Any]] | None:
@@ -277,7 +270,7 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
         if path is not None:
             try:
                 _save(path, layers, head, meta)
-            except OSError:
+            except ArtifactError:
                 path = None  # a read-only cache only costs the next load the quantization
         info = {"cache": "miss" if path is not None else "off", **meta}
     biases = [{n: getattr(w, f"b_{n}") for n in LINEARS} for w in adapter.layers]
