@@ -70,7 +70,7 @@ def sanitized_model_name(model_or_spec: Any) -> str:
     name = model_name(model_or_spec)
     name = name.rstrip("/\\") or name
     path = Path(name).expanduser()
-    if path.is_dir() or loading._looks_local(name):
+    if path.is_dir() or loading.looks_local(name):
         try:
             name = path.resolve().name or "model"
         except OSError:
@@ -164,7 +164,9 @@ def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
-def _read_json(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+def read_json_artifact(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+    """The JSON object in ``path``; each failure an :class:`ArtifactError` naming ``what`` and
+    the fix (``create_hint``: how to make it)."""
     if not path.exists():
         raise ArtifactError(f"{what} '{path}' does not exist; {create_hint}")
     if path.is_dir():
@@ -181,7 +183,8 @@ def _read_json(path: Path, what: str, create_hint: str) -> dict[str, Any]:
     return obj
 
 
-def _check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path: Path, fix: str) -> None:
+def check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path: Path, fix: str) -> None:
+    """Refuse (:class:`ArtifactError`, with ``fix``) an artifact made for another model."""
     theirs = manifest.get("model_fingerprint")
     ours = loading.model_fingerprint(model)
     if theirs != ours:
@@ -246,13 +249,13 @@ class SkipSet:
         p = resolve_artifact(path, model, "self-sd", ".json", "Self-SD skip-set artifact", f"create it with "
                              f"`{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
         cmd = calibrate_command(model, p)
-        manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
+        manifest = read_json_artifact(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
         kind = manifest.get("kind")
         if kind != SKIP_KIND:
             what = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
             raise ArtifactError(f"'{p}' is {what}, not a Self-SD skip set (kind {SKIP_KIND!r}); "
                                 f"pass a file made by `{cmd}`")
-        _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
+        check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
         num_layers = int(model.config.num_hidden_layers)
         sets = []
         for key in ("skip_attn", "skip_mlp"):
@@ -337,13 +340,13 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
     from safetensors import SafetensorError, safe_open
 
     tfile, mfile = tensors_artifact_paths(dir_or_path)
-    manifest = _read_json(mfile, "artifact manifest", create_hint)
+    manifest = read_json_artifact(mfile, "artifact manifest", create_hint)
     if kind is not None and manifest.get("kind") != kind:
         found = manifest.get("kind")
         what = f"a {found!r} artifact" if found is not None else "not a selfspec artifact (it has no 'kind')"
         raise ArtifactError(f"'{mfile}' is {what}, not {kind!r}; {create_hint}")
     if model is not None:
-        _check_fingerprint(manifest, model, mfile, f"recreate it for this model ({create_hint})")
+        check_fingerprint(manifest, model, mfile, f"recreate it for this model ({create_hint})")
     if not tfile.is_file():
         raise ArtifactError(f"artifact tensors '{tfile}' are missing (the manifest '{mfile}' names them); {create_hint}")
     try:

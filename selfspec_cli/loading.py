@@ -70,7 +70,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 _HUB_ID = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")
 
 
-def _looks_local(spec: str) -> bool:
+def looks_local(spec: str) -> bool:
     """A path unless it has the shape of a hub id ('name' or 'org/name')."""
     return spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec)
 
@@ -231,7 +231,7 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
         if not os.access(path / "config.json", os.R_OK):
             raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
         return str(path)
-    if _looks_local(spec) or spec.endswith(".gguf"):
+    if looks_local(spec) or spec.endswith(".gguf"):
         raise ModelLoadError(f"model '{spec}' does not exist; pass --model a .gguf file, a local Hugging Face directory, "
                              f"a hub id, or one of: {', '.join(NAMED_MODELS)}")
     return spec  # a hub id

@@ -11,6 +11,10 @@ only in calibrate/ and cli/; typer, rich and click only in cli/.
 Every import counts: module level or inside a function, absolute or relative (level
 1 and 2). The checker is a plain function of (path, source), and a self-check runs
 it on synthetic sources so that a broken checker cannot pass silently.
+
+No module takes a private name (``_x``) from another selfspec module, neither as
+``from m import _x`` nor as ``m._x`` on a module or name it imported: what two modules
+share is public (:func:`private_uses`, with its own self-check).
 """
 from __future__ import annotations
 
@@ -49,6 +53,17 @@ def _package_of(rel: str) -> list[str]:
     return [ROOT, *parts]
 
 
+def _from_base(rel: str, node: ast.ImportFrom) -> str:
+    """The absolute dotted module of ``from <base> import ...`` in the file ``rel``."""
+    if node.level == 0:
+        return node.module or ""
+    pkg = _package_of(rel)
+    up = node.level - 1
+    if up > len(pkg) - 1:
+        raise AssertionError(f"{rel}:{node.lineno}: relative import beyond the package root")
+    return ".".join(pkg[: len(pkg) - up] + ([node.module] if node.module else []))
+
+
 def imported_modules(rel: str, source: str) -> list[tuple[int, str]]:
     """(line, absolute dotted module) for every import in ``source`` (the file ``rel``,
     relative to the package root), resolving relative imports. For ``from X import a``
@@ -58,17 +73,60 @@ def imported_modules(rel: str, source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                base = node.module or ""
-            else:
-                pkg = _package_of(rel)
-                up = node.level - 1
-                if up > len(pkg) - 1:
-                    raise AssertionError(f"{rel}:{node.lineno}: relative import beyond the package root")
-                base = ".".join(pkg[: len(pkg) - up] + ([node.module] if node.module else []))
+            base = _from_base(rel, node)
             out.append((node.lineno, base))
             out += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name != "*"]
     return out
+
+
+def _module_of(rel: str) -> str:
+    """'bench/plots.py' -> 'selfspec_cli.bench.plots'; 'bench/__init__.py' -> 'selfspec_cli.bench'."""
+    parts = list(Path(rel).with_suffix("").parts)
+    return ".".join([ROOT, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` -> ['a', 'b', 'c']; None for anything but names and attributes."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute) and (head := _dotted(node.value)) is not None:
+        return [*head, node.attr]
+    return None
+
+
+def private_uses(rel: str, source: str) -> list[str]:
+    """Private names that the file ``rel`` takes from another selfspec module: ``from m
+    import _x``, and ``n._x`` where ``n`` (or ``n.sub``) is bound by an import from
+    selfspec (a module, or a class or function of one)."""
+    me = _module_of(rel)
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the selfspec module or object it stands for
+    bad: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_base(rel, node)
+            if base.split(".")[0] != ROOT:
+                continue
+            for a in node.names:
+                if _private(a.name) and base != me:
+                    bad.append(f"{rel}:{node.lineno} imports the private name {a.name} from {base}")
+                bound[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == ROOT:
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else ROOT
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain = _dotted(node.value)
+            if chain and chain[0] in bound:
+                owner = ".".join([bound[chain[0]], *chain[1:]])
+                if owner != me:
+                    bad.append(f"{rel}:{node.lineno} uses the private name {'.'.join(chain)}.{node.attr} of {owner}")
+    return bad
 
 
 def violations(rel: str, source: str) -> list[str]:
@@ -165,6 +223,33 @@ def test_relative_imports_resolve():
     assert (2, "selfspec_cli.artifacts") in imported_modules("methods/x.py", "\nfrom .. import artifacts\n")
 
 
+@pytest.mark.parametrize("rel,source", [
+    ("methods/x.py", "from ..artifacts import _read_json\n"),
+    ("cli/x.py", "def f():\n    from ..artifacts import _umask\n"),
+    ("bench/x.py", "from .plots import _plt, save_figure\n"),
+    ("bench/x.py", "from selfspec_cli.bench.plots import _plt\n"),
+    ("methods/x.py", "from .. import artifacts\nartifacts._check_fingerprint(m, p)\n"),
+    ("artifacts.py", "from . import loading\n\ndef f(n):\n    return loading._looks_local(n)\n"),
+    ("bench/x.py", "import selfspec_cli.loading as L\nL._HUB_ID\n"),
+    ("bench/x.py", "import selfspec_cli.loading\nselfspec_cli.loading._HUB_ID\n"),
+    ("bench/x.py", "from .. import engine\nengine.kernels._state\n"),
+    ("methods/x.py", "from ..engine import Engine\nEngine._ops\n"),
+])
+def test_private_checker_catches(rel, source):
+    assert private_uses(rel, source), (rel, source)
+
+
+@pytest.mark.parametrize("rel,source", [
+    ("bench/x.py", "from .plots import pyplot, save_figure\nfrom . import plots\nplots.pyplot()\n"),
+    ("methods/x.py", "import os\nos._exit\nfrom ..engine import Engine\nself._x = Engine\n"),
+    ("bench/plots.py", "from selfspec_cli.bench import plots\nplots._cache\n"),  # its own module
+    ("x.py", "from . import __version__\nfrom .m import __all__\n"),  # dunders are not private
+    ("methods/x.py", "def f(artifacts):\n    return _local(artifacts)\n"),
+])
+def test_private_checker_allows(rel, source):
+    assert private_uses(rel, source) == [], (rel, source)
+
+
 # -- the package -----------------------------------------------------------
 
 def test_every_file_is_classified():
@@ -186,4 +271,9 @@ def test_import_direction(unit):
 def test_third_party_confined(module):
     found = [v for rel, src in _sources() for v in violations(rel, src) if v.endswith(f"{module} may only be imported in "
                                                                                     f"{sorted(THIRD_PARTY_ONLY_IN[module])}")]
+    assert not found, "\n".join(found)
+
+
+def test_no_private_names_across_modules():
+    found = [v for rel, src in _sources() for v in private_uses(rel, src)]
     assert not found, "\n".join(found)
