@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported
-from .engine.kernels import cache_root
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
-from .paths import atomic_write
+from .paths import atomic_write, cache_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
@@ -81,8 +80,8 @@ GGUF_MAGIC = b"GGUF"
 
 
 def model_cache_dir() -> Path:
-    """Where converted GGUF models live: ``$SELFSPEC_CACHE/models``, by default
-    ``${XDG_CACHE_HOME:-~/.cache}/selfspec/models``."""
+    """Where converted GGUF models live: ``models/`` in selfspec's cache
+    (:func:`selfspec_cli.paths.cache_root`)."""
     return cache_root() / "models"
 
 

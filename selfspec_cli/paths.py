@@ -2,11 +2,15 @@
 
 * Shipped artifacts (the repository's ``artifacts/`` tree, :data:`selfspec_cli.loading.ARTIFACTS_DIR`)
   are read-only package data: selfspec reads them, and never writes there by default.
-* User artifacts and caches live in the per-user data directory :func:`user_home`:
+* User artifacts live in the per-user data directory :func:`user_home`:
   ``$SELFSPEC_HOME`` when set, else ``${XDG_DATA_HOME:-~/.local/share}/selfspec``.
   Default artifact names carry the model fingerprint
   (``<home>/artifacts/self-sd/<model name>-<fingerprint>.json``), so an artifact made
   for one model can never land on another model's file.
+* Everything selfspec can rebuild (converted GGUF models, the compiled kernel, quantized
+  drafts, on-policy training data) lives in the one cache directory :func:`cache_root`:
+  ``$SELFSPEC_CACHE`` when set, else ``$SELFSPEC_HOME/cache`` when ``SELFSPEC_HOME`` is
+  set, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
 * Artifacts, caches, the bench's ``results.json`` and plots, and the ``--output`` of
   ``generate`` are written through :func:`atomic_open` / :func:`atomic_write`: a temporary
   file in the destination directory, flushed and fsynced, then ``os.replace``; a crash or
@@ -34,8 +38,16 @@ def user_artifacts_dir() -> Path:
     return user_home() / "artifacts"
 
 
-def user_cache_dir() -> Path:
-    return user_home() / "cache"
+def cache_root() -> Path:
+    """selfspec's one cache directory (read from the environment at every call):
+    ``$SELFSPEC_CACHE``, else ``$SELFSPEC_HOME/cache``, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
+    Converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``, quantized
+    drafts in ``drafts/`` and on-policy training data in ``onpolicy/``."""
+    if os.environ.get("SELFSPEC_CACHE"):
+        return Path(os.environ["SELFSPEC_CACHE"]).expanduser()
+    if os.environ.get("SELFSPEC_HOME"):
+        return Path(os.environ["SELFSPEC_HOME"]).expanduser() / "cache"
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "selfspec"
 
 
 def is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:

@@ -1,4 +1,5 @@
-"""Where selfspec writes, and how: paths.atomic_open / atomic_write, the one atomic-write helper."""
+"""Where selfspec writes (paths.cache_root: one cache directory for every cache), and how:
+paths.atomic_open / atomic_write, the one atomic-write helper."""
 from __future__ import annotations
 
 import os
@@ -6,7 +7,7 @@ import os
 import pytest
 
 from selfspec_cli.errors import ArtifactError, ConfigError
-from selfspec_cli.paths import atomic_open, atomic_write
+from selfspec_cli.paths import atomic_open, atomic_write, cache_root
 
 
 def test_atomic_write_hands_writers_that_take_a_path_the_temporary_file(tmp_path):
@@ -49,3 +50,33 @@ def test_atomic_open_words_its_own_failures_and_passes_the_blocks_on(tmp_path):
         with atomic_open(tmp_path / "y"):
             raise OSError(5, "the caller's")
     assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_one_cache_root_for_every_cache(monkeypatch, tmp_path):
+    """SELFSPEC_CACHE, else SELFSPEC_HOME/cache, else ${XDG_CACHE_HOME:-~/.cache}/selfspec; the
+    kernel, converted models, quantized drafts and on-policy data all live under it."""
+    import torch
+
+    from selfspec_cli import loading
+    from selfspec_cli.engine import Engine, kernels, quant
+    from selfspec_cli.heads.data import collect_on_policy
+
+    from .conftest import make_tiny_model
+
+    for var in ("SELFSPEC_CACHE", "SELFSPEC_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert cache_root() == tmp_path / "user" / ".cache" / "selfspec"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "selfspec"
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / "cache"
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "cache"
+    assert cache_root() == root
+    assert kernels.cache_dir() == root / "kernels"
+    assert loading.model_cache_dir() == root / "models"
+    assert quant.cache_path("fp", "int8").parent == root / "drafts"
+    torch.manual_seed(0)
+    data = collect_on_policy(Engine(make_tiny_model(layers=2)), [[2, 3, 4]], 3, "fp")
+    assert (root / "onpolicy" / f"{data.key}.safetensors").is_file()

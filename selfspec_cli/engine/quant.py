@@ -20,8 +20,9 @@ Invariants:
 
 * the target's weights are never modified; the draft copy is built once per model and
   precision, cached on disk (beside a converted GGUF model, in its ``drafts/`` folder, else in
-  ``$SELFSPEC_CACHE/drafts/``; ``<fingerprint>-<dtype>-<precision>-v<format>.safetensors``,
-  written atomically; an unreadable file is rebuilt),
+  ``drafts/`` of selfspec's cache, :func:`selfspec_cli.paths.cache_root`;
+  ``<fingerprint>-<dtype>-<precision>-v<format>.safetensors``, written atomically; an
+  unreadable file is rebuilt),
   and a second load reads the cache instead of re-quantizing;
 * every quantized weight is within its format's bound of the float weight it stands for
   (int8: half a scale step; tests/test_quant.py);
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import ArtifactError
-from ..paths import atomic_write
+from ..paths import atomic_write, cache_root
 from . import kernels
 from .adapter import LINEARS, ModelAdapter
 from .kernels import QLinear, QuantWeight, quantize_int8
@@ -202,13 +203,13 @@ CACHE_FORMAT = 1  # bump when the quantizers or the file layout change: older fi
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:
     """Beside the converted model when the model is one of selfspec's GGUF conversions, else in
-    ``$SELFSPEC_CACHE/drafts``; keyed by the model's fingerprint (dtype-independent), the dtype
-    the weights were loaded in (an int8 copy of bf16-rounded weights is another copy), the
-    precision and :data:`CACHE_FORMAT`."""
+    ``drafts/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`); keyed by the
+    model's fingerprint (dtype-independent), the dtype the weights were loaded in (an int8
+    copy of bf16-rounded weights is another copy), the precision and :data:`CACHE_FORMAT`."""
     name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.safetensors"
     if model_dir and (Path(model_dir) / "selfspec-source.json").is_file() and os.access(model_dir, os.W_OK):
         return Path(model_dir) / "drafts" / name
-    return kernels.cache_root() / "drafts" / name
+    return cache_root() / "drafts" / name
 
 
 def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, meta: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ from ..decoding.verify import Verdict
 from ..engine import Engine, ForwardOutput
 from ..methods.ar import AR
 from ..errors import ArtifactError
-from ..paths import atomic_write, user_cache_dir
+from ..paths import atomic_write, cache_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ def collect_on_policy(
     from safetensors.torch import load_file, save_file
 
     key = collection_key(fingerprint, prompt_ids, max_new_tokens)
-    directory = Path(cache_dir) if cache_dir is not None else user_cache_dir() / "onpolicy"
+    directory = Path(cache_dir) if cache_dir is not None else cache_root() / "onpolicy"
     path = directory / f"{key}.safetensors"
     if path.is_file():
         try:
