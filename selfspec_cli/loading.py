@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported
+# model_fingerprint lives with the engine, which keys its draft cache by it; it is re-exported
+# here, where the library, the artifacts and the docs have always named it
+from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
 from .paths import atomic_write, cache_root
 
@@ -197,13 +199,6 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     return target
 
 
-def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The GGUF a cached model directory was converted from (``selfspec-source.json``), or None."""
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
-    return None
-
-
 # ---------------------------------------------------------------- resolving --model
 
 
@@ -306,23 +301,3 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
         raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
     model.to(dev).eval()
     return model, tokenizer
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short, stable id of a model's architecture and weights (artifacts record it,
-    and refuse to load on another model). Hashes the config and a strided sample
-    of every parameter, so it is cheap even for large models, and does not depend on
-    the dtype the model was loaded in."""
-    h = hashlib.sha256()
-    keep = {k: v for k, v in model.config.to_dict().items() if k in (
-        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
-    h.update(json.dumps(keep, sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // 64)
-            h.update(name.encode())
-            # bfloat16-rounded samples: the same checkpoint loaded as fp32, fp16 or bf16 gives one id
-            h.update(flat[::step][:64].to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]

@@ -12,6 +12,10 @@ Every import counts: module level or inside a function, absolute or relative (le
 1 and 2). The checker is a plain function of (path, source), and a self-check runs
 it on synthetic sources so that a broken checker cannot pass silently.
 
+No two units import each other, directly or around a longer loop (:func:`unit_cycles`):
+a unit is a package, or a top-level module on its own (runtime, artifacts, loading, ...),
+so a top-level module that imports a package which imports it back is a loop too.
+
 No module takes a private name (``_x``) from another selfspec module, neither as
 ``from m import _x`` nor as ``m._x`` on a module or name it imported: what two modules
 share is public (:func:`private_uses`, with its own self-check).
@@ -165,6 +169,60 @@ def violations(rel: str, source: str) -> list[str]:
     return bad
 
 
+def unit_edges(sources: list[tuple[str, str]]) -> dict[str, dict[str, list[str]]]:
+    """unit -> imported unit -> ['file:line', ...]: the import graph between units (packages
+    and top-level modules), every import counted; a name of the root package that is no
+    unit (``__version__``) is the root's ``__init__``."""
+    units = {_unit(rel) for rel, _ in sources} | set(RANK) | SHARED | ENTRY
+    edges: dict[str, dict[str, list[str]]] = {}
+    for rel, source in sources:
+        me = _unit(rel)
+        for line, mod in imported_modules(rel, source):
+            parts = mod.split(".")
+            if parts[0] != ROOT or len(parts) == 1:
+                continue
+            target = parts[1] if parts[1] in units else "__init__"
+            if target != me:
+                edges.setdefault(me, {}).setdefault(target, []).append(f"{rel}:{line}")
+    return edges
+
+
+def unit_cycles(sources: list[tuple[str, str]]) -> list[str]:
+    """Every import loop between units: each strongly connected component of more than one
+    unit, with the imports that close it."""
+    edges = unit_edges(sources)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(set(edges) | {w for t in edges.values() for w in t}):
+        if v not in index:
+            visit(v)
+    return [f"import loop {' <-> '.join(comp)}: " + "; ".join(
+        f"{a} -> {b} ({', '.join(sorted(set(edges[a][b]))[:3])})" for a in comp for b in comp if b in edges.get(a, {}))
+        for comp in found]
+
+
 def _sources() -> list[tuple[str, str]]:
     return [(p.relative_to(PKG).as_posix(), p.read_text()) for p in sorted(PKG.rglob("*.py"))]
 
@@ -250,6 +308,25 @@ def test_private_checker_allows(rel, source):
     assert private_uses(rel, source) == [], (rel, source)
 
 
+@pytest.mark.parametrize("sources", [
+    [("runtime.py", "from .decoding.loop import DecodeResult\n"), ("decoding/cost.py", "from ..runtime import timed\n")],
+    [("loading.py", "from .engine.adapter import check_supported\n"),
+     ("engine/runner.py", "def f():\n    from ..loading import gguf_source\n")],
+    [("artifacts.py", "from . import loading\n"), ("loading.py", "from .engine import x\n"),
+     ("engine/quant.py", "from ..artifacts import atomic_write\n")],  # around three units
+    [("config.py", "import selfspec_cli.errors\n"), ("errors.py", "from selfspec_cli import config\n")],
+])
+def test_cycle_checker_catches(sources):
+    assert unit_cycles(sources), sources
+
+
+def test_cycle_checker_allows_a_chain_and_imports_inside_a_unit():
+    sources = [("runtime.py", "from .decoding.cost import timed\n"), ("decoding/cost.py", "from ..engine import Engine\n"),
+               ("decoding/loop.py", "from .cost import timed\nfrom . import state\n"), ("decoding/state.py", "from .loop import x\n"),
+               ("engine/runner.py", "from ..paths import cache_root\nfrom .. import __version__\n")]
+    assert unit_cycles(sources) == []
+
+
 # -- the package -----------------------------------------------------------
 
 def test_every_file_is_classified():
@@ -276,4 +353,9 @@ def test_third_party_confined(module):
 
 def test_no_private_names_across_modules():
     found = [v for rel, src in _sources() for v in private_uses(rel, src)]
+    assert not found, "\n".join(found)
+
+
+def test_no_import_loop_between_units():
+    found = unit_cycles(_sources())
     assert not found, "\n".join(found)

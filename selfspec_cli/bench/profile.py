@@ -44,13 +44,12 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.cost import VerifyCurve
+from ..decoding.cost import VerifyCurve, timed
 from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
 from ..methods import build, fr_spec
 from ..methods.self_sd import uniform_layers
-from ..runtime import timed
 from .plots import pyplot, save_figure
 
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)

@@ -30,6 +30,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -196,6 +197,14 @@ def _split_sizes(adapter: ModelAdapter, name: str, fused: torch.Tensor) -> list[
 
 
 # ------------------------------------------------------------------ cache
+
+
+def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The GGUF a cached model directory was converted from (``selfspec-source.json``, written by
+    :func:`selfspec_cli.loading.gguf_to_hf_dir`), or None."""
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
+    return None
 
 
 CACHE_FORMAT = 1  # bump when the quantizers or the file layout change: older files are not read
