@@ -5,6 +5,8 @@
 #   bash scripts/check_shipped_untouched.sh            # uses a fresh temporary SELFSPEC_HOME
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the cache (kernel, converted model) stays where it is: only artifacts go to the temporary home
+export SELFSPEC_CACHE=${SELFSPEC_CACHE:-$(python -c 'from selfspec_cli.paths import cache_root; print(cache_root())')}
 export SELFSPEC_HOME=${SELFSPEC_HOME:-$(mktemp -d)}
 WORK=$(mktemp -d)
 snapshot() { find artifacts -type f ! -name '*.optuna.db' -print0 | sort -z | xargs -0 sha256sum; }

@@ -4,9 +4,9 @@ An artifact is something a command computes once and later commands load: Self-S
 skipped-sublayer set (``selfspec calibrate --method self-sd``), and later trained
 heads or exit statistics. Invariants:
 
-* writes are atomic: a temporary file in the destination directory, flushed and
-  fsynced, then ``os.replace``; a crash or Ctrl-C leaves the old file or the new
-  one, never a torn one, and no temporary file behind;
+* writes are atomic (:func:`selfspec_cli.paths.atomic_write`): a temporary file in the
+  destination directory, flushed and fsynced, then ``os.replace``; a crash or Ctrl-C
+  leaves the old file or the new one, never a torn one, and no temporary file behind;
 * every artifact records ``model_fingerprint`` (:func:`selfspec_cli.loading.model_fingerprint`)
   and refuses to load on another model;
 * every failure a user can cause is an :class:`ArtifactError` with a one-line
@@ -32,19 +32,19 @@ import os
 import platform
 import re
 import sys
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from . import loading, paths
 from .errors import ArtifactError, first_line
 from .jsonio import dumps
+from .paths import atomic_write
 
 SKIP_KIND = "self-sd-layers"
 FORMAT_VERSION = 1
@@ -70,7 +70,7 @@ def sanitized_model_name(model_or_spec: Any) -> str:
     name = model_name(model_or_spec)
     name = name.rstrip("/\\") or name
     path = Path(name).expanduser()
-    if path.is_dir() or loading._looks_local(name):
+    if path.is_dir() or loading.looks_local(name):
         try:
             name = path.resolve().name or "model"
         except OSError:
@@ -158,58 +158,15 @@ def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
     return cmd
 
 
-# ---------------------------------------------------------------- atomic writes
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write ``path`` atomically: ``write(f)`` fills a temporary file in the same
-    directory, which then replaces ``path``. Creates missing parent directories."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:  # owns fd from here: closed whatever fails below
-            # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
-            os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:  # also Ctrl-C: never leave the temporary file behind
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise ArtifactError(f"cannot write '{path}' ({exc.strerror or exc}); choose a writable location") from None
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); harmless where unsupported."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
     """Write ``obj`` as indented JSON, atomically."""
     data = (dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8")
     return atomic_write(path, lambda f: f.write(data))
 
 
-def _read_json(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+def read_json_artifact(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+    """The JSON object in ``path``; each failure an :class:`ArtifactError` naming ``what`` and
+    the fix (``create_hint``: how to make it)."""
     if not path.exists():
         raise ArtifactError(f"{what} '{path}' does not exist; {create_hint}")
     if path.is_dir():
@@ -226,7 +183,8 @@ def _read_json(path: Path, what: str, create_hint: str) -> dict[str, Any]:
     return obj
 
 
-def _check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path: Path, fix: str) -> None:
+def check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path: Path, fix: str) -> None:
+    """Refuse (:class:`ArtifactError`, with ``fix``) an artifact made for another model."""
     theirs = manifest.get("model_fingerprint")
     ours = loading.model_fingerprint(model)
     if theirs != ours:
@@ -291,13 +249,13 @@ class SkipSet:
         p = resolve_artifact(path, model, "self-sd", ".json", "Self-SD skip-set artifact", f"create it with "
                              f"`{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
         cmd = calibrate_command(model, p)
-        manifest = _read_json(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
+        manifest = read_json_artifact(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
         kind = manifest.get("kind")
         if kind != SKIP_KIND:
             what = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
             raise ArtifactError(f"'{p}' is {what}, not a Self-SD skip set (kind {SKIP_KIND!r}); "
                                 f"pass a file made by `{cmd}`")
-        _check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
+        check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
         num_layers = int(model.config.num_hidden_layers)
         sets = []
         for key in ("skip_attn", "skip_mlp"):
@@ -382,13 +340,13 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
     from safetensors import SafetensorError, safe_open
 
     tfile, mfile = tensors_artifact_paths(dir_or_path)
-    manifest = _read_json(mfile, "artifact manifest", create_hint)
+    manifest = read_json_artifact(mfile, "artifact manifest", create_hint)
     if kind is not None and manifest.get("kind") != kind:
         found = manifest.get("kind")
         what = f"a {found!r} artifact" if found is not None else "not a selfspec artifact (it has no 'kind')"
         raise ArtifactError(f"'{mfile}' is {what}, not {kind!r}; {create_hint}")
     if model is not None:
-        _check_fingerprint(manifest, model, mfile, f"recreate it for this model ({create_hint})")
+        check_fingerprint(manifest, model, mfile, f"recreate it for this model ({create_hint})")
     if not tfile.is_file():
         raise ArtifactError(f"artifact tensors '{tfile}' are missing (the manifest '{mfile}' names them); {create_hint}")
     try:

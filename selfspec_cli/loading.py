@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
-from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported
-from .engine.kernels import cache_root
-from .errors import ConfigError, ModelLoadError, UnsupportedModelError, first_line
+# model_fingerprint lives with the engine, which keys its draft cache by it; it is re-exported
+# here, where the library, the artifacts and the docs have always named it
+from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401  # noqa: F401 (re-exported: its public name)
+from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
+from .paths import atomic_write, cache_root
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
@@ -69,7 +71,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 _HUB_ID = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")
 
 
-def _looks_local(spec: str) -> bool:
+def looks_local(spec: str) -> bool:
     """A path unless it has the shape of a hub id ('name' or 'org/name')."""
     return spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec)
 
@@ -80,8 +82,8 @@ GGUF_MAGIC = b"GGUF"
 
 
 def model_cache_dir() -> Path:
-    """Where converted GGUF models live: ``$SELFSPEC_CACHE/models``, by default
-    ``${XDG_CACHE_HOME:-~/.cache}/selfspec/models``."""
+    """Where converted GGUF models live: ``models/`` in selfspec's cache
+    (:func:`selfspec_cli.paths.cache_root`)."""
     return cache_root() / "models"
 
 
@@ -137,12 +139,9 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    with contextlib.suppress(OSError):  # the index only saves time
-        index[key] = digest
-        index_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index_path.with_name(f".hashes.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
-        os.replace(tmp, index_path)
+    index[key] = digest
+    with contextlib.suppress(ArtifactError):  # the index only saves time
+        atomic_write(index_path, lambda f: f.write(json.dumps(index, indent=1).encode("utf-8")))
     return digest
 
 
@@ -200,13 +199,6 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     return target
 
 
-def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The GGUF a cached model directory was converted from (``selfspec-source.json``), or None."""
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
-    return None
-
-
 # ---------------------------------------------------------------- resolving --model
 
 
@@ -233,7 +225,7 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
         if not os.access(path / "config.json", os.R_OK):
             raise ModelLoadError(f"cannot read '{path / 'config.json'}'; fix the file permissions")
         return str(path)
-    if _looks_local(spec) or spec.endswith(".gguf"):
+    if looks_local(spec) or spec.endswith(".gguf"):
         raise ModelLoadError(f"model '{spec}' does not exist; pass --model a .gguf file, a local Hugging Face directory, "
                              f"a hub id, or one of: {', '.join(NAMED_MODELS)}")
     return spec  # a hub id
@@ -309,23 +301,3 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
         raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
     model.to(dev).eval()
     return model, tokenizer
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short, stable id of a model's architecture and weights (artifacts record it,
-    and refuse to load on another model). Hashes the config and a strided sample
-    of every parameter, so it is cheap even for large models, and does not depend on
-    the dtype the model was loaded in."""
-    h = hashlib.sha256()
-    keep = {k: v for k, v in model.config.to_dict().items() if k in (
-        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
-    h.update(json.dumps(keep, sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // 64)
-            h.update(name.encode())
-            # bfloat16-rounded samples: the same checkpoint loaded as fp32, fp16 or bf16 gives one id
-            h.update(flat[::step][:64].to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]

@@ -2,16 +2,30 @@
 
 * Shipped artifacts (the repository's ``artifacts/`` tree, :data:`selfspec_cli.loading.ARTIFACTS_DIR`)
   are read-only package data: selfspec reads them, and never writes there by default.
-* User artifacts and caches live in the per-user data directory :func:`user_home`:
+* User artifacts live in the per-user data directory :func:`user_home`:
   ``$SELFSPEC_HOME`` when set, else ``${XDG_DATA_HOME:-~/.local/share}/selfspec``.
   Default artifact names carry the model fingerprint
   (``<home>/artifacts/self-sd/<model name>-<fingerprint>.json``), so an artifact made
   for one model can never land on another model's file.
+* Everything selfspec can rebuild (converted GGUF models, the compiled kernel, quantized
+  drafts, on-policy training data) lives in the one cache directory :func:`cache_root`:
+  ``$SELFSPEC_CACHE`` when set, else ``$SELFSPEC_HOME/cache`` when ``SELFSPEC_HOME`` is
+  set, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
+* Artifacts, caches, the bench's ``results.json`` and plots, and the ``--output`` of
+  ``generate`` are written through :func:`atomic_open` / :func:`atomic_write`: a temporary
+  file in the destination directory, flushed and fsynced, then ``os.replace``; a crash or
+  Ctrl-C leaves the old file or the new one, never a torn one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO, Any
+
+from .errors import ArtifactError, SelfSpecError
 
 
 def user_home() -> Path:
@@ -24,8 +38,16 @@ def user_artifacts_dir() -> Path:
     return user_home() / "artifacts"
 
 
-def user_cache_dir() -> Path:
-    return user_home() / "cache"
+def cache_root() -> Path:
+    """selfspec's one cache directory (read from the environment at every call):
+    ``$SELFSPEC_CACHE``, else ``$SELFSPEC_HOME/cache``, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
+    Converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``, quantized
+    drafts in ``drafts/`` and on-policy training data in ``onpolicy/``."""
+    if os.environ.get("SELFSPEC_CACHE"):
+        return Path(os.environ["SELFSPEC_CACHE"]).expanduser()
+    if os.environ.get("SELFSPEC_HOME"):
+        return Path(os.environ["SELFSPEC_HOME"]).expanduser() / "cache"
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "selfspec"
 
 
 def is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
@@ -34,3 +56,91 @@ def is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
         return Path(path).expanduser().resolve().is_relative_to(Path(directory).expanduser().resolve())
     except (OSError, RuntimeError):
         return False
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def _write_error(path: Path) -> Callable[[OSError], SelfSpecError]:
+    return lambda exc: ArtifactError(f"cannot write '{path}' ({exc.strerror or exc}); choose a writable location")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | None = None,
+                keep: Callable[[Path], bool] | None = None,
+                error: Callable[[OSError], SelfSpecError] | None = None) -> Iterator[IO[Any]]:
+    """A file that replaces ``path`` when the block ends without an exception.
+
+    It is a temporary file in the same directory (``.<name>.<random>.tmp``), with the mode a
+    plain ``open()`` would give (or the old file's), flushed and fsynced, then renamed over
+    ``path`` (and the directory fsynced). Missing parent directories are created. The file's
+    ``name`` is the temporary file's path, for writers that take a path (safetensors'
+    ``save_file``). On an exception the temporary file is removed, unless ``keep`` is given:
+    the file is then a visible ``<name>.<random>.partial`` and is left in place when
+    ``keep(partial)`` returns True. An OSError of these steps (not of the block's own
+    code) is raised as ``error(exc)``, by default an :class:`ArtifactError` naming ``path``.
+    """
+    path = Path(path)
+    error = error or _write_error(path)
+    prefix, suffix = (f"{path.name}.", ".partial") if keep is not None else (f".{path.name}.", ".tmp")
+    tmp: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's)
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~umask())
+        f = open(tmp, mode, encoding=encoding)  # noqa: SIM115 - closed below, whatever happens
+    except OSError as exc:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise error(exc) from None
+    in_block = True
+    try:
+        with f:
+            yield f
+            in_block = False
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:  # also Ctrl-C: never leave the temporary file behind (unless kept)
+        with contextlib.suppress(OSError):
+            if keep is None or not keep(tmp):
+                tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not in_block:
+            raise error(exc) from None
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
+                 error: Callable[[OSError], SelfSpecError] | None = None) -> Path:
+    """Write ``path`` atomically (:func:`atomic_open`): ``write(f)`` fills the temporary
+    binary file; an OSError, also one of ``write``, is raised as ``error(exc)`` (by
+    default an :class:`ArtifactError` naming ``path``)."""
+    path = Path(path)
+    error = error or _write_error(path)
+    with atomic_open(path, error=error) as f:
+        try:
+            write(f)
+        except OSError as exc:
+            raise error(exc) from None
+    return path
+
+
+def umask() -> int:
+    """The process's umask (read without changing it for longer than the call)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX); harmless where unsupported."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -7,18 +7,16 @@ synchronize on each side when running on CUDA.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from .config import GenerationConfig
+from .decoding.cost import timed
 from .decoding.loop import DecodeResult
 from .errors import ConfigError
 from .prompts import Prompt
-
-T = TypeVar("T")
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -73,17 +71,6 @@ def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx
             fix = (f"lower --max-new-tokens to at most {most}" if most > 0 else "shorten the turns") + " or drop turns"
             raise ConfigError(f"prompt {prompt.id!r}: its {k} turns with answers of up to --max-new-tokens "
                               f"{cfg.max_new_tokens} each reach {total} tokens, more than the model's context of {ctx}; {fix}")
-
-
-def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
-    """``fn()`` and its wall time, with a device synchronize on each side on CUDA."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    res = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return res, time.perf_counter() - t0
 
 
 def run_prompt(

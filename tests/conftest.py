@@ -12,9 +12,13 @@ torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "2")))
 
 from selfspec_cli.loading import CODE_MODEL_DIR  # noqa: E402
 from selfspec_cli.engine import kernels as _kernels  # noqa: E402
+from selfspec_cli.paths import cache_root  # noqa: E402
 
-# build or load the CPU kernel once, from the real cache, before any test moves SELFSPEC_CACHE
+# build or load the CPU kernel once, from the real cache, before any test moves SELFSPEC_HOME
 _kernels.load_extension()
+# the caches keyed by content that tests have always shared from the real cache: the compiled
+# kernel, converted GGUF models and quantized drafts (a test that checks a cache sets its own)
+SHARED_CACHES = {sub: cache_root() / sub for sub in ("kernels", "models", "drafts")}
 
 VOCAB = 320
 
@@ -22,8 +26,14 @@ VOCAB = 320
 @pytest.fixture(autouse=True)
 def selfspec_home(tmp_path_factory, monkeypatch) -> Path:
     """Every test writes user artifacts and caches under a fresh temporary SELFSPEC_HOME,
-    never into ~ or the source tree."""
+    never into ~ or the source tree; its cache (<home>/cache) links the real cache's
+    kernels/, models/ and drafts/ (SHARED_CACHES), so neither this process nor the ones a test
+    starts rebuild them; the on-policy data stays per test."""
     home = tmp_path_factory.mktemp("selfspec-home")
+    for sub, real in SHARED_CACHES.items():
+        real.mkdir(parents=True, exist_ok=True)
+        (home / "cache").mkdir(exist_ok=True)
+        (home / "cache" / sub).symlink_to(real, target_is_directory=True)
     monkeypatch.setenv("SELFSPEC_HOME", str(home))
     return home
 

@@ -12,6 +12,7 @@ import torch
 from selfspec_cli import loading
 from selfspec_cli.cli.app import main
 from selfspec_cli.engine import Engine
+from selfspec_cli.engine.quant import gguf_source
 from selfspec_cli.errors import ModelLoadError, UnsupportedModelError
 
 from .gguf_utils import make_tiny_gguf, write_non_llama_gguf
@@ -33,7 +34,7 @@ def test_gguf_loads_with_the_source_models_logits_and_is_cached(cache, tiny_gguf
     model, tok = loading.load_model(str(path), dtype="float32", device="cpu", log=None)
     converted = loading.resolve_model_path(str(path))
     assert converted.startswith(str(cache / "models"))
-    src = loading.gguf_source(converted)
+    src = gguf_source(converted)  # the conversion record, read where the draft cache reads it
     assert src["sha256"] == loading.file_sha256(path) and src["architecture"] == "llama"
     ids = torch.tensor([hf_tok("The quick brown fox answers a question.")["input_ids"]])
     with torch.no_grad():

@@ -15,6 +15,14 @@ it on synthetic sources so that a broken checker cannot pass silently.
 The repository holds code, docs and the artifacts the tool ships: no library file cites the
 lab notebook (docs/log.md), and the files git tracks outside artifacts/models/ stay under
 10 MB (skipped outside a git checkout).
+
+No two units import each other, directly or around a longer loop (:func:`unit_cycles`):
+a unit is a package, or a top-level module on its own (runtime, artifacts, loading, ...),
+so a top-level module that imports a package which imports it back is a loop too.
+
+No module takes a private name (``_x``) from another selfspec module, neither as
+``from m import _x`` nor as ``m._x`` on a module or name it imported: what two modules
+share is public (:func:`private_uses`, with its own self-check).
 """
 from __future__ import annotations
 
@@ -53,6 +61,17 @@ def _package_of(rel: str) -> list[str]:
     return [ROOT, *parts]
 
 
+def _from_base(rel: str, node: ast.ImportFrom) -> str:
+    """The absolute dotted module of ``from <base> import ...`` in the file ``rel``."""
+    if node.level == 0:
+        return node.module or ""
+    pkg = _package_of(rel)
+    up = node.level - 1
+    if up > len(pkg) - 1:
+        raise AssertionError(f"{rel}:{node.lineno}: relative import beyond the package root")
+    return ".".join(pkg[: len(pkg) - up] + ([node.module] if node.module else []))
+
+
 def imported_modules(rel: str, source: str) -> list[tuple[int, str]]:
     """(line, absolute dotted module) for every import in ``source`` (the file ``rel``,
     relative to the package root), resolving relative imports. For ``from X import a``
@@ -62,17 +81,60 @@ def imported_modules(rel: str, source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                base = node.module or ""
-            else:
-                pkg = _package_of(rel)
-                up = node.level - 1
-                if up > len(pkg) - 1:
-                    raise AssertionError(f"{rel}:{node.lineno}: relative import beyond the package root")
-                base = ".".join(pkg[: len(pkg) - up] + ([node.module] if node.module else []))
+            base = _from_base(rel, node)
             out.append((node.lineno, base))
             out += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name != "*"]
     return out
+
+
+def _module_of(rel: str) -> str:
+    """'bench/plots.py' -> 'selfspec_cli.bench.plots'; 'bench/__init__.py' -> 'selfspec_cli.bench'."""
+    parts = list(Path(rel).with_suffix("").parts)
+    return ".".join([ROOT, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` -> ['a', 'b', 'c']; None for anything but names and attributes."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute) and (head := _dotted(node.value)) is not None:
+        return [*head, node.attr]
+    return None
+
+
+def private_uses(rel: str, source: str) -> list[str]:
+    """Private names that the file ``rel`` takes from another selfspec module: ``from m
+    import _x``, and ``n._x`` where ``n`` (or ``n.sub``) is bound by an import from
+    selfspec (a module, or a class or function of one)."""
+    me = _module_of(rel)
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the selfspec module or object it stands for
+    bad: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_base(rel, node)
+            if base.split(".")[0] != ROOT:
+                continue
+            for a in node.names:
+                if _private(a.name) and base != me:
+                    bad.append(f"{rel}:{node.lineno} imports the private name {a.name} from {base}")
+                bound[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == ROOT:
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else ROOT
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain = _dotted(node.value)
+            if chain and chain[0] in bound:
+                owner = ".".join([bound[chain[0]], *chain[1:]])
+                if owner != me:
+                    bad.append(f"{rel}:{node.lineno} uses the private name {'.'.join(chain)}.{node.attr} of {owner}")
+    return bad
 
 
 def violations(rel: str, source: str) -> list[str]:
@@ -109,6 +171,60 @@ def violations(rel: str, source: str) -> list[str]:
             bad.append(f"{where}: {me} -> {target} goes {side} "
                        "(cli -> {calibrate, heads, bench} -> methods -> decoding -> engine)")
     return bad
+
+
+def unit_edges(sources: list[tuple[str, str]]) -> dict[str, dict[str, list[str]]]:
+    """unit -> imported unit -> ['file:line', ...]: the import graph between units (packages
+    and top-level modules), every import counted; a name of the root package that is no
+    unit (``__version__``) is the root's ``__init__``."""
+    units = {_unit(rel) for rel, _ in sources} | set(RANK) | SHARED | ENTRY
+    edges: dict[str, dict[str, list[str]]] = {}
+    for rel, source in sources:
+        me = _unit(rel)
+        for line, mod in imported_modules(rel, source):
+            parts = mod.split(".")
+            if parts[0] != ROOT or len(parts) == 1:
+                continue
+            target = parts[1] if parts[1] in units else "__init__"
+            if target != me:
+                edges.setdefault(me, {}).setdefault(target, []).append(f"{rel}:{line}")
+    return edges
+
+
+def unit_cycles(sources: list[tuple[str, str]]) -> list[str]:
+    """Every import loop between units: each strongly connected component of more than one
+    unit, with the imports that close it."""
+    edges = unit_edges(sources)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(set(edges) | {w for t in edges.values() for w in t}):
+        if v not in index:
+            visit(v)
+    return [f"import loop {' <-> '.join(comp)}: " + "; ".join(
+        f"{a} -> {b} ({', '.join(sorted(set(edges[a][b]))[:3])})" for a in comp for b in comp if b in edges.get(a, {}))
+        for comp in found]
 
 
 def _sources() -> list[tuple[str, str]]:
@@ -167,6 +283,52 @@ def test_relative_imports_resolve():
     assert (1, "selfspec_cli.bench.metrics") in imported_modules("bench/__init__.py", "from . import metrics\n")
     assert (1, "selfspec_cli.cli.app") in imported_modules("__main__.py", "from .cli.app import run\n")
     assert (2, "selfspec_cli.artifacts") in imported_modules("methods/x.py", "\nfrom .. import artifacts\n")
+
+
+@pytest.mark.parametrize("rel,source", [
+    ("methods/x.py", "from ..artifacts import _read_json\n"),
+    ("cli/x.py", "def f():\n    from ..artifacts import _umask\n"),
+    ("bench/x.py", "from .plots import _plt, save_figure\n"),
+    ("bench/x.py", "from selfspec_cli.bench.plots import _plt\n"),
+    ("methods/x.py", "from .. import artifacts\nartifacts._check_fingerprint(m, p)\n"),
+    ("artifacts.py", "from . import loading\n\ndef f(n):\n    return loading._looks_local(n)\n"),
+    ("bench/x.py", "import selfspec_cli.loading as L\nL._HUB_ID\n"),
+    ("bench/x.py", "import selfspec_cli.loading\nselfspec_cli.loading._HUB_ID\n"),
+    ("bench/x.py", "from .. import engine\nengine.kernels._state\n"),
+    ("methods/x.py", "from ..engine import Engine\nEngine._ops\n"),
+])
+def test_private_checker_catches(rel, source):
+    assert private_uses(rel, source), (rel, source)
+
+
+@pytest.mark.parametrize("rel,source", [
+    ("bench/x.py", "from .plots import pyplot, save_figure\nfrom . import plots\nplots.pyplot()\n"),
+    ("methods/x.py", "import os\nos._exit\nfrom ..engine import Engine\nself._x = Engine\n"),
+    ("bench/plots.py", "from selfspec_cli.bench import plots\nplots._cache\n"),  # its own module
+    ("x.py", "from . import __version__\nfrom .m import __all__\n"),  # dunders are not private
+    ("methods/x.py", "def f(artifacts):\n    return _local(artifacts)\n"),
+])
+def test_private_checker_allows(rel, source):
+    assert private_uses(rel, source) == [], (rel, source)
+
+
+@pytest.mark.parametrize("sources", [
+    [("runtime.py", "from .decoding.loop import DecodeResult\n"), ("decoding/cost.py", "from ..runtime import timed\n")],
+    [("loading.py", "from .engine.adapter import check_supported\n"),
+     ("engine/runner.py", "def f():\n    from ..loading import gguf_source\n")],
+    [("artifacts.py", "from . import loading\n"), ("loading.py", "from .engine import x\n"),
+     ("engine/quant.py", "from ..artifacts import atomic_write\n")],  # around three units
+    [("config.py", "import selfspec_cli.errors\n"), ("errors.py", "from selfspec_cli import config\n")],
+])
+def test_cycle_checker_catches(sources):
+    assert unit_cycles(sources), sources
+
+
+def test_cycle_checker_allows_a_chain_and_imports_inside_a_unit():
+    sources = [("runtime.py", "from .decoding.cost import timed\n"), ("decoding/cost.py", "from ..engine import Engine\n"),
+               ("decoding/loop.py", "from .cost import timed\nfrom . import state\n"), ("decoding/state.py", "from .loop import x\n"),
+               ("engine/runner.py", "from ..paths import cache_root\nfrom .. import __version__\n")]
+    assert unit_cycles(sources) == []
 
 
 # -- the package -----------------------------------------------------------
@@ -281,3 +443,11 @@ def test_tracked_files_outside_models_stay_small():
     assert total <= TRACKED_LIMIT, (
         f"tracked files outside artifacts/models/ hold {total / 1e6:.1f} MB, over {TRACKED_LIMIT / 1e6:.0f} MB: "
         f"keep one current run per setting in docs/bench (older ones live in git history). Largest: {largest}")
+def test_no_private_names_across_modules():
+    found = [v for rel, src in _sources() for v in private_uses(rel, src)]
+    assert not found, "\n".join(found)
+
+
+def test_no_import_loop_between_units():
+    found = unit_cycles(_sources())
+    assert not found, "\n".join(found)

@@ -125,6 +125,16 @@ def test_invalid_suite_rows_give_one_line_errors(tmp_path, rows, problem):
     assert problem in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_a_suite_row_is_read_by_the_prompt_file_reader(tmp_path):
+    """One reading of a prompt record (prompts.prompt_from_row): a blank turn is refused with
+    the same message whether the line is read as a suite row or as a prompt-file line."""
+    path = _write(tmp_path, {"id": "x", "category": "c", "turns": ["a", "  "]})
+    with pytest.raises(PromptFileError, match="turn 2 is empty; give it some text or remove the line"):
+        load_suite(path)
+    with pytest.raises(PromptFileError, match="turn 2 is empty; give it some text or remove the line"):
+        read_prompts(path)
+
+
 def test_unreadable_suite_file_gives_one_line_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("{not json\n")

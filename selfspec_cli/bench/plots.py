@@ -1,14 +1,16 @@
 """PNG plots of a bench run (matplotlib, headless Agg backend, written atomically)."""
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..paths import atomic_write
 
-def _plt():
+
+def pyplot():
+    """matplotlib's pyplot on the headless Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -17,12 +19,12 @@ def _plt():
     return plt
 
 
-def _save(fig: Any, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
-    _plt().close(fig)
-    return path
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` atomically, and close it."""
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        pyplot().close(fig)
 
 
 def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, reference: str = "ar",
@@ -34,7 +36,7 @@ def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, re
     cats = sorted({c for n in names for c in (summary[n].get("categories") or {})})
     groups = ["all", *cats]
     width = 0.8 / len(names)
-    fig, ax = _plt().subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
     for i, n in enumerate(names):
         m = summary[n]
         vals = [m["speedup_vs_ar"]] + [(m["categories"].get(c) or {}).get("speedup_vs_ar") or 0.0 for c in cats]
@@ -47,7 +49,7 @@ def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, re
     ax.set(ylabel=f"speedup over {reference} (ratio of mean tokens/s)",
            title=title or f"Speedup by category and method (1.0 = {reference})")
     ax.legend(fontsize=8, ncols=min(4, len(names)))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: Path, title: str = "") -> Path | None:
@@ -67,7 +69,7 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
         cand[[*attn, *(num_layers + l for l in mlp)], j] = 1  # rows: attention 0..L-1, then MLP
         best[[*cur_best[0], *(num_layers + l for l in cur_best[1])], j] = 1
         best_scores.append(cur_score)
-    fig, (ax0, ax1) = _plt().subplots(2, 1, figsize=(max(6.0, min(14.0, len(history) / 25)), 6.5), sharex=True,
+    fig, (ax0, ax1) = pyplot().subplots(2, 1, figsize=(max(6.0, min(14.0, len(history) / 25)), 6.5), sharex=True,
                                       gridspec_kw={"height_ratios": [1, 3]})
     ax0.plot(scores, ".", ms=2, color="tab:gray", label="candidate")
     ax0.plot(best_scores, "-", color="tab:red", label="best so far")
@@ -79,7 +81,7 @@ def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: P
                    [f"attn {t}" for t in ticks] + [f"mlp {t}" for t in ticks], fontsize=7)
     ax1.axhline(num_layers - 0.5, color="tab:blue", lw=0.8)
     ax1.set(xlabel="optimization step", ylabel="skipped sublayer (dark: best set, light: candidate)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title: str = "") -> Path | None:
@@ -90,7 +92,7 @@ def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title
     n = len(logs)
     cols = min(3, n)
     rows = -(-n // cols)
-    fig, axes = _plt().subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(4.0 * cols, 2.8 * rows), squeeze=False)
     top = max(max(v) for v in logs.values())
     for ax, (name, lengths) in zip(axes.flat, logs.items()):
         counts, total = Counter(lengths), len(lengths)
@@ -102,4 +104,4 @@ def accept_length_histogram(logs: Mapping[str, Sequence[int]], path: Path, title
         ax.axis("off")
     fig.suptitle(title or "Accepted length per target forward")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

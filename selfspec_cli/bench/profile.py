@@ -43,14 +43,13 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.cost import VerifyCurve, weight_bytes
+from ..decoding.cost import VerifyCurve, timed, weight_bytes
 from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
 from ..methods import build, fr_spec
 from ..methods.self_sd import uniform_layers
-from ..runtime import timed
-from .plots import _plt, _save
+from .plots import pyplot, save_figure
 
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
 
@@ -193,7 +192,7 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
 
 
 def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
-    fig, ax = _plt().subplots(figsize=(6, 3.6))
+    fig, ax = pyplot().subplots(figsize=(6, 3.6))
     ax.plot([int(k) for k in profile["verify_cost"]], list(profile["verify_cost"].values()), marker="o",
             label="measured v(k)")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--", label="one row")
@@ -202,19 +201,19 @@ def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
     L = len(red["attn"])
-    fig, ax = _plt().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
+    fig, ax = pyplot().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
     im = ax.imshow([red["attn"], red["mlp"]], aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax.set_yticks([0, 1], ["attention", "MLP"])
     ax.set(xticks=range(0, L, max(1, L // 15)), xlabel="layer")
     sub = f"; calibrated set: {red['calibrated']['agreement']:.2f}" if red.get("calibrated") else ""
     ax.set_title((title + ": " if title else "") + f"top-1 agreement when one sublayer is skipped{sub}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 PREDICT_METHODS = ("pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecode")

@@ -10,10 +10,11 @@
   small code model (``--model pystdlib``).
 
 A suite line is ``{"id": ..., "category": ..., "turns": [prompt, ...]}`` (or ``prompt``
-instead of ``turns``), the format :mod:`selfspec_cli.prompts` reads; other fields
-(``source``) are kept in the file for provenance and ignored here. The built-in
-suites are made by ``scripts/make_suites.py`` from the shipped model's held-out
-files (docs/benchmarks.md, "Suites").
+instead of ``turns``), the format :mod:`selfspec_cli.prompts` reads: every row goes through
+its :func:`~selfspec_cli.prompts.prompt_from_row` (a suite also requires ``id`` and
+``category``). Other fields (``source``) are kept in the file for provenance and ignored
+here. The built-in suites are made by ``scripts/make_suites.py`` from the shipped model's
+held-out files (docs/benchmarks.md, "Suites").
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, PromptFileError, first_line
-from ..prompts import Prompt, read_prompts
+from ..prompts import Prompt, prompt_from_row, read_prompts
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPEC_BENCH_FILE = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
@@ -60,8 +61,9 @@ def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) 
     prompts: list[Prompt] = []
     for group, members in by_group.items():
         chosen = members if per_group is None else [members[i] for i in evenly_spaced(len(members), per_group)]
-        prompts += [Prompt(id=int(row["question_id"]), turns=_turns(row, f"spec-bench: question {row['question_id']}"),
-                           category=group) for row in chosen]
+        prompts += [Prompt(id=int(row["question_id"]), category=group,
+                           turns=prompt_from_row(row, f"spec-bench: question {row['question_id']}", row["question_id"]).turns)
+                    for row in chosen]
     return prompts
 
 
@@ -112,17 +114,6 @@ def _read_rows(path: Path, label: str) -> tuple[list[str], list[dict]]:
     return list(ds.column_names), ds.to_list()
 
 
-def _turns(row: dict, where: str) -> tuple[str, ...]:
-    turns = row.get("turns")
-    if turns is None and row.get("prompt") is not None:
-        turns = [row["prompt"]]
-    if turns is None:
-        raise PromptFileError(f"{where} has neither 'turns' nor 'prompt'; add 'turns': [prompt]")
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-        raise PromptFileError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-    return tuple(turns)
-
-
 def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     """The prompts of a built-in suite (see :func:`list_suites`) or of a local JSONL file,
     in file order, each with its ``id`` and ``category``."""
@@ -149,7 +140,7 @@ def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
         seen.add(pid)
         if not isinstance(cat, str) or not cat:
             raise PromptFileError(f"{where}: 'category' must be a non-empty string")
-        prompts.append(Prompt(id=pid, turns=_turns(row, where), category=cat))
+        prompts.append(prompt_from_row(row, where, pid))  # id and category as checked above
     return prompts
 
 

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
+from ..decoding.cost import timed
 from ..engine import Engine
 from ..methods.ar import AR
 from ..methods.fr_spec import coverage, ranked_from_outputs
-from ..runtime import timed
 
 BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
 

@@ -50,13 +50,12 @@ import torch
 from ..config import GenerationConfig
 from ..decoding.loop import DecodeResult
 from ..artifacts import SkipSet
-from ..decoding.cost import VerifyCurve, measure_draft_step, weight_bytes
+from ..decoding.cost import VerifyCurve, measure_draft_step, timed, weight_bytes
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
 from ..errors import ConfigError, first_line
 from ..methods.ar import AR
 from ..methods.self_sd import SelfSD, SelfSDConfig, uniform_layers
-from ..runtime import timed
 from .study import (DEFAULT_HEARTBEAT_S, check_slot, describe, dispose, finished_last, machine_id, open_storage, quiet,
                     run_workers_share, sqlite_url, worker_id)
 

@@ -20,7 +20,7 @@ import torch
 import typer
 from rich.table import Table
 
-from ..artifacts import atomic_write, environment_info, model_name
+from ..artifacts import environment_info, model_name
 from ..bench import plots, profile as prof, ranks as rk
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
@@ -32,6 +32,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build
+from ..paths import atomic_write
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, SAMPLING_RULE_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,

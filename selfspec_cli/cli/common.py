@@ -5,7 +5,6 @@ import os
 import stat
 import shlex
 import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Collection, Iterator
@@ -16,6 +15,7 @@ from rich.table import Table
 
 from ..errors import ConfigError
 from ..jsonio import dumps
+from ..paths import atomic_open
 
 # piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
@@ -196,34 +196,25 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
             yield f
         return
     check_output(path, force=force, append=append, inputs=inputs)
-    try:
-        if append:
-            f = path.open("a", encoding="utf-8")
-            if path.stat().st_size and not _ends_with_newline(path):  # a last record without its newline
-                f.write("\n")
-        else:
-            fd, tmp_name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".partial", dir=path.parent or ".")
-    except OSError as exc:
-        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
-    if append:
-        with f:
+    if not append:
+        def keep(partial: Path) -> bool:  # whole lines only; named in the exit message
+            n = cut_to_last_line(partial)
+            if n:
+                set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {partial} ('{path}' is unchanged)")
+            return n > 0
+
+        with atomic_open(path, "w", encoding="utf-8", keep=keep, error=lambda exc: ConfigError(
+                f"cannot write --output '{path}' ({exc.strerror}); choose a writable path")) as f:
             yield f
         return
-    tmp = Path(tmp_name)
-    from ..artifacts import _umask  # the mode a plain open() would give (mkstemp makes it 0600)
-
-    os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        n = cut_to_last_line(tmp)
-        if n == 0:
-            tmp.unlink(missing_ok=True)
-        else:
-            set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {tmp} ('{path}' is unchanged)")
-        raise
+        f = path.open("a", encoding="utf-8")
+        if path.stat().st_size and not _ends_with_newline(path):  # a last record without its newline
+            f.write("\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+    with f:
+        yield f
 
 
 class OutputClosed(Exception):

@@ -47,7 +47,7 @@ def train_heads(
     seed: int = typer.Option(0, "--seed", help="Seed of initialisation and shuffling."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory. Default: <selfspec home>/artifacts/adadecode/<model>-<fingerprint>/ or .../specee/<model>-<fingerprint>/ (home: $SELFSPEC_HOME, else ~/.local/share/selfspec)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing artifact at the output path."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="On-disk cache of the on-policy data (default <selfspec home>/cache/onpolicy; home: $SELFSPEC_HOME, else ~/.local/share/selfspec)."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="On-disk cache of the on-policy data (default <selfspec cache>/onpolicy; cache: $SELFSPEC_CACHE, else $SELFSPEC_HOME/cache, else ~/.cache/selfspec)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N (the data is collected there; training runs on CPU)."),

@@ -38,23 +38,40 @@ draft: 1 and 1) into the run's *predicted gain*, reported beside the *realized g
 
 Invariant: planning changes only how many tokens are drafted, never how they are
 verified, so every lossless proposer stays exact.
+
+Every cost is measured with :func:`timed` (wall time, with a device synchronize on each
+side on CUDA), which the runtime, calibration and the bench time with too.
 """
 from __future__ import annotations
 
 import statistics
+import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ..engine import Engine
-from ..runtime import timed
+
+T = TypeVar("T")
 
 CURVE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 PROBE_BUDGET = 0.01  # share of a plain step a source that does not draft saves up per round, to probe
 CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the median is kept (docs/engine.md)
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
+
+
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """``fn()`` and its wall time, with a device synchronize on each side on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    res = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return res, time.perf_counter() - t0
 
 
 @dataclass(frozen=True)

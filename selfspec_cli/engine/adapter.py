@@ -11,9 +11,14 @@ Supported: Llama, Mistral, Qwen2, Qwen3 (model_type in SUPPORTED_MODEL_TYPES). T
 differences between them are handled by data, not subclasses: optional q/k/v
 biases (Qwen2), per-head q/k RMSNorm (Qwen3), per-layer sliding windows
 (Mistral; Qwen2/Qwen3 ``layer_types``).
+
+:func:`model_fingerprint` is a model's short id (its config and a sample of its weights):
+artifacts record it, and the quantized-draft cache is keyed by it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,26 @@ def check_supported(config: Any) -> str:
         raise UnsupportedModelError(f"unsupported architecture '{mt}'; selfspec supports: "
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     return mt
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short, stable id of a model's architecture and weights (artifacts record it,
+    and refuse to load on another model). Hashes the config and a strided sample
+    of every parameter, so it is cheap even for large models, and does not depend on
+    the dtype the model was loaded in."""
+    h = hashlib.sha256()
+    keep = {k: v for k, v in model.config.to_dict().items() if k in (
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")}
+    h.update(json.dumps(keep, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 64)
+            h.update(name.encode())
+            # bfloat16-rounded samples: the same checkpoint loaded as fp32, fp16 or bf16 gives one id
+            h.update(flat[::step][:64].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)

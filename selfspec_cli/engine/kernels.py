@@ -22,8 +22,8 @@ Invariants:
 * without a C++ compiler, AVX2/FMA, or on a GPU, every call is plain ``F.linear``
   (same results as before this module existed); ``SELFSPEC_KERNELS=0`` forces that.
 * the extension is compiled once per machine (about 30 s; ``make setup`` does it) into
-  ``$SELFSPEC_CACHE/kernels`` and loaded from there afterwards (well under a second);
-  packing costs one copy of the weights, once per model load.
+  ``kernels/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`) and loaded from
+  there afterwards (well under a second); packing costs one copy of the weights, once per model load.
 """
 from __future__ import annotations
 
@@ -39,19 +39,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..paths import cache_root
+
 _SOURCE = Path(__file__).with_name("csrc") / "small_gemm.cpp"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def cache_root() -> Path:
-    """selfspec's cache: ``$SELFSPEC_CACHE``, by default ``${XDG_CACHE_HOME:-~/.cache}/selfspec``
-    (converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``)."""
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(os.environ.get("SELFSPEC_CACHE") or Path(xdg) / "selfspec").expanduser()
-
-
 def cache_dir() -> Path:
+    """Where the compiled kernel lives: ``kernels/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`)."""
     return cache_root() / "kernels"
 
 

@@ -20,8 +20,9 @@ Invariants:
 
 * the target's weights are never modified; the draft copy is built once per model and
   precision, cached on disk (beside a converted GGUF model, in its ``drafts/`` folder, else in
-  ``$SELFSPEC_CACHE/drafts/``; ``<fingerprint>-<dtype>-<precision>-v<format>.safetensors``,
-  written atomically; an unreadable file is rebuilt),
+  ``drafts/`` of selfspec's cache, :func:`selfspec_cli.paths.cache_root`;
+  ``<fingerprint>-<dtype>-<precision>-v<format>.safetensors``, written atomically; an
+  unreadable file is rebuilt),
   and a second load reads the cache instead of re-quantizing;
 * every quantized weight is within its format's bound of the float weight it stands for
   (int8: half a scale step; tests/test_quant.py);
@@ -29,9 +30,9 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ArtifactError
+from ..paths import atomic_write, cache_root
 from . import kernels
 from .adapter import LINEARS, ModelAdapter
 from .kernels import QLinear, QuantWeight, quantize_int8
@@ -196,18 +199,26 @@ def _split_sizes(adapter: ModelAdapter, name: str, fused: torch.Tensor) -> list[
 # ------------------------------------------------------------------ cache
 
 
+def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The GGUF a cached model directory was converted from (``selfspec-source.json``, written by
+    :func:`selfspec_cli.loading.gguf_to_hf_dir`), or None."""
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((Path(model_dir) / "selfspec-source.json").read_text(encoding="utf-8"))
+    return None
+
+
 CACHE_FORMAT = 1  # bump when the quantizers or the file layout change: older files are not read
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:
     """Beside the converted model when the model is one of selfspec's GGUF conversions, else in
-    ``$SELFSPEC_CACHE/drafts``; keyed by the model's fingerprint (dtype-independent), the dtype
-    the weights were loaded in (an int8 copy of bf16-rounded weights is another copy), the
-    precision and :data:`CACHE_FORMAT`."""
+    ``drafts/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`); keyed by the
+    model's fingerprint (dtype-independent), the dtype the weights were loaded in (an int8
+    copy of bf16-rounded weights is another copy), the precision and :data:`CACHE_FORMAT`."""
     name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.safetensors"
     if model_dir and (Path(model_dir) / "selfspec-source.json").is_file() and os.access(model_dir, os.W_OK):
         return Path(model_dir) / "drafts" / name
-    return kernels.cache_root() / "drafts" / name
+    return cache_root() / "drafts" / name
 
 
 def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, meta: dict[str, Any]) -> None:
@@ -221,15 +232,7 @@ def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, m
         if q.mins is not None:
             tensors[f"{key}.mins"] = q.mins.contiguous()
         formats.append(f"{key}={q.fmt}:{q.group}:{q.bits}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"info": json.dumps(meta), "formats": ";".join(formats)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: save_file(tensors, f.name, metadata={"info": json.dumps(meta), "formats": ";".join(formats)}))
 
 
 def _load(path: Path, num_layers: int) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict[str, Any]] | None:
@@ -277,7 +280,7 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
         if path is not None:
             try:
                 _save(path, layers, head, meta)
-            except OSError:
+            except ArtifactError:
                 path = None  # a read-only cache only costs the next load the quantization
         info = {"cache": "miss" if path is not None else "off", **meta}
     biases = [{n: getattr(w, f"b_{n}") for n in LINEARS} for w in adapter.layers]

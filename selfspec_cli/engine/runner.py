@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .adapter import LINEARS, ModelAdapter
+from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
-from .quant import DraftWeights, build_draft
+from .quant import DraftWeights, build_draft, gguf_source
 
 
 @dataclass(slots=True)
@@ -101,8 +101,6 @@ class Engine:
         """The draft copy of the matrices at ``precision`` (engine/quant.py), built on first use
         (or read from the disk cache) and kept; ``forward(..., weights=precision)`` runs on it."""
         if precision not in self.drafts:
-            from ..loading import gguf_source, model_fingerprint  # shared module; imported late (it imports engine)
-
             where = getattr(self.model, "name_or_path", "") or ""
             source = gguf_source(where) or {}
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)

@@ -34,7 +34,7 @@ from ..decoding.drafts import Round
 from ..engine import Engine, ForwardOutput
 from ..methods.ar import AR
 from ..errors import ArtifactError
-from ..paths import user_cache_dir
+from ..paths import atomic_write, cache_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +119,7 @@ def collect_on_policy(
     from safetensors.torch import load_file, save_file
 
     key = collection_key(fingerprint, prompt_ids, max_new_tokens)
-    directory = Path(cache_dir) if cache_dir is not None else user_cache_dir() / "onpolicy"
+    directory = Path(cache_dir) if cache_dir is not None else cache_root() / "onpolicy"
     path = directory / f"{key}.safetensors"
     if path.is_file():
         try:
@@ -135,11 +135,7 @@ def collect_on_policy(
         index += [i] * (len(rec.targets) - len(index))
         on_prompt(i + 1, len(prompt_ids))
     data = OnPolicyData(torch.stack(rec.rows), torch.tensor(rec.targets, dtype=torch.long), torch.tensor(index), key)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({"hidden": data.hidden.contiguous(), "target": data.target, "prompt_index": data.prompt_index}, str(tmp))
-        tmp.replace(path)
-    except OSError as exc:
-        raise ArtifactError(f"cannot write the on-policy data cache '{directory}' ({exc.strerror}); pass --cache-dir") from None
+    tensors = {"hidden": data.hidden.contiguous(), "target": data.target, "prompt_index": data.prompt_index}
+    atomic_write(path, lambda f: save_file(tensors, f.name), error=lambda exc: ArtifactError(
+        f"cannot write the on-policy data cache '{directory}' ({exc.strerror}); pass --cache-dir"))
     return data

@@ -219,39 +219,44 @@ def _rates(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, threshol
             float(fire.float().mean()), nf)
 
 
-def wilson_lower(successes: float, n: int, z: float) -> float:
-    """One-sided Wilson score lower bound of a binomial proportion (the point estimate when z = 0)."""
+def wilson_lower(successes: int, n: int, z: float) -> float:
+    """One-sided Wilson score lower bound of a binomial proportion at the normal quantile ``z``
+    (scipy's ``binomtest(...).proportion_ci(method="wilson")``; the point estimate when z = 0)."""
     if n == 0:
         return float("nan")
-    phat = successes / n
     if z <= 0:
-        return phat
-    z2 = z * z
-    centre = phat + z2 / (2 * n)
-    margin = z * ((phat * (1 - phat) + z2 / (4 * n)) / n) ** 0.5
-    return (centre - margin) / (1 + z2 / n)
+        return successes / n
+    from scipy.stats import binomtest, norm  # imported here: only threshold selection needs it
+
+    ci = binomtest(successes, n, alternative="greater").proportion_ci(float(norm.cdf(z)), method="wilson")
+    return float(ci.low)
 
 
 def cluster_bootstrap_lower(tp: torch.Tensor, fires: torch.Tensor, z: float, resamples: int = 400,
                             seed: int = 0) -> float:
     """Lower confidence bound of a pooled precision sum(tp) / sum(fires) when rows come in
     correlated clusters (the rows of one prompt's continuation): resample whole clusters
-    with replacement and take the one-sided quantile matching ``z`` (z 1.645: the 5th
-    percentile). ``tp``, ``fires``: per-cluster counts. With a single cluster there is
-    nothing to resample and the point estimate is returned."""
+    with replacement and take the one-sided percentile matching ``z`` (z 1.645: the 5th
+    percentile), by ``scipy.stats.bootstrap`` over the paired per-cluster counts (a resample
+    that draws no fire counts as precision 0). ``tp``, ``fires``: per-cluster counts. With a
+    single cluster there is nothing to resample and the point estimate is returned."""
     g = tp.shape[0]
     total = float(fires.sum())
     if total == 0:
         return float("nan")
     if g < 2 or z <= 0:
         return float(tp.sum()) / total
-    gen = torch.Generator().manual_seed(seed)
-    picks = torch.randint(0, g, (resamples, g), generator=gen)
-    w = torch.zeros(resamples, g).scatter_add_(1, picks, torch.ones(resamples, g))
-    f = w @ fires.float()
-    prec = torch.where(f > 0, (w @ tp.float()) / f.clamp_min(1e-9), torch.zeros_like(f))
-    q = float(torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(-z)))
-    return float(torch.quantile(prec, q))
+    import numpy as np
+    from scipy.stats import bootstrap, norm  # imported here: only threshold selection needs it
+
+    def pooled(tp_: np.ndarray, fires_: np.ndarray, axis: int = -1) -> np.ndarray:
+        f = fires_.sum(axis=axis)
+        return np.where(f > 0, tp_.sum(axis=axis) / np.maximum(f, 1e-9), 0.0)
+
+    res = bootstrap((tp.double().numpy(), fires.double().numpy()), pooled, paired=True, vectorized=True,
+                    n_resamples=resamples, confidence_level=float(norm.cdf(z)), alternative="greater",
+                    method="percentile", rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low)
 
 
 def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor, target: float,
@@ -266,7 +271,7 @@ def choose_threshold(prob: torch.Tensor, verified: torch.Tensor, y: torch.Tensor
     gid = torch.unique(groups, return_inverse=True)[1] if groups is not None and len(groups) else None
     for t in [0.5 + 0.005 * i for i in range(100)]:
         prec, _, _, nf = _rates(prob, verified, y, t)
-        if nf < min_fires or wilson_lower(prec * nf, nf, z) < target:
+        if nf < min_fires or wilson_lower(round(prec * nf) if nf else 0, nf, z) < target:
             continue
         if gid is not None:
             fire = (prob > t) & verified  # per prompt: true positives, fires

@@ -42,14 +42,13 @@ from typing import Any
 
 import torch
 
-from ..decoding.cost import PROBE_BUDGET, VerifyCurve
+from ..decoding.cost import PROBE_BUDGET, VerifyCurve, timed
 from ..decoding.drafts import Deferred, Draft, NoDraft, Round
 from ..decoding.sampling import processed_probs
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..engine.runner import ALL_ROWS
 from ..errors import FieldError
-from ..runtime import timed
 from .base import Method, layer_list, option, require, training_cost
 from .exit_heads import LowRankHead, head_logits
 from .head_store import load_heads

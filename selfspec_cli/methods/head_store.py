@@ -111,10 +111,10 @@ def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, A
     p = resolve_artifact(path, model, "specee", ".schedule.json", "SpecEE schedule artifact",
                          f"create it with `{schedule_command(model)}`")
     hint = f"create it with `{schedule_command(model, p)}`"
-    manifest = artifacts._read_json(p, "SpecEE schedule artifact", hint)
+    manifest = artifacts.read_json_artifact(p, "SpecEE schedule artifact", hint)
     if manifest.get("kind") != SCHEDULE_KIND:
         raise ArtifactError(f"'{p}' is a {manifest.get('kind')!r} artifact, not {SCHEDULE_KIND!r}; {hint}")
-    artifacts._check_fingerprint(manifest, model, p, f"recalibrate: {hint}")
+    artifacts.check_fingerprint(manifest, model, p, f"recalibrate: {hint}")
     layers = manifest.get("selected_layers")
     if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
         raise ArtifactError(f"'{p}': field 'selected_layers' must be a list of layer ids; {hint}")
