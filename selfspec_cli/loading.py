@@ -25,7 +25,7 @@ import torch
 
 # model_fingerprint lives with the engine, which keys its draft cache by it; it is re-exported
 # here, where the library, the artifacts and the docs have always named it
-from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401  # noqa: F401 (re-exported: its public name)
+from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
 from .paths import atomic_write, cache_root
 
