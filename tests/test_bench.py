@@ -282,7 +282,9 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     cm = doc["methods"]["swift"]["cost_model"]
     assert 0 < cm["skip_ratio"] < 1 and cm["predicted_speedup"] > 0 and 0 <= cm["draft_round_share"] <= 1
     swift = doc["methods"]["swift"]  # the plans predict decode-only speed: measured is decode-only too
-    assert swift["decode_speedup_vs_ar"] > 0 and swift["decode_tokens_per_s"] > swift["tokens_per_s"]
+    # decode-only exceeds end to end only when a prefill outlasts a decode step, which a tiny model need not
+    # do: the formula is tested on known records (test_decode_only_throughput_leaves_out_each_turns_prefill)
+    assert swift["decode_speedup_vs_ar"] > 0 and swift["decode_tokens_per_s"] > 0
     assert cm["measured_over_predicted"] == pytest.approx(swift["decode_speedup_vs_ar"] / cm["predicted_speedup"], rel=0.01)
     assert doc["methods"]["hf"]["decode_tokens_per_s"] is None and doc["methods"]["hf"]["decode_speedup_vs_ar"] is None
     assert 0 <= doc["methods"]["asd"]["cost_model"]["skip_ratio"] < 1
