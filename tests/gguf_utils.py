@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_TOKENIZER_DIR = REPO_ROOT / "artifacts" / "models" / "pystdlib-llama-12x256"
+from selfspec_cli.loading import CODE_MODEL_DIR
+
+SHIPPED_TOKENIZER_DIR = CODE_MODEL_DIR
 
 # ChatML. The tiny tokenizer has <|im_start|>/<|im_end|> as special tokens (as SmolLM2 does); with
 # the shipped tokenizer, which lacks them, they are plain text.

@@ -10,7 +10,7 @@ import torch
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
-from selfspec_cli.loading import REPO_ROOT, load_model
+from selfspec_cli.loading import EXAMPLES_DIR, load_model
 from selfspec_cli.methods import AR
 from selfspec_cli.methods import build
 from selfspec_cli.prompts import read_prompts
@@ -18,7 +18,7 @@ from selfspec_cli.prompts import read_prompts
 from .conftest import needs_shipped_model
 
 pytestmark = [needs_shipped_model, pytest.mark.slow]
-EXAMPLES = REPO_ROOT / "examples" / "prompts.jsonl"
+EXAMPLES = EXAMPLES_DIR / "prompts.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import torch
 
 from selfspec_cli.engine import Engine
-from selfspec_cli.loading import REPO_ROOT
 
 from .conftest import make_tiny_model
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_demo_model", REPO_ROOT / "scripts" / "train_demo_model.py")
+    spec = importlib.util.spec_from_file_location("train_demo_model", Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -16,14 +16,14 @@ from ..errors import ConfigError
 from ..methods import head_store as store
 from ..heads.data import collect_on_policy
 from ..heads.train import DEFAULT_THRESHOLDS, ExitTrainConfig, HeadTrainConfig, train_exit_mlps, train_lm_heads
-from ..loading import load_model, model_fingerprint
+from ..loading import EXAMPLES_DIR, load_model, model_fingerprint
 from ..methods.base import layer_list
 from ..runtime import encode_turn, eos_token_ids
 from ..prompts import PROMPT_FORMATS
 from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, log, progress
 
 KINDS = ("lm-heads", "exit-mlp")
-DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "examples" / "chat-calibration.jsonl")
+DEFAULT_PROMPTS = str(EXAMPLES_DIR / "chat-calibration.jsonl")  # shipped with the package
 
 
 MIN_PROMPTS = 3
@@ -32,7 +32,7 @@ MIN_PROMPTS = 3
 def train_heads(
     kind: Optional[str] = typer.Option(None, "--kind", help="lm-heads (AdaDecode) or exit-mlp (SpecEE; needs lm-heads first: its drafter is the shallowest head)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: examples/chat-calibration.jsonl (64 prompts written for this project, none from Spec-Bench)."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Training prompts (first turn of each). Default: the shipped examples/chat-calibration.jsonl (64 prompts written for this project, none from Spec-Bench)."),
     prompt_format: str = typer.Option("auto", "--prompt-format", help="--prompt-file format: auto, text or jsonl (as for generate)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Training prompts from a local .jsonl/.json/.csv/.parquet file, read with `datasets`."),
     dataset_field: str = typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text."),

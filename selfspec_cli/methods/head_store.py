@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import artifacts
+from .. import artifacts, loading
 from ..artifacts import model_flag, resolve_artifact
 from ..errors import ArtifactError
 from .exit_heads import ExitPredictor, LowRankHead
@@ -59,7 +59,8 @@ def train_command(kind: str, model: Any, path: Path | None = None) -> str:
 
 
 def schedule_command(model: Any, path: Path | None = None) -> str:
-    return _command(f"selfspec calibrate --method specee{model_flag(model)} --prompt-file examples/calibration.jsonl",
+    return _command(f"selfspec calibrate --method specee{model_flag(model)} --prompt-file "
+                    f"{loading.EXAMPLES_DIR / 'calibration.jsonl'}",
                     model, path, "specee", ".schedule.json")
 
 
