@@ -101,3 +101,68 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 shipped_model_available = (CODE_MODEL_DIR / "config.json").is_file()
 needs_shipped_model = pytest.mark.skipif(not shipped_model_available, reason="shipped model not present")
+
+
+# ---------------------------------------------------------------- a machine with known costs
+
+
+class VirtualClock:
+    """A deterministic clock for code that times itself. In the modules it is installed in
+    (``virtual_clock``), ``time.perf_counter()`` reads ``now``, which moves only by
+    :meth:`advance` (the test's charges for the work it cares about) and by ``tick`` per read;
+    every other ``time`` function is the real one. The work itself still runs for real: only
+    what the code *measures* is known in advance, so figures derived from timings can be
+    checked against values computed by hand."""
+
+    def __init__(self, tick: float = 0.0) -> None:
+        self.now = 0.0
+        self.tick = tick
+
+    def perf_counter(self) -> float:
+        t = self.now
+        self.now += self.tick
+        return t
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name: str):
+        import time
+
+        return getattr(time, name)
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch) -> VirtualClock:
+    """A :class:`VirtualClock` as ``time`` of every module that times decoding: decoding/cost.py
+    (``timed``: run_prompt's wall times, the profile's and the verify curve's readings), the
+    driver (rounds, prefill) and the layer-skip proposer (its draft step)."""
+    from selfspec_cli.decoding import cost, driver, layer_skip
+
+    clock = VirtualClock()
+    for mod in (cost, driver, layer_skip):
+        monkeypatch.setattr(mod, "time", clock)
+    return clock
+
+
+def charge_forwards(monkeypatch, clock: VirtualClock, cost, head_cost=None) -> None:
+    """Every ``Engine.forward`` advances ``clock`` by ``cost(engine, rows, kwargs)`` seconds and
+    then runs for real (``head_cost``: also every ``Engine.final_logits``, by that many seconds)."""
+    from selfspec_cli.engine import Engine
+
+    forward = Engine.forward
+
+    def charged(self, cache, input_ids=None, **kw):
+        rows = input_ids.shape[0] if input_ids is not None else kw["hidden"].shape[0]
+        clock.advance(cost(self, rows, kw))
+        return forward(self, cache, input_ids, **kw)
+
+    monkeypatch.setattr(Engine, "forward", charged)
+    if head_cost is not None:
+        final_logits = Engine.final_logits
+
+        def charged_head(self, *args, **kw):
+            clock.advance(head_cost)
+            return final_logits(self, *args, **kw)
+
+        monkeypatch.setattr(Engine, "final_logits", charged_head)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from selfspec_cli.bench import profile as prof
@@ -11,17 +12,38 @@ from selfspec_cli.decoding.cost import CURVE_ROWS
 from selfspec_cli.cli.app import main
 from selfspec_cli.engine import Engine
 
-from .conftest import make_tiny_model
+from .conftest import charge_forwards, make_tiny_model
 from .test_cli import assert_user_error, write_lines
 
 PROMPTS = ["def add(a, b):", "import os\nimport sys", "class Stack:\n    def push(self, x):"]
 
 
-def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
+def fp32_step_bytes(cfg) -> int:
+    """Bytes of float32 weights one decode step reads, from a Llama config by hand: per layer two
+    norms, q/k/v, o, gate, up and down; then the final norm and the LM head (no embedding table)."""
+    h, i, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    d = h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = 2 * h + (q + 2 * kv) * h + h * q + 3 * h * i
+    return 4 * (n * per_layer + h + v * h)
+
+
+def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
+    # a model with two sublayers that add nothing (layer 1's MLP, layer 2's attention) and MLPs
+    # strong enough that skipping any other sublayer changes some greedy token
+    model = make_tiny_model("llama-gqa")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(4.0)
+        model.model.layers[1].mlp.down_proj.weight.zero_()
+        model.model.layers[2].self_attn.o_proj.weight.zero_()
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
     prompts = write_lines(tmp_path / "p.txt", PROMPTS)
     out = tmp_path / "prof"
     capsys.readouterr()
-    rc = main(["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(out), "--rounds", "2",
+    rc = main(["profile", "-m", str(model_dir), "-p", str(prompts), "-o", str(out), "--rounds", "2",
                "--redundancy-prompts", "2", "--redundancy-tokens", "3", "--device", "cpu"])
     stdout, err = capsys.readouterr()
     assert rc == 0, err
@@ -30,13 +52,18 @@ def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
                 "kernel", "kernel_max_logit_diff", "redundancy", "environment"):
         assert key in doc, key
     assert sorted(int(k) for k in doc["verify_cost"]) == list(CURVE_ROWS)  # the planners' curve, shared
-    assert doc["verify_cost"]["1"] == 1.0
     assert set(doc["draft_cost"]) == {"0.2", "0.3", "0.4", "0.5", "0.6"}
     assert doc["floor_ms"] > 0 and doc["step_ms"] > 0 and 0 < doc["lm_head_share"]
-    assert abs(doc["floor_ms"] - doc["weight_bytes"] / (doc["bandwidth_gbs"] * 1e9) * 1e3) < 0.01 * doc["floor_ms"] + 1e-3
+    # (the figures themselves, on a machine with known costs: test_engine_costs_on_a_machine_with_known_costs)
+    assert doc["weight_bytes"] == fp32_step_bytes(model.config) == 772352
     red = doc["redundancy"]
-    assert len(red["attn"]) == len(red["mlp"]) == doc["num_layers"]
-    assert red["drafts_per_set"] == 2 * 3 and all(0 <= a <= 1 for a in red["attn"] + red["mlp"])
+    assert len(red["attn"]) == len(red["mlp"]) == doc["num_layers"] == 4
+    assert red["drafts_per_set"] == 2 * 3
+    # skipping a sublayer that adds nothing drafts the full model's token every time; skipping any
+    # other one does not, here: each entry belongs to its own sublayer
+    assert red["attn"][2] == 1.0 and red["mlp"][1] == 1.0
+    assert all(a < 1.0 for i, a in enumerate(red["attn"]) if i != 2), red
+    assert all(a < 1.0 for i, a in enumerate(red["mlp"]) if i != 1), red
     assert (out / "verify_cost.png").stat().st_size > 1000 and (out / "redundancy.png").stat().st_size > 1000
     pred = doc["predicted_speedup"]
     assert set(pred) == {"pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecode"}
@@ -54,7 +81,7 @@ def test_profile_writes_json_and_plots(capsys, tiny_model_dir, tmp_path):
     line = json.loads(stdout.strip().splitlines()[-1])
     assert line["step_ms"] == doc["step_ms"] and line["verify_cost"] == doc["verify_cost"]
     # a second run into the same directory needs --force
-    assert_user_error(capsys, ["profile", "-m", str(tiny_model_dir), "-p", str(prompts), "-o", str(out)],
+    assert_user_error(capsys, ["profile", "-m", str(model_dir), "-p", str(prompts), "-o", str(out)],
                       "already holds a profile", "--force")
 
 
@@ -95,6 +122,51 @@ def test_profile_reports_the_planners_own_verify_curve(monkeypatch):
     prof.measure_costs(eng, [5, 17, 42], rounds=1)
     assert multi() == n  # the curve is not measured twice
     assert all(b >= a for a, b in zip(list(curve.ratios.values()), list(curve.ratios.values())[1:]))
+
+
+def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
+    """The profile's figures from timings the test sets (conftest.VirtualClock): a k-row forward
+    costs F[k] seconds times the share of sublayers it runs, plus 10 ms per context token beyond
+    64; the LM head H; every timed interval 1 s more (the clock's tick, which also makes the
+    2**30-byte read of the bandwidth probe take 1 s: 2**30 B/s). T(1), v(k) (the running maximum
+    over the rows: F[3] dips below F[2]), its raw medians, the context slope, c(r) and the LM
+    head's share (over a step at the prompt's context, 100 tokens, not the curve's 64), the
+    weight bytes and the floor are then known exactly."""
+    L = 4
+    F = {1: 10.0, 2: 11.0, 3: 10.5, 4: 12.0, 5: 13.0, 6: 14.0, 8: 16.0, 10: 18.0, 12: 20.0, 16: 24.0}
+    H, TICK = 2.0, 1.0
+    eng = Engine(make_tiny_model("llama-gqa", layers=L))
+
+    def cost(engine, rows, kw):
+        pos = kw["positions"]
+        if pos == 0:  # prefills are never timed
+            return 0.0
+        skipped = len(kw.get("skip_attn") or ()) + len(kw.get("skip_mlp") or ())
+        return F[rows] * (1 - skipped / (2 * L)) + 1e-2 * max(0, pos - 64)
+
+    virtual_clock.tick = TICK
+    charge_forwards(monkeypatch, virtual_clock, cost, head_cost=H)
+    doc = prof.engine_costs(eng, list(range(2, 102)), rounds=3)
+
+    t1 = TICK + F[1] + H  # 13 s: one row with its logits, at the curve's context (64)
+    step = t1 + 0.36  # the same at the prompt's context (100 tokens)
+    assert doc["step_ms"] == t1 * 1e3 and doc["context_tokens"] == 64 and doc["draft_context_tokens"] == 100
+    # v(k): the k-row time over the one-row time; 3 rows read cheaper than 2 and are reported as 2's
+    want_v = {1: 13, 2: 14, 3: 14, 4: 15, 5: 16, 6: 17, 8: 19, 10: 21, 12: 23, 16: 27}
+    assert doc["verify_cost"] == {str(k): pytest.approx(x / 13, abs=6e-4) for k, x in want_v.items()}
+    assert doc["verify_ms"] == {str(k): pytest.approx((TICK + f + H) * 1e3) for k, f in F.items()}  # raw: 13500 at 3
+    # T(1) after 64 + 190 tokens (the tiny model's 256 positions) is 1.9 s longer: 10 ms per token
+    assert doc["step_ms_per_1k_context"] == pytest.approx(10000.0)
+    # c(r): uniform_layers skips both sublayers of 1 (r = 0.2, 0.3) or 2 (r >= 0.4) of the 4 layers
+    kept = {"0.2": 0.75, "0.3": 0.75, "0.4": 0.5, "0.5": 0.5, "0.6": 0.5}
+    assert doc["draft_cost"] == {r: pytest.approx((TICK + F[1] * k + 0.36 + H) / step, abs=6e-4) for r, k in kept.items()}
+    assert doc["lm_head_ms"] == (TICK + H) * 1e3 and doc["lm_head_share"] == pytest.approx(3 / step, abs=6e-4)
+    # the floor: 772352 bytes of weights read at 2**30 bytes per second
+    assert doc["weight_bytes"] == fp32_step_bytes(eng.model.config) == 772352
+    assert doc["bandwidth_gbs"] == 1.07
+    floor_ms = 772352 / 2**30 * 1e3
+    assert doc["floor_ms"] == round(floor_ms, 3) == 0.719
+    assert doc["step_over_floor"] == pytest.approx(t1 * 1e3 / floor_ms, abs=1e-3)
 
 
 def test_redundancy_map_matches_direct_computation():
