@@ -14,7 +14,7 @@ from selfspec_cli.methods import AR, build
 from selfspec_cli.methods.auto import Auto
 from selfspec_cli.methods.pld import PLDConfig, PromptLookup, lookup
 
-from .conftest import ARCHS, make_tiny_model
+from .conftest import ARCHS, charge_forwards, make_tiny_model
 from .test_decoding import ALPHA, distribution_test
 from .test_speculative import _pair_samples, _prompt, accept_all, small_vocab_setup  # noqa: F401 (fixture)
 
@@ -136,25 +136,36 @@ def test_planner_follows_acceptance_and_cost():
 
 def test_planner_probes_within_its_budget():
     """A planner that does not draft still probes, and the probes' expected loss stays within
-    ``probe_budget`` of a plain step per idle round: rare when a probe is expensive and
-    seldom accepted, frequent when it is nearly free."""
+    the documented 1 % of a plain step per idle round: rare when a probe is expensive and seldom
+    accepted, frequent when it is nearly free. A probe is one token, never beyond the round's
+    budget, and the plan a round reports (``last``) is the round that runs."""
+    a1 = 1 / 202  # _trained(0.0): depth 1 reached 200 times, never accepted, under a Beta(1, 1) prior
     for c in (0.6, 0.05):
         p = _trained(0.0)
         rounds = 2000
-        probes = [i for i in range(rounds) if p.plan(c, 8)]
-        loss = p.probe_loss(c)
-        assert loss > 0 and probes  # probing continues, so a pessimistic estimate can recover
-        assert len(probes) * loss <= p.probe_budget * rounds + loss
-        assert len(probes) * loss >= p.probe_budget * rounds - 2 * loss  # and the budget is used
-        assert all(x == 0 or x == 1 for x in [p.plan(c, 1) for _ in range(10)])
-    assert p.last[1] == pytest.approx(1.0)  # a round that drafts nothing costs one plain step
-    assert p.probe_budget == 0.01
+        plans = [(p.plan(c, 8), p.last) for _ in range(rounds)]
+        probes = [last for k, last in plans if k]
+        loss = c + 1.05 - (1 + a1)  # a one-token probe costs c + v(2) and yields 1 + a1 tokens
+        assert p.probe_loss(c) == pytest.approx(loss) and probes  # probing continues, so a pessimistic estimate can recover
+        assert {k for k, _ in plans} == {0, 1}  # a probe drafts one token
+        assert len(probes) * loss <= 0.01 * rounds + loss
+        assert len(probes) * loss >= 0.01 * rounds - 2 * loss  # and the budget is used
+        assert all(last == (pytest.approx(1 + a1), pytest.approx(c + 1.05)) for last in probes)  # a probe's plan, not an idle round's
+        assert all(last == (1.0, 1.0) for k, last in plans if not k)  # a round that drafts nothing: one plain step
+        p._savings = 100.0  # savings for many probes, and a round that may emit no draft token: none is drafted
+        assert p.plan(c, 0) == 0 and p._savings == 100.0 and p.plan(c, 1) == 1
     cheap, dear = _trained(0.0), _trained(0.0)
     n_cheap = sum(bool(cheap.plan(0.05, 8)) for _ in range(500))
     n_dear = sum(bool(dear.plan(0.6, 8)) for _ in range(500))
     assert n_cheap > 5 * n_dear >= 5
     good = _trained(0.9)
     assert good.plan(0.0, 8) >= 4 and good._savings == 0.0  # drafting rounds earn no probe budget
+    assert good.plan(0.0, 1) == 1 and good.plan(0.0, 0) == 0  # never beyond the budget
+    # with no round seen, every depth is accepted with probability 1/2: E(k) = 2 - 2**-k, and the best
+    # of E(k) / (k c + v(k + 1)) is k = 3 when drafts are free (1.875 / 1.15), k = 2 at c = 0.1 (1.75 / 1.3)
+    fresh = Planner(CURVE, 8)
+    assert fresh.plan(0.0, 8) == 3 and fresh.last == (1.875, pytest.approx(1.15))
+    assert fresh.plan(0.1, 8) == 2 and fresh.last == (1.75, pytest.approx(1.3))
 
 
 def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable():
@@ -182,28 +193,6 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     assert free.overhead.rounds == 30
 
 
-def test_driver_times_drafting_rounds_against_plain_ones():
-    """The driver hands ``update`` each drafting round's measured cost in plain steps (in T(1)
-    until a plain round has run, then in plain rounds) and none for plain rounds, and the n-gram
-    planners learn a finite overhead from it."""
-    eng = Engine(make_tiny_model("llama-gqa", layers=4))
-    m = build("pld", eng)
-    seen: list[tuple[int, float | None]] = []
-    real = m.update
-
-    def spy(state, rnd):
-        seen.append((draft_depth(rnd.draft), rnd.steps))
-        real(state, rnd)
-
-    m.update = spy
-    ar = AR(eng).generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)).token_ids
-    assert m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)).token_ids == ar
-    assert any(n == 0 for n, _ in seen) and all(r is None for n, r in seen if n == 0)
-    drafted = [r for n, r in seen if n]
-    assert drafted and all(r is not None and r > 0 for r in drafted)
-    assert m.overhead.rounds == len(drafted) and -0.5 <= m.overhead.value <= 1.0
-
-
 def test_round_clock_measures_rounds_in_plain_rounds_then_t1():
     """Known readings: before any plain round a drafting round is measured in T(1) at its
     context (the curve's, with its slope); after, in the running average of plain rounds."""
@@ -216,33 +205,98 @@ def test_round_clock_measures_rounds_in_plain_rounds_then_t1():
     assert RoundClock(None).steps(1.0, 64) is None  # a proposer that does not plan: no unit
 
 
-def test_verify_curve_interpolates_and_is_monotone():
-    assert CURVE.v(5) == pytest.approx(1.225) and CURVE.v(32) == pytest.approx(2.5 + 16 * 1.0 / 8)
-    model = make_tiny_model("llama-gqa", layers=2)
-    c = VerifyCurve.measure(Engine(model), context=16, rounds=1)
-    vals = [c.ratios[m] for m in sorted(c.ratios)]
-    assert vals[0] == 1.0 and vals == sorted(vals) and c.t1_s > 0
+# v(m) at every row count a pld round verifies (no interpolation involved), for a 10 ms plain step
+V = {m: 1.0 + 0.1 * (m - 1) for m in range(1, 17)}
 
 
-def test_driver_reports_predicted_and_realized_gain(monkeypatch):
-    """With injected costs (a known verify curve, no learned overhead) the reported plan is the
-    sum of each round's planned cost: a plain round 1, a k-token n-gram round v(k + 1)."""
+def _exact_machine(monkeypatch, clock, extra: dict) -> None:
+    """A machine where a forward of m rows after the prompt costs exactly V[m] plain steps of
+    10 ms, plus ``extra["steps"]`` when it verifies a draft (m > 1); a prefill costs 50 ms."""
+    charge_forwards(monkeypatch, clock, lambda e, rows, kw: 0.05 if kw["positions"] == 0 else
+                    0.01 * (V[rows] + (extra["steps"] if rows > 1 else 0.0)))
+
+
+def _engine_with_curve_v() -> Engine:
+    """A tiny engine whose verify curve is V at T(1) = 10 ms (as measured on the machine above)."""
     from selfspec_cli.decoding import cost as cost_mod
 
-    model = make_tiny_model("llama-gqa", layers=4)
-    eng = Engine(model)
-    curve = VerifyCurve(0.01, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.9, 16: 3.5})
-    cost_mod._CURVES[eng] = curve
-    monkeypatch.setattr(cost_mod.Overhead, "observe", lambda self, excess: None)  # o stays 0
-    prompt = _prompt(12, 3) * 3
-    res = build("pld", eng).generate(prompt, GenerationConfig(max_new_tokens=30))
+    eng = Engine(make_tiny_model("llama-gqa", layers=4))
+    cost_mod._CURVES[eng] = VerifyCurve(0.01, dict(V))
+    return eng
+
+
+def test_driver_times_drafting_rounds_against_plain_ones(monkeypatch, virtual_clock):
+    """The driver hands ``update`` each drafting round's cost in plain rounds (``Round.steps``; plain
+    rounds get none) and the n-gram planners learn its excess over the plan as ``o``. On a machine whose
+    forwards cost exactly the verify curve a k-token round measures v(k + 1) and ``o`` stays 0;
+    when every drafting round costs 0.3 plain steps more, each measures v(k + 1) + 0.3 and ``o``
+    rises towards 0.3 (from its prior of 0 worth 3 rounds: above 0.2 after 7 rounds)."""
+    extra = {"steps": 0.0}
+    prompt, cfg = _prompt(12, 3) * 3, GenerationConfig(max_new_tokens=40)
+    _exact_machine(monkeypatch, virtual_clock, extra)
+    for steps in (0.0, 0.3):
+        extra["steps"] = steps
+        eng = _engine_with_curve_v()
+        m = build("pld", eng)
+        seen: list[tuple[int, float | None]] = []
+        real = m.update
+
+        def spy(state, rnd):
+            seen.append((draft_depth(rnd.draft), rnd.steps))
+            real(state, rnd)
+
+        m.update = spy
+        ar = AR(eng).generate(prompt, cfg).token_ids
+        assert m.generate(prompt, cfg).token_ids == ar
+        assert any(n == 0 for n, _ in seen) and all(r is None for n, r in seen if n == 0)
+        drafted = [(n, r) for n, r in seen if n]
+        assert len(drafted) >= 7, seen
+        assert all(r == pytest.approx(V[n + 1] + steps) for n, r in drafted), (steps, drafted)
+        assert m.overhead.rounds == len(drafted)
+        if steps:
+            assert 0.2 < m.overhead.value <= steps + 1e-9
+        else:
+            assert m.overhead.value == pytest.approx(0.0, abs=1e-9)
+
+
+def test_verify_curve_interpolates_and_is_the_running_maximum_of_its_readings(monkeypatch, virtual_clock):
+    assert CURVE.v(5) == pytest.approx(1.225) and CURVE.v(32) == pytest.approx(2.5 + 16 * 1.0 / 8)
+    # a machine on which 3 rows read faster than 2, and 10 than 8 (noise): v(m) is the m-row time over the
+    # one-row time, and never below a reading for fewer rows
+    secs = {1: 1.0, 2: 1.2, 3: 1.1, 4: 1.5, 5: 1.6, 6: 1.8, 8: 2.4, 10: 2.2, 12: 2.6, 16: 3.0}
+    charge_forwards(monkeypatch, virtual_clock, lambda e, rows, kw: 0.0 if kw["positions"] == 0 else secs[rows])
+    c = VerifyCurve.measure(Engine(make_tiny_model("llama-gqa", layers=2)), context=16, rounds=1)
+    assert c.t1_s == pytest.approx(1.0) and c.times_s == pytest.approx(secs) and c.slope_s == pytest.approx(0.0, abs=1e-12)
+    assert c.ratios == {1: 1.0, 2: 1.2, 3: 1.2, 4: 1.5, 5: 1.6, 6: 1.8, 8: 2.4, 10: 2.4, 12: 2.6, 16: 3.0}
+
+
+def test_driver_reports_predicted_and_realized_gain(monkeypatch, virtual_clock):
+    """On a machine whose forwards cost exactly the verify curve, the reported plan costs each
+    round what it took (a plain round 1, a k-token n-gram round v(k + 1)); the realized gain is
+    the tokens after the prefill over that time in plain steps (the prefill's 50 ms left out); the
+    predicted one is the rounds' planned tokens (as each round's plan said) over that cost."""
+    _exact_machine(monkeypatch, virtual_clock, {"steps": 0.0})
+    m = build("pld", _engine_with_curve_v())
+    plans = []
+    real = m.propose
+
+    def spy(state, budget):
+        d = real(state, budget)
+        plans.append(d.plan)
+        return d
+
+    m.propose = spy
+    res = m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=30))
     st = res.stats.as_dict()
-    plan = st["plan"]
     lengths = res.stats.draft_lengths
-    assert any(lengths)  # the repeated prompt is looked up
-    assert plan["cost_steps"] == pytest.approx(sum(curve.v(k + 1) if k else 1.0 for k in lengths), abs=1e-3)
-    assert plan["expected_tokens"] >= len(lengths)  # every round expects its own next token at least
-    assert st["realized_gain"] > 0 and 0 <= st["draft_round_share"] <= 1
+    assert any(lengths) and len(plans) == len(lengths)  # the repeated prompt is looked up
+    cost = sum(V[k + 1] for k in lengths)
+    assert st["plan"]["cost_steps"] == pytest.approx(cost, abs=1e-3)
+    assert st["realized_gain"] == pytest.approx((len(res.token_ids) - 1) / cost, abs=1e-4)
+    expected = sum(1.0 if plan is None else plan[0] for plan in plans)  # a round without a lookup: one token
+    assert st["plan"]["expected_tokens"] == pytest.approx(expected, abs=1e-3)
+    assert st["predicted_gain"] == pytest.approx(expected / cost, abs=1e-4)
+    assert 0 < st["draft_round_share"] == sum(1 for k in lengths if k) / len(lengths)
 
 
 # --- calibration's timing-free proxy -------------------------------------------------------
