@@ -17,7 +17,7 @@ from selfspec_cli.methods import AR, build
 from selfspec_cli.methods.pld import lookup
 from selfspec_cli.methods.self_sd import SelfSD
 
-from .conftest import ARCHS, make_tiny_model
+from .conftest import ARCHS, charge_forwards, make_tiny_model
 from .test_decoding import ALPHA, distribution_test
 from .test_speculative import SMALL_VOCAB, _exact_pair_law, _pair_samples
 
@@ -117,35 +117,81 @@ def test_hybrid_sampling_test_catches_a_broken_tree_rule(repetitive_setup, monke
     assert distribution_test(samples, law) < ALPHA
 
 
-def test_hybrid_round_plans_both_branches():
-    """A merged round's plan counts both branches: expected tokens at least the larger branch's,
-    cost k c + v(nodes + 1) + o with every verified node (decoding/layer_skip.py ``_merged_plan``)."""
+# v(m) for every row count a hybrid round verifies (at most 4 + 6 nodes + the pending token), 1 s plain step
+VH = {m: 1.0 + 0.05 * (m - 1) for m in range(1, 17)}
+
+
+def _self_sd_on_curve(curve: VerifyCurve) -> SelfSD:
+    """Self-SD on a 6-layer tiny model skipping 4 of its 12 sublayers, planning with ``curve``."""
+    from selfspec_cli.decoding import cost as cost_mod
+
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
-    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=4, threshold=0.0))
-    sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
-    # fixed costs (a verify curve with a 1 s plain step makes every draft forward cheap), so the
-    # planners' choices do not depend on how loaded the machine is
+    cost_mod._CURVES[eng] = curve  # the engine's curve: the planners and the driver's unit read it
+    return SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=4, threshold=0.0))
+
+
+def test_merged_plan_by_hand():
+    """A hybrid round's plan (``_merged_plan``): depth j is reached with the larger of the two
+    branches' chances, each branch counted up to its own length; the cost is k draft steps, one
+    verification of every node and the learned overhead. Here with acceptances set by hand."""
     curve = VerifyCurve(1.0, {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.5, 16: 2.5})
-    sd.planner = Planner(curve, sd.draft_cfg.max_draft)
+    sd = _self_sd_on_curve(curve)
+    sd._ngram_planner = Planner(curve, sd.lookahead)
+    for _ in range(10):
+        sd.planner.acceptance.observe(2, 2)  # layer skip: depths 1-2 accepted 10 of 10 -> 11/12, then 71/72
+    sd._ngram_planner.acceptance.observe(3, 3)  # n-gram: depths 1-3 accepted 1 of 1 -> 2/3, 7/9, 23/27
+    sd.planner.overhead.value = 0.1
+    e, cost = sd._merged_plan(2, 3, 5)  # a 2-token layer-skip chain, a 3-token n-gram branch, 5 nodes in all
+    ls = [11 / 12, 11 / 12 * 71 / 72]
+    ng = [2 / 3, 2 / 3 * 7 / 9, 2 / 3 * 7 / 9 * 23 / 27]
+    assert e == pytest.approx(1 + ls[0] + ls[1] + ng[2])  # layer skip is the likelier at depths 1-2, only n-gram reaches 3
+    # c = 8 of 12 sublayers run = 2/3 (no draft timed yet); v(6) = 1.15 + 2 * (1.5 - 1.15) / 4
+    assert cost == pytest.approx(2 * 2 / 3 + 1.325 + 0.1)
+
+
+def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
+    """On a machine whose forwards cost exactly what the planners assume (a draft step the share of
+    sublayers it runs, a verification of m rows v(m) plain steps; conftest.VirtualClock), every
+    drafting round, merged ones included, costs what its plan said: the driver's ``round_steps``
+    equals the plan's cost and neither planner learns an overhead. Each round teaches its owner:
+    the layer-skip planner when it drafted, the n-gram planner for an n-gram-only round."""
+    curve = VerifyCurve(1.0, dict(VH))
+    L = 6
+
+    def cost(engine, rows, kw):
+        if isinstance(kw["positions"], int) and kw["positions"] == 0:  # prefill (a tree's positions are a tensor)
+            return 0.0
+        skipped = len(kw.get("skip_attn") or ()) + len(kw.get("skip_mlp") or ())
+        return 1 - skipped / (2 * L) if skipped else VH[rows]
+
+    charge_forwards(monkeypatch, virtual_clock, cost)
+    sd = _self_sd_on_curve(curve)
+    sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
     sd._ngram_planner = Planner(curve, sd.lookahead)
     for _ in range(100):  # both branches look worth drafting
         sd.planner.acceptance.observe(4, 4)
         sd._ngram_planner.acceptance.observe(6, 6)
-    plans = []
-    real = LayerSkipProposer.propose
+    rounds = []
+    real = LayerSkipProposer.update
 
-    def spy(self, state, budget):
-        d = real(self, state, budget)
-        if isinstance(d, (Chain, Tree)) and d.forwards and d.note.ngram_path:
-            ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(d.note.ngram_path))
-            plans.append((d.plan, ls, ng, len(d.tokens), d.forwards, self.planner.overhead.value))
-        return d
+    def spy(self, state, rnd):
+        d = rnd.draft
+        if isinstance(d, (Chain, Tree)) and d.tokens:
+            path = d.note.ngram_path or []
+            ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(path))
+            rounds.append((d.plan, rnd.steps, d.forwards, bool(path), ls, ng))
+        real(self, state, rnd)
 
-    sd.propose = spy.__get__(sd)
+    sd.update = spy.__get__(sd)
     sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
-    assert plans, "no merged round was drafted"
-    # the merged rounds' measured costs taught the layer-skip planner its overhead (the round's owner)
-    assert sd.planner.overhead.rounds > 0 and sd.planner.overhead.value == pytest.approx(plans[-1][-1], abs=1.0)
-    for (e, cost), ls, ng, nodes, k, o in plans:
-        assert e >= 1 + max(sum(ls), sum(ng)) - 1e-9 and e <= 1 + sum(ls) + sum(ng) + 1e-9
-        assert cost == pytest.approx(k * sd.draft_cost() + sd.planner.curve.v(nodes + 1) + o, rel=0.3)
+    merged = [r for r in rounds if r[2] and r[3]]
+    assert merged, "no merged round was drafted"
+    assert sd.draft_cost() == pytest.approx(2 / 3)  # the draft step as timed: 8 of 12 sublayers
+    for (e, planned), measured, k, _, ls, ng in rounds:
+        assert measured == pytest.approx(planned, abs=1e-9), rounds  # the plan is what the round cost
+    for (e, _), _, k, _, ls, ng in merged:
+        assert 1 + max(sum(ls), sum(ng)) - 1e-9 <= e <= 1 + sum(ls) + sum(ng) + 1e-9
+    assert sd.planner.overhead.value == pytest.approx(0.0, abs=1e-9)
+    assert sd._ngram_planner.overhead.value == pytest.approx(0.0, abs=1e-9)
+    assert sd.planner.overhead.rounds == sum(1 for r in rounds if r[2])
+    assert sd._ngram_planner.overhead.rounds == sum(1 for r in rounds if not r[2])
