@@ -20,6 +20,8 @@ import pytest
 
 from selfspec_cli.cli.app import main
 
+from .conftest import charge_forwards
+
 PROMPTS = [
     "def run_prompt(tokenizer, prompt):",
     "import torch",
@@ -92,8 +94,7 @@ def check_record(rec: dict, max_new: int, method: str = "ar") -> None:
     assert isinstance(rec["token_ids"], list) and all(isinstance(t, int) for t in rec["token_ids"])
     assert rec["new_tokens"] == len(rec["token_ids"])
     assert 1 <= rec["new_tokens"] <= max_new
-    assert rec["wall_time_s"] > 0
-    assert rec["tokens_per_s"] == pytest.approx(rec["new_tokens"] / rec["wall_time_s"], rel=1e-2)
+    assert rec["wall_time_s"] > 0 and rec["tokens_per_s"] > 0  # their values: test_generate_times_every_turn_on_a_known_clock
     st = rec["stats"]
     assert st["target_forwards"] >= 1
     assert isinstance(st["accept_lengths"], list) and sum(st["accept_lengths"]) == rec["new_tokens"]
@@ -168,6 +169,26 @@ def test_generate_turns_jsonl(capsys, tiny_model_dir, tmp_path):
         assert sum(t["accept_lengths"]) == t["new_tokens"] and t["accept_lengths"] == t["stats"]["accept_lengths"]
     assert "turns" not in single and "category" not in single
     check_record(single, 6)
+
+
+def test_generate_times_every_turn_on_a_known_clock(capsys, monkeypatch, virtual_clock, tiny_model_dir, tmp_path):
+    """A record's wall time and tokens/s on a machine whose forwards cost known times
+    (conftest.VirtualClock): a forward of m rows costs 1 ms + 0.1 ms per row, so a turn that
+    prefills P prompt tokens and makes n tokens (the prefill makes the first) takes
+    1 + 0.1 P + 1.1 (n - 1) ms; a two-turn record's figures are the turns' totals."""
+    charge_forwards(monkeypatch, virtual_clock, lambda engine, rows, kw: 1e-3 + 1e-4 * rows)
+    f = write_jsonl(tmp_path / "q.jsonl", [{"id": "one", "prompt": "import torch"},
+                                           {"id": "two", "turns": ["def f(x):", "class Engine:"]}])
+    one, two = run_generate(capsys, tiny_model_dir, f, "-n", "6")
+    assert len(two["turns"]) == 2
+    for rec in (one, two):
+        walls = []
+        for t in rec.get("turns") or [rec]:
+            walls.append(1e-3 + 1e-4 * t["prompt_tokens"] + 1.1e-3 * (t["new_tokens"] - 1))
+            assert t["wall_time_s"] == pytest.approx(walls[-1], abs=1e-6)
+            assert t["tokens_per_s"] == pytest.approx(t["new_tokens"] / walls[-1], abs=2e-3)
+        assert rec["wall_time_s"] == pytest.approx(sum(walls), abs=1e-6)
+        assert rec["tokens_per_s"] == pytest.approx(rec["new_tokens"] / sum(walls), abs=2e-3)
 
 
 def test_generate_prompt_from_stdin(capsys, monkeypatch, tiny_model_dir, prompt_file):
@@ -419,11 +440,44 @@ def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, p
 # ---------------------------------------------------------------- bench
 
 
-def test_bench_ar_vs_hf(capsys, tiny_model_dir, prompt_file, tmp_path):
+def test_bench_ar_vs_hf(capsys, monkeypatch, virtual_clock, tiny_model_dir, prompt_file, tmp_path):
+    """ar against Hugging Face generate on a machine with known costs (conftest.VirtualClock):
+    each of the engine's forwards costs 1 ms, each of Hugging Face's model calls 2 ms, so ar makes
+    1000 tokens/s, hf 500, and every speedup is known. Injected faults: ar's second of three passes
+    differs from its first at token 1 of prompt 3, its third at token 5 of prompt 2. Parity
+    compares every pass with the reference's first and reports the worst, so ar is 3 of 4
+    identical with prompt 3 differing at 1, and hf, which matches ar's first pass, 4 of 4."""
+    import transformers
+    from collections import Counter
+
+    from selfspec_cli.bench import runner
+
+    charge_forwards(monkeypatch, virtual_clock, lambda engine, rows, kw: 1e-3)
+    hf_forward = transformers.LlamaForCausalLM.forward
+
+    def charged_hf_forward(self, *args, **kwargs):
+        virtual_clock.advance(2e-3)
+        return hf_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", charged_hf_forward)
+    runs, real_run = Counter(), runner.run_prompt
+    faults = {(2, 3): 1, (3, 2): 5}  # (ar's pass, counting from 1; prompt id) -> the token made to differ
+
+    def run_prompt(generate, tokenizer, prompt, *args):
+        rec = real_run(generate, tokenizer, prompt, *args)
+        runs[rec["method"], prompt.id] += 1
+        if rec["method"] == "ar" and (i := faults.get((runs["ar", prompt.id], prompt.id))) is not None:
+            ids = rec["token_ids"]
+            assert len(ids) > i
+            rec["token_ids"] = [*ids[:i], (ids[i] + 1) % 320, *ids[i + 1:]]
+        return rec
+
+    monkeypatch.setattr(runner, "run_prompt", run_prompt)
     out_dir = tmp_path / "bench-out"
     capsys.readouterr()
     rc = main(["bench", "--methods", "ar,hf", "--model", str(tiny_model_dir), "-n", "8", "--warmup", "0",
-               "--repeats", "1", "-p", str(prompt_file), "--device", "cpu", "--output-dir", str(out_dir), "--no-plots"])
+               "--repeats", "3", "-p", str(prompt_file), "--device", "cpu", "--output-dir", str(out_dir), "--no-plots",
+               "--no-costs"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "Traceback" not in err
@@ -433,21 +487,24 @@ def test_bench_ar_vs_hf(capsys, tiny_model_dir, prompt_file, tmp_path):
     assert head["results"] == str(out_dir / "results.json")
     assert doc["reference"] == "ar" and doc["baseline"] == "hf"
     ar, hf = doc["methods"]["ar"], doc["methods"]["hf"]
-    assert ar["parity"]["parity"] == 1.0 and ar["parity"]["differing"] == []
-    assert hf["parity"]["parity"] == 1.0  # HF generate on the same model: identical greedy ids
-    for key in ("speedup_vs_ar", "speedup_vs_hf", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max"):
-        assert key in hf and key in ar
+    assert ar["parity"]["parity"] == 0.75 and ar["parity"]["differing"] == [{"id": 3, "first_divergence": 1}]
+    assert hf["parity"]["parity"] == 1.0 and hf["parity"]["differing"] == []  # HF generate: ar's greedy ids
     assert {"tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "parity"} <= set(head["methods"]["hf"])
-    assert ar["speedup_vs_ar"] == 1.0 and hf["speedup_vs_hf"] == 1.0
-    assert hf["tokens_per_s"] > 0 and 0 < ar["new_tokens"] <= 8 * len(PROMPTS)
-    assert ar["new_tokens"] == hf["new_tokens"]
-    per = {}
-    for name in ("ar", "hf"):
-        recs = [json.loads(line) for line in (out_dir / "records" / f"{name}.jsonl").read_text().splitlines()]
-        assert [r["id"] for r in recs] == [1, 2, 3, 4]
-        assert all(r["method"] == name and r["new_tokens"] <= 8 for r in recs)
-        per[name] = [r["token_ids"] for r in recs]
-    assert per["ar"] == per["hf"]
+    assert head["methods"]["ar"]["parity"] == 0.75 and head["methods"]["hf"]["parity"] == 1.0
+    # the figures the known costs make
+    assert ar["tokens_per_s"] == ar["tokens_per_s_min"] == ar["tokens_per_s_max"] == pytest.approx(1000.0)
+    assert hf["tokens_per_s"] == pytest.approx(500.0) and ar["decode_tokens_per_s"] == pytest.approx(1000.0)
+    assert hf["speedup_vs_ar"] == 0.5 and ar["speedup_vs_hf"] == 2.0
+    assert hf["paired_vs_ar"] == {"speedup": 0.5, "ci95": [0.5, 0.5], "pairs": 3 * len(PROMPTS)}
+    assert hf["decode_speedup_vs_ar"] is None  # HF reports no prefill time
+    assert 0 < ar["new_tokens"] == hf["new_tokens"] <= 8 * len(PROMPTS)
+    recs = {name: [json.loads(line) for line in (out_dir / "records" / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("ar", "hf")}
+    for name, rs in recs.items():
+        assert [(r["repeat"], r["id"]) for r in rs] == [(p, i) for p in range(3) for i in (1, 2, 3, 4)]
+        assert all(r["method"] == name and r["new_tokens"] <= 8 for r in rs)
+    first = [r["token_ids"] for r in recs["ar"][:4]]
+    assert all([r["token_ids"] for r in recs["hf"][4 * p: 4 * p + 4]] == first for p in range(3))
 
 
 # ---------------------------------------------------------------- help
