@@ -29,6 +29,37 @@ def random_heads(model, layers, rank=8, seed=0) -> dict[int, LowRankHead]:
     return out
 
 
+def _record_rounds(method) -> list[tuple[int, list[int]]]:
+    """Per round of ``method``: the tokens already emitted when it began, and the early predictions it drafted."""
+    rounds: list[tuple[int, list[int]]] = []
+    propose = method.propose
+
+    def spy(state, budget):
+        d = propose(state, budget)
+        rounds.append((len(state.output), [] if isinstance(d, NoDraft) else list(d.tokens)))
+        return d
+
+    method.propose = spy
+    return rounds
+
+
+def _check_stats_replay(st, rounds, want) -> int:
+    """The statistics replayed from the drafts against plain decoding's tokens ``want`` (which end where
+    the output must: max_new_tokens or the end-of-sequence token): a round keeps the predictions that
+    match ``want`` from where it started plus one token, cut where ``want`` ends. Returns the cut rounds."""
+    lengths, accepted, cut = [1], 0, 0
+    for done, tokens in rounds:
+        match = next((j for j, t in enumerate(tokens) if done + j >= len(want) or t != want[done + j]), len(tokens))
+        kept = min(match + 1, len(want) - done)
+        cut += kept < match + 1
+        lengths.append(kept)
+        accepted += min(match, kept)
+    assert st.accept_lengths == lengths and sum(lengths) == len(want)
+    assert st.drafted_tokens == sum(len(t) for _, t in rounds) and st.accepted_draft_tokens == accepted
+    assert st.draft_rounds == sum(1 for _, t in rounds if t)
+    return cut
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_adadecode_greedy_equals_ar(arch):
     model = make_tiny_model(arch, layers=6)
@@ -36,14 +67,17 @@ def test_adadecode_greedy_equals_ar(arch):
     ar = AR(eng)
     # a low threshold: many early predictions, many of them wrong (rejections and rollbacks)
     method = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.02))
+    rounds = _record_rounds(method)
     drafted = rejected = 0
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2), (4, 33)]:
         prompt = _prompt(6, seed)
         cfg = GenerationConfig(max_new_tokens=n)
+        rounds.clear()
         res = method.generate(prompt, cfg)
-        assert res.token_ids == ar.generate(prompt, cfg).token_ids
+        want = ar.generate(prompt, cfg).token_ids
+        assert res.token_ids == want
         st = res.stats
-        assert sum(st.accept_lengths) >= len(res.token_ids)
+        _check_stats_replay(st, rounds, want)
         drafted += st.drafted_tokens
         rejected += st.drafted_tokens - st.accepted_draft_tokens
     assert drafted > 20
@@ -62,6 +96,32 @@ def test_adadecode_pending_limit_and_eos():
         res = m.generate(prompt, GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,)))
         assert res.token_ids == free[: free.index(eos) + 1] and res.finish_reason == "eos"
         assert max(res.stats.accept_lengths) <= max_pending + 1
+
+
+def test_adadecode_statistics_when_every_early_token_is_right():
+    """Heads that are always right: layers 3-5 add nothing and the head at layer 2 is the logit lens
+    (the final norm and LM head on its output), so every early prediction is accepted and a round
+    emits max_pending + 1 tokens, except the one whose early tokens end at the end-of-sequence
+    token: the target's token after it is cut. The statistics are the replay of the drafts."""
+    model = make_tiny_model("llama-gqa", layers=6)
+    with torch.no_grad():
+        for layer in model.model.layers[3:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    eng = Engine(model)
+    lens = init_head(model.model.norm.weight.detach(), 8, torch.Generator().manual_seed(0))
+    prompt = _prompt(6, 5)
+    free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+    # an end-of-sequence token that first appears inside a round's early tokens (not as a round's last token)
+    k = next(i for i in range(9, 40) if free[i] not in free[:i] and i % 4)
+    m = AdaDecode(eng, heads={2: lens}, config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.0,
+                                                                adadecode_max_pending=3))
+    rounds = _record_rounds(m)
+    res = m.generate(prompt, GenerationConfig(max_new_tokens=40, eos_token_ids=(free[k],)))
+    assert res.token_ids == free[: k + 1] and res.finish_reason == "eos"
+    assert _check_stats_replay(res.stats, rounds, free[: k + 1]) == 1  # the round that reached the end was cut
+    assert res.stats.accept_lengths[1:-1] == [4] * (len(rounds) - 1)  # three early tokens and the target's, each round
+    assert res.stats.accepted_draft_tokens == res.stats.drafted_tokens == k - k // 4  # every token but the rounds' own
 
 
 # False-positive rate per test: ALPHA = 1e-3.
