@@ -102,10 +102,21 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
     ada = [json.loads(l) for l in _ok([*gen, "--method", "adadecode", "--adadecode-threshold", "0.0"])[0].splitlines()]
     assert [r["token_ids"] for r in ada] == [r["token_ids"] for r in ar] and all(r["lossless"] for r in ada)
     for mode in ("empty", "deferred"):
-        recs = [json.loads(l) for l in _ok([*gen, "--method", "specee", "--specee-kv-mode", mode, "--specee-eval"])[0].splitlines()]
-        assert all(r["lossless"] is False for r in recs)
-        ev = recs[0]["stats"]["evaluation"]
-        assert 0.0 <= ev["identical_prefix_share"] <= 1.0 and recs[0]["stats"]["kv_mode"] == mode
+        # threshold 0: every scheduled predictor fires, so tokens exit early and the output can leave ar's
+        recs = [json.loads(l) for l in _ok([*gen, "--method", "specee", "--specee-kv-mode", mode, "--specee-eval",
+                                            "--specee-threshold", "0"])[0].splitlines()]
+        assert all(r["lossless"] is False and r["stats"]["kv_mode"] == mode for r in recs)
+        assert sum(sum(r["stats"]["early_exits"].values()) for r in recs) > 0
+        diverged = 0
+        for r, a in zip(recs, ar, strict=True):
+            # the evaluation's identical prefix (from its full-depth shadow) against ar's own output
+            out, ref = r["token_ids"], a["token_ids"]
+            same = next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
+            ev = r["stats"]["evaluation"]
+            assert ev["identical_prefix_tokens"] == same, (mode, out, ref, ev)
+            assert ev["identical_prefix_share"] == pytest.approx(same / len(out))
+            diverged += same < len(out)
+        assert diverged, (mode, recs)  # a divergence to locate
 
     # bench runs both KV modes side by side: specee (KV kept) and the specee-empty variant (the paper's)
     _ok(["bench", "--model", str(tiny_model_dir), "--device", "cpu", "-p", str(prompt_file), "-n", "8", "--no-plots",
