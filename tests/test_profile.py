@@ -34,7 +34,7 @@ def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
     model = make_tiny_model("llama-gqa")
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.down_proj.weight.mul_(4.0)
+            layer.mlp.down_proj.weight.mul_(8.0)
         model.model.layers[1].mlp.down_proj.weight.zero_()
         model.model.layers[2].self_attn.o_proj.weight.zero_()
     model_dir = tmp_path / "model"
