@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from selfspec_cli.bench.suites import load_suite  # noqa: E402
+from selfspec_cli.bench.suite_loader import load_suite  # noqa: E402
 from selfspec_cli.engine import Engine  # noqa: E402
 from selfspec_cli.loading import load_model  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch
 
 from selfspec_cli import loading
 from selfspec_cli.artifacts import environment_info, save_json_artifact
-from selfspec_cli.bench.suites import load_suite
+from selfspec_cli.bench.suite_loader import load_suite
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import build

@@ -3,7 +3,7 @@ Spec-Bench-style ``turns``), from a path or ``-`` for stdin.
 
 :func:`prompt_from_row` is the one reading of a prompt record, with its one-line errors:
 every JSONL line of a prompt file, and every row of a benchmark suite
-(:mod:`selfspec_cli.bench.suites`), goes through it."""
+(:mod:`selfspec_cli.bench.suite_loader`), goes through it."""
 from __future__ import annotations
 
 import json

@@ -14,7 +14,7 @@ import torch
 
 from .config import GenerationConfig
 from .decoding.cost import timed
-from .decoding.loop import DecodeResult
+from .decoding.output import DecodeResult
 from .errors import ConfigError
 from .prompts import Prompt
 

@@ -17,7 +17,7 @@ from selfspec_cli.bench.runner import Contender, ContenderResult, run_bench
 from selfspec_cli.cli.app import main
 from selfspec_cli.cli.bench import _table
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.decoding.loop import DecodeResult, DecodeStats
+from selfspec_cli.decoding.output import DecodeResult, DecodeStats
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import build
 from selfspec_cli.prompts import Prompt

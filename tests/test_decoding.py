@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
-from selfspec_cli.decoding.loop import TokenSink
+from selfspec_cli.decoding.output import TokenSink
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError

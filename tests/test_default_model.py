@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from selfspec_cli import loading
-from selfspec_cli.bench.suites import load_suite
+from selfspec_cli.bench.suite_loader import load_suite
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine

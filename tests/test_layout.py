@@ -269,7 +269,7 @@ def test_checker_catches(rel, source):
     ("decoding/x.py", "from ..engine.runner import ALL_ROWS\nfrom ..config import GenerationConfig\n"),
     ("engine/x.py", "from . import kernels\nfrom ..errors import UnsupportedModelError\n"),
     ("loading.py", "from .engine.adapter import SUPPORTED_MODEL_TYPES\nfrom .errors import ConfigError\n"),
-    ("runtime.py", "from .decoding.loop import DecodeResult\nfrom .prompts import Prompt\n"),
+    ("runtime.py", "from .decoding.output import DecodeResult\nfrom .prompts import Prompt\n"),
     ("__main__.py", "from .cli.app import run\n"),
 ])
 def test_checker_allows(rel, source):
@@ -313,7 +313,7 @@ def test_private_checker_allows(rel, source):
 
 
 @pytest.mark.parametrize("sources", [
-    [("runtime.py", "from .decoding.loop import DecodeResult\n"), ("decoding/cost.py", "from ..runtime import timed\n")],
+    [("runtime.py", "from .decoding.output import DecodeResult\n"), ("decoding/cost.py", "from ..runtime import timed\n")],
     [("loading.py", "from .engine.adapter import check_supported\n"),
      ("engine/runner.py", "def f():\n    from ..loading import gguf_source\n")],
     [("artifacts.py", "from . import loading\n"), ("loading.py", "from .engine import x\n"),
@@ -326,7 +326,7 @@ def test_cycle_checker_catches(sources):
 
 def test_cycle_checker_allows_a_chain_and_imports_inside_a_unit():
     sources = [("runtime.py", "from .decoding.cost import timed\n"), ("decoding/cost.py", "from ..engine import Engine\n"),
-               ("decoding/loop.py", "from .cost import timed\nfrom . import state\n"), ("decoding/state.py", "from .loop import x\n"),
+               ("decoding/output.py", "from .cost import timed\nfrom . import state\n"), ("decoding/state.py", "from .output import x\n"),
                ("engine/runner.py", "from ..paths import cache_root\nfrom .. import __version__\n")]
     assert unit_cycles(sources) == []
 

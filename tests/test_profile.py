@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from selfspec_cli.bench import profile as prof
+from selfspec_cli.bench import engine_profile as prof
 from selfspec_cli.decoding.cost import CURVE_ROWS
 from selfspec_cli.cli.app import main
 from selfspec_cli.engine import Engine

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from selfspec_cli.bench.suites import DEFAULT_SUITE, SUITES_DIR, list_suites, load_suite, suite_path
+from selfspec_cli.bench.suite_loader import DEFAULT_SUITE, SUITES_DIR, list_suites, load_suite, suite_path
 from selfspec_cli.errors import ConfigError, PromptFileError
 from selfspec_cli.loading import CODE_MODEL_DIR
 from selfspec_cli.prompts import Prompt, read_prompts
@@ -149,7 +149,7 @@ SPEC_GROUPS = {"mt_bench", "translation", "summarization", "qa", "math_reasoning
 
 
 def test_spec_bench_is_vendored_with_its_license_and_notice():
-    from selfspec_cli.bench.suites import SPEC_BENCH_FILE
+    from selfspec_cli.bench.suite_loader import SPEC_BENCH_FILE
 
     here = SPEC_BENCH_FILE.parent
     assert "Apache License" in (here / "LICENSE").read_text()
@@ -168,7 +168,7 @@ def test_spec_bench_has_six_groups_of_80_and_multi_turn_conversations(suites):
 
 
 def test_default_suite_is_spec_bench_mini_two_per_group_evenly_spaced(suites):
-    from selfspec_cli.bench.suites import evenly_spaced
+    from selfspec_cli.bench.suite_loader import evenly_spaced
 
     assert DEFAULT_SUITE == "spec-bench-mini"
     mini, full = suites["spec-bench-mini"], suites["spec-bench"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult, DecodeStats, TokenSink
+from ..decoding.output import DecodeResult, DecodeStats, TokenSink
 from ..errors import ConfigError
 
 PEERS: dict[str, str] = {

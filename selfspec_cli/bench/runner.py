@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult
+from ..decoding.output import DecodeResult
 from ..prompts import Prompt
 from ..runtime import run_prompt
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.loop import DecodeResult
+from ..decoding.output import DecodeResult
 from ..artifacts import SkipSet
 from ..decoding.cost import VerifyCurve, measure_draft_step, timed, weight_bytes
 from ..decoding.layer_skip import DraftConfig

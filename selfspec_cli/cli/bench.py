@@ -21,12 +21,12 @@ import typer
 from rich.table import Table
 
 from ..artifacts import environment_info, model_name
-from ..bench import plots, profile as prof, ranks as rk
+from ..bench import engine_profile as prof, plots, ranks as rk
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
-from ..bench.suites import DEFAULT_SUITE, load_prompts
+from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..errors import ConfigError

@@ -14,8 +14,8 @@ import typer
 from rich.table import Table
 
 from ..artifacts import SkipSet, environment_info, model_name, now_iso, save_json_artifact
-from ..bench import profile as prof
-from ..bench.suites import DEFAULT_SUITE, load_prompts
+from ..bench import engine_profile as prof
+from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..engine import Engine
 from ..errors import ArtifactError, ConfigError
 from ..loading import load_model, model_fingerprint

@@ -41,7 +41,7 @@ from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine, ForwardOutput
 from .cost import RoundClock
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
-from .loop import DecodeResult, DecodeStats, TokenSink
+from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
 from .state import DecodeState
 from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree

@@ -48,7 +48,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..decoding.drafts import Decided, Draft
-from ..decoding.loop import DecodeResult
+from ..decoding.output import DecodeResult
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..engine.runner import LAST_ROW

@@ -1,4 +1,4 @@
-"""Bookkeeping of the decode driver: stopping rules and statistics.
+"""What a decode outputs: the tokens kept under the stopping rules, and the statistics.
 
 Methods produce tokens in bursts (one per step for plain decoding, several per
 verification for speculative methods). :class:`TokenSink` takes each burst and
