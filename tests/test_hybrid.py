@@ -152,7 +152,7 @@ def test_merged_plan_by_hand():
 def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
     """On a machine whose forwards cost exactly what the planners assume (a draft step the share of
     sublayers it runs, a verification of m rows v(m) plain steps; conftest.VirtualClock), every
-    drafting round, merged ones included, costs what its plan said: the driver's ``round_steps``
+    drafting round, merged ones included, costs what its plan said: the driver's ``Round.steps``
     equals the plan's cost and neither planner learns an overhead. Each round teaches its owner:
     the layer-skip planner when it drafted, the n-gram planner for an n-gram-only round."""
     curve = VerifyCurve(1.0, dict(VH))

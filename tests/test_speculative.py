@@ -11,6 +11,7 @@ import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.artifacts import SkipSet
+from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.decoding.layer_skip import AdaptiveThreshold, DraftConfig
@@ -70,7 +71,7 @@ def test_tree_node_cap_bounds_every_tree_and_keeps_parity(cap, monkeypatch):
 
     def spy(self, ctx, budget):
         d = orig(self, ctx, budget)
-        sizes.append(len(d.tokens))
+        sizes.append(len(d.tokens) if isinstance(d, (Chain, Tree)) else 0)
         return d
 
     monkeypatch.setattr(SelfSD, "propose", spy)

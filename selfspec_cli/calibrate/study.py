@@ -117,11 +117,32 @@ def _open_storage(spec: str, heartbeat_s: int) -> Any:
     if scheme == "sqlite":  # several writers wait for the file lock instead of failing at once
         kwargs = {"connect_args": {"timeout": 120}}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
-                                          grace_period=GRACE_BEATS * heartbeat_s, **{stale_arg: retry})
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
+                                             grace_period=GRACE_BEATS * heartbeat_s, **{stale_arg: retry})
     except ImportError as exc:  # a driver (psycopg2, pymysql) that is not installed
         raise ConfigError(f"--storage '{describe(spec)}' needs a database driver that is not installed ({first_line(exc)}); "
                           "pip install it, or use a journal file") from None
+    if scheme == "sqlite":
+        _immediate_transactions(storage.engine)
+    return storage
+
+
+def _immediate_transactions(engine: Any) -> None:
+    """Every SQLite transaction takes the write lock when it begins (``BEGIN IMMEDIATE``). SQLite's
+    default deferred transactions let two workers both read a waiting trial as WAITING and both
+    start it (seen here: two workers ran one enqueued trial, and the second could not report it);
+    a server database locks the row Optuna reads FOR UPDATE, SQLite needs this instead."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _no_pysqlite_begin(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.isolation_level = None  # the driver emits no BEGIN of its own
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners (the schema check) are not reused
 
 
 def _heartbeat_base() -> type:
