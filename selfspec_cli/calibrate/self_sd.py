@@ -9,12 +9,16 @@ calibration prompts. Here:
   when more than one draft precision is searched, a categorical ``precision`` (the
   target's own weights, or a quantized copy: engine/quant.py): skip set and precision are
   searched together, the skip set on top of the quantized weights;
-* objective: tokens actually produced / wall seconds of real self-speculative
-  decoding (:class:`selfspec_cli.methods.self_sd.SelfSD`, greedy, ``max_new_tokens``
-  per prompt); only the decode calls are timed, with a CUDA synchronize on each
-  side. Greedy Self-SD is lossless, so every trial produces the same tokens and
-  only the time differs. Mean accepted length M and acceptance rate are kept per
-  trial (``user_attrs``): they do not depend on machine load, the time does;
+* objective (``proxy``, the default): each candidate decodes the prompts for real
+  (:class:`selfspec_cli.methods.self_sd.SelfSD`, greedy, ``max_new_tokens`` per prompt),
+  and its score is the predicted speedup :func:`proxy_speedup`: tokens after the prefills
+  over the rounds' cost in plain steps, ``k c + v(k + 1)`` per round, with ``c`` from
+  weight bytes (:func:`draft_cost_from_bytes`) and ``v`` from the verify curve kept in the
+  study; nothing in the score is timed per trial, so machine load cannot reorder
+  candidates and trials from different machines compare. ``throughput`` (the paper's):
+  tokens / wall seconds of the decode calls. Greedy Self-SD is lossless, so every trial
+  produces the same tokens; mean accepted length M and acceptance rate are kept per
+  trial (``user_attrs``);
 * sampler: Optuna's multivariate TPE by default (``gp`` and ``random`` on request);
   see ``docs/calibrate.md`` for the measurements behind that choice;
 * starting points: uniform SWIFT-style sets (interior layers at even spacing, both
