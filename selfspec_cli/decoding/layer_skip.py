@@ -132,7 +132,7 @@ class LayerSkipProposer(Proposer):
     """Layer-skipping drafts; subclasses choose the skip sets."""
 
     def __init__(self, engine: Engine, tokenizer: Any, draft: DraftConfig) -> None:
-        super().__init__(engine, tokenizer)
+        Proposer.__init__(self, engine, tokenizer)  # not super(): a method class mixes this in beside methods.Method
         self.draft_cfg = draft
         self.threshold = AdaptiveThreshold(draft.threshold)
         self.lookahead = draft.max_draft if not draft.tree else (draft.tree_max_nodes or 64)

@@ -57,7 +57,7 @@ class ASD(LayerSkipProposer, Method):
         """``draft`` overrides the config's draft options."""
         config = config or ASDConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
-        self.config = config
+        self.bind_config(config)
         self._skip: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         self._cosines: list[float] = []
 

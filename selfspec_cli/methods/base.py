@@ -78,7 +78,13 @@ class Method(Proposer):
     Config: ClassVar[type] = NoConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
-        super().__init__(engine, tokenizer)
+        Proposer.__init__(self, engine, tokenizer)
+        self.bind_config(config)
+
+    def bind_config(self, config: Any = None) -> None:
+        """The method's own state: its config and what its artifacts cost offline. A method that is
+        also a decoding/ proposer (the layer-skip methods) initializes that proposer itself and then
+        calls this, so no decoding/ class's initializer reaches into this module."""
         self.config = config or self.Config()
         self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
 

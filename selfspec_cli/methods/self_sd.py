@@ -63,7 +63,7 @@ class SelfSD(LayerSkipProposer, Method):
         """``draft`` overrides the config's draft options (e.g. tree verification)."""
         config = config or SelfSDConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
-        self.config = config
+        self.bind_config(config)
         self._skip = check_skip_sets(engine.num_layers, skip.attn, skip.mlp)
         self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
         if m := skip.manifest:

@@ -47,7 +47,7 @@ class SpecQD(LayerSkipProposer, Method):
                  draft: DraftConfig | None = None) -> None:
         config = config or SpecQDConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
-        self.config = config
+        self.bind_config(config)
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return frozenset(), frozenset()

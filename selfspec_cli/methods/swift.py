@@ -85,7 +85,7 @@ class Swift(LayerSkipProposer, Method):
         config = config or SwiftConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, config.draft(
             adaptive=False, tree=True, tree_max_nodes=config.tree_nodes))  # the paper's top-k per confidence bin
-        self.config = config
+        self.bind_config(config)
         import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
 
         L = engine.num_layers
