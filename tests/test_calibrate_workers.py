@@ -77,12 +77,15 @@ def test_two_local_workers_finish_exactly_n_trials(kind, tiny_model_dir, prompt_
     assert {t.user_attrs["worker_index"] for t in done} == {0, 1}, proc.stderr  # both processes ran trials
     manifest = json.loads(out.read_text())
     assert manifest["trials"] == n and manifest["kind"] == "self-sd-layers"
+    kept = load(storage).user_attrs["verify_curve"]  # the proxy's v(k), measured once for every worker
+    assert set(kept) == {"t1_s", "ratios"} and kept["ratios"]["1"] == 1.0
     # a second run on the finished study runs nothing and rewrites the artifact from it
     again = subprocess.run(cli(*args, "--force"),
                            capture_output=True, text=True, env=env(), timeout=600)
     assert again.returncode == 0, again.stderr
     s2 = json.loads(again.stdout.strip().splitlines()[-1])
     assert s2["writer"] is True and s2["new_trials"] == 0 and s2["skip_attn"] == summary["skip_attn"]
+    assert load(storage).user_attrs["verify_curve"] == kept  # a later run reads it, never measures it again
 
 
 def test_a_worker_killed_mid_trial_loses_nothing(tiny_model_dir, prompt_file, tmp_path):

@@ -289,7 +289,6 @@ class SelfSDCalibration:
     seed_points: list[dict[str, Any]] = field(default_factory=list)
     search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
     writer: bool = True  # False: another worker finished the study last and writes the artifact
-    started_trials: int = 0  # trials this process started (pruned surplus or duplicate ones included)
 
 
 class _DeferredInterrupt:
@@ -462,12 +461,12 @@ def calibrate_self_sd(
             if missing := [p for p in precisions if p not in full_c]:
                 full_c.update(full_depth_costs(engine, missing))
                 study.set_user_attr("full_depth_c", full_c)
-            if search.objective == "proxy":
-                if (ratios := study.user_attrs.get("verify_ratios")) is None:
-                    ratios = VerifyCurve.for_engine(engine).ratios
-                    study.set_user_attr("verify_ratios", {str(k): v for k, v in ratios.items()})
-                own = VerifyCurve.for_engine(engine)
-                curve.append(dataclasses.replace(own, ratios={int(k): float(v) for k, v in ratios.items()}))
+            if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
+                if (saved := study.user_attrs.get("verify_curve")) is None:
+                    own = VerifyCurve.for_engine(engine)
+                    saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
+                    study.set_user_attr("verify_curve", saved)
+                curve.append(VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()}))
 
             def complete() -> list[Any]:
                 return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -548,7 +547,7 @@ def calibrate_self_sd(
         return SelfSDCalibration(
             num_layers=L, skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0], best_trial=best_t.number,
             best_value=float(best_t.value), best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=mine,
-            study_path=where, baseline=None, writer=False, started_trials=started[0])
+            study_path=where, baseline=None, writer=False)
     attn, mlp = skip_sets_from_params(best_t.params, L)
     best_p = best_t.params.get("precision", precisions[0])
     log("re-measuring the best set, the starting points and plain decoding back to back")
@@ -563,7 +562,7 @@ def calibrate_self_sd(
     return SelfSDCalibration(
         num_layers=L, skip_attn=attn, skip_mlp=mlp, precision=best_p, best_trial=best_t.number, best_value=float(best_t.value),
         best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=mine,
-        study_path=where, started_trials=started[0], baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+        study_path=where, baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
         seed_points=seeds_in_study, search_time_s=round(sum(durations), 3) if durations else None,
     )
 

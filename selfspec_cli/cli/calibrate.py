@@ -154,9 +154,9 @@ def calibrate(
             for i in range(1, workers):
                 helpers.append(subprocess.Popen([*argv, "--worker-index", str(i), "--worker-group", search.worker],
                                                 stdout=subprocess.PIPE, text=True))
-            for h in helpers:
-                select.select([h.stdout], [], [], 600)
-                h.stdout.readline()  # "ready", or "" when the helper ended before it
+            for h in helpers:  # "ready", or "" when the helper ended before it; after 10 minutes, go on without it
+                if select.select([h.stdout], [], [], 600)[0]:
+                    h.stdout.readline()
 
         def wait_helpers() -> None:
             for i, h in enumerate(helpers, 1):
