@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,19 @@ def test_two_ranks_give_the_one_process_tokens(tmp_path):
         assert r2["methods"][name]["parity"]["parity"] == 1.0
     per_rank = sorted(p.relative_to(two).as_posix() for p in (two / "records").glob("rank*/*.jsonl"))
     assert per_rank == [f"records/rank{r}/{n}.jsonl" for r in (0, 1) for n in ("ar", "pld", "swift")]
+
+
+@needs_shipped_model
+def test_fewer_prompts_than_ranks_is_one_line(tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"id": "a", "prompt": "def f():"}\n', encoding="utf-8")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "selfspec_cli", "bench", "--model", "pystdlib", "-p", str(one), "--methods", "ar",
+                        "--no-costs", "-o", str(tmp_path / "out")], capture_output=True, text=True, env=env(), timeout=300)
+    assert p.returncode != 0
+    # both ranks print their line to the one stderr at once (they may share a physical line)
+    said = re.findall(r"selfspec: error: (rank \d of 2): 1 prompts for 2 torchrun ranks", p.stderr)
+    assert sorted(said) == ["rank 0 of 2", "rank 1 of 2"], p.stderr
 
 
 def test_shares_cover_the_suite_once_and_merge_in_order():

@@ -238,6 +238,9 @@ def bench(
     prompts, source = load_prompts(prompt_file, suite, prompt_format)
     if len({p.id for p in prompts}) != len(prompts):
         raise ConfigError("prompt ids repeat; give every prompt a unique 'id' so outputs can be compared")
+    if len(prompts) < ranks.world:  # every rank checks the same thing, so all of them stop with this line
+        raise ConfigError(f"{len(prompts)} prompts for {ranks.world} torchrun ranks: a rank would have none; "
+                          "start fewer ranks (--nproc-per-node) or pass more prompts")
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     cfg = dataclasses.replace(cfg0, eos_token_ids=eos_token_ids(mdl, tok))
