@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from selfspec_cli.artifacts import SkipSet, environment_info, save_json_artifact
-from selfspec_cli.calibrate.data import load_calibration_prompts
-from selfspec_cli.calibrate.self_sd import measure_ar, measure_self_sd
+from selfspec_cli.artifacts import environment_info, save_json_artifact
+from selfspec_cli.methods.self_sd import SkipSet
+from selfspec_cli.prompts import load_calibration_prompts
+from selfspec_cli.methods.self_sd.calibrate import measure_ar, measure_self_sd
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.loading import load_model

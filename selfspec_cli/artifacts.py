@@ -1,27 +1,23 @@
 """Read and write selfspec artifacts: JSON manifests and safetensors files.
 
 An artifact is something a command computes once and later commands load: Self-SD's
-skipped-sublayer set (``selfspec calibrate --method self-sd``), and later trained
-heads or exit statistics. Invariants:
+skip set, FR-Spec's draft vocabulary, AdaDecode's heads, SpecEE's predictors and schedule.
+Each kind is one :class:`ArtifactSpec`, declared in its method's package beside the offline
+step that makes it (docs/design.md, "A method is one package"). Invariants:
 
 * writes are atomic (:func:`selfspec_cli.paths.atomic_write`): a temporary file in the
   destination directory, flushed and fsynced, then ``os.replace``; a crash or Ctrl-C
   leaves the old file or the new one, never a torn one, and no temporary file behind;
-* every artifact records ``model_fingerprint`` (:func:`selfspec_cli.loading.model_fingerprint`)
-  and refuses to load on another model;
+* every artifact records ``kind``, ``format_version`` and ``model_fingerprint``
+  (:func:`selfspec_cli.loading.model_fingerprint`) and refuses to load as another kind or
+  on another model;
 * every failure a user can cause is an :class:`ArtifactError` with a one-line
-  message that names the fix.
+  message that names the fix (the command that makes the artifact).
 
-A skip-set artifact is one JSON manifest (``kind: "self-sd-layers"``)::
-
-    {"kind": "self-sd-layers", "format_version": 1, "model_fingerprint": "...",
-     "model_name_or_path": "...", "num_layers": L, "skip_attn": [...], "skip_mlp": [...],
-     "objective": {"name", "value", "unit", ...}, "trials": N, "search": {...},
-     "environment": {...}, "created": "2025-01-01T00:00:00+00:00"}
-
-A tensors artifact is a directory with ``tensors.safetensors`` and ``manifest.json``
-(or ``X.safetensors`` beside ``X.manifest.json``); both carry the same random
-``artifact_id`` so a half-replaced pair is detected.
+A JSON artifact is one manifest (the spec's suffix ends in ``.json``). A tensors artifact
+is a directory with ``tensors.safetensors`` and ``manifest.json`` (or ``X.safetensors``
+beside ``X.manifest.json``); both carry the same random ``artifact_id`` so a half-replaced
+pair is detected.
 """
 from __future__ import annotations
 
@@ -33,8 +29,8 @@ import platform
 import re
 import sys
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -42,7 +38,7 @@ from typing import Any
 import torch
 
 from . import loading, paths
-from .errors import ArtifactError, first_line
+from .errors import ArtifactError, ConfigError, first_line
 from .jsonio import dumps
 from .paths import atomic_write
 
@@ -96,26 +92,6 @@ def is_shipped(path: str | os.PathLike) -> bool:
     return paths.is_inside(path, loading.ARTIFACTS_DIR)
 
 
-def find_default_artifact(kind: str, model: torch.nn.Module, suffix: str = "",
-                          exists: Callable[[Path], bool] = Path.exists) -> tuple[Path | None, list[Path]]:
-    """``(first existing default candidate or None, every candidate looked at)``: the default
-    places an artifact is loaded from are, in order, the user's (fingerprint-keyed) and the shipped one."""
-    cands = [user_artifact_path(kind, model, suffix), shipped_artifact_path(kind, model, suffix)]
-    return next((c for c in cands if exists(c)), None), cands
-
-
-def resolve_artifact(path: str | os.PathLike | None, model: torch.nn.Module, kind: str, suffix: str,
-                     what: str, hint: str, exists: Callable[[Path], bool] = Path.exists) -> Path:
-    """An explicit path, else the first default that exists (user's, then shipped); none: one
-    error naming both."""
-    if path is not None:
-        return Path(path)
-    found, looked = find_default_artifact(kind, model, suffix, exists)
-    if found is None:
-        raise ArtifactError(f"no {what} for this model (looked for {looked[0]} and {looked[1]}); {hint}")
-    return found
-
-
 def model_flag(model_or_spec: Any) -> str:
     """`` --model NAME`` for a suggested command, or nothing for the default model."""
     name = model_name(model_or_spec)
@@ -143,19 +119,6 @@ def check_new_artifact(path: Path, force: bool, option: str = "--output") -> Non
     exists = any(path.iterdir()) if path.is_dir() else path.exists()  # an empty directory holds no artifact
     if exists and not force:
         raise ArtifactError(f"{option} '{path}' already exists; pass --force to replace it, or choose another {option}")
-
-
-def default_skip_artifact_path(model: torch.nn.Module) -> Path:
-    """Where ``selfspec calibrate --method self-sd`` writes by default (see :func:`user_artifact_path`)."""
-    return user_artifact_path("self-sd", model, ".json")
-
-
-def calibrate_command(model_or_spec: Any, path: Path | None = None) -> str:
-    """The command that (re)creates a skip-set artifact, for error messages."""
-    cmd = f"selfspec calibrate --method self-sd{model_flag(model_or_spec)} --prompt-file <prompts>"
-    if isinstance(model_or_spec, torch.nn.Module):
-        cmd += output_advice(path, model_or_spec, "self-sd", ".json")
-    return cmd
 
 
 def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
@@ -191,9 +154,6 @@ def check_fingerprint(manifest: Mapping[str, Any], model: torch.nn.Module, path:
         raise ArtifactError(f"artifact '{path}' was made for another model (fingerprint {theirs}, this model {ours}); {fix}")
 
 
-# ---------------------------------------------------------------- skip-set artifacts
-
-
 def environment_info(device: torch.device | str | None = None, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
     """Software and hardware a measurement was made on (artifacts record it)."""
     import transformers
@@ -224,69 +184,6 @@ def _cpu_name() -> str:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-@dataclass(frozen=True)
-class SkipSet:
-    """A layer-skip set (0-based attention and MLP sublayers to skip) and its one on-disk
-    schema (``kind: "self-sd-layers"``, see the module docstring). ``manifest`` keeps the
-    file's other fields (objective, search, environment) when it was loaded."""
-
-    attn: frozenset[int] = frozenset()
-    mlp: frozenset[int] = frozenset()
-    manifest: Mapping[str, Any] = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "attn", frozenset(int(i) for i in self.attn))
-        object.__setattr__(self, "mlp", frozenset(int(i) for i in self.mlp))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike | None, model: torch.nn.Module) -> SkipSet:
-        """The skip set for ``model`` at ``path``; None means the default: the user's
-        fingerprint-keyed artifact, else the shipped one (:func:`resolve_artifact`).
-        Raises :class:`ArtifactError` when the file is missing, malformed, of another
-        kind, or made for another model."""
-        p = resolve_artifact(path, model, "self-sd", ".json", "Self-SD skip-set artifact", f"create it with "
-                             f"`{calibrate_command(model)}`, or pass --layers FILE or --skip-attn/--skip-mlp")
-        cmd = calibrate_command(model, p)
-        manifest = read_json_artifact(p, "Self-SD skip-set artifact", f"create it with `{cmd}`")
-        kind = manifest.get("kind")
-        if kind != SKIP_KIND:
-            what = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
-            raise ArtifactError(f"'{p}' is {what}, not a Self-SD skip set (kind {SKIP_KIND!r}); "
-                                f"pass a file made by `{cmd}`")
-        check_fingerprint(manifest, model, p, f"recalibrate with `{cmd}`")
-        num_layers = int(model.config.num_hidden_layers)
-        sets = []
-        for key in ("skip_attn", "skip_mlp"):
-            ids = manifest.get(key)
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise ArtifactError(f"'{p}': field '{key}' must be a list of layer ids; recalibrate with `{cmd}`")
-            bad = sorted(i for i in ids if not 0 <= i < num_layers)
-            if bad:
-                raise ArtifactError(f"'{p}': {key} ids {bad} are out of range for a {num_layers}-layer model; recalibrate with `{cmd}`")
-            sets.append(frozenset(ids))
-        return cls(sets[0], sets[1], manifest)
-
-    @property
-    def draft_precision(self) -> str | None:
-        """The draft weights the set was calibrated with (``draft_precision`` in the file: target,
-        int8, int8-g32 or gguf). None in files from before quantized drafts (calibrated on the
-        target's weights): methods then follow their own ``--draft-precision`` (``auto``: the
-        quantized copy, the skip set on top, weighed against full depth each round)."""
-        value = self.manifest.get("draft_precision")
-        return str(value) if value else None
-
-    def to_manifest(self, model: torch.nn.Module, *, objective: Mapping[str, Any], trials: int,
-                    search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-        """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""
-        return {
-            "kind": SKIP_KIND, "format_version": FORMAT_VERSION, "model_fingerprint": loading.model_fingerprint(model),
-            "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
-            "num_layers": int(model.config.num_hidden_layers), "skip_attn": sorted(self.attn),
-            "skip_mlp": sorted(self.mlp), "objective": dict(objective), "trials": trials, **extra,
-            "search": dict(search), "environment": dict(environment), "created": now_iso(),
-        }
 
 
 # ---------------------------------------------------------------- tensors artifacts (safetensors)
@@ -359,3 +256,137 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
         raise ArtifactError(f"'{tfile}' does not belong to '{mfile}' (artifact ids differ: a partial copy or an "
                             f"interrupted write); {create_hint}")
     return tensors, manifest
+
+
+# ---------------------------------------------------------------- the artifact spec
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """One kind of artifact, as its method's package declares it (docs/design.md, "A method is
+    one package"): the manifest's ``kind``, where it lives, what makes it, and the checks every
+    load makes. A JSON artifact has a ``suffix`` ending in ``.json``; any other is a tensors
+    artifact (a directory with safetensors and a manifest).
+
+    Loading resolves the path (explicit, else the user's fingerprint-keyed default, else the
+    shipped one), reads the manifest, refuses another kind or another model's fingerprint, and
+    reads the tensors; each failure is one :class:`ArtifactError` naming :meth:`command`. The
+    method parses the fields it owns and reports a bad one with :meth:`error`."""
+
+    kind: str
+    folder: str  # <selfspec home>/artifacts/<folder>/ (user's) and artifacts/<folder>/ (shipped)
+    what: str  # for messages: "Self-SD skip-set artifact"
+    make: str  # the command that makes it, before the model flag: "selfspec calibrate --method self-sd"
+    args: str = ""  # the command's arguments after the model flag: " --prompt-file <prompts>"
+    suffix: str = ""
+    alternative: str = ""  # how else to go on without it, for the missing-artifact message
+
+    @property
+    def is_json(self) -> bool:
+        return self.suffix.endswith(".json")
+
+    def default_path(self, model: torch.nn.Module) -> Path:
+        """Where the command writes by default (see :func:`user_artifact_path`)."""
+        return user_artifact_path(self.folder, model, self.suffix)
+
+    def command(self, model_or_spec: Any, path: Path | None = None) -> str:
+        """The command that (re)creates it for this model, written to where it will be found."""
+        cmd = f"{self.make}{model_flag(model_or_spec)}{self.args}"
+        if isinstance(model_or_spec, torch.nn.Module):
+            cmd += output_advice(path, model_or_spec, self.folder, self.suffix)
+        return cmd
+
+    def hint(self, model: Any, path: Path | None = None) -> str:
+        return f"create it with `{self.command(model, path)}`"
+
+    def error(self, path: Path, model: Any, problem: str) -> ArtifactError:
+        """A bad field of an artifact of this kind: one line naming the command that remakes it."""
+        return ArtifactError(f"'{path}': {problem}; {self.hint(model, path)}")
+
+    def exists(self, path: Path) -> bool:
+        return path.is_file() if self.is_json else tensors_artifact_paths(path)[1].is_file()
+
+    def find(self, model: torch.nn.Module) -> tuple[Path | None, list[Path]]:
+        """``(first existing default or None, every default looked at)``: the user's, then the shipped one."""
+        cands = [self.default_path(model), shipped_artifact_path(self.folder, model, self.suffix)]
+        return next((c for c in cands if self.exists(c)), None), cands
+
+    def resolve(self, path: str | os.PathLike | None, model: torch.nn.Module) -> Path:
+        """An explicit path, else the first default that exists; none: one error naming both."""
+        if path is not None:
+            return Path(path)
+        found, looked = self.find(model)
+        if found is None:
+            raise ArtifactError(f"no {self.what} for this model (looked for {looked[0]} and {looked[1]}); "
+                                f"{self.hint(model)}{self.alternative}")
+        return found
+
+    def load(self, path: str | os.PathLike | None, model: torch.nn.Module) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+        """``(path, manifest, tensors)`` of this model's artifact (tensors empty for a JSON one)."""
+        p = self.resolve(path, model)
+        hint = self.hint(model, p)
+        if not self.is_json:
+            tensors, manifest = load_tensors_artifact(p, model, kind=self.kind, create_hint=hint)
+            return p, manifest, tensors
+        manifest = read_json_artifact(p, self.what, hint)
+        if (kind := manifest.get("kind")) != self.kind:
+            found = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
+            raise ArtifactError(f"'{p}' is {found}, not a {self.what} (kind {self.kind!r}); pass a file made by "
+                                f"`{self.command(model, p)}`")
+        check_fingerprint(manifest, model, p, f"remake it with `{self.command(model, p)}`")
+        return p, manifest, {}
+
+    def header(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The fields every manifest of this kind starts with."""
+        return {"kind": self.kind, "format_version": FORMAT_VERSION, "model_fingerprint": loading.model_fingerprint(model),
+                "model_name_or_path": model_name(model), "num_layers": int(model.config.num_hidden_layers)}
+
+    def save(self, path: str | os.PathLike, model: torch.nn.Module, manifest: Mapping[str, Any],
+             tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
+        """Write it atomically: the header, ``manifest``, the creation time (and the tensors)."""
+        full = {**self.header(model), **manifest, "created": manifest.get("created") or now_iso()}
+        return save_json_artifact(path, full) if self.is_json else save_tensors_artifact(path, tensors or {}, full)
+
+    def check_output(self, path: Path, force: bool) -> Path:
+        """Refuse an output path that exists (without ``--force``), is shipped, or cannot be written."""
+        check_new_artifact(path, force)
+        check_writable(path if self.is_json else path / MANIFEST_FILE, "--output")
+        return path
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Refuse a file ``path`` that cannot be written (its directory is created); ``option`` names it."""
+    if path.is_dir():
+        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); "
+                          "choose a writable path") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
+
+
+def save_layers(spec: ArtifactSpec, path: Path, model: torch.nn.Module, items: Mapping[int, Any],
+                manifest: Mapping[str, Any]) -> Path:
+    """A per-layer tensors artifact: tensors ``layer<k>.<field>`` of each layer's dataclass (float32)."""
+    tensors = {f"layer{k}.{f.name}": getattr(v, f.name).float() for k, v in items.items() for f in fields(v)}
+    return spec.save(path, model, {**manifest, "layers": sorted(items)}, tensors)
+
+
+def load_layers(spec: ArtifactSpec, path: Path | None, model: torch.nn.Module, build: Any,
+                what: str) -> tuple[dict[int, Any], dict[str, Any]]:
+    """The per-layer dataclasses ``build`` of a :func:`save_layers` artifact, and its manifest."""
+    p, manifest, tensors = spec.load(path, model)
+    out: dict[int, Any] = {}
+    L = int(model.config.num_hidden_layers)
+    for k in manifest.get("layers", []):
+        if not 0 <= int(k) < L - 1:
+            raise spec.error(p, model, f"{what} layer {k} is out of range for a {L}-layer model")
+        try:
+            out[int(k)] = build(*(tensors[f"layer{k}.{f.name}"] for f in fields(build)))
+        except KeyError:
+            raise spec.error(p, model, f"it lacks the tensors of {what} layer {k}") from None
+    if not out:
+        raise spec.error(p, model, f"it holds no {what}s")
+    return out, manifest

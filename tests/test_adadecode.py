@@ -8,7 +8,7 @@ import torch
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.decoding.drafts import NoDraft
 from selfspec_cli.engine import Engine
-from selfspec_cli.methods.exit_heads import LowRankHead, init_head
+from selfspec_cli.methods.adadecode.heads import LowRankHead, init_head
 from selfspec_cli.methods import AR
 from selfspec_cli.methods import adadecode as ada
 from selfspec_cli.methods.adadecode import AdaDecode, AdaDecodeConfig

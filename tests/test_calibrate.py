@@ -23,10 +23,10 @@ from selfspec_cli.engine import kernels
 import torch
 
 from selfspec_cli import artifacts, loading
-from selfspec_cli.artifacts import (SkipSet, default_skip_artifact_path, load_tensors_artifact,
-                                    save_json_artifact, save_tensors_artifact)
-from selfspec_cli.calibrate.data import prompts_from_dataset
-from selfspec_cli.calibrate.self_sd import seed_points, uniform_layers
+from selfspec_cli.artifacts import load_tensors_artifact, save_json_artifact, save_tensors_artifact
+from selfspec_cli.methods.self_sd import SKIP_SET, SkipSet
+from selfspec_cli.prompts import prompts_from_dataset
+from selfspec_cli.methods.self_sd.calibrate import seed_points, uniform_layers
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
@@ -202,7 +202,7 @@ def test_resume_refuses_another_setup(calibrated, tiny_model_dir, prompt_file, t
 
 
 def test_interrupt_keeps_finished_trials(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
-    import selfspec_cli.calibrate.self_sd as mod
+    import selfspec_cli.methods.self_sd.calibrate as mod
 
     real, calls = mod.measure_self_sd, {"n": 0}
 
@@ -230,8 +230,8 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
     handler is restored."""
     import signal
 
-    from selfspec_cli.calibrate.data import prompts_digest
-    from selfspec_cli.calibrate.self_sd import SearchConfig, calibrate_self_sd
+    from selfspec_cli.prompts import prompts_digest
+    from selfspec_cli.methods.self_sd.calibrate import SearchConfig, calibrate_self_sd
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
@@ -298,7 +298,7 @@ def test_missing_artifact_names_the_command(tiny_model, tmp_path, monkeypatch):
     # the default location: the user's data directory, named with the model's name and fingerprint
     home = Path(os.environ["SELFSPEC_HOME"])
     expected = home / "artifacts" / "self-sd" / f"{Path(model.config.name_or_path).name}-{model_fingerprint(model)}.json"
-    assert default_skip_artifact_path(model) == expected
+    assert SKIP_SET.default_path(model) == expected
     monkeypatch.setattr(loading, "ARTIFACTS_DIR", tmp_path / "arts")
     shipped = tmp_path / "arts" / "self-sd" / f"{Path(model.config.name_or_path).name}.json"
     with pytest.raises(ArtifactError) as ei:
@@ -324,7 +324,7 @@ def test_bad_artifacts(tiny_model, tmp_path):
     with pytest.raises(ArtifactError, match="not valid JSON.*selfspec calibrate"):
         SkipSet.load(bad, model)
     save_json_artifact(bad, {"kind": "specee-heads", "model_fingerprint": fp})
-    with pytest.raises(ArtifactError, match="'specee-heads' artifact, not a Self-SD skip set"):
+    with pytest.raises(ArtifactError, match="'specee-heads' artifact, not a Self-SD skip-set artifact"):
         SkipSet.load(bad, model)
     save_json_artifact(bad, ["a list"])
     with pytest.raises(ArtifactError, match="not a JSON object"):
@@ -448,7 +448,10 @@ def test_calibrate_bad_input(tiny_model_dir, prompt_file, tmp_path):
     p = ("--prompt-file", str(prompt_file))
     user_error(calib_args(tiny_model_dir, *p, "--method", "eagle"), "unknown --method 'eagle'", "self-sd", "specee")
     # specee needs the trained exit predictors first: the error names the command that makes them
-    user_error(calib_args(tiny_model_dir, *p, "--method", "specee"), "selfspec train-heads --kind lm-heads")
+    specee = ["calibrate", "--method", "specee", "--model", str(tiny_model_dir), "--device", "cpu", *p]
+    user_error(specee, "selfspec train-heads --kind lm-heads")
+    # an option of another step is refused before the model loads, naming the step it belongs to
+    user_error([*specee, "--draft-precision", "target"], "--draft-precision is an option of --method self-sd", "drop it")
     user_error(["calibrate", "--model", str(tiny_model_dir), *p], "calibrate needs --method", "self-sd")
     user_error(calib_args(tiny_model_dir), "exactly one of --prompt-file and --dataset")
     user_error(calib_args(tiny_model_dir, *p, "--dataset", str(prompt_file)), "exactly one of")
@@ -474,7 +477,7 @@ def test_help_lists_calibrate():
 
 
 def test_calibrate_package_imports_no_cli_libraries():
-    code = ("import sys, selfspec_cli.calibrate.self_sd, selfspec_cli.calibrate.data, selfspec_cli.artifacts; "
+    code = ("import sys, selfspec_cli.methods.self_sd.calibrate, selfspec_cli.prompts, selfspec_cli.artifacts; "
             "bad = [m for m in ('typer', 'rich', 'optuna', 'datasets') if m in sys.modules]; "
             "assert not bad, bad")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -489,7 +492,7 @@ def test_joint_precision_search(tmp_path, tiny_model_dir, prompt_file):
     the artifact names the precision, which self-sd then drafts with."""
     import optuna
 
-    from selfspec_cli.artifacts import SkipSet
+    from selfspec_cli.methods.self_sd import SkipSet
     from selfspec_cli.engine import Engine
     from selfspec_cli.loading import load_model
     from selfspec_cli.methods import build
@@ -526,7 +529,7 @@ def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
     model, _ = tiny_model
     summary = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "1", "--seed", "3"))
-    default = default_skip_artifact_path(model)
+    default = SKIP_SET.default_path(model)
     assert summary["objective"] < 1.0 and summary["below_ar"] is True
     assert not default.exists()
     assert Path(summary["artifact"]) == default.with_name(default.stem + ".below-ar.json")

@@ -1,4 +1,4 @@
-"""Self-SD calibration by many processes on one Optuna study (calibrate/study.py).
+"""Self-SD calibration by many processes on one Optuna study (methods/self_sd/study.py).
 
 Real processes (``python -m selfspec_cli calibrate`` in subprocesses), real storages (an
 SQLite file, an Optuna journal file), a real SIGKILL. What must hold: the study ends with
@@ -18,7 +18,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from selfspec_cli.calibrate.study import check_slot, finished_last, open_storage
+from selfspec_cli.methods.self_sd.study import check_slot, finished_last, open_storage
 
 from .test_calibrate import PROMPTS, calib_args
 
@@ -154,7 +154,7 @@ def test_surplus_and_duplicate_trials_are_pruned(tmp_path):
 
 
 def test_throughput_study_refuses_another_machine(tmp_path, monkeypatch):
-    from selfspec_cli.calibrate import self_sd, study as study_mod
+    from selfspec_cli.methods.self_sd import calibrate as self_sd, study as study_mod
     from selfspec_cli.errors import ConfigError
 
     search = self_sd.SearchConfig(study_path=tmp_path / "t.db", objective="throughput")

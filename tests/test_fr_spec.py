@@ -1,4 +1,4 @@
-"""FR-Spec's draft vocabulary (methods/fr_spec.py, calibrate/fr_spec.py): the subset head,
+"""FR-Spec's draft vocabulary (methods/fr_spec/: the vocabulary and its calibration): the subset head,
 exact sampling with restricted drafts, the artifact and its calibration. (Greedy parity with a
 draft vocabulary on every tiny architecture is in test_speculative.py; the verification rule
 with a restricted law is enumerated exactly in test_verify_exact.py.)"""
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec_cli.artifacts import SkipSet, save_tensors_artifact
-from selfspec_cli.calibrate.fr_spec import calibrate_draft_vocab, held_out_coverage
+from selfspec_cli.artifacts import save_tensors_artifact
+from selfspec_cli.methods.self_sd import SkipSet
+from selfspec_cli.methods.fr_spec.calibrate import calibrate_draft_vocab, held_out_coverage
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer
@@ -107,7 +108,7 @@ def test_calibrated_artifact_round_trip(tmp_path):
     assert res.candidates[-1]["held_out_coverage"] == 1.0
     path = tmp_path / "vocab"
     save_tensors_artifact(path, {"ranked_ids": res.ranked_ids, "counts": res.counts},
-                          {"kind": fr_spec.KIND, "model_fingerprint": model_fingerprint(model),
+                          {"kind": fr_spec.VOCAB.kind, "model_fingerprint": model_fingerprint(model),
                            **res.summary()})
     vocab = fr_spec.resolve(str(path), model, size=50)
     assert vocab.n == 50 and torch.equal(vocab.ids, res.ranked_ids[:50])

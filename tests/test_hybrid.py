@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec_cli.artifacts import SkipSet
+from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.cost import Planner, VerifyCurve

@@ -59,7 +59,7 @@ def test_one_cache_root_for_every_cache(monkeypatch, tmp_path):
 
     from selfspec_cli import loading
     from selfspec_cli.engine import Engine, kernels, quant
-    from selfspec_cli.heads.data import collect_on_policy
+    from selfspec_cli.methods.onpolicy import collect_on_policy
 
     from .conftest import make_tiny_model
 

@@ -347,7 +347,8 @@ def test_skip_set_and_full_depth_variants_keep_parity(method, options):
 def test_artifact_precision_falls_back_when_this_engine_cannot_have_it(tmp_path):
     """A skip set calibrated on GGUF blocks, loaded for a model that is not a GGUF conversion:
     the method drafts on what ``auto`` gives here instead of refusing (the user asked for nothing)."""
-    from selfspec_cli.artifacts import SkipSet, environment_info, save_json_artifact
+    from selfspec_cli.artifacts import environment_info, save_json_artifact
+    from selfspec_cli.methods.self_sd import SkipSet
 
     model = make_tiny_model("llama-gqa", layers=4)
     eng = Engine(model)

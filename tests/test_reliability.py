@@ -20,7 +20,7 @@ import pytest
 from selfspec_cli import artifacts, loading
 from selfspec_cli.artifacts import save_json_artifact
 from selfspec_cli.cli.app import main
-from selfspec_cli.methods import head_store as store
+from selfspec_cli.methods.self_sd import SKIP_SET
 
 from .test_cli import PROMPTS, assert_user_error, gen_args, run_generate, write_jsonl, write_lines
 
@@ -119,7 +119,7 @@ def test_error_advice_never_names_an_existing_or_shipped_path(capsys, tiny_model
     assert f"--output {skip}" not in msg and "--output" not in msg
     # heads: the specee folder passed as --heads
     exit_dir = shipped / "specee" / "code-model"
-    store.save_exit_mlps(exit_dir, {}, {"model_fingerprint": other_fp})
+    artifacts.save_tensors_artifact(exit_dir, {}, {"kind": "specee-exit-mlp", "model_fingerprint": other_fp, "layers": []})
     msg = assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "adadecode", "--heads", str(exit_dir)),
                             "selfspec train-heads --kind lm-heads")
     assert "--output" not in msg
@@ -172,7 +172,7 @@ def test_model_dot_is_named_after_the_directory(tiny_model_dir, monkeypatch):
     assert artifacts.sanitized_model_name(".") == tiny_model_dir.name
     assert artifacts.sanitized_model_name("./") == tiny_model_dir.name
     model, _ = loading.load_model(".", device="cpu")
-    assert artifacts.default_skip_artifact_path(model).name.startswith(f"{tiny_model_dir.name}-")
+    assert SKIP_SET.default_path(model).name.startswith(f"{tiny_model_dir.name}-")
 
 
 # ---------------------------------------------------------------- 4, 7, 8. input values

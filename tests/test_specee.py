@@ -9,7 +9,7 @@ import torch
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError
-from selfspec_cli.methods.exit_heads import NUM_FEATURES, PREDICTOR_HIDDEN, ExitPredictor, specee_features
+from selfspec_cli.methods.specee.predictor import NUM_FEATURES, PREDICTOR_HIDDEN, ExitPredictor, specee_features
 from selfspec_cli.methods import AR
 from selfspec_cli.methods.specee import SpecEE, SpecEEConfig
 

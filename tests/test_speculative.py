@@ -10,7 +10,7 @@ from selfspec_cli.methods.asd import ASDConfig
 import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
-from selfspec_cli.artifacts import SkipSet
+from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.sampling import processed_probs
@@ -314,7 +314,7 @@ def test_swift_sampling_is_exact(small_vocab_setup):
 
 
 def test_swift_save_layers_loads_into_self_sd(tmp_path):
-    from selfspec_cli.artifacts import SkipSet
+    from selfspec_cli.methods.self_sd import SkipSet
 
     model = make_tiny_model("llama-gqa", layers=6)
     eng = Engine(model)

@@ -13,10 +13,12 @@ import torch
 from selfspec_cli import loading
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ArtifactError
-from selfspec_cli.methods import head_store as store
-from selfspec_cli.heads.data import collect_on_policy
-from selfspec_cli.methods.exit_heads import LowRankHead, head_logits, init_head
-from selfspec_cli.heads.train import HeadTrainConfig, default_head_layers, train_lm_heads
+from selfspec_cli.artifacts import save_layers
+from selfspec_cli.methods.adadecode import HEADS, load_heads
+from selfspec_cli.methods.specee import load_exit_mlps
+from selfspec_cli.methods.onpolicy import collect_on_policy
+from selfspec_cli.methods.adadecode.heads import LowRankHead, head_logits, init_head
+from selfspec_cli.methods.adadecode.train import HeadTrainConfig, default_head_layers, train_lm_heads
 
 from .conftest import make_tiny_model
 from .test_calibrate import run_cli
@@ -131,17 +133,17 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
 def test_artifact_for_another_model_is_refused(tmp_path):
     a, b = make_tiny_model("llama-gqa", seed=0), make_tiny_model("llama-gqa", seed=1)
     head = init_head(a.model.norm.weight.detach(), 4)
-    store.save_heads(tmp_path / "h", {1: head}, {"model_fingerprint": loading.model_fingerprint(a)})
-    heads, _ = store.load_heads(tmp_path / "h", a)
+    save_layers(HEADS, tmp_path / "h", a, {1: head}, {})
+    heads, _ = load_heads(tmp_path / "h", a)
     assert torch.equal(heads[1].a, head.a)
     with pytest.raises(ArtifactError, match="another model"):
-        store.load_heads(tmp_path / "h", b)
+        load_heads(tmp_path / "h", b)
     with pytest.raises(ArtifactError, match="selfspec train-heads --kind exit-mlp"):
-        store.load_exit_mlps(tmp_path / "missing", a)
+        load_exit_mlps(tmp_path / "missing", a)
 
 
 def test_exit_threshold_needs_the_precision_lower_bound_not_the_point_estimate():
-    from selfspec_cli.heads.train import choose_threshold, wilson_lower
+    from selfspec_cli.methods.specee.train import choose_threshold, wilson_lower
 
     assert wilson_lower(20, 20, 0.0) == 1.0
     assert 0.86 < wilson_lower(20, 20, 1.645) < 0.89  # n / (n + z^2) for a perfect record
@@ -158,7 +160,7 @@ def test_exit_threshold_needs_the_precision_lower_bound_not_the_point_estimate()
 
 
 def _data_with_prompts(num_prompts: int, rows_per_prompt: int = 4):
-    from selfspec_cli.heads.data import OnPolicyData
+    from selfspec_cli.methods.onpolicy import OnPolicyData
 
     n = num_prompts * rows_per_prompt
     return OnPolicyData(torch.zeros(n, 1, 2), torch.zeros(n, dtype=torch.long),
@@ -181,7 +183,7 @@ def test_three_way_split_is_by_prompt_and_disjoint():
 def test_head_training_keeps_the_best_validation_epoch(tmp_path):
     """A learning rate that wrecks the head must not wreck the artifact: early stopping keeps
     the epoch with the lowest validation KL (here the logit lens or an early epoch)."""
-    from selfspec_cli.heads.train import evaluate_head
+    from selfspec_cli.methods.adadecode.train import evaluate_head
 
     model = make_tiny_model("llama-gqa", layers=4)
     eng = Engine(model)
@@ -203,7 +205,7 @@ def test_exit_threshold_bound_counts_prompts_not_just_rows():
     """1000 exits at 95 % precision pass a 0.93 Wilson bound over rows. If all 50 wrong exits
     come from one of 20 prompts, a bootstrap over prompts sees that precision swings with
     which prompts are drawn and refuses; the same errors spread over every prompt pass."""
-    from selfspec_cli.heads.train import choose_threshold, cluster_bootstrap_lower
+    from selfspec_cli.methods.specee.train import choose_threshold, cluster_bootstrap_lower
 
     groups = torch.arange(20).repeat_interleave(50)
     prob = torch.full((1000,), 0.9)

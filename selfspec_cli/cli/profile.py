@@ -13,7 +13,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from ..artifacts import SkipSet, environment_info, model_name, now_iso, save_json_artifact
+from ..artifacts import environment_info, model_name, now_iso, save_json_artifact
 from ..bench import engine_profile as prof
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..engine import Engine
@@ -21,6 +21,7 @@ from ..errors import ArtifactError, ConfigError
 from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS, fr_spec
+from ..methods.self_sd import SkipSet
 from ..runtime import encode_turn, eos_token_ids
 from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, err_console, log, progress, table
 

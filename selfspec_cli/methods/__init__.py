@@ -1,5 +1,7 @@
 """The registry of decoding methods: name -> method class (a proposer with a frozen
-``Config`` dataclass). Adding a method is one new file plus one entry here.
+``Config`` dataclass), and of their offline steps: (command, name) -> :class:`OfflineStep`.
+Adding a method is one new file (or, with an offline step, one folder: docs/design.md, "A
+method is one package") plus one entry here.
 
 :func:`build` makes a method from its config, loading the typed artifacts the config
 names; :func:`config_for` makes a config from field values, refusing fields the
@@ -14,12 +16,13 @@ from typing import Any
 from ..decoding.layer_skip import LayerSkipProposer
 from ..engine import Engine
 from ..errors import ConfigError
-from . import fr_spec
+from . import adadecode, fr_spec, self_sd, specee
 from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
 from .base import DraftOptions, Method, method_precision
+from .offline import OfflineStep
 from .pld import PLDConfig, PromptLookup, lookup
 from .self_sd import SelfSD
 from .specee import SpecEE
@@ -28,6 +31,8 @@ from .swift import Swift
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, SpecQD, AdaDecode, SpecEE, PromptLookup,
                                                          Auto)}
+OFFLINE: dict[tuple[str, str], OfflineStep] = {(s.command, s.name): s for s in (
+    self_sd.CALIBRATE, specee.CALIBRATE, fr_spec.CALIBRATE, adadecode.TRAIN, specee.TRAIN)}
 
 
 def method_class(name: str) -> type[Method]:
@@ -65,4 +70,4 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     return method
 
 
-__all__ = ["METHODS", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "SpecQD", "Auto", "build", "config_for", "method_class"]
+__all__ = ["METHODS", "OFFLINE", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "SpecQD", "Auto", "build", "config_for", "method_class"]

@@ -19,7 +19,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifacts import SkipSet
 from ..decoding.drafts import Draft, NoDraft, Round, depth
 from ..decoding.driver import Proposer
 from ..decoding.layer_skip import LayerSkipProposer
@@ -30,7 +29,7 @@ from . import fr_spec
 from .asd import ASD
 from .base import DRAFT_PRECISIONS, Method, method_precision, option, require, resolve_precision
 from .pld import PLDConfig, PromptLookup
-from .self_sd import SelfSD
+from .self_sd import SelfSD, SkipSet
 from .specqd import SpecQD
 
 

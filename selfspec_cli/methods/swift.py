@@ -37,13 +37,14 @@ from typing import Any
 
 import numpy as np
 
-from ..artifacts import SkipSet, environment_info, save_json_artifact
+from ..artifacts import environment_info
 from ..decoding.drafts import Chain, Round, Tree
 from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
 from .base import DraftOptions, Method, option, require
+from .self_sd import SKIP_SET, SkipSet
 
 
 @dataclass(frozen=True)
@@ -249,4 +250,4 @@ class Swift(LayerSkipProposer, Method):
                     "bo_interval": self.config.bo_interval, "seed": self.config.seed,
                     "phase": "optimization" if self.optimizing else "acceleration"},
             environment=environment_info(self.engine.device, self.engine.dtype))
-        return save_json_artifact(Path(path), manifest)
+        return SKIP_SET.save(Path(path), self.engine.model, manifest)

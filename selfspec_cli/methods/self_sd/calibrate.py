@@ -25,7 +25,7 @@ calibration prompts. Here:
   sublayers) at skip ratios 0.3 and 0.45 at every searched precision, and the empty set
   (full depth) at every quantized one, are enqueued first;
 * storage: an Optuna study in an SQLite file by default, or any storage Optuna shares
-  between processes and machines (a database URL, a journal file: calibrate/study.py),
+  between processes and machines (a database URL, a journal file: :mod:`.study`),
   worked on by one or many workers at once. Optuna commits each trial when it finishes,
   so a Ctrl-C loses at most the running trial, and a re-run with the same study resumes:
   ``n_trials`` counts COMPLETE trials, only the rest are run; a worker killed mid-trial
@@ -37,7 +37,7 @@ calibration prompts. Here:
   speedups compare numbers taken under the same machine load (the best trial's
   own value is biased upward: it is the maximum of noisy measurements).
 
-No typer or rich here: callers pass ``on_trial`` / ``log`` callbacks.
+No typer or rich here: :func:`run`, the offline step, reports through the job's ``log`` and progress bar.
 """
 from __future__ import annotations
 
@@ -51,15 +51,17 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..decoding.output import DecodeResult
-from ..artifacts import SkipSet
-from ..decoding.cost import VerifyCurve, measure_draft_step, timed, weight_bytes
-from ..decoding.layer_skip import DraftConfig
-from ..engine import Engine
-from ..errors import ConfigError, first_line
-from ..methods.ar import AR
-from ..methods.self_sd import SelfSD, SelfSDConfig, uniform_layers
+from ...artifacts import check_writable
+from ...config import GenerationConfig
+from ...decoding.cost import VerifyCurve, measure_draft_step, timed, weight_bytes
+from ...decoding.layer_skip import DraftConfig
+from ...decoding.output import DecodeResult
+from ...engine import Engine
+from ...errors import ConfigError, first_line
+from ..ar import AR
+from ..base import resolve_precision
+from ..offline import OfflineJob
+from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
 from .study import (DEFAULT_HEARTBEAT_S, check_slot, describe, dispose, finished_last, machine_id, open_storage, quiet,
                     run_workers_share, sqlite_url, worker_id)
 
@@ -239,7 +241,7 @@ class SearchConfig:
     objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
     draft: DraftConfig = DEFAULT_DRAFT
     precisions: tuple[str, ...] = ("target",)  # draft weights searched with the skip set (engine/quant.py)
-    storage: str | None = None  # an Optuna storage (calibrate/study.py); None: the SQLite file study_path
+    storage: str | None = None  # an Optuna storage (.study); None: the SQLite file study_path
     heartbeat_s: int = DEFAULT_HEARTBEAT_S  # seconds between a running trial's heartbeats
     worker_index: int = 0  # this process among the --workers of one command (0: the one that writes)
     search_only: bool = False  # a helper worker: run trials, never the confirmation or the artifact
@@ -336,19 +338,6 @@ class _DeferredInterrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def check_writable(path: Path, option: str) -> None:
-    """Refuse a file ``path`` that cannot be written (its directory is created); ``option`` names it."""
-    if path.is_dir():
-        raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); "
-                          "choose a writable path") from None
-    if not os.access(path.parent, os.W_OK):
-        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
-
-
 def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
     """Create or join the study in ``search``'s storage; refuse a study made for another model or
     another calibration setup, and a throughput study timed on another machine."""
@@ -392,7 +381,7 @@ def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
 
 def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int, searched: bool) -> None:
     """Enqueue each starting point unless a finished, running or waiting trial already has it (a
-    running one whose worker died is queued again by the heartbeat check: calibrate/study.py)."""
+    running one whose worker died is queued again by the heartbeat check: :mod:`.study`)."""
     from optuna.trial import TrialState
 
     have = [t.system_attrs.get("fixed_params", t.params)
@@ -584,7 +573,7 @@ def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layer
 
 def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: GenerationConfig,
                    search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
-    """The ``self-sd-layers`` manifest (see :mod:`selfspec_cli.artifacts`)."""
+    """The ``self-sd-layers`` manifest (:data:`~selfspec_cli.methods.self_sd.SKIP_SET`)."""
     ar, best_c = result.confirm["ar"]["tokens_per_s"], result.confirm["best"]["tokens_per_s"]
     proxy = search.objective == "proxy"
     objective: dict[str, Any] = {
@@ -619,3 +608,178 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
             "prompts": prompts,
         },
         environment=environment)
+
+
+# ---------------------------------------------------------------- the offline step
+
+
+@dataclass(frozen=True)
+class Setting:
+    """``selfspec calibrate --method self-sd``'s own options, checked before the model loads."""
+
+    search: SearchConfig
+    workers: int
+    draft_precision: str
+
+    @property
+    def writes(self) -> bool:  # a --workers helper runs trials only
+        return not self.search.search_only
+
+
+def prepare(options: dict[str, Any]) -> Setting:
+    o = {"trials": 100, "seed": 0, "sampler": "tpe", "objective": "proxy", "repeats": None, "study_path": None,
+         "storage": None, "workers": 1, "heartbeat": DEFAULT_HEARTBEAT_S, "worker_index": 0, "worker_group": None,
+         "draft_precision": "auto", **options}
+    if o["storage"] is not None and o["study_path"] is not None:
+        raise ConfigError("--storage and --study-path both name the study; pass one of them")
+    if o["workers"] < 1:
+        raise ConfigError(f"--workers must be >= 1, got {o['workers']}")
+    repeats = o["repeats"] if o["repeats"] is not None else (1 if o["objective"] == "proxy" else 3)
+    search = SearchConfig(study_path=o["study_path"], n_trials=o["trials"], seed=o["seed"], sampler=o["sampler"],
+                          repeats=repeats, objective=o["objective"], storage=o["storage"], heartbeat_s=o["heartbeat"],
+                          worker_index=o["worker_index"], search_only=o["worker_index"] > 0,
+                          worker=o["worker_group"] or worker_id())
+    if search.study_path is not None:
+        check_writable(Path(search.study_path), "--study-path")
+    return Setting(search, o["workers"], o["draft_precision"])
+
+
+def run(job: OfflineJob) -> dict[str, Any] | None:
+    """Search, confirm, write the skip set (a set predicted slower than ``ar`` goes beside the
+    default path as ``*.below-ar.json``, never as the model's default). A ``--workers`` helper
+    returns None; a worker that did not finish the study last reports ``"writer": false``."""
+    s: Setting = job.setting
+    search, engine, helper = s.search, job.engine, s.search.search_only
+    db_path = Path(search.study_path) if search.study_path is not None else job.output.with_name(job.output.stem + ".optuna.db")
+    if search.storage is None:
+        check_writable(db_path, "--study-path")
+    where = describe(search.storage) if search.storage is not None else str(db_path)
+    if s.draft_precision in ("auto", "target"):
+        quantized = resolve_precision(engine, "auto") if s.draft_precision == "auto" else None
+        precisions = ("target",) if quantized is None else ("target", quantized)
+    else:
+        precisions = (resolve_precision(engine, s.draft_precision),)
+    search = dataclasses.replace(search, study_path=db_path, precisions=precisions)
+    unit = "x ar (predicted)" if search.objective == "proxy" else "tok/s"
+    say = (lambda _m: None) if helper else job.log  # the helpers of --workers report through the first process
+    say(f"[dim]model {job.model.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
+        f"{engine.dtype}, {engine.device}; {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens"
+        f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
+        f"draft weights {', '.join(precisions)}; study {where}{f'; {s.workers} workers' if s.workers > 1 else ''}[/dim]")
+    workers = Workers(job, s.workers, search, db_path)
+    with job.progress() as bar:
+        task = bar.add_task("calibrate self-sd", total=search.n_trials, info="")
+
+        def on_trial(r: TrialReport) -> None:
+            info = f"best {r.best_value:.2f} {unit} (trial {r.best_number})" if r.best_value is not None else ""
+            if r.value is not None:
+                info += f"; last {r.value:.2f} {unit}" + (f", M {r.mean_accepted_length:.2f}"
+                                                          if r.mean_accepted_length is not None else "")
+            workers.done = r.done
+            bar.update(task, completed=min(r.done, search.n_trials), info=info)
+
+        with workers:
+            result = calibrate_self_sd(engine, job.tokenizer, job.prompt_ids, job.gen, search,
+                                       fingerprint=SKIP_SET.header(job.model)["model_fingerprint"],
+                                       prompts_sha=job.prompts["sha256"], on_trial=(lambda _r: None) if helper else on_trial,
+                                       log=say, on_ready=workers.start, before_finish=workers.wait)
+    if helper:
+        return None
+    if not result.writer:
+        job.log(f"the study holds its {result.trials} trials ({result.new_trials} from this worker); the worker that "
+                "finished the last one writes the artifact")
+        return {"method": "self-sd", "artifact": None, "study": where, "trials": result.trials,
+                "new_trials": result.new_trials, "best_trial": result.best_trial, "writer": False}
+    manifest = build_manifest(result, model=job.model, cfg=job.gen, search=search, prompts=job.prompts,
+                              environment=job.environment())
+    obj, out = manifest["objective"], job.output
+    vs_ar = result.best_value if search.objective == "proxy" else obj.get("speedup_vs_ar")
+    below_ar = vs_ar is not None and vs_ar < 1.0
+    if below_ar and not job.explicit_output:  # never install, as this model's default, a set slower than plain decoding
+        out = SKIP_SET.check_output(out.with_name(out.stem + ".below-ar.json"), job.force)
+    SKIP_SET.save(out, job.model, manifest)
+    base, conf = result.baseline, result.confirm  # baseline None: the model has no uniform starting set
+    job.log(f"[bold]best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
+            f"of {2 * result.num_layers} sublayers skipped, {result.best_value:.2f} {unit} in the search; re-measured: "
+            + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items()) + " tok/s[/bold]")
+    job.log(f"wrote {out}")
+    if below_ar:
+        job.log(f"[bold yellow]the best set found is {vs_ar:.2f}x ar, slower than plain decoding: "
+                + ("" if job.explicit_output else "not made this model's default (generate keeps the previous one); ")
+                + f"run more --trials (the study resumes), or pass --layers {out} to use it anyway[/bold yellow]")
+    return {"method": "self-sd", "artifact": str(out), "study": where, "model": manifest["model_name_or_path"],
+            "model_fingerprint": manifest["model_fingerprint"], "num_layers": result.num_layers,
+            "skip_attn": sorted(result.skip_attn), "skip_mlp": sorted(result.skip_mlp),
+            "objective": obj["value"], "unit": obj["unit"], "best_trial": result.best_trial,
+            "mean_accepted_length": obj["mean_accepted_length"], "acceptance_rate": obj["acceptance_rate"],
+            "baseline": base and {"name": base["name"], "value": base["value"], "confirm": base["confirm"]["tokens_per_s"]},
+            "confirm": {k: v["tokens_per_s"] for k, v in conf.items()},
+            "speedup_vs_ar": obj.get("speedup_vs_ar"), "speedup_vs_baseline": obj.get("speedup_vs_baseline"),
+            "trials": result.trials, "new_trials": result.new_trials, "below_ar": below_ar, "writer": True}
+
+
+class Workers:
+    """The helper processes of ``--workers N``: the same command line with a hidden
+    ``--worker-index`` each, started once the study holds its setup and measured costs, each
+    waited for until it has loaded the model and warmed up (so all start trials together).
+    A helper prints ``ready`` and then runs trials only. As a context manager: on Ctrl-C the
+    helpers (which got the terminal's Ctrl-C too) get 30 s to save their trials; any left
+    running are killed."""
+
+    def __init__(self, job: OfflineJob, n: int, search: SearchConfig, db_path: Path) -> None:
+        self.job, self.n, self.search, self.db_path = job, n, search, db_path
+        self.procs: list[Any] = []
+        self.done = 0
+
+    def argv(self) -> list[str]:
+        """This run's arguments without --workers, --force and the study's name, then the study named explicitly."""
+        import sys
+
+        out, args, i = [sys.executable, "-m", "selfspec_cli"], self.job.argv, 0
+        while i < len(args):
+            name = args[i].split("=", 1)[0]
+            if name in ("--workers", "--study-path", "--storage"):
+                i += 1 if "=" in args[i] else 2
+            else:
+                out += [] if name == "--force" else [args[i]]
+                i += 1
+        storage = self.search.storage
+        return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.db_path)])
+
+    def start(self) -> None:
+        import select
+        import subprocess
+
+        if self.search.search_only:  # tell the first process this helper is ready
+            print("ready", flush=True)
+            return
+        argv = self.argv()
+        for i in range(1, self.n):
+            self.procs.append(subprocess.Popen([*argv, "--worker-index", str(i), "--worker-group", self.search.worker],
+                                               stdout=subprocess.PIPE, text=True))
+        for h in self.procs:  # "ready", or "" when the helper ended before it; after 10 minutes, go on without it
+            if select.select([h.stdout], [], [], 600)[0]:
+                h.stdout.readline()
+
+    def wait(self) -> None:
+        for i, h in enumerate(self.procs, 1):
+            h.stdout.read()
+            if (rc := h.wait()) != 0:
+                self.job.log(f"[yellow]worker {i} ended with exit status {rc}; its unfinished trial, if any, was run again[/yellow]")
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        import subprocess
+
+        if exc_type is KeyboardInterrupt:
+            for h in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    h.wait(timeout=30)
+            where = describe(self.search.storage) if self.search.storage is not None else str(self.db_path)
+            exc_note = f"{self.done} finished trials are saved in {where}; run the same command again to resume"
+            self.job.exit_note(exc_note)
+        for h in self.procs:
+            if h.poll() is None:
+                h.kill()

@@ -12,7 +12,7 @@ model's expected frequency at those positions (the sum of its next-token
 probabilities over every output position), so a few thousand counted tokens still
 rank the whole vocabulary sensibly.
 
-Exactness (what the layer-skip proposer relies on, decoding/layer_skip.py):
+Exactness (what the layer-skip proposer relies on, :mod:`selfspec_cli.decoding.layer_skip`):
 
 * **greedy**: the draft proposes the argmax over the subset; verification compares
   each draft token with the full model's argmax over the whole vocabulary and keeps
@@ -34,7 +34,8 @@ Exactness (what the layer-skip proposer relies on, decoding/layer_skip.py):
   (tests/test_verify_exact.py enumerates this, and the broken variant that hands the
   verifier the unrestricted law fails there).
 
-The artifact: ``ranked_ids`` (the whole vocabulary, most frequent first), ``counts``
+The package is the whole method: this module holds the vocabulary and its artifact
+(:data:`VOCAB`), :mod:`.calibrate` the offline step that makes it. The artifact: ``ranked_ids`` (the whole vocabulary, most frequent first), ``counts``
 (per token id, in the calibration outputs), ``expected`` (the model's expected
 counts) and a manifest with the chosen size ``n``
 and the measurements behind it.
@@ -44,16 +45,18 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..artifacts import find_default_artifact, load_tensors_artifact, user_artifact_path
-from ..errors import ArtifactError, FieldError
+from ...artifacts import ArtifactSpec
+from ...errors import FieldError
+from ..offline import OfflineStep
 
-KIND = "fr-spec-vocab"
-CREATE_HINT = "create it with `selfspec calibrate --method fr-spec`"
+VOCAB = ArtifactSpec(kind="fr-spec-vocab", folder="fr-spec-vocab", what="FR-Spec draft-vocabulary artifact",
+                     make="selfspec calibrate --method fr-spec", args=" --prompt-file <prompts>")
+CALIBRATE = OfflineStep("calibrate", "fr-spec", VOCAB, "selfspec_cli.methods.fr_spec.calibrate", num_prompts=64,
+                        max_new_tokens=128)
 
 
 def rank_vocabulary(counts: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,17 +94,13 @@ class DraftVocab:
         return DraftVocab(self.ranked_ids, n, self.manifest)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model: torch.nn.Module) -> DraftVocab:
-        tensors, manifest = load_tensors_artifact(path, model, kind=KIND, create_hint=CREATE_HINT)
+    def load(cls, path: str | os.PathLike | None, model: torch.nn.Module) -> DraftVocab:
+        p, manifest, tensors = VOCAB.load(path, model)
         ranked = tensors.get("ranked_ids")
         vocab = model.get_output_embeddings().weight.shape[0]
         if ranked is None or ranked.dim() != 1 or ranked.numel() != vocab:
-            raise ArtifactError(f"'{path}' does not rank this model's {vocab}-token vocabulary; {CREATE_HINT}")
+            raise VOCAB.error(p, model, f"it does not rank this model's {vocab}-token vocabulary")
         return cls(ranked.to(torch.int64), int(manifest.get("n", vocab)), manifest)
-
-
-def default_path(model: torch.nn.Module) -> Path:
-    return user_artifact_path(KIND, model)
 
 
 def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -> DraftVocab | None:
@@ -113,7 +112,7 @@ def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -
             raise FieldError("draft_vocab_size", "needs a draft vocabulary (draft_vocab 'auto' with an artifact, or a path)")
         return None
     if spec == "auto":
-        spec, _ = find_default_artifact(KIND, model, exists=lambda p: (p / "manifest.json").is_file())
+        spec, _ = VOCAB.find(model)
         if spec is None:
             return None
     return DraftVocab.load(spec, model).with_size(size)

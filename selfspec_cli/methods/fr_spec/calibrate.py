@@ -2,7 +2,7 @@
 
 Decode the calibration prompts greedily with the full model, count the tokens it
 emits and its expected counts at those positions, rank the vocabulary
-(methods/fr_spec.py), then choose the size ``n`` by measurement:
+(:mod:`selfspec_cli.methods.fr_spec`), then choose the size ``n`` by measurement:
 
 * **coverage**, held out: rank on half of the prompts and count how many of the
   other half's tokens fall in the top ``n`` (two folds, averaged). A token outside
@@ -17,6 +17,7 @@ can still propose per unit of draft cost, for a draft whose body keeps half of t
 sublayers (``c_body = 0.5 (1 - head share)``; the assumed body only sets how much a
 smaller head is worth against lost coverage). Every candidate's figures are saved in
 the manifest and printed, and ``--draft-vocab-size`` picks another size at decode time.
+:func:`run` is the offline step.
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..decoding.cost import timed
-from ..engine import Engine
-from ..methods.ar import AR
-from ..methods.fr_spec import coverage, ranked_from_outputs
+from ...config import GenerationConfig
+from ...decoding.cost import timed
+from ...engine import Engine
+from ..ar import AR
+from ..offline import OfflineJob
+from . import VOCAB, coverage, ranked_from_outputs
 
 BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
 
@@ -135,3 +137,29 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
                      "score": round(cov / c, 4)})
     best = max(rows, key=lambda r: r["score"])
     return VocabCalibration(ranked, counts, prior.float(), best["n"], int(counts.sum()), rows, step_ms, head_ms, decode_s)
+
+
+def prepare(options: dict[str, Any]) -> None:
+    return None
+
+
+def run(job: OfflineJob) -> dict[str, Any]:
+    """Count the model's greedy output tokens, rank, choose the size by measurement; save the artifact."""
+    engine = job.engine
+    job.log(f"[dim]FR-Spec draft vocabulary: {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens, greedy, "
+            f"vocabulary {engine.vocab_size}[/dim]")
+    with job.progress() as bar:
+        task = bar.add_task("calibrate fr-spec", total=len(job.prompt_ids), info="")
+        res = calibrate_draft_vocab(engine, job.tokenizer, job.prompt_ids, job.gen,
+                                    on_prompt=lambda i, n: bar.update(task, completed=i))
+    prompts = {**job.prompts, "max_new_tokens": job.gen.max_new_tokens}
+    VOCAB.save(job.output, job.model, {"vocab_size": engine.vocab_size, **res.summary(), "prompts": prompts,
+                                       "environment": job.environment(), "search_time_s": round(res.decode_s, 1)},
+               {"ranked_ids": res.ranked_ids, "counts": res.counts, "expected": res.expected})
+    for r in res.candidates:
+        job.log(f"  n {r['n']:>6}: held-out coverage {r['held_out_coverage']:.4f}, head {r['head_ms']:.2f} ms "
+                f"({r['head_share_of_step']:.1%} of a step), draft cost at half body {r['draft_cost_half_body']:.3f}")
+    job.log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({res.tokens} tokens counted, "
+            f"{int((res.counts > 0).sum())} distinct)[/bold]")
+    job.log(f"wrote {job.output}")
+    return {"method": "fr-spec", "artifact": str(job.output), **res.summary()}

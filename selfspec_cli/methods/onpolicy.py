@@ -6,7 +6,8 @@ and SpecEE collects its predictor data from full-depth greedy decoding; both
 need, for each decoded position, the hidden state after each layer and the
 token the full model picks there. One row per position whose next token the
 model predicted: the last prompt position and every generated token but the
-last.
+last. The training pieces both trainers share (the frozen LM head, the teacher's
+log-probabilities, the three-way split, the cosine schedule) close the module.
 
 Stored per collection (safetensors, in a cache directory keyed by the model
 fingerprint, the tokenized prompts and the generation length):
@@ -20,19 +21,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from typing import Any
 
 from ..config import GenerationConfig
 from ..decoding.state import DecodeState
 from ..decoding.drafts import Round
 from ..engine import Engine, ForwardOutput
-from ..methods.ar import AR
+from .ar import AR
 from ..errors import ArtifactError
 from ..paths import atomic_write, cache_root
 
@@ -139,3 +140,110 @@ def collect_on_policy(
     atomic_write(path, lambda f: save_file(tensors, f.name), error=lambda exc: ArtifactError(
         f"cannot write the on-policy data cache '{directory}' ({exc.strerror}); pass --cache-dir"))
     return data
+
+
+# ---------------------------------------------------------------- pieces both trainers share
+
+Progress = Callable[[str, int, int, str], None]  # (task, done, total, info)
+
+
+def cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return base * 0.5 * (1 + math.cos(math.pi * t))
+
+
+@torch.no_grad()
+def teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    return torch.cat([torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype))
+                                        .float().cpu(), dim=-1) for i in range(0, final_hidden.shape[0], chunk)])
+
+
+def frozen_head(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
+    a = engine.adapter
+    return a.lm_head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
+
+
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def splits(data: OnPolicyData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`~.data.OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
+    train_idx, val_idx, hold_idx = data.split3()
+    return train_idx, val_idx, hold_idx if len(hold_idx) else train_idx
+
+
+# ---------------------------------------------------------------- the offline steps' shared frame
+
+
+MIN_PROMPTS = 3  # training, validation and test prompts are disjoint
+
+
+@dataclass(frozen=True)
+class TrainSetting:
+    """``selfspec train-heads``' options, checked before the model loads (defaults per kind)."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int = 0
+    cache_dir: Path | None = None
+    layers: tuple[int, ...] | None = None
+    rank: int = 64
+    heads: Path | None = None
+
+
+def check_options(options: dict[str, Any], epochs: int, batch_size: int, lr: float) -> TrainSetting:
+    """The options of a training step, with this kind's defaults for those not given."""
+    from ..errors import ConfigError
+
+    o = {"epochs": epochs, "batch_size": batch_size, "lr": lr, **{k: v for k, v in options.items() if v is not None}}
+    for name in ("epochs", "batch_size", "rank"):
+        if name in o and o[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {o[name]}")
+    if not o["lr"] > 0:
+        raise ConfigError(f"--lr must be > 0, got {o['lr']}")
+    return TrainSetting(**o)
+
+
+def collect(job: Any) -> tuple[OnPolicyData, dict[str, Any]]:
+    """The job's on-policy rows (cached) and the manifest fields every trained artifact records:
+    the data (prompts, rows, split) and the environment."""
+    import time
+
+    from ..errors import ConfigError
+    from ..loading import model_fingerprint
+
+    if len(job.prompt_ids) < MIN_PROMPTS:
+        raise ConfigError(f"train-heads needs at least {MIN_PROMPTS} prompts (disjoint training, validation and test "
+                          f"prompts), got {len(job.prompt_ids)}; pass --num-prompts {MIN_PROMPTS} or more, or a longer prompt file")
+    n, new = len(job.prompt_ids), job.gen.max_new_tokens
+    job.log(f"[dim]model {job.model.config.model_type} {job.engine.num_layers} layers; {n} prompts x {new} greedy "
+            f"tokens (on-policy data, cached)[/dim]")
+    t0 = time.perf_counter()
+    with job.progress() as bar:
+        task = bar.add_task("on-policy data", total=n, info="")
+        data = collect_on_policy(job.engine, job.prompt_ids, new, model_fingerprint(job.model), job.gen.eos_token_ids,
+                                 job.setting.cache_dir, on_prompt=lambda i, _n: bar.update(task, completed=i))
+    collect_s = time.perf_counter() - t0
+    tr, va, ho = data.split3()
+    job.log(f"[dim]{data.num_rows} rows ({len(tr)} train, {len(va)} validation, {len(ho)} test) in {collect_s:.1f}s[/dim]")
+    info = {**job.prompts, "max_new_tokens": new, "rows": data.num_rows, "train_rows": len(tr),
+            "validation_rows": len(va), "heldout_rows": len(ho), "collect_seconds": collect_s}
+    return data, {"data": info, "environment": job.environment()}
+
+
+def progress_callback(bar: Any) -> Progress:
+    """A :data:`Progress` callback drawing one bar per task name on ``bar``."""
+    tasks: dict[str, int] = {}
+
+    def on_progress(name: str, done: int, total: int, info: str) -> None:
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total, info="")
+        bar.update(tasks[name], completed=done, info=info)
+
+    return on_progress

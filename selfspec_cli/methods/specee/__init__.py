@@ -9,7 +9,7 @@ Per input token ``x`` at position ``p``:
    GEMV) and its top-4 are the *speculative tokens* for the next position — no
    separate draft model (the paper uses an EAGLE head, which we do not have);
 2. at every *scheduled* predictor layer ``l`` (>= k0, <= L-2) build the 12 features
-   of :func:`~selfspec_cli.methods.exit_heads.specee_features` from the normalised state
+   of :func:`~.predictor.specee_features` from the normalised state
    at ``l`` and at ``l - 1`` (computed the same way as in training: the change is
    always against the immediately preceding layer, never against the previous
    *scheduled* layer, which is the reference code's train/inference mismatch);
@@ -36,6 +36,12 @@ KV of the skipped layers (``kv_mode``):
 tokens, and reports the share of early exits that picked the token the full model
 would have picked at that step, the share of all tokens that agree, and the share
 of the output identical to plain greedy decoding up to the first divergence.
+
+The package is the whole method: this module holds the decoder and its artifacts
+(:data:`EXIT_MLPS`, per layer ``k`` tensors ``layer{k}.w1`` ... ``layer{k}.b2``, the manifest
+naming the drafter head; :data:`SCHEDULE`, the offline layer subset); :mod:`.predictor` is the
+predictor's computation, :mod:`.train` (``selfspec train-heads --kind exit-mlp``) and
+:mod:`.calibrate` (``selfspec calibrate --method specee``) its offline steps.
 """
 from __future__ import annotations
 
@@ -46,17 +52,39 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..decoding.drafts import Decided, Draft
-from ..decoding.output import DecodeResult
-from ..decoding.state import DecodeState
-from ..engine import Engine, ForwardOutput
-from ..engine.runner import LAST_ROW
-from ..errors import ArtifactError, ConfigError, FieldError
-from .base import Method, option, require, training_cost
-from .exit_heads import (NUM_SPEC_TOKENS, ExitPredictor, LowRankHead, exit_probability, head_logits, spec_local,
-                         specee_features)
-from .head_store import load_exit_mlps, load_heads, load_schedule
+from ...artifacts import ArtifactSpec, load_layers
+from ...config import GenerationConfig
+from ...decoding.drafts import Decided, Draft
+from ...decoding.output import DecodeResult
+from ...decoding.state import DecodeState
+from ...engine import Engine, ForwardOutput
+from ...engine.runner import LAST_ROW
+from ...errors import ArtifactError, ConfigError, FieldError
+from ...loading import EXAMPLES_DIR
+from ..adadecode import LowRankHead, head_logits, load_heads
+from ..base import Method, option, require, training_cost
+from ..offline import OfflineStep
+from .predictor import NUM_SPEC_TOKENS, ExitPredictor, exit_probability, spec_local, specee_features
+
+EXIT_MLPS = ArtifactSpec(kind="specee-exit-mlp", folder="specee", what="SpecEE exit-predictor artifact",
+                         make="selfspec train-heads --kind exit-mlp")
+SCHEDULE = ArtifactSpec(kind="specee-schedule", folder="specee", suffix=".schedule.json", what="SpecEE schedule artifact",
+                        make="selfspec calibrate --method specee", args=f" --prompt-file {EXAMPLES_DIR / 'calibration.jsonl'}")
+TRAIN = OfflineStep("train-heads", "exit-mlp", EXIT_MLPS, "selfspec_cli.methods.specee.train", num_prompts=1000,
+                    max_new_tokens=256, options=("heads", "epochs", "lr", "batch_size", "seed", "cache_dir"))
+CALIBRATE = OfflineStep("calibrate", "specee", SCHEDULE, "selfspec_cli.methods.specee.calibrate")
+
+
+def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], dict[str, Any]]:
+    return load_layers(EXIT_MLPS, path, model, ExitPredictor, "predictor")
+
+
+def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:
+    p, manifest, _ = SCHEDULE.load(path, model)
+    layers = manifest.get("selected_layers")
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise SCHEDULE.error(p, model, "field 'selected_layers' must be a list of layer ids")
+    return layers, manifest
 
 KV_MODES = ("empty", "deferred")
 

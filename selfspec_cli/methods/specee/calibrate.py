@@ -4,16 +4,18 @@ layers whose exit probability is at least the mean (1 / number of predictor
 layers). The paper observes that the layers below the mean (about half of them)
 account for at most ~20% of exits, so dropping their predictors costs little
 while saving their overhead. The online window (the last 5 exits +-2 layers) is
-added at decode time.
+added at decode time. :func:`run` is the offline step (``selfspec calibrate --method specee``).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import GenerationConfig
-from ..methods.specee import SpecEE
+from ...config import GenerationConfig
+from ..offline import OfflineJob
+from . import SCHEDULE, SpecEE, load_exit_mlps, load_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +66,34 @@ def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: Generation
         full_depth += steps - sum(res.stats.extra["early_exits"].values())
         on_prompt(i, len(prompt_ids))
     return ExitStatistics(layers, exits, full_depth, tokens, select_layers(exits, layers))
+
+
+def prepare(options: dict[str, Any]) -> None:
+    return None
+
+
+def run(job: OfflineJob) -> dict[str, Any]:
+    """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
+    mdl = job.model
+    heads, heads_manifest = load_heads(None, mdl)
+    predictors, pman = load_exit_mlps(None, mdl)
+    drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
+    thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
+    method = SpecEE(job.engine, job.tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
+                    offline_layers=[], thresholds=thresholds)  # the schedule is what this makes: none yet
+    job.log(f"[dim]SpecEE exit statistics: {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens, every "
+            f"predictor on (layers {min(predictors)}..{max(predictors)}), kv mode {method.config.specee_kv_mode}[/dim]")
+    t0 = time.perf_counter()
+    with job.progress() as bar:
+        task = bar.add_task("calibrate specee", total=len(job.prompt_ids), info="")
+        st = exit_statistics(method, job.prompt_ids, job.gen, on_prompt=lambda i, n: bar.update(task, completed=i))
+    stats = st.as_dict()
+    SCHEDULE.save(job.output, mdl, {**stats, "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
+                                    "heads_artifact_id": heads_manifest.get("artifact_id"),
+                                    "prompts": {**job.prompts, "max_new_tokens": job.gen.max_new_tokens},
+                                    "environment": job.environment(), "search_time_s": round(time.perf_counter() - t0, 3)})
+    job.log(f"exit probability per layer: {', '.join(f'{k}: {v:.2f}' for k, v in st.exit_probability.items())}; "
+            f"exit rate {stats['exit_rate']:.3f}")
+    job.log(f"[bold]selected predictor layers {st.selected_layers} ({stats['selected_exit_share']:.0%} of exits)[/bold]")
+    job.log(f"wrote {job.output}")
+    return {"method": "specee", "artifact": str(job.output), **stats}

@@ -33,6 +33,11 @@ draft is the early tokens with the final logits of all their rows (deferred rows
 and the driver applies the chain rule and keeps the accepted prefix. Invariant
 (checked by the cache): the rows that enter a segment are the newest tokens fed,
 a contiguous suffix of the sequence.
+
+The package is the whole method: this module holds the proposer and its artifact
+(:data:`HEADS`: per head layer ``k``, tensors ``layer{k}.a``, ``layer{k}.b``, ``layer{k}.g``,
+``k`` the 0-based layer after which the head reads); :mod:`.heads` is the head's computation
+and :mod:`.train` the offline step that trains them (``selfspec train-heads --kind lm-heads``).
 """
 from __future__ import annotations
 
@@ -42,16 +47,27 @@ from typing import Any
 
 import torch
 
-from ..decoding.cost import PROBE_BUDGET, VerifyCurve, timed
-from ..decoding.drafts import Deferred, Draft, NoDraft, Round
-from ..decoding.sampling import processed_probs
-from ..decoding.state import DecodeState
-from ..engine import Engine, ForwardOutput
-from ..engine.runner import ALL_ROWS
-from ..errors import FieldError
-from .base import Method, layer_list, option, require, training_cost
-from .exit_heads import LowRankHead, head_logits
-from .head_store import load_heads
+from ...artifacts import ArtifactSpec, load_layers
+from ...decoding.cost import PROBE_BUDGET, VerifyCurve, timed
+from ...decoding.drafts import Deferred, Draft, NoDraft, Round
+from ...decoding.sampling import processed_probs
+from ...decoding.state import DecodeState
+from ...engine import Engine, ForwardOutput
+from ...engine.runner import ALL_ROWS
+from ...errors import FieldError
+from ..base import Method, layer_list, option, require, training_cost
+from ..offline import OfflineStep
+from .heads import LowRankHead, head_logits
+
+HEADS = ArtifactSpec(kind="adadecode-heads", folder="adadecode", what="AdaDecode heads artifact",
+                     make="selfspec train-heads --kind lm-heads")
+TRAIN = OfflineStep("train-heads", "lm-heads", HEADS, "selfspec_cli.methods.adadecode.train", num_prompts=1000,
+                    max_new_tokens=256, options=("layers", "rank", "epochs", "lr", "batch_size", "seed", "cache_dir"))
+
+
+def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
+    """The heads (layer -> :class:`~.heads.LowRankHead`) of :data:`HEADS` at ``path`` (None: this model's default)."""
+    return load_layers(HEADS, path, model, LowRankHead, "head")
 
 
 @dataclass(frozen=True)

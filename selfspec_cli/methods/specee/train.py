@@ -1,189 +1,33 @@
-"""Training loops for AdaDecode's intermediate heads and SpecEE's exit predictors.
+"""``selfspec train-heads --kind exit-mlp``: SpecEE's exit predictors, trained on the target's
+own greedy output (:class:`~selfspec_cli.methods.onpolicy.OnPolicyData`; backbone, final norm
+and LM head frozen; prompts split three ways: training rows, validation prompts on which each
+layer's decision threshold is chosen, test prompts on which every reported figure is computed).
 
-Both train on :class:`~.data.OnPolicyData` (full-depth greedy decoding of the
-target, hidden states after every layer) with the backbone, the final norm and
-the LM head frozen. Prompts are split three ways (:meth:`~.data.OnPolicyData.split3`):
-training rows, validation prompts on which each trainer tunes what it tunes (the
-early-stopping epoch of a head, the decision threshold of a predictor), and test
-prompts (the last ones of the collection) on which every reported figure is
-computed, never on rows that were trained or tuned on.
-
-* :func:`train_lm_heads` — KL(p* || p_i) distillation of each head towards the final
-  layer's distribution (forward KL, as in the paper), Adam with a cosine schedule
-  and warmup. Reports KL before (step 0 = logit lens) and after, and early-prediction
-  precision (head argmax == full model's token) and coverage (share of rows whose
-  head confidence reaches the threshold) at several thresholds.
-* :func:`train_exit_mlps` — one SpecEE predictor per layer from the drafter layer to
-  L-2. The 4 speculative tokens are the top-4 of the shallowest trained head (the
-  drafter). The label is exactly the exit test that inference applies: the argmax of
-  the full LM head on the normalised state at that layer is one of the 4 speculative
-  tokens (the verification) *and* equals the full model's token (the exit is right).
-  Class imbalance: positives are weighted by n_neg / n_pos in the BCE loss.
+One predictor per layer from the drafter layer to L-2. The 4 speculative tokens are the
+top-4 of the shallowest trained AdaDecode head (the drafter). The label is exactly the exit
+test that inference applies: the argmax of the full LM head on the normalised state at that
+layer is one of the 4 speculative tokens (the verification) *and* equals the full model's
+token (the exit is right). Class imbalance: positives are weighted by n_neg / n_pos in the
+BCE loss. :func:`run` is the offline step (docs/design.md, "A method is one package").
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..engine import Engine
-from .data import OnPolicyData
-from ..methods.exit_heads import (NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, LowRankHead, exit_logit,
-                      head_logits, init_head, spec_local, specee_features)
-
-DEFAULT_THRESHOLDS = (0.5, 0.75, 0.9, 0.95)
-Progress = Callable[[str, int, int, str], None]  # (task, done, total, info)
-
-
-def default_head_layers(num_layers: int) -> tuple[int, ...]:
-    """0-based ids of the layers *after* which heads sit: L/4, L/2, 3L/4 layers run."""
-    return tuple(sorted({max(0, (num_layers * k) // 4 - 1) for k in (1, 2, 3)} - {num_layers - 1}))
-
-
-def _cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return base * 0.5 * (1 + math.cos(math.pi * t))
-
-
-@torch.no_grad()
-def _teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    return torch.cat([torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype))
-                                        .float().cpu(), dim=-1) for i in range(0, final_hidden.shape[0], chunk)])
-
-
-def _frozen(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
-    a = engine.adapter
-    return a.lm_head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
-
-
-def _step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-
-
-def _splits(data: OnPolicyData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:meth:`~.data.OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
-    train_idx, val_idx, hold_idx = data.split3()
-    return train_idx, val_idx, hold_idx if len(hold_idx) else train_idx
-
-
-# ---------------------------------------------------------------- AdaDecode heads
-
-
-@dataclass(frozen=True, slots=True)
-class HeadTrainConfig:
-    layers: tuple[int, ...] | None = None  # None: default_head_layers
-    rank: int = 64
-    epochs: int = 30
-    batch_size: int = 128
-    lr: float = 5e-3
-    warmup_share: float = 0.03
-    seed: int = 0
-    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
-
-
-@dataclass(slots=True)
-class HeadReport:
-    layer: int
-    kl_before: float
-    kl_after: float
-    top1_before: float
-    top1_after: float
-    precision_coverage: dict[str, dict[str, float]] = field(default_factory=dict)  # threshold -> {precision, coverage}
-    train_seconds: float = 0.0
-    best_epoch: int = 0  # early stopping: epoch kept (0: the logit-lens initialisation)
-    val_kl: float = float("nan")  # validation KL of the kept epoch
-
-
-@torch.no_grad()
-def evaluate_head(x: torch.Tensor, teacher_logp: torch.Tensor, target: torch.Tensor, head: LowRankHead,
-                  lm_head: torch.Tensor, eps: float, thresholds: Sequence[float], chunk: int = 1024) -> dict[str, Any]:
-    """KL(p*||p_i), top-1 agreement, precision/coverage at ``thresholds`` over rows ``x``."""
-    kl_sum, maxp, pred = 0.0, [], []
-    for i in range(0, x.shape[0], chunk):
-        logp = torch.log_softmax(head_logits(x[i:i + chunk], head, lm_head, eps).float(), dim=-1)
-        t = teacher_logp[i:i + chunk]
-        kl_sum += float((t.exp() * (t - logp)).sum())
-        m, a = logp.max(dim=-1)
-        maxp.append(m.exp())
-        pred.append(a)
-    maxp_t, right = torch.cat(maxp), torch.cat(pred) == target
-    pc = {}
-    for th in thresholds:
-        sel = maxp_t >= th
-        pc[f"{th:g}"] = {"precision": float(right[sel].float().mean()) if bool(sel.any()) else float("nan"),
-                         "coverage": float(sel.float().mean())}
-    return {"kl": kl_sum / max(1, x.shape[0]), "top1": float(right.float().mean()), "precision_coverage": pc}
-
-
-def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
-                   progress: Progress = lambda *_: None) -> tuple[dict[int, LowRankHead], list[HeadReport]]:
-    """Train one low-rank head per layer in ``cfg.layers``; returns (heads, reports)."""
-    import time
-
-    L = engine.num_layers
-    layers = cfg.layers if cfg.layers is not None else default_head_layers(L)
-    lm_head, final_norm, eps = _frozen(engine)
-    train_idx, val_idx, hold_idx = _splits(data)
-    teacher = _teacher_logprobs(engine, data.hidden[:, L - 1])
-    gen = torch.Generator().manual_seed(cfg.seed)
-    heads: dict[int, LowRankHead] = {}
-    reports: list[HeadReport] = []
-    for layer in layers:
-        t0 = time.perf_counter()
-        x_all = data.hidden[:, layer]
-
-        def evaluate(rows: torch.Tensor, head: LowRankHead, thresholds: Sequence[float] = ()) -> dict[str, Any]:
-            return evaluate_head(x_all[rows], teacher[rows], data.target[rows], head, lm_head, eps, thresholds)
-
-        init = init_head(final_norm, cfg.rank, gen)
-        before = evaluate(hold_idx, init, cfg.thresholds)
-        a, b, g = (t.clone().requires_grad_(True) for t in (init.a, init.b, init.g))
-        opt = torch.optim.Adam([a, b, g], lr=cfg.lr)
-        n = len(train_idx)
-        total = max(1, math.ceil(n / cfg.batch_size)) * cfg.epochs  # steps
-        warmup = max(1, int(cfg.warmup_share * total))
-        step = 0
-        # early stopping: keep the epoch with the lowest validation KL (epoch 0: the logit
-        # lens), so a learning rate or an epoch count that hurts cannot make the head worse
-        best_kl = evaluate(val_idx, init)["kl"]
-        best, best_epoch = init, 0
-        for epoch in range(cfg.epochs):
-            perm = train_idx[torch.randperm(n, generator=gen)]
-            loss_sum = 0.0
-            for i in range(0, n, cfg.batch_size):
-                rows = perm[i:i + cfg.batch_size]
-                opt.param_groups[0]["lr"] = _cosine_lr(step, total, warmup, cfg.lr)  # one group: a, b, g
-                logp = torch.log_softmax(head_logits(x_all[rows], LowRankHead(a, b, g), lm_head, eps), dim=-1)
-                t = teacher[rows]
-                loss = (t.exp() * (t - logp)).sum(dim=-1).mean()  # forward KL(p* || p_i)
-                _step(opt, loss)
-                loss_sum += float(loss.detach()) * len(rows)
-                step += 1
-            cand = LowRankHead(a.detach().clone(), b.detach().clone(), g.detach().clone())
-            val_kl = evaluate(val_idx, cand)["kl"]
-            if val_kl < best_kl:
-                best_kl, best, best_epoch = val_kl, cand, epoch + 1
-            progress(f"head@{layer}", epoch + 1, cfg.epochs,
-                     f"train KL {loss_sum / n:.3f}, val KL {val_kl:.3f} (best epoch {best_epoch})")
-        after = evaluate(hold_idx, best, cfg.thresholds)
-        heads[layer] = best
-        pc = {th: {**v, "precision_before": before["precision_coverage"][th]["precision"],
-                   "coverage_before": before["precision_coverage"][th]["coverage"]}
-              for th, v in after["precision_coverage"].items()}
-        reports.append(HeadReport(layer, before["kl"], after["kl"], before["top1"], after["top1"], pc,
-                                  time.perf_counter() - t0, best_epoch, best_kl))
-    return heads, reports
-
-
-# ---------------------------------------------------------------- SpecEE exit predictors
+from ...engine import Engine
+from ...artifacts import save_layers
+from ..adadecode import LowRankHead, head_logits, load_heads
+from ..offline import OfflineJob
+from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, collect, frozen_head, optimizer_step,
+                        progress_callback, splits)
+from . import EXIT_MLPS
+from .predictor import NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, exit_logit, spec_local, specee_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +133,7 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
     builds them; three dicts layer -> tensor: the features (N, 12), ``verified`` (N,) bool (the
     full-vocab argmax at this layer is a speculative token) and the labels (N,) float (verified
     and equal to the full model's token)."""
-    lm_head, final_norm, eps = _frozen(engine)
+    lm_head, final_norm, eps = frozen_head(engine)
     layers = range(drafter_layer, engine.num_layers - 1)
     feats, verified, labels = ({l: [] for l in layers} for _ in range(3))  # layer -> per-chunk tensors
     for i in range(0, data.num_rows, chunk):
@@ -321,7 +165,7 @@ def _init_predictor(gen: torch.Generator) -> list[torch.Tensor]:
 def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, drafter: LowRankHead, cfg: ExitTrainConfig,
                     progress: Progress = lambda *_: None) -> tuple[dict[int, ExitPredictor], list[ExitReport]]:
     feats, verified, labels = build_exit_dataset(engine, data, drafter_layer, drafter)
-    train_idx, val_idx, hold_idx = _splits(data)
+    train_idx, val_idx, hold_idx = splits(data)
     gen = torch.Generator().manual_seed(cfg.seed)
     predictors: dict[int, ExitPredictor] = {}
     reports: list[ExitReport] = []
@@ -339,7 +183,7 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
                 rows = perm[i:i + cfg.batch_size]
                 logit = exit_logit(xt[rows], ExitPredictor(*params))
                 loss = F.binary_cross_entropy_with_logits(logit, yt[rows], pos_weight=pos_weight)
-                _step(opt, loss)
+                optimizer_step(opt, loss)
             if (epoch + 1) % 10 == 0:
                 progress(f"exit-mlp@{l}", epoch + 1, cfg.epochs, f"loss {float(loss.detach()):.3f}")
         p = ExitPredictor(*(t.detach() for t in params))
@@ -355,3 +199,44 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
             prec_t, rec_t, fire_t, _ = _rates(prob, vh, yh, t)
             reports.append(ExitReport(l, int(len(y)), float(y.mean()), prec, rec, fire, t, prec_t, rec_t, fire_t))
     return predictors, reports
+
+
+def prepare(options: dict[str, Any]) -> TrainSetting:
+    return check_options(options, epochs=100, batch_size=1024, lr=1e-3)
+
+
+def run(job: OfflineJob) -> dict[str, Any]:
+    """Load the drafter heads (before the slow data collection), collect, train the predictors,
+    choose each layer's threshold, save :data:`~selfspec_cli.methods.specee.EXIT_MLPS`."""
+    s: TrainSetting = job.setting
+    heads, drafter_manifest = load_heads(s.heads, job.model)
+    data, common = collect(job)
+    drafter_layer = min(heads)
+    cfg = ExitTrainConfig(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, seed=s.seed)
+    t0 = time.perf_counter()
+    with job.progress() as bar:
+        predictors, reports = train_exit_mlps(job.engine, data, drafter_layer, heads[drafter_layer], cfg,
+                                              progress_callback(bar))
+    train_s = time.perf_counter() - t0
+    report = [asdict(r) for r in reports]
+    save_layers(EXIT_MLPS, job.output, job.model, predictors, {
+        **common, "drafter": {"kind": "adadecode-head", "layer": drafter_layer,
+                              "heads_artifact_id": drafter_manifest.get("artifact_id"), "top_k": NUM_SPEC_TOKENS},
+        "features": "[s (4 speculative-token logits of final_norm(h_l)), q = softmax(s), q - q_(l-1) (q at the drafter layer)]",
+        "label": "argmax of the full LM head on final_norm(h_l) is a speculative token and equals the full model's token",
+        "training": {"loss": "BCE, positives weighted n_neg/n_pos", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+                     "lr": cfg.lr, "seed": s.seed, "collect_seconds": common["data"]["collect_seconds"],
+                     "train_seconds": train_s},
+        "thresholds": {str(r.layer): r.threshold for r in reports},
+        "threshold_rule": (f"lowest threshold >= 0.5 whose exit precision on the validation prompts has one-sided lower "
+                           f"bounds (z {cfg.confidence_z}: Wilson over rows and a bootstrap over prompts) "
+                           f">= {cfg.target_precision}"),
+        "report": report})
+    for r in reports:
+        job.log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
+                f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
+                f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
+    job.log(f"wrote {job.output} (data {common['data']['collect_seconds']:.1f}s, training {train_s:.1f}s)")
+    return {"kind": "exit-mlp", "artifact": str(job.output), "layers": sorted(predictors), "drafter_layer": drafter_layer,
+            "report": report, "rows": data.num_rows, "collect_seconds": common["data"]["collect_seconds"],
+            "train_seconds": train_s}

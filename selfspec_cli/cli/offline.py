@@ -1,0 +1,72 @@
+"""The one frame of ``selfspec calibrate`` and ``selfspec train-heads``: a thin dispatcher over
+the methods' offline steps (:mod:`selfspec_cli.methods.offline`).
+
+In order, so that a mistake costs no model load: the step named by ``--method``/``--kind``,
+the options only other steps take refused with one line, the step's own options checked
+(``prepare``), the prompts read, an explicit ``--output`` checked; then the model loads, the
+default output path (the artifact spec's, fingerprint-keyed) is checked, the prompts are
+encoded and checked against the context, and the step's ``run`` does the work. Its summary
+is printed as one JSON object on stdout; no manifest is written here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import GenerationConfig
+from ..engine import Engine
+from ..errors import ConfigError
+from ..loading import load_model
+from ..methods import OFFLINE
+from ..methods.offline import OfflineJob, OfflineStep
+from ..prompts import PROMPT_FORMATS, Prompt, load_calibration_prompts, prompts_digest
+from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
+from .common import apply_threads, check_choice, invocation_args, log, print_json, progress, set_exit_note
+
+
+def step_for(command: str, flag: str, name: str | None) -> OfflineStep:
+    """The offline step ``selfspec <command> <flag> <name>`` runs; one line when there is none."""
+    names = [n for c, n in OFFLINE if c == command]
+    if name is None:  # checked here, not by click: a missing option must also be a one-line error
+        raise ConfigError(f"{command} needs {flag}; choose one of: {', '.join(names)}")
+    check_choice(name, names, flag, f" for {command}")
+    return OFFLINE[(command, name)]
+
+
+def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, prompt_file: str | None,
+             prompt_format: str, dataset: str | None, dataset_field: str, num_prompts: int | None,
+             max_new_tokens: int | None, output: Path | None, force: bool, threads: str | None,
+             chat_template: bool, dtype: str, device: str) -> None:
+    """Run ``step`` with the command's common options and ``options``: its own (parameter name ->
+    value; None: not given). One given that belongs to another step is refused."""
+    flag = "--method" if step.command == "calibrate" else "--kind"
+    if foreign := [k for k, v in options.items() if v is not None and k not in step.options]:
+        owners = sorted({n for (c, n), s in OFFLINE.items() if c == step.command and foreign[0] in s.options})
+        raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {flag} {', '.join(owners) or 'no step'}, "
+                          f"not of {step.name}; drop it")
+    check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
+    setting = step.load().prepare({k: v for k, v in options.items() if v is not None})
+    writes = getattr(setting, "writes", True)  # False: a --workers helper, which never writes
+    apply_threads(threads)
+    gen = GenerationConfig(max_new_tokens=step.max_new_tokens if max_new_tokens is None else max_new_tokens)  # validates before any loading
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, step.num_prompts if num_prompts is None else num_prompts, prompt_format)
+    if output is not None and writes:
+        step.artifact.check_output(output, force)
+
+    mdl, tok = load_model(model, dtype=dtype, device=device)
+    out_path = output or step.artifact.default_path(mdl)
+    if writes:
+        step.artifact.check_output(out_path, force)  # before the slow part
+    gen = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
+    ctx = context_length(mdl)
+    for i, t in enumerate(texts):
+        check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, gen, ctx, chat_template)
+    prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
+    prompts = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
+               "sha256": prompts_digest(prompt_ids), "chat_template": chat_template,
+               **({"dataset_field": dataset_field} if dataset is not None else {})}
+    job = OfflineJob(Engine(mdl), tok, prompt_ids, gen, out_path, output is not None, force, prompts, setting, log=log,
+                     progress=progress, argv=invocation_args(), exit_note=set_exit_note)
+    summary = step.load().run(job)
+    if summary is not None:
+        print_json(summary)

@@ -1,0 +1,86 @@
+"""A method's offline step: what ``selfspec calibrate --method X`` and ``selfspec train-heads
+--kind X`` run, declared in the method's own package (docs/design.md, "A method is one package").
+
+An :class:`OfflineStep` names its command, its artifact (an
+:class:`~selfspec_cli.artifacts.ArtifactSpec`) and the module that does the work; the module
+is imported only when the step runs (Self-SD's search needs optuna, which ``generate`` never
+loads). That module has two functions:
+
+* ``prepare(options) -> setting``: checks the step's own options before anything slow is
+  loaded (one :class:`~selfspec_cli.errors.ConfigError` line for a bad one); a setting whose
+  ``writes`` is False (a ``--workers`` helper) makes the command skip the output checks;
+* ``run(job) -> summary``: does the work on a loaded model, writes the artifact atomically
+  through the spec, logs to stderr through ``job.log`` and returns the JSON object the
+  command prints on stdout.
+
+The commands are thin: they read prompts, load the model, check the output path, build the
+:class:`OfflineJob` and print what ``run`` returns; no manifest is written there.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..artifacts import ArtifactSpec, environment_info
+from ..config import GenerationConfig
+from ..engine import Engine
+
+
+@dataclass(frozen=True)
+class OfflineStep:
+    command: str  # "calibrate" or "train-heads"
+    name: str  # the value of --method (calibrate) or --kind (train-heads)
+    artifact: ArtifactSpec
+    module: str  # absolute module name: its prepare(options) and run(job)
+    num_prompts: int = 8  # defaults of --num-prompts and --max-new-tokens for this step
+    max_new_tokens: int = 32
+    options: tuple[str, ...] = ()  # the command's options that only this step takes (their parameter names)
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+@dataclass
+class OfflineJob:
+    """Everything an offline step's ``run`` gets from its command."""
+
+    engine: Engine
+    tokenizer: Any
+    prompt_ids: list[list[int]]
+    gen: GenerationConfig  # max_new_tokens and the model's end-of-sequence tokens
+    output: Path  # checked already (unless the setting does not write)
+    explicit_output: bool  # --output was given (a Self-SD set below ar then keeps that path)
+    force: bool
+    prompts: dict[str, Any]  # provenance recorded in the manifest: source, count, sha256, ...
+    setting: Any  # what prepare() returned
+    log: Callable[[str], None] = lambda _m: None  # stderr, rich markup allowed
+    progress: Callable[[], Any] = lambda: _NoBar()  # a context manager giving a bar with add_task/update
+    argv: list[str] = field(default_factory=list)  # this command line (Self-SD's --workers start helpers with it)
+    exit_note: Callable[[str], None] = lambda _m: None  # said on stderr when the command is interrupted
+
+    @property
+    def model(self) -> Any:
+        return self.engine.model
+
+    def environment(self) -> dict[str, Any]:
+        return environment_info(self.engine.device, self.engine.dtype)
+
+
+class _NoBar:
+    """The progress bar of a job run without one (a library caller): a context that ignores updates."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        return None

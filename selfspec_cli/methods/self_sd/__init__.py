@@ -1,0 +1,153 @@
+"""Self-SD: Draft & Verify (Zhang et al., ACL 2024), arXiv:2309.08168.
+
+Drafts with a fixed set of skipped attention and MLP sublayers (found offline by
+Bayesian optimization, ``selfspec calibrate --method self-sd``, or given inline),
+stops drafting adaptively on draft confidence, and verifies with the full model.
+Lossless: greedy output equals plain greedy decoding; sampling uses standard
+speculative sampling with drafts sampled from the draft's processed distribution.
+
+The package is the whole method: this module holds the proposer and its artifact (the skip
+set, :data:`SKIP_SET`: one JSON manifest, ``kind: "self-sd-layers"``, with ``skip_attn``,
+``skip_mlp``, ``draft_precision``, the objective, the search and the environment);
+:mod:`.calibrate` is its offline step (the Bayesian search) and :mod:`.study` the Optuna
+storage that search shares between processes and machines.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...artifacts import ArtifactSpec, now_iso
+from ...decoding.layer_skip import DraftConfig, LayerSkipProposer
+from ...engine import Engine
+from ...errors import FieldError
+from ..base import DraftOptions, Method, layer_list, option
+from ..offline import OfflineStep
+
+
+SKIP_SET = ArtifactSpec(
+    kind="self-sd-layers", folder="self-sd", suffix=".json", what="Self-SD skip-set artifact",
+    make="selfspec calibrate --method self-sd", args=" --prompt-file <prompts>",
+    alternative=", or pass --layers FILE or --skip-attn/--skip-mlp")
+CALIBRATE = OfflineStep("calibrate", "self-sd", SKIP_SET, "selfspec_cli.methods.self_sd.calibrate",
+                        options=("trials", "seed", "sampler", "objective", "repeats", "study_path", "storage", "workers",
+                                 "heartbeat", "worker_index", "worker_group", "draft_precision"))
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    """A layer-skip set (0-based attention and MLP sublayers to skip) and its one on-disk
+    schema (:data:`SKIP_SET`, see the module docstring). ``manifest`` keeps the
+    file's other fields (objective, search, environment) when it was loaded."""
+
+    attn: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+    manifest: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attn", frozenset(int(i) for i in self.attn))
+        object.__setattr__(self, "mlp", frozenset(int(i) for i in self.mlp))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None, model: torch.nn.Module) -> SkipSet:
+        """The skip set for ``model`` at ``path``; None means the default: the user's
+        fingerprint-keyed artifact, else the shipped one (:meth:`ArtifactSpec.resolve`).
+        Raises :class:`ArtifactError` when the file is missing, malformed, of another
+        kind, or made for another model."""
+        p, manifest, _ = SKIP_SET.load(path, model)
+        num_layers = int(model.config.num_hidden_layers)
+        sets = []
+        for key in ("skip_attn", "skip_mlp"):
+            ids = manifest.get(key)
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise SKIP_SET.error(p, model, f"field '{key}' must be a list of layer ids")
+            if bad := sorted(i for i in ids if not 0 <= i < num_layers):
+                raise SKIP_SET.error(p, model, f"{key} ids {bad} are out of range for a {num_layers}-layer model")
+            sets.append(frozenset(ids))
+        return cls(sets[0], sets[1], manifest)
+
+    @property
+    def draft_precision(self) -> str | None:
+        """The draft weights the set was calibrated with (``draft_precision`` in the file: target,
+        int8, int8-g32 or gguf). None in files from before quantized drafts (calibrated on the
+        target's weights): methods then follow their own ``--draft-precision`` (``auto``: the
+        quantized copy, the skip set on top, weighed against full depth each round)."""
+        value = self.manifest.get("draft_precision")
+        return str(value) if value else None
+
+    def to_manifest(self, model: torch.nn.Module, *, objective: Mapping[str, Any], trials: int,
+                    search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+        """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""
+        return {**SKIP_SET.header(model), "skip_attn": sorted(self.attn), "skip_mlp": sorted(self.mlp),
+                "objective": dict(objective), "trials": trials, **extra, "search": dict(search),
+                "environment": dict(environment), "created": now_iso()}
+
+
+
+
+def check_skip_sets(num_layers: int, skip_attn: Iterable[int], skip_mlp: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
+    a, m = frozenset(int(i) for i in skip_attn), frozenset(int(i) for i in skip_mlp)
+    if bad := sorted(i for i in a | m if not 0 <= i < num_layers):
+        raise FieldError("skip_attn/skip_mlp", f"layer ids {bad} are out of range for a {num_layers}-layer model (valid: 0..{num_layers - 1})")
+    return a, m
+
+
+def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
+    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
+    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
+    of those layers skips a ``ratio`` share of the 2L sublayers."""
+    interior = list(range(1, num_layers - 1))
+    if not interior:
+        return frozenset()
+    n = min(len(interior), max(1, round(ratio * num_layers)))
+    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
+
+
+@dataclass(frozen=True)
+class SelfSDConfig(DraftOptions):
+    layers: Path | None = option(None, "skip-set artifact (default: this model's calibrated one, the user's under "
+                                       "$SELFSPEC_HOME first, then the shipped one)")
+    skip_attn: tuple[int, ...] | None = option(None, "inline attention sublayers to skip, e.g. 1,3,5 (0-based; "
+                                                     "overrides the artifact)")
+    skip_mlp: tuple[int, ...] | None = option(None, "inline MLP sublayers to skip, e.g. 2,4 (0-based)")
+
+    def __post_init__(self) -> None:
+        DraftOptions.__post_init__(self)
+        object.__setattr__(self, "skip_attn", layer_list(self.skip_attn, "skip_attn"))
+        object.__setattr__(self, "skip_mlp", layer_list(self.skip_mlp, "skip_mlp"))
+
+
+class SelfSD(LayerSkipProposer, Method):
+    name = "self-sd"
+    lossless = True
+    description = "Self-SD / Draft & Verify: offline-calibrated skip set, adaptive draft exit"
+    Config = SelfSDConfig
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None,
+                 skip: SkipSet = SkipSet(), draft: DraftConfig | None = None) -> None:
+        """``draft`` overrides the config's draft options (e.g. tree verification)."""
+        config = config or SelfSDConfig()
+        LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
+        self.bind_config(config)
+        self._skip = check_skip_sets(engine.num_layers, skip.attn, skip.mlp)
+        self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
+        if m := skip.manifest:
+            self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
+                                       "trials": m.get("trials"), "created": m.get("created")})
+
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None) -> SelfSD:
+        config = config or SelfSDConfig()
+        if config.skip_attn is not None or config.skip_mlp is not None:
+            skip = SkipSet(frozenset(config.skip_attn or ()), frozenset(config.skip_mlp or ()))
+        else:
+            skip = SkipSet.load(config.layers, engine.model)
+        return cls(engine, tokenizer, config, skip)
+
+    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
+        return self._skip
