@@ -3,7 +3,9 @@ Spec-Bench-style ``turns``), from a path or ``-`` for stdin.
 
 :func:`prompt_from_row` is the one reading of a prompt record, with its one-line errors:
 every JSONL line of a prompt file, and every row of a benchmark suite
-(:mod:`selfspec_cli.bench.suite_loader`), goes through it."""
+(:mod:`selfspec_cli.bench.suite_loader`), goes through it. :func:`load_calibration_prompts`
+reads the prompts of the offline steps (``calibrate``, ``train-heads``): a prompt file's first
+turns, or a column of a local dataset read with ``datasets``."""
 from __future__ import annotations
 
 import hashlib

@@ -194,6 +194,6 @@ def test_bad_storage_and_worker_options_get_one_line(tiny_model_dir, prompt_file
     user_error([*base, "--storage", f"journal:{tmp_path / 'j.journal'}", "--study-path", str(tmp_path / "s.db")],
                "pass one of them")
     user_error(["calibrate", "--method", "specee", "--model", str(tiny_model_dir), "--prompt-file", str(prompt_file),
-                "--workers", "2"], "options of the Self-SD search")
+                "--workers", "2"], "is an option of --method self-sd")
     rc_line = user_error([*base, "--storage", "postgresql://u:secret@nohost.invalid/db"])
     assert "secret" not in rc_line  # a password in a URL is not printed

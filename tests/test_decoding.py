@@ -176,8 +176,8 @@ def test_sampling_config_validation(kwargs):
 def test_registry_holds_every_method_class_under_its_documented_name():
     """METHODS is built as {m.name: m}, so it cannot list a class under another class's name, but a
     name clash would silently drop a class. Checked independently: the Method subclasses found by
-    walking selfspec_cli.methods are exactly the registered ones, each under the name of its file
-    (self_sd.py -> self-sd), and the names are the CLI's documented --method values (README)."""
+    walking selfspec_cli.methods are exactly the registered ones (private helpers such as the on-policy
+    data recorder aside), each under the name of its file or package (self_sd/ -> self-sd), and the names are the CLI's documented --method values (README)."""
     import importlib
     import inspect
     import pkgutil
@@ -190,7 +190,7 @@ def test_registry_holds_every_method_class_under_its_documented_name():
     for info in pkgutil.iter_modules(pkg.__path__):
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if issubclass(cls, Method) and cls is not Method and cls.__module__ == module.__name__:
+            if issubclass(cls, Method) and cls is not Method and cls.__module__ == module.__name__ and cls.__name__[0] != "_":
                 found[cls] = info.name
     assert set(found) == set(METHODS.values()), (found, METHODS)
     for key, cls in METHODS.items():

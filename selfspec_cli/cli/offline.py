@@ -45,7 +45,7 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {flag} {', '.join(owners) or 'no step'}, "
                           f"not of {step.name}; drop it")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
-    setting = step.load().prepare({k: v for k, v in options.items() if v is not None})
+    setting = step.prepare({k: v for k, v in options.items() if v is not None})
     writes = getattr(setting, "writes", True)  # False: a --workers helper, which never writes
     apply_threads(threads)
     gen = GenerationConfig(max_new_tokens=step.max_new_tokens if max_new_tokens is None else max_new_tokens)  # validates before any loading
@@ -65,8 +65,8 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
     prompts = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
                "sha256": prompts_digest(prompt_ids), "chat_template": chat_template,
                **({"dataset_field": dataset_field} if dataset is not None else {})}
-    job = OfflineJob(Engine(mdl), tok, prompt_ids, gen, out_path, output is not None, force, prompts, setting, log=log,
-                     progress=progress, argv=invocation_args(), exit_note=set_exit_note)
+    job = OfflineJob(Engine(mdl), tok, prompt_ids, gen, out_path, output is not None, force, prompts, setting, log,
+                     progress, invocation_args(), set_exit_note)
     summary = step.load().run(job)
     if summary is not None:
         print_json(summary)

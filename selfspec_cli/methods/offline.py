@@ -6,9 +6,10 @@ An :class:`OfflineStep` names its command, its artifact (an
 is imported only when the step runs (Self-SD's search needs optuna, which ``generate`` never
 loads). That module has two functions:
 
-* ``prepare(options) -> setting``: checks the step's own options before anything slow is
-  loaded (one :class:`~selfspec_cli.errors.ConfigError` line for a bad one); a setting whose
-  ``writes`` is False (a ``--workers`` helper) makes the command skip the output checks;
+* ``prepare(options) -> setting`` (optional: a step without options of its own has none):
+  checks the step's own options before anything slow is loaded (one
+  :class:`~selfspec_cli.errors.ConfigError` line for a bad one); a setting whose ``writes``
+  is False (a ``--workers`` helper) makes the command skip the output checks;
 * ``run(job) -> summary``: does the work on a loaded model, writes the artifact atomically
   through the spec, logs to stderr through ``job.log`` and returns the JSON object the
   command prints on stdout.
@@ -43,6 +44,9 @@ class OfflineStep:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
+    def prepare(self, options: dict[str, Any]) -> Any:
+        return getattr(self.load(), "prepare", lambda _o: None)(options)
+
 
 @dataclass
 class OfflineJob:
@@ -57,8 +61,8 @@ class OfflineJob:
     force: bool
     prompts: dict[str, Any]  # provenance recorded in the manifest: source, count, sha256, ...
     setting: Any  # what prepare() returned
-    log: Callable[[str], None] = lambda _m: None  # stderr, rich markup allowed
-    progress: Callable[[], Any] = lambda: _NoBar()  # a context manager giving a bar with add_task/update
+    log: Callable[[str], None]  # stderr, rich markup allowed
+    progress: Callable[[], Any]  # a context manager giving a bar with add_task/update (rich's Progress)
     argv: list[str] = field(default_factory=list)  # this command line (Self-SD's --workers start helpers with it)
     exit_note: Callable[[str], None] = lambda _m: None  # said on stderr when the command is interrupted
 
@@ -69,18 +73,3 @@ class OfflineJob:
     def environment(self) -> dict[str, Any]:
         return environment_info(self.engine.device, self.engine.dtype)
 
-
-class _NoBar:
-    """The progress bar of a job run without one (a library caller): a context that ignores updates."""
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def add_task(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        return None

@@ -139,10 +139,6 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
     return VocabCalibration(ranked, counts, prior.float(), best["n"], int(counts.sum()), rows, step_ms, head_ms, decode_s)
 
 
-def prepare(options: dict[str, Any]) -> None:
-    return None
-
-
 def run(job: OfflineJob) -> dict[str, Any]:
     """Count the model's greedy output tokens, rank, choose the size by measurement; save the artifact."""
     engine = job.engine

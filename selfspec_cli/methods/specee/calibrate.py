@@ -68,10 +68,6 @@ def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: Generation
     return ExitStatistics(layers, exits, full_depth, tokens, select_layers(exits, layers))
 
 
-def prepare(options: dict[str, Any]) -> None:
-    return None
-
-
 def run(job: OfflineJob) -> dict[str, Any]:
     """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
     mdl = job.model
