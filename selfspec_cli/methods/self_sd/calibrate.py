@@ -667,16 +667,19 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
         f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
         f"draft weights {', '.join(precisions)}; study {where}{f'; {s.workers} workers' if s.workers > 1 else ''}[/dim]")
     workers = Workers(job, s.workers, search, db_path)
-    with job.progress() as bar:
-        task = bar.add_task("calibrate self-sd", total=search.n_trials, info="")
+    with contextlib.ExitStack() as stack:
+        bar: list[Any] = []  # (bar, task): started by the first report, once the study is open and its costs logged
 
         def on_trial(r: TrialReport) -> None:
+            if not bar:
+                bar.append(stack.enter_context(job.progress()))
+                bar.append(bar[0].add_task("calibrate self-sd", total=search.n_trials, info=""))
             info = f"best {r.best_value:.2f} {unit} (trial {r.best_number})" if r.best_value is not None else ""
             if r.value is not None:
                 info += f"; last {r.value:.2f} {unit}" + (f", M {r.mean_accepted_length:.2f}"
                                                           if r.mean_accepted_length is not None else "")
             workers.done = r.done
-            bar.update(task, completed=min(r.done, search.n_trials), info=info)
+            bar[0].update(bar[1], completed=min(r.done, search.n_trials), info=info)
 
         with workers:
             result = calibrate_self_sd(engine, job.tokenizer, job.prompt_ids, job.gen, search,
