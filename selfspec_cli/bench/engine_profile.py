@@ -122,17 +122,16 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     toks = torch.tensor(list(prompt_ids) * -(-max(rows) // len(prompt_ids)), device=engine.device)[-max(rows):]
     L = engine.num_layers
     draft_sets = {r: uniform_layers(L, r) for r in ratios}
-    head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
     sub = engine.subset_head(draft_vocab) if draft_vocab is not None else None
     # one round, in order: v(k) for every k, c(r) (and with the draft vocabulary) for every r, the LM head
     jobs: dict[str, Callable[[], Any]] = {
         f"v{k}": partial(engine.forward, cache, toks[:k], positions=ctx, logits_rows=slice(None)) for k in rows}
-    heads = {"c": None} if sub is None else {"c": None, "cv": sub}
     for r, s in draft_sets.items():
-        for prefix, head in heads.items():
+        for prefix, head in ({"c": None} if sub is None else {"c": None, "cv": sub}).items():
             jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s,
                                            head=head)
-    jobs["head"] = partial(engine.final_logits, head_in)
+    jobs["head"] = partial(engine.final_logits,
+                           torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device))
     warm = [f"v{k}" for k in rows[:3]]  # warm-up: first calls allocate
     med = {k: v * 1e3 for k, v in _median_times(engine, cache, ctx, jobs, warm, rounds, on_round).items()}
     step = med["v1"]  # c(r) and the head over a one-row step at this same context
