@@ -130,10 +130,7 @@ def run_prompt(
     if prompt.category is not None:
         record["category"] = prompt.category
     if len(turns) > 1:
-        for t in turns:
-            t["wall_time_s"] = round(t["wall_time_s"], 6)
-        record["num_turns"] = len(turns)
-        record["turns"] = turns
+        record.update(num_turns=len(turns), turns=[{**t, "wall_time_s": round(t["wall_time_s"], 6)} for t in turns])
     return record
 
 
