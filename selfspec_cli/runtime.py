@@ -22,8 +22,7 @@ from .prompts import Prompt
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     """EOS ids as ``model.generate`` uses them: the generation config's, else the tokenizer's."""
     eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
@@ -40,8 +39,7 @@ def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
-    text = "\n\n".join(m["content"] for m in history)
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
+    return tokenizer("\n\n".join(m["content"] for m in history), add_special_tokens=True)["input_ids"]
 
 
 def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx: int, use_chat_template: bool) -> None:
@@ -59,11 +57,9 @@ def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx
             f"context of {ctx}; lower --max-new-tokens to at most {ctx - n} or shorten the prompt"
         )
     if len(prompt.turns) > 1:
-        history: list[dict[str, str]] = []
-        for i, turn in enumerate(prompt.turns):  # the last turn's prefill with empty answers, then the answers
-            if i:
-                history.append({"role": "assistant", "content": ""})
-            history.append({"role": "user", "content": turn})
+        history = [{"role": "user", "content": prompt.turns[0]}]
+        for turn in prompt.turns[1:]:  # the last turn's prefill with empty answers, then the answers
+            history += [{"role": "assistant", "content": ""}, {"role": "user", "content": turn}]
         k = len(prompt.turns)
         total = len(encode_turn(tokenizer, history, use_chat_template)) + k * cfg.max_new_tokens
         if total > ctx:
@@ -116,7 +112,6 @@ def run_prompt(
             "finish_reason": res.finish_reason,
             "stats": stats,
         })
-    last = turns[-1]
     new_tokens = sum(t["new_tokens"] for t in turns)
     wall = sum(t["wall_time_s"] for t in turns)
     record: dict[str, Any] = {
@@ -129,16 +124,13 @@ def run_prompt(
         "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
         "wall_time_s": round(wall, 6),
         "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
-        "finish_reason": last["finish_reason"],
-        "stats": last["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
+        "finish_reason": turns[-1]["finish_reason"],
+        "stats": turns[0]["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
     }
     if prompt.category is not None:
         record["category"] = prompt.category
     if len(turns) > 1:
-        for t in turns:
-            t["wall_time_s"] = round(t["wall_time_s"], 6)
-        record["num_turns"] = len(turns)
-        record["turns"] = turns
+        record.update(num_turns=len(turns), turns=[{**t, "wall_time_s": round(t["wall_time_s"], 6)} for t in turns])
     return record
 
 

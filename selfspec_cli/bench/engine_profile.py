@@ -67,6 +67,48 @@ def _prefill(engine: Engine, ids: Sequence[int], extra: int) -> KVCache:
     return cache
 
 
+def _median_times(engine: Engine, cache: KVCache, ctx: int, jobs: dict[str, Callable[[], Any]], warm: Sequence[str],
+                  rounds: int, on_round: Callable[[int, int], None] | None = None) -> dict[str, float]:
+    """Median seconds of each job over ``rounds`` interleaved rounds, after one untimed call of
+    each ``warm`` job; the cache is cropped back to ``ctx`` after every call."""
+    for key in warm:
+        jobs[key]()
+        cache.crop(ctx)
+    times: dict[str, list[float]] = {key: [] for key in jobs}
+    for i in range(rounds):
+        for key, fn in jobs.items():
+            times[key].append(timed(fn, engine.device)[1])
+            cache.crop(ctx)
+        if on_round is not None:
+            on_round(i + 1, rounds)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, drafts: Sequence[dict[str, Any]],
+               on_token: Callable[[int, int], None] | None = None) -> tuple[list[int], int]:
+    """Top-1 hits of one-token drafts (each the ``engine.forward`` keywords of one draft) against
+    the full model along its greedy continuation of each prompt, and the positions compared.
+    The context's KV always comes from the full model: a draft row is cropped away before the
+    full row is computed."""
+    hits = [0] * len(drafts)
+    total = 0
+    for ids in prompts:
+        cache = _prefill(engine, ids[:-1], tokens + 1)
+        tok = torch.tensor(list(ids[-1:]), device=engine.device)
+        for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
+            guesses = []
+            for kw in drafts:
+                guesses.append(int(engine.forward(cache, tok, positions=pos, **kw).logits[0].argmax()))
+                cache.crop(pos)
+            full = int(engine.forward(cache, tok, positions=pos).logits[0].argmax())
+            hits = [h + (g == full) for h, g in zip(hits, guesses)]
+            total += 1
+            if on_token is not None:
+                on_token(total, len(prompts) * tokens)
+            tok = torch.tensor([full], device=engine.device)
+    return hits, total
+
+
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = (1,),
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
@@ -80,28 +122,18 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     toks = torch.tensor(list(prompt_ids) * -(-max(rows) // len(prompt_ids)), device=engine.device)[-max(rows):]
     L = engine.num_layers
     draft_sets = {r: uniform_layers(L, r) for r in ratios}
-    head_in = torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device)
     sub = engine.subset_head(draft_vocab) if draft_vocab is not None else None
     # one round, in order: v(k) for every k, c(r) (and with the draft vocabulary) for every r, the LM head
     jobs: dict[str, Callable[[], Any]] = {
         f"v{k}": partial(engine.forward, cache, toks[:k], positions=ctx, logits_rows=slice(None)) for k in rows}
-    heads = {"c": None} if sub is None else {"c": None, "cv": sub}
     for r, s in draft_sets.items():
-        for prefix, head in heads.items():
+        for prefix, head in ({"c": None} if sub is None else {"c": None, "cv": sub}).items():
             jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s,
                                            head=head)
-    jobs["head"] = partial(engine.final_logits, head_in)
-    times: dict[str, list[float]] = {key: [] for key in jobs}
-    for k in rows[:3]:  # warm-up: first calls allocate
-        jobs[f"v{k}"]()
-        cache.crop(ctx)
-    for i in range(rounds):
-        for key, fn in jobs.items():
-            times[key].append(timed(fn, engine.device)[1])
-            cache.crop(ctx)
-        if on_round is not None:
-            on_round(i + 1, rounds)
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    jobs["head"] = partial(engine.final_logits,
+                           torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device))
+    warm = [f"v{k}" for k in rows[:3]]  # warm-up: first calls allocate
+    med = {k: v * 1e3 for k, v in _median_times(engine, cache, ctx, jobs, warm, rounds, on_round).items()}
     step = med["v1"]  # c(r) and the head over a one-row step at this same context
     vocab = {} if sub is None else {
         "draft_vocab_size": int(draft_vocab.numel()),
@@ -165,23 +197,7 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     # (skip_attn, skip_mlp): attention 0..L-1, then MLP 0..L-1, then the calibrated set
     sets = [(frozenset([l]), none) for l in range(L)] + [(none, frozenset([l])) for l in range(L)]
     sets += [calibrated] if calibrated is not None else []
-    hits = [0] * len(sets)
-    total = 0
-    for ids in prompts:
-        cache = _prefill(engine, ids[:-1], tokens + 1)
-        tok = torch.tensor(ids[-1:], device=engine.device)
-        for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
-            drafts = []
-            for sa, sm in sets:
-                out = engine.forward(cache, tok, positions=pos, skip_attn=sa, skip_mlp=sm)
-                drafts.append(int(out.logits[0].argmax()))
-                cache.crop(pos)
-            full = int(engine.forward(cache, tok, positions=pos).logits[0].argmax())
-            hits = [h + (d == full) for h, d in zip(hits, drafts)]
-            total += 1
-            if on_token is not None:
-                on_token(total, len(prompts) * tokens)
-            tok = torch.tensor([full], device=engine.device)
+    hits, total = _agreement(engine, prompts, tokens, [{"skip_attn": sa, "skip_mlp": sm} for sa, sm in sets], on_token)
     agree = [round(h / total, 4) for h in hits]
     red: dict[str, Any] = {"attn": agree[:L], "mlp": agree[L:2 * L], "prompts": len(prompts),
                            "tokens_per_prompt": tokens, "drafts_per_set": total}
@@ -249,40 +265,16 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
         jobs[p] = partial(engine.forward, cache, tok, positions=ctx, weights=p)
         if p in subs:
             jobs[p + "/vocab"] = partial(engine.forward, cache, tok, positions=ctx, weights=p, head=subs[p])
-    times: dict[str, list[float]] = {k: [] for k in jobs}
-    for fn in jobs.values():  # warm-up
-        fn()
-        cache.crop(ctx)
-    for _ in range(rounds):
-        for key, fn in jobs.items():
-            times[key].append(timed(fn, engine.device)[1])
-            cache.crop(ctx)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    hits = {p: 0 for p in avail}
-    total = 0
-    for ids in prompts:
-        c = _prefill(engine, ids[:-1], tokens + 1)
-        t = torch.tensor(list(ids[-1:]), device=engine.device)
-        for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
-            drafts = {}
-            for p in avail:
-                drafts[p] = int(engine.forward(c, t, positions=pos, weights=p).logits[0].argmax())
-                c.crop(pos)
-            full = int(engine.forward(c, t, positions=pos).logits[0].argmax())
-            hits = {p: h + (drafts[p] == full) for p, h in hits.items()}
-            total += 1
-            t = torch.tensor([full], device=engine.device)
-    for p in avail:
+    med = _median_times(engine, cache, ctx, jobs, list(jobs), rounds)  # every job warmed up once
+    hits, total = _agreement(engine, prompts, tokens, [{"weights": p} for p in avail])
+    for p, h in zip(avail, hits):
         out[p]["c"] = round(med[p] / med["t1"], 3)
         if p + "/vocab" in med:
             out[p]["c_draft_vocab"] = round(med[p + "/vocab"] / med["t1"], 3)
-        out[p]["agreement"] = round(hits[p] / total, 4) if total else None
+        out[p]["agreement"] = round(h / total, 4) if total else None
         out[p]["draft_step_ms"] = round(med[p] * 1e3, 3)
     out["_"] = {"t1_ms": round(med["t1"] * 1e3, 3), "agreement_positions": total, "rounds": rounds}
     return out
-
-
-
 
 
 def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], methods: Sequence[str],

@@ -58,13 +58,11 @@ def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) 
         if (group := SPEC_BENCH_GROUPS.get(row["category"])) is None:
             raise PromptFileError(f"spec-bench: question {row['question_id']} has unknown category {row['category']!r}")
         by_group.setdefault(group, []).append(row)
-    prompts: list[Prompt] = []
-    for group, members in by_group.items():
-        chosen = members if per_group is None else [members[i] for i in evenly_spaced(len(members), per_group)]
-        prompts += [Prompt(id=int(row["question_id"]), category=group,
-                           turns=prompt_from_row(row, f"spec-bench: question {row['question_id']}", row["question_id"]).turns)
-                    for row in chosen]
-    return prompts
+    if per_group is not None:
+        by_group = {g: [members[i] for i in evenly_spaced(len(members), per_group)] for g, members in by_group.items()}
+    return [Prompt(id=int(row["question_id"]), category=group,
+                   turns=prompt_from_row(row, f"spec-bench: question {row['question_id']}", row["question_id"]).turns)
+            for group, members in by_group.items() for row in members]
 
 
 def suite_path(name_or_path: str) -> Path:

@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         ctx = getattr(exc, "ctx", None)
         where = f"'{ctx.command_path} --help'" if ctx is not None else "'selfspec --help'"
-        msg = " ".join(exc.format_message().split())
-        print(f"selfspec: error: {msg} (see {where})", file=sys.stderr)
+        print(f"selfspec: error: {' '.join(exc.format_message().split())} (see {where})", file=sys.stderr)
         return 2
     except (BrokenPipeError, OutputClosed):  # the reader closed the pipe (`| head -n1`): what it wanted was written
         _quiet_stdout()
@@ -118,13 +117,6 @@ def _quiet_stdout() -> None:
     """Point stdout at /dev/null, so that the interpreter's final flush into a closed pipe
     neither fails nor prints 'Exception ignored'."""
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-
-
-def run() -> None:
-    from .entry import run as entry_run
-
-    entry_run()

@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -317,8 +317,8 @@ def bench(
     rk.barrier(ranks)  # every rank starts timing together, after rank 0's cost measurement
     partial: dict[str, ContenderResult] = {}
     with ExitStack() as stack, progress(disable=not ranks.lead) as bar:
-        mode = "a" if resume else "w"
-        files = {n: stack.enter_context((records_dir / f"{n}.jsonl").open(mode, encoding="utf-8")) for n in names}
+        files = {n: stack.enter_context((records_dir / f"{n}.jsonl").open("a" if resume else "w", encoding="utf-8"))
+                 for n in names}
         running = {n: Counter() for n in names}  # new tokens and seconds so far, per contender
         task = bar.add_task("bench", total=len(prompts) * len(contenders) * repeats, info="")
         bar.update(task, advance=sum(len(v) for v in done.values()))
@@ -354,21 +354,16 @@ def bench(
             raise
 
     if ranks.many:  # rank 0 gathers every rank's passes and merges them in the suite's order
-        payload = {n: {"repeats": r.repeats, "peak_rss_mb": r.peak_rss_mb, "peak_cuda_mb": r.peak_cuda_mb}
-                   for n, r in results.items()}
-        parts = rk.gather(ranks, payload)
+        parts = rk.gather(ranks, {n: {"repeats": r.repeats, "peak_rss_mb": r.peak_rss_mb, "peak_cuda_mb": r.peak_cuda_mb}
+                                  for n, r in results.items()})
         rk.close(ranks)
         if not ranks.lead:
             return
-        order = [p.id for p in suite_prompts]
         for n, r in results.items():
-            r.repeats = rk.merge_repeats([part[n]["repeats"] for part in parts], order)
+            r.repeats = rk.merge_repeats([part[n]["repeats"] for part in parts], [p.id for p in suite_prompts])
             for k in ("peak_rss_mb", "peak_cuda_mb"):
                 setattr(r, k, max((v for part in parts if (v := part[n][k]) is not None), default=None))
-            with open(output_dir / "records" / f"{n}.jsonl", "w", encoding="utf-8") as f:
-                for passed in r.repeats:
-                    for rec in passed:
-                        write_record(f, rec)
+            _write_jsonl(output_dir / "records" / f"{n}.jsonl", (rec for passed in r.repeats for rec in passed))
         prompts = suite_prompts
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
@@ -383,9 +378,7 @@ def bench(
                                 "records": {n: str(output_dir / "records" / f"{n}.jsonl") for n in names},
                                 "answers": {n: str(output_dir / "answers" / f"{n}.jsonl") for n in results}}
     for n, r in results.items():
-        with open(file_map["answers"][n], "w", encoding="utf-8") as f:
-            for row in spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"):
-                write_record(f, row)
+        _write_jsonl(file_map["answers"][n], spec_bench_answers(r.records, f"{model_name(mdl)}-{n}"))
     if plot:
         file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref, built)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
@@ -407,6 +400,12 @@ def bench(
         log(f"[bold red]parity below 100% for lossless {', '.join(lossless_bad)}: see 'differing' in {output_dir}/results.json[/bold red]")
     log(f"wrote {output_dir}/results.json")
     print_json(headline(doc))
+
+
+def _write_jsonl(path: Path | str, rows: Iterable[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            write_record(f, row)
 
 
 def _plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,

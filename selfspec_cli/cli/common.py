@@ -187,32 +187,28 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
     if path is None or str(path) == "-":
         yield sys.stdout
         return
-    if _is_stream(path):  # a pipe, >(cmd), /dev/stdout: written in place, as a shell redirection would
-        try:
-            f = path.open("a" if append else "w", encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
-        with f:
-            yield f
-        return
-    check_output(path, force=force, append=append, inputs=inputs)
-    if not append:
+
+    def unwritable(exc: OSError) -> ConfigError:
+        return ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path")
+
+    stream = _is_stream(path)  # a pipe, >(cmd), /dev/stdout: written in place, as a shell redirection would
+    check_output(path, force=force, append=append, inputs=inputs)  # nothing to check for a stream
+    if not (stream or append):
         def keep(partial: Path) -> bool:  # whole lines only; named in the exit message
             n = cut_to_last_line(partial)
             if n:
                 set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {partial} ('{path}' is unchanged)")
             return n > 0
 
-        with atomic_open(path, "w", encoding="utf-8", keep=keep, error=lambda exc: ConfigError(
-                f"cannot write --output '{path}' ({exc.strerror}); choose a writable path")) as f:
+        with atomic_open(path, "w", encoding="utf-8", keep=keep, error=unwritable) as f:
             yield f
         return
     try:
-        f = path.open("a", encoding="utf-8")
-        if path.stat().st_size and not _ends_with_newline(path):  # a last record without its newline
+        f = path.open("a" if append else "w", encoding="utf-8")
+        if append and not stream and path.stat().st_size and not _ends_with_newline(path):  # a last record without its newline
             f.write("\n")
     except OSError as exc:
-        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path") from None
+        raise unwritable(exc) from None
     with f:
         yield f
 

@@ -67,14 +67,13 @@ def generate(
         meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
-    dev = engine.device  # a torch.device
-    log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {dev}; "
+    log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
         f"method {method}; {len(prompts)} prompts[/dim]")
     total_tokens, total_time = 0, 0.0
     with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out, progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
-            rec = run_prompt(meth.generate, tok, p, cfg, dev, method, chat_template, meth.lossless)
+            rec = run_prompt(meth.generate, tok, p, cfg, engine.device, method, chat_template, meth.lossless)
             rec["threads"] = n_threads
             write_record(out, rec)
             total_tokens += rec["new_tokens"]

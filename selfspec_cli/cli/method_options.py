@@ -83,8 +83,7 @@ def method_config(method: str, given: dict[str, Any], **fixed: Any) -> Any:
     cls = METHODS[method].Config
     names = {f.name for f in dataclasses.fields(cls)}
     for name in given.keys() - names:
-        users = " / ".join(option_fields()[name][2])
-        raise ConfigError(f"{flag(name)} is an option of --method {users}, not of '{method}'; "
+        raise ConfigError(f"{flag(name)} is an option of --method {' / '.join(option_fields()[name][2])}, not of '{method}'; "
                           "drop it or choose one of those methods")
     try:
         return cls(**{k: v for k, v in fixed.items() if k in names}, **given)

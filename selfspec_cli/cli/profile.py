@@ -127,9 +127,8 @@ def profile(
             prof.redundancy_plot(red, output_dir / "redundancy.png", title=Path(model_name(mdl)).name)
     err_console.print(_table(result))
     log(f"wrote {output_dir / 'profile.json'}")
-    keys = ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost", "lm_head_share",
-            "kernel_max_logit_diff")
-    print_json({k: result[k] for k in keys})
+    print_json({k: result[k] for k in ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost",
+                                       "lm_head_share", "kernel_max_logit_diff")})
 
 
 def _table(r: dict[str, Any]) -> Table:
