@@ -14,7 +14,7 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
 * ``draft_cost[r]`` = ``c(r)``: a one-row forward that skips a uniform share ``r`` of
   the sublayers (both sublayers of evenly spaced interior layers), divided by ``T(1)``;
   ``draft_cost_draft_vocab[r]`` the same with the model's FR-Spec draft vocabulary (when
-  one is calibrated: methods/fr_spec.py);
+  one is calibrated: methods/fr_spec/);
 * ``lm_head_share``: final norm + LM head on one row, divided by ``T(1)``;
 * ``kernel_max_logit_diff``: the largest difference between the engine's fp32 logits
   with the CPU kernel (engine/kernels.py) and with plain ``F.linear``;
