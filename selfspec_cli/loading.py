@@ -108,15 +108,12 @@ def is_gguf_file(path: Path) -> bool:
     return False
 
 
-def _require_gguf_packages() -> None:
+def gguf_architecture(path: Path) -> str:
+    """``general.architecture`` of a GGUF file (read from its header, no tensor data); first, the packages
+    loading a GGUF needs are checked."""
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
         raise ModelLoadError(f"loading .gguf files needs the {' and '.join(missing)} package(s); run `pip install gguf accelerate`")
-
-
-def gguf_architecture(path: Path) -> str:
-    """``general.architecture`` of a GGUF file (read from its header, no tensor data)."""
-    _require_gguf_packages()
     from gguf import GGUFReader
 
     try:
@@ -143,8 +140,7 @@ def file_sha256(path: Path) -> str:
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    digest = h.hexdigest()
-    index[key] = digest
+    index[key] = digest = h.hexdigest()
     with contextlib.suppress(ArtifactError):  # the index only saves time
         atomic_write(index_path, lambda f: f.write(json.dumps(index, indent=1).encode("utf-8")))
     return digest
@@ -172,8 +168,8 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
                                     f"selfspec runs GGUF files of: {', '.join(SUPPORTED_MODEL_TYPES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if log is not None:
-        log(f"converting {path.name} into {target} (once; later loads read the cache)")
+    log = log or (lambda msg: None)
+    log(f"converting {path.name} into {target} (once; later loads read the cache)")
     t0 = time.perf_counter()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -199,8 +195,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if log is not None:
-        log(f"converted in {time.perf_counter() - t0:.0f} s")
+    log(f"converted in {time.perf_counter() - t0:.0f} s")
     return target
 
 

@@ -44,11 +44,13 @@ side on CUDA), which the runtime, calibration and the bench time with too.
 """
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
@@ -96,10 +98,8 @@ class VerifyCurve:
         if m in self.ratios:
             return self.ratios[m]
         rows = sorted(self.ratios)
-        if m > rows[-1]:  # beyond the table: linear in the rows, from the last two points
-            lo, hi = rows[-2], rows[-1]
-        else:
-            lo, hi = max(r for r in rows if r < m), min(r for r in rows if r > m)
+        # beyond the table: linear in the rows, from the last two points; else between the neighbours
+        lo, hi = (rows[-2], rows[-1]) if m > rows[-1] else (max(r for r in rows if r < m), min(r for r in rows if r > m))
         x0 = hi if m > hi else lo  # extrapolate from the last point, interpolate from the lower one
         return self.ratios[x0] + (m - x0) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
 
@@ -112,30 +112,16 @@ class VerifyCurve:
         return _CURVES[engine]
 
     @classmethod
-    @torch.inference_mode()
     def measure(cls, engine: Engine, context: int = 64, rounds: int = CURVE_ROUNDS) -> VerifyCurve:
         """Time forwards of ``CURVE_ROWS`` rows after a ``context``-token prefix, ``rounds``
         interleaved passes after one warm-up pass; per size the **median** (the fastest pass
         undershoots what plain decoding spends per step on a shared machine, so predictions
         read high, and it moves more from run to run than the median; docs/engine.md)."""
-        cache = engine.new_cache(context + max(CURVE_ROWS) + 1)
-        ids = torch.arange(context + max(CURVE_ROWS), device=engine.device) % max(2, engine.vocab_size)
-        engine.forward(cache, ids[:context], positions=0, logits_rows=None)
-        samples: dict[int, list[float]] = {m: [] for m in CURVE_ROWS}
-        for r in range(rounds + 1):  # pass 0 warms up
-            for m in CURVE_ROWS:
-                dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context,
-                                                  logits_rows=slice(None)), engine.device)[1]
-                if r:
-                    samples[m].append(dt)
-                cache.crop(context)
-        med = {m: statistics.median(v) for m, v in samples.items()}
+        med = _median_forward_s(engine, context, CURVE_ROWS, rounds, logits_rows=slice(None))
         t1 = med[1]
-        # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper)
-        ratios, run = {}, 1.0
-        for m in CURVE_ROWS:
-            run = max(run, med[m] / t1)
-            ratios[m] = round(run, 4)
+        # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper): the running
+        # maximum of the readings, from v(1) = 1
+        ratios = {m: round(r, 4) for m, r in zip(CURVE_ROWS, accumulate((med[m] / t1 for m in CURVE_ROWS), max))}
         return cls(t1, ratios, context, cls._slope(engine, context, t1, rounds), med)
 
     @staticmethod
@@ -145,17 +131,24 @@ class VerifyCurve:
         extra = min(extra, engine.adapter.max_positions - context - 2)
         if extra < 64:
             return 0.0
-        long = context + extra
-        cache = engine.new_cache(long + 2)
-        ids = torch.arange(long + 1, device=engine.device) % max(2, engine.vocab_size)
-        engine.forward(cache, ids[:long], positions=0, logits_rows=None)
-        times = []
-        for r in range(rounds + 1):  # pass 0 warms up
-            dt = timed(lambda: engine.forward(cache, ids[long:], positions=long), engine.device)[1]
+        return max(0.0, (_median_forward_s(engine, context + extra, (1,), rounds)[1] - t1) / extra)
+
+
+@torch.inference_mode()
+def _median_forward_s(engine: Engine, context: int, rows: tuple[int, ...], rounds: int, **kw: Any) -> dict[int, float]:
+    """Per row count in ``rows``: the median seconds of a forward of that many rows (engine options ``kw``)
+    after a ``context``-token prefix, over ``rounds`` interleaved passes after one warm-up pass."""
+    cache = engine.new_cache(context + max(rows) + 1)
+    ids = torch.arange(context + max(rows), device=engine.device) % max(2, engine.vocab_size)
+    engine.forward(cache, ids[:context], positions=0, logits_rows=None)
+    samples: dict[int, list[float]] = {m: [] for m in rows}
+    for r in range(rounds + 1):  # pass 0 warms up
+        for m in rows:
+            dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context, **kw), engine.device)[1]
             if r:
-                times.append(dt)
-            cache.crop(long)
-        return max(0.0, (statistics.median(times) - t1) / extra)
+                samples[m].append(dt)
+            cache.crop(context)
+    return {m: statistics.median(v) for m, v in samples.items()}
 
 
 def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset()) -> int:
@@ -173,23 +166,12 @@ def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_m
     return size(a.lm_head, a.final_norm) + sum(attn) + sum(mlp)
 
 
-@torch.inference_mode()
 def measure_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
                        skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
     """Seconds of one one-row draft forward with these weights and skip sets after a
     ``context``-token prefix (as :meth:`VerifyCurve.measure` times
     T(1): the median of ``rounds``), so that ``c`` is known before the first drafting round."""
-    cache = engine.new_cache(context + 2)
-    ids = torch.arange(context + 1, device=engine.device) % max(2, engine.vocab_size)
-    engine.forward(cache, ids[:context], positions=0, logits_rows=None)
-    times = []
-    for r in range(rounds + 1):  # pass 0 warms up
-        dt = timed(lambda: engine.forward(cache, ids[context:], positions=context, skip_attn=skip_attn,
-                                          skip_mlp=skip_mlp, weights=weights), engine.device)[1]
-        if r:
-            times.append(dt)
-        cache.crop(context)
-    return statistics.median(times)
+    return _median_forward_s(engine, context, (1,), rounds, skip_attn=skip_attn, skip_mlp=skip_mlp, weights=weights)[1]
 
 
 @dataclass
@@ -258,11 +240,7 @@ class Planner:
 
     def reach(self, k: int) -> list[float]:
         """P(depth j of a k-token draft is accepted), j = 1..k."""
-        out, run = [], 1.0
-        for j in range(1, k + 1):
-            run *= self.acceptance.rate(j)
-            out.append(run)
-        return out
+        return list(accumulate((self.acceptance.rate(j) for j in range(1, k + 1)), operator.mul))
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.reach(k))
@@ -278,11 +256,9 @@ class Planner:
     def best(self, c: float, budget: int) -> tuple[int, float]:
         """The draft length that maximizes the expected gain, and that gain (``(0, 1.0)``
         when no draft pays); no side effects. One pass: E(k) is built up as k grows."""
-        best_k, best = 0, 1.0
-        e, run = 1.0, 1.0
-        for k in range(1, min(self.max_len, budget) + 1):
-            run *= self.acceptance.rate(k)
-            e += run
+        best_k, best, e = 0, 1.0, 1.0
+        for k, reach in enumerate(self.reach(min(self.max_len, budget)), 1):
+            e += reach
             g = e / self.cost(k, c)
             if g > best:
                 best_k, best = k, g

@@ -37,14 +37,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import GenerationConfig, SamplingConfig
+from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
 from .cost import RoundClock
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
 from .state import DecodeState
-from .verify import Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
+from .verify import GREEDY, Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
 
 
 class Proposer:
@@ -99,13 +99,14 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     sink = TokenSink(cfg, proposer.tokenizer)
     stats = DecodeStats()
     gen = make_generator(cfg.sampling, eng.device)
-    noise = None
-    if gen is not None and cfg.sampling.rule == "gumbel":  # a sample is a function of (seed, position, law)
-        noise = PositionNoise(gen.initial_seed(), eng.vocab_size, eng.device)
+    # rule gumbel: a sample is a function of (seed, position, law)
+    noise = (PositionNoise(gen.initial_seed(), eng.vocab_size, eng.device)
+             if gen is not None and cfg.sampling.rule == "gumbel" else None)
     state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
                         sampling=cfg.sampling, generator=gen, eos=sink.eos, noise=noise)
-    expected = cost = 0.0  # the planners' predictions, summed over rounds
-    plain_equiv = 0.0  # what plain decoding would have spent on the tokens emitted, at their contexts
+    # expected, cost: the planners' predictions, summed over rounds; plain_equiv: what plain decoding
+    # would have spent on the tokens emitted, at their contexts
+    expected = cost = plain_equiv = 0.0
     clock = RoundClock(proposer.curve)
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
@@ -135,8 +136,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
             unplanned |= bool(depth) and draft.plan is None
-            if not decided or draft.full_depth:
-                stats.target_forwards += 1
+            stats.target_forwards += not decided or draft.full_depth
             stats.draft_lengths.append(0 if decided else depth)
             if depth and not decided:
                 stats.draft_rounds += 1
@@ -166,8 +166,6 @@ def _record(stats: DecodeStats, sink: TokenSink, tokens: list[int], accepted: in
         on_tokens(tokens[:kept])
 
 
-_GREEDY = SamplingConfig()
-
 
 def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:
     """Apply the shared exact rule to a draft and commit the result in ``state``."""
@@ -176,16 +174,12 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
         return Verdict([], list(draft.tokens)), None
     tokens: list[int] = [] if isinstance(draft, NoDraft) else draft.tokens
     parents = draft.parents if isinstance(draft, Tree) else None
-    out = None
-    if isinstance(draft, Deferred):
-        logits = draft.logits
-    else:
-        out = state.verify_forward(tokens, parents, **proposer.verify_options())
-        logits = out.logits
+    out = None if isinstance(draft, Deferred) else state.verify_forward(tokens, parents, **proposer.verify_options())
+    logits = draft.logits if out is None else out.logits
     sampling = state.sampling
     if state.noise is not None:  # rule gumbel: the greedy rules on the rows' perturbed scores
         logits = gumbel_scores(logits, sampling, state.noise.rows(state.row_positions(logits.shape[0], parents)))
-        sampling = _GREEDY
+        sampling = GREEDY
     if parents is not None:
         verdict = verify_tree(tokens, parents, logits, sampling, state.generator)
     elif sampling.greedy:

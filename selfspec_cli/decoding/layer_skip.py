@@ -330,12 +330,9 @@ class LayerSkipProposer(Proposer):
                     key = scores + (g if vocab is None else g[self._vocab_index])
             if use_tree:
                 # one top-k and one host sync: the top-1 probability picks how many siblings to keep
-                if key is None:
-                    values, indices = torch.topk(probs, min(max_k, probs.shape[-1]))
-                else:  # the candidates in the order the target's perturbed argmax would take them
-                    indices = torch.topk(key, min(max_k, key.shape[-1])).indices
-                    values = probs[indices]
-                values, indices = values.tolist(), indices.tolist()
+                # (rule gumbel: the candidates in the order the target's perturbed argmax would take them)
+                indices = torch.topk(probs if key is None else key, min(max_k, probs.shape[-1])).indices
+                values, indices = probs[indices].tolist(), indices.tolist()
                 if vocab is not None:
                     indices = [vocab[i] for i in indices]
                 conf, d = values[0], indices[0]
@@ -384,10 +381,8 @@ class LayerSkipProposer(Proposer):
                 if merge:
                     plan = m_plan
             if merge:
-                tokens, tree, note.ngram_path = merged, (merged_parents if len(merged) > len(chain_parents)
-                                                         else tree), path
-        return chain_or_tree(tokens, tree, q=torch.stack(q_rows) if q_rows else None, forwards=steps, note=note,
-                             plan=plan)
+                tokens, tree, note.ngram_path = merged, merged_parents if len(merged) > len(chain_parents) else tree, path
+        return chain_or_tree(tokens, tree, q=torch.stack(q_rows) if q_rows else None, forwards=steps, note=note, plan=plan)
 
     def _merged_plan(self, k: int, n: int, nodes: int) -> tuple[float, float]:
         """Expected tokens and cost of a hybrid round: a k-token layer-skip draft and an

@@ -39,8 +39,7 @@ def processed_scores(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     assert not cfg.greedy, "processed_scores is for sampling; greedy uses argmax"
     scores = logits.float() / cfg.temperature
     if cfg.top_k > 0:
-        k = min(cfg.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        kth = torch.topk(scores, min(cfg.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)

@@ -81,10 +81,8 @@ class DecodeState:
     def through_stop(self, tokens: Sequence[int]) -> list[int]:
         """``tokens`` up to and including the first stop token: nothing after an end of
         sequence can be emitted, so a draft never needs to hold it."""
-        for i, t in enumerate(tokens):
-            if t in self.eos:
-                return list(tokens[: i + 1])
-        return list(tokens)
+        end = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), len(tokens))
+        return list(tokens[:end])
 
     def ids(self, tokens: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(tokens), dtype=torch.long, device=self.engine.device)

@@ -28,6 +28,8 @@ import torch
 from ..config import SamplingConfig
 from .sampling import processed_probs, sample_from
 
+GREEDY = SamplingConfig()  # the greedy rules' config (temperature 0)
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -41,21 +43,13 @@ class Verdict:
 
 def verify_chain_greedy(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> Verdict:
     """``target_logits``: (k+1, V), row i predicts the token after draft i-1 (row 0:
-    after the pending token). Accept the longest prefix equal to the target argmax."""
-    best = target_logits.argmax(dim=-1).tolist()
-    n = 0
-    while n < len(draft_tokens) and draft_tokens[n] == best[n]:
-        n += 1
-    return Verdict(list(range(n)), [*draft_tokens[:n], best[n]])
+    after the pending token). Accept the longest prefix equal to the target argmax (the
+    greedy tree rule on the chain's tree)."""
+    return verify_tree(draft_tokens, range(-1, len(draft_tokens) - 1), target_logits, GREEDY, None)
 
 
-def verify_chain_sampling(
-    draft_tokens: Sequence[int],
-    q_draft: torch.Tensor,
-    target_logits: torch.Tensor,
-    cfg: SamplingConfig,
-    generator: torch.Generator | None,
-) -> Verdict:
+def verify_chain_sampling(draft_tokens: Sequence[int], q_draft: torch.Tensor, target_logits: torch.Tensor,
+                          cfg: SamplingConfig, generator: torch.Generator | None) -> Verdict:
     """Speculative sampling. ``q_draft``: (k, V) processed draft distributions each
     ``draft_tokens[i]`` was sampled from; ``target_logits``: (k+1, V) raw logits."""
     p_target = processed_probs(target_logits, cfg)  # (k+1, V)
@@ -84,13 +78,8 @@ def tree_children(tokens: Sequence[int], parents: Sequence[int]) -> dict[int, di
     return children
 
 
-def verify_tree(
-    tokens: Sequence[int],
-    parents: Sequence[int],
-    target_logits: torch.Tensor,
-    cfg: SamplingConfig,
-    generator: torch.Generator | None,
-) -> Verdict:
+def verify_tree(tokens: Sequence[int], parents: Sequence[int], target_logits: torch.Tensor, cfg: SamplingConfig,
+                generator: torch.Generator | None) -> Verdict:
     """Sample-then-match over a candidate tree.
 
     ``tokens[i]``/``parents[i]``: the tree's draft nodes (parent -1 = child of the

@@ -149,6 +149,5 @@ class ModelAdapter:
         them (rope scaling types with a fixed inverse frequency: default, linear,
         llama3, yarn, ...)."""
         pos = torch.arange(length, device=self.device)[None]
-        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.rotary(dummy, pos)
+        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), pos)  # x: only its dtype and device are read
         return cos[0], sin[0]

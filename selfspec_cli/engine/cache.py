@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 
 class CacheInvariantError(AssertionError):
@@ -57,21 +58,13 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
     @torch.inference_mode()
     def ensure_capacity(self, needed: int) -> None:
         """Grow (by doubling) so that ``needed`` slots fit; rare, so a copy is fine."""
         if needed <= self.capacity:
             return
-        new_cap = max(needed, 2 * self.capacity)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-            new[:, :, : old.shape[2]] = old
-            setattr(self, name, new)
+        extra = max(needed, 2 * self.capacity) - self.capacity
+        self.k, self.v = (F.pad(x, (0, 0, 0, extra)) for x in (self.k, self.v))  # zero slots after the old ones
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
               positions: Sequence[int], views: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -82,17 +75,14 @@ class KVCache:
         if pos and min(positions) <= pos[-1]:
             raise CacheInvariantError(f"layer {layer}: rows at positions {min(positions)}.. written after position "
                                       f"{pos[-1]}; roll the cache back first")
-        start = len(pos)
-        end = start + k_new.shape[1]
+        start, t = len(pos), k_new.shape[1]
+        end = start + t
         if end > self.capacity:
             raise CacheInvariantError(f"layer {layer}: {end} slots exceed the capacity {self.capacity}")
-        t = end - start
         self.k[layer].narrow(1, start, t).copy_(k_new)
         self.v[layer].narrow(1, start, t).copy_(v_new)
         pos.extend(positions)
-        if not views:
-            return None
-        return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
+        return (self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)) if views else None
 
     def crop(self, length: int) -> None:
         """Roll every layer back to at most ``length`` slots."""

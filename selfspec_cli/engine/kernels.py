@@ -118,8 +118,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        if x.dtype == torch.float32:
-            return self.module.linear(x, self.packed, self.weight.shape[0], self.bias_f32)
+        # float() and to() return x itself for float32 rows: no copy
         return self.module.linear(x.float(), self.packed, self.weight.shape[0], self.bias_f32).to(x.dtype)
 
 
@@ -198,16 +197,14 @@ class QLinear:
             codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
         else:
             codes = codes.view(torch.uint8)
-        mins = panels(quant.mins) if quant.mins is not None else None
-        b = None if bias is None else bias.detach().float().contiguous()
-        return cls(quant, b, codes, panels(quant.scales), mins, module, "avx2" if _avx2_forced() else "auto", n)
+        return cls(quant, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales),
+                   panels(quant.mins) if quant.mins is not None else None, module, "avx2" if _avx2_forced() else "auto", n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:
             return F.linear(x.float(), self.quant.dequantize(), self.bias).to(x.dtype)
-        y = self.module.qlinear(x if x.dtype == torch.float32 else x.float(), self.codes, self.scales, self.mins,
-                                self.out_features, self.quant.group, self.quant.bits, self.bias, self.isa)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self.module.qlinear(x.float(), self.codes, self.scales, self.mins, self.out_features, self.quant.group,
+                                   self.quant.bits, self.bias, self.isa).to(x.dtype)
 
 
 def _avx2_forced() -> bool:
@@ -218,9 +215,7 @@ def isa() -> str | None:
     """The instruction set the quantized kernels use on this CPU ("avx512" or "avx2"), or None
     without the kernel. ``SELFSPEC_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU."""
     module = load_extension()
-    if module is None:
-        return None
-    return "avx2" if _avx2_forced() else module.qisa()
+    return None if module is None else "avx2" if _avx2_forced() else module.qisa()
 
 
 def main() -> None:

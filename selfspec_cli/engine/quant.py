@@ -68,8 +68,8 @@ class DraftWeights:
 
 
 def _int8(adapter: ModelAdapter, group: int | None) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
-    layers = [{n: quantize_int8(getattr(w, f"w_{n}"), group) for n in LINEARS} for w in adapter.layers]
-    return layers, quantize_int8(adapter.lm_head, group), {}
+    return ([{n: quantize_int8(getattr(w, f"w_{n}"), group) for n in LINEARS} for w in adapter.layers],
+            quantize_int8(adapter.lm_head, group), {})
 
 
 def _gguf_block(t: Any) -> QuantWeight | None:
@@ -78,23 +78,22 @@ def _gguf_block(t: Any) -> QuantWeight | None:
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
+    kind = t.tensor_type
+    size = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}.get(kind)  # bytes per block of 32 weights
+    if size is None:
+        return None
     raw = np.asarray(t.data)
     n = raw.shape[0]
-    kind = t.tensor_type
+    b = raw.reshape(n, -1, size)
+
+    def half(at: int) -> torch.Tensor:  # (n, blocks) float32 from the float16 at byte ``at`` of each block
+        return torch.from_numpy(b[:, :, at : at + 2].copy().view(np.float16).astype(np.float32)[..., 0])
+
     if kind == Q.Q8_0:
-        b = raw.reshape(n, -1, 34)
-        d = b[:, :, :2].copy().view(np.float16).astype(np.float32)[..., 0]
-        q = b[:, :, 2:].copy().view(np.int8).reshape(n, -1)
-        return QuantWeight("q8_0", torch.from_numpy(q), torch.from_numpy(d), None, 32, 8)
-    if kind in (Q.Q4_0, Q.Q4_1):
-        size = 18 if kind == Q.Q4_0 else 20
-        b = raw.reshape(n, -1, size)
-        d = torch.from_numpy(b[:, :, :2].copy().view(np.float16).astype(np.float32)[..., 0])
-        m = torch.from_numpy(b[:, :, 2:4].copy().view(np.float16).astype(np.float32)[..., 0]) if kind == Q.Q4_1 else None
-        qs = torch.from_numpy(b[:, :, size - 16:].copy())  # (n, blocks, 16): weights j and j + 16
-        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1)
-        return QuantWeight("q4_1" if m is not None else "q4_0", codes, d, m, 32, 4)
-    return None
+        return QuantWeight("q8_0", torch.from_numpy(b[:, :, 2:].copy().view(np.int8).reshape(n, -1)), half(0), None, 32, 8)
+    qs = torch.from_numpy(b[:, :, size - 16:].copy())  # (n, blocks, 16): weights j and j + 16
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1)
+    return QuantWeight("q4_1" if kind == Q.Q4_1 else "q4_0", codes, half(0), half(2) if kind == Q.Q4_1 else None, 32, 4)
 
 
 def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None:
@@ -105,16 +104,11 @@ def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None
         return None
     if torch.equal(deq, target):
         return torch.arange(target.shape[0])
-    where: dict[bytes, list[int]] = {}
+    where: dict[bytes, int] = {}  # a row's bytes -> the first file row holding them
     for i, row in enumerate(deq.numpy()):
-        where.setdefault(row.tobytes(), []).append(i)
-    order = []
-    for row in target.detach().float().numpy():
-        hits = where.get(row.tobytes())
-        if not hits:
-            return None
-        order.append(hits[0])
-    return torch.tensor(order)
+        where.setdefault(row.tobytes(), i)
+    order = [where.get(row.tobytes()) for row in target.detach().float().numpy()]
+    return None if None in order else torch.tensor(order)
 
 
 def _take_rows(q: QuantWeight, order: torch.Tensor) -> QuantWeight:
@@ -168,18 +162,17 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
     for l, w in enumerate(adapter.layers):
         row: dict[str, QuantWeight] = {}
         for name in LINEARS:
-            target = getattr(w, f"w_{name}")
-            parts = _GGUF_PARTS[name]
-            if len(parts) == 1:
-                row[name] = load(f"blk.{l}.{parts[0]}.weight", target)
-            else:
-                got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, target.split(_split_sizes(adapter, name, target)))]
-                if len({g.fmt for g in got}) == 1:
-                    row[name] = _cat_rows(got)
-                else:  # parts of different types cannot share one fused matrix's kernel call
-                    fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
-                    exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
-                    row[name] = quantize_int8(target)
+            target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
+            pieces = target.split(_split_sizes(adapter, name, target))
+            got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
+            if len(got) == 1:
+                row[name] = got[0]
+            elif len({g.fmt for g in got}) == 1:
+                row[name] = _cat_rows(got)
+            else:  # parts of different types cannot share one fused matrix's kernel call
+                fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
+                exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
+                row[name] = quantize_int8(target)
         layers.append(row)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = load(head_name, adapter.lm_head)
@@ -189,11 +182,12 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
 
 
 def _split_sizes(adapter: ModelAdapter, name: str, fused: torch.Tensor) -> list[int]:
-    """Row counts of the parts of fused matrix ``name``: q, k, v or gate, up."""
+    """Row counts of the parts of matrix ``name``: q, k, v; gate, up; or the one matrix."""
     if name == "qkv":
         d = adapter.head_dim
         return [adapter.num_heads * d, adapter.num_kv_heads * d, adapter.num_kv_heads * d]
-    return [fused.shape[0] // 2] * 2
+    n = len(_GGUF_PARTS[name])
+    return [fused.shape[0] // n] * n
 
 
 # ------------------------------------------------------------------ cache
@@ -227,10 +221,8 @@ def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, m
     tensors: dict[str, torch.Tensor] = {}
     formats: list[str] = []
     for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(layers) for n, q in d.items()), ("head", head)]:
-        tensors[f"{key}.codes"] = q.codes.contiguous()
-        tensors[f"{key}.scales"] = q.scales.contiguous()
-        if q.mins is not None:
-            tensors[f"{key}.mins"] = q.mins.contiguous()
+        parts = {"codes": q.codes, "scales": q.scales, "mins": q.mins}
+        tensors.update({f"{key}.{part}": t.contiguous() for part, t in parts.items() if t is not None})
         formats.append(f"{key}={q.fmt}:{q.group}:{q.bits}")
     atomic_write(path, lambda f: save_file(tensors, f.name, metadata={"info": json.dumps(meta), "formats": ";".join(formats)}))
 
@@ -246,8 +238,7 @@ def _load(path: Path, num_layers: int) -> tuple[list[dict[str, QuantWeight]], Qu
             def get(key: str) -> QuantWeight:
                 fmt, group, bits = formats[key].split(":")
                 mins = f.get_tensor(f"{key}.mins") if f"{key}.mins" in f.keys() else None
-                return QuantWeight(fmt, f.get_tensor(f"{key}.codes"), f.get_tensor(f"{key}.scales"), mins, int(group),
-                                   int(bits))
+                return QuantWeight(fmt, f.get_tensor(f"{key}.codes"), f.get_tensor(f"{key}.scales"), mins, int(group), int(bits))
 
             layers = [{n: get(f"{l}.{n}") for n in LINEARS} for l in range(num_layers)]
             return layers, get("head"), json.loads(meta.get("info", "{}"))
@@ -263,8 +254,7 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
     if precision not in PRECISIONS:
         raise ValueError(f"unknown draft precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
     t0 = time.perf_counter()
-    dtype = str(adapter.dtype).removeprefix("torch.")
-    path = cache_path(fingerprint, precision, model_dir, dtype) if fingerprint else None
+    path = cache_path(fingerprint, precision, model_dir, str(adapter.dtype).removeprefix("torch.")) if fingerprint else None
     loaded = _load(path, adapter.num_layers) if path is not None and path.is_file() else None
     if loaded is not None:
         layers, head, meta = loaded
@@ -283,8 +273,7 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
             except ArtifactError:
                 path = None  # a read-only cache only costs the next load the quantization
         info = {"cache": "miss" if path is not None else "off", **meta}
-    biases = [{n: getattr(w, f"b_{n}") for n in LINEARS} for w in adapter.layers]
-    draft = DraftWeights(precision, [{n: QLinear.make(q, biases[l][n], module) for n, q in d.items()}
+    draft = DraftWeights(precision, [{n: QLinear.make(q, getattr(adapter.layers[l], f"b_{n}"), module) for n, q in d.items()}
                                      for l, d in enumerate(layers)], QLinear.make(head, None, module))
     draft.info = {**info, "load_s": round(time.perf_counter() - t0, 3), "bytes": draft.nbytes(),
                   "formats": sorted({q.quant.fmt for d in draft.layers for q in d.values()} | {draft.head.quant.fmt}),
@@ -296,5 +285,4 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
 
 def subset(head: QLinear, ids: torch.Tensor, module: Any) -> QLinear:
     """The quantized head's rows for ``ids`` (FR-Spec's draft vocabulary over the draft copy)."""
-    q = head.quant
-    return QLinear.make(_take_rows(q, ids.cpu()), None, module)
+    return QLinear.make(_take_rows(head.quant, ids.cpu()), None, module)

@@ -45,7 +45,7 @@ from . import kernels
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
-from .quant import DraftWeights, build_draft, gguf_source
+from .quant import DraftWeights, build_draft, gguf_source, subset
 
 
 @dataclass(slots=True)
@@ -69,13 +69,9 @@ class Engine:
         self.adapter = a = ModelAdapter(model)
         self.model = model
         self.governor = governor_for_new_engine()  # --threads auto (engine/threads.py), else None
-        self.num_layers = a.num_layers
-        self.dtype = a.dtype
-        self.device = a.device
-        self.vocab_size = a.vocab_size
+        self.num_layers, self.dtype, self.device, self.vocab_size = a.num_layers, a.dtype, a.device, a.vocab_size
         self._hq, self._hkv, self._d = a.num_heads, a.num_kv_heads, a.head_dim
         self._qk_width = (self._hq + self._hkv) * self._d
-        self._gqa = self._hq != self._hkv
         self._neg = torch.finfo(self.dtype).min
         self._unit_d = torch.ones(self._d, dtype=self.dtype, device=self.device)  # per-head norms' own weight
         self._grow_rope(max(256, min(a.max_positions, 4096)))
@@ -102,9 +98,8 @@ class Engine:
         (or read from the disk cache) and kept; ``forward(..., weights=precision)`` runs on it."""
         if precision not in self.drafts:
             where = getattr(self.model, "name_or_path", "") or ""
-            source = gguf_source(where) or {}
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)
-            gguf_file = source.get("gguf_file") if self.dtype == torch.float32 else None
+            gguf_file = (gguf_source(where) or {}).get("gguf_file") if self.dtype == torch.float32 else None
             self.drafts[precision] = build_draft(self.adapter, precision, model_fingerprint(self.model), gguf_file,
                                                  self._module, where or None)
         return self.drafts[precision]
@@ -118,12 +113,10 @@ class Engine:
                 make(a.lm_head, None, module))
 
     def _grow_rope(self, length: int) -> None:
-        cos, sin = self.adapter.rope_table(length)
+        self._cos, sin = self.adapter.rope_table(length)  # (length, D): rows 0..length-1
         half = self._d // 2
         # rotate_half(x) * sin == flip_halves(x) * sin_signed, with sin_signed = [-sin1, sin2]
-        self._cos = cos
         self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self._rope_len = length
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim: the kernel's one-call version for float32 rows, else
@@ -162,8 +155,6 @@ class Engine:
         per-output order). FR-Spec's draft vocabulary (methods/fr_spec.py); with ``weights``,
         the rows of that draft copy's quantized head."""
         if weights is not None:
-            from .quant import subset
-
             return subset(self.draft(weights).head, ids, self._module)
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module)
 
@@ -181,16 +172,11 @@ class Engine:
         if tree_mask is None and not cut and t == 1:
             return None
         allowed = torch.ones(t, total, dtype=torch.bool, device=self.device)
-        if tree_mask is None:
-            allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        else:
-            allowed[:, past:] = tree_mask
+        allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril() if tree_mask is None else tree_mask
         if cut:
             k_pos = torch.cat([torch.tensor(k_positions, dtype=torch.long, device=self.device), q_pos])
             allowed &= (q_pos[:, None] - k_pos[None, :]) < window
-        mask = torch.zeros(t, total, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, self._neg)
-        return mask[None, None]
+        return torch.zeros(t, total, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)[None, None]
 
     # -- forward -----------------------------------------------------------
     @torch.inference_mode()
@@ -211,31 +197,23 @@ class Engine:
                 output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,
                 attn_cosine: bool = False, head: Any = None, weights: str | None = None,
                 kv_window: tuple[int, int] | None = None) -> ForwardOutput:
-        a = self.adapter
         end = self.num_layers if end is None else end
         assert 0 <= start <= end <= self.num_layers, (start, end)
-        if hidden is None:
-            assert input_ids is not None and input_ids.dim() == 1, "input_ids must be 1-D (T,)"
-            h = self.embed(input_ids)  # (T, H)
-        else:
-            h = hidden
+        assert hidden is not None or (input_ids is not None and input_ids.dim() == 1), "input_ids must be 1-D (T,)"
+        h = self.embed(input_ids) if hidden is None else hidden  # (T, H)
         t = h.shape[0]
 
         # rotary rows for the new tokens
         if isinstance(positions, int):
-            q_pos, rows, need = None, slice(positions, positions + t), positions + t
-            q_list: list[int] = list(range(positions, positions + t))
+            q_pos, rows, q_list = None, slice(positions, positions + t), list(range(positions, positions + t))
         else:
             q_pos, rows, q_list = positions, positions, positions.tolist()
-            need = max(q_list) + 1
-        if need > self._rope_len:
-            self._grow_rope(max(2 * self._rope_len, need))
-        cos = self._cos[rows]
-        sin = self._sin_signed[rows]
+        if max(q_list, default=-1) >= len(self._cos):
+            self._grow_rope(max(2 * len(self._cos), max(q_list) + 1))
         ops = self._ops if h.dtype == torch.float32 else None
         few_rows = ops is not None and t <= ATTEND_MAX_ROWS  # the kernel's attention; SDPA for long prefills
-        cos2, sin2 = cos, sin  # (T, D)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D)
+        cos2, sin2 = self._cos[rows], self._sin_signed[rows]  # (T, D)
+        cos, sin = cos2[:, None, :], sin2[:, None, :]  # (T, 1, D)
 
         hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
         hidden_at: dict[int, torch.Tensor] = {}
@@ -245,7 +223,7 @@ class Engine:
         lins = self._lin if weights is None else self.draft(weights).layers
 
         for l in range(start, end):
-            w = a.layers[l]
+            w = self.adapter.layers[l]
             lin = lins[l]
             if l not in skip_attn:
                 # 1) attention sublayer
@@ -278,9 +256,8 @@ class Engine:
                                    *(kv_window or (0, 0)))
                 else:
                     q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
-                    keys, values = kv
-                    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1,
-                                                       enable_gqa=self._gqa)
+                    o = F.scaled_dot_product_attention(q, *kv, attn_mask=mask, is_causal=mask is None and t > 1,
+                                                       enable_gqa=hq != hkv)
                     o = o[0].transpose(0, 1).reshape(t, hq * d)
                 h_in = h
                 h = h + lin["o"](o)

@@ -36,14 +36,8 @@ def tree_positions(parents: Sequence[int], prefix_len: int, device: torch.device
 
 
 def root_to_leaf_paths(parents: Sequence[int]) -> list[list[int]]:
-    """Every root-to-leaf path as a list of node indices."""
+    """Every root-to-leaf path as a list of node indices: a leaf's ancestors and itself, which
+    the topological order lists root first."""
     has_child = {p for p in parents if p >= 0}
-    paths = []
-    for leaf in range(len(parents)):
-        if leaf in has_child:
-            continue
-        path = [leaf]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        paths.append(path[::-1])
-    return paths
+    mask = tree_mask_from_parents(parents)
+    return [mask[leaf].nonzero().flatten().tolist() for leaf in range(len(parents)) if leaf not in has_child]
