@@ -150,7 +150,7 @@ class LayerSkipProposer(Proposer):
         self.full_depth_variant = True  # weigh full depth against the skip set (auto turns it off: it has its own)
         self._turn = False
         self.full_depth_rounds = 0
-        self.use_draft_vocab(None)  # FR-Spec: drafts may score only some tokens (methods/fr_spec.py)
+        self.use_draft_vocab(None)  # FR-Spec: drafts may score only some tokens (methods/fr_spec/)
         if draft.cost_aware:
             self._planner()  # measures the engine's verify curve now (once per engine), not inside a timed decode
 
@@ -158,7 +158,7 @@ class LayerSkipProposer(Proposer):
         """Draft over the tokens ``ids`` only (None: the whole vocabulary). Verification keeps
         the full head, so greedy output is unchanged; sampled drafts are drawn from the
         draft law restricted to ``ids`` and handed over as that law (zero elsewhere), which
-        keeps speculative sampling exact (proof: methods/fr_spec.py)."""
+        keeps speculative sampling exact (proof: methods/fr_spec/)."""
         if ids is None or int(ids.numel()) >= self.engine.vocab_size:
             self.vocab_ids = self._vocab_head = self._vocab_index = None
             return

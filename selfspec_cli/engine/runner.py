@@ -152,7 +152,7 @@ class Engine:
     def subset_head(self, ids: torch.Tensor, weights: str | None = None) -> Any:
         """The LM head's rows for the tokens ``ids`` only (prepacked once): logits column ``i``
         is token ``ids[i]``'s logit, bit-identical to the full head's (same kernel, same
-        per-output order). FR-Spec's draft vocabulary (methods/fr_spec.py); with ``weights``,
+        per-output order). FR-Spec's draft vocabulary (methods/fr_spec/); with ``weights``,
         the rows of that draft copy's quantized head."""
         if weights is not None:
             return subset(self.draft(weights).head, ids, self._module)
