@@ -42,7 +42,6 @@ from .errors import ArtifactError, ConfigError, first_line
 from .jsonio import dumps
 from .paths import atomic_write
 
-SKIP_KIND = "self-sd-layers"
 FORMAT_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"

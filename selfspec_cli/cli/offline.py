@@ -39,17 +39,20 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
              chat_template: bool, dtype: str, device: str) -> None:
     """Run ``step`` with the command's common options and ``options``: its own (parameter name ->
     value; None: not given). One given that belongs to another step is refused."""
-    flag = "--method" if step.command == "calibrate" else "--kind"
-    if foreign := [k for k, v in options.items() if v is not None and k not in step.options]:
+    given = {k: v for k, v in options.items() if v is not None}
+    if foreign := sorted(set(given) - set(step.options)):
         owners = sorted({n for (c, n), s in OFFLINE.items() if c == step.command and foreign[0] in s.options})
+        flag = "--method" if step.command == "calibrate" else "--kind"
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {flag} {', '.join(owners) or 'no step'}, "
                           f"not of {step.name}; drop it")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
-    setting = step.prepare({k: v for k, v in options.items() if v is not None})
+    setting = step.prepare(given)
     writes = getattr(setting, "writes", True)  # False: a --workers helper, which never writes
     apply_threads(threads)
-    gen = GenerationConfig(max_new_tokens=step.max_new_tokens if max_new_tokens is None else max_new_tokens)  # validates before any loading
-    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, step.num_prompts if num_prompts is None else num_prompts, prompt_format)
+    new_tokens = step.max_new_tokens if max_new_tokens is None else max_new_tokens
+    GenerationConfig(max_new_tokens=new_tokens)  # validates before any loading
+    texts = load_calibration_prompts(prompt_file, dataset, dataset_field, step.num_prompts if num_prompts is None
+                                     else num_prompts, prompt_format)
     if output is not None and writes:
         step.artifact.check_output(output, force)
 
@@ -57,10 +60,9 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
     out_path = output or step.artifact.default_path(mdl)
     if writes:
         step.artifact.check_output(out_path, force)  # before the slow part
-    gen = GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
-    ctx = context_length(mdl)
+    gen = GenerationConfig(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids(mdl, tok))
     for i, t in enumerate(texts):
-        check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, gen, ctx, chat_template)
+        check_prompt_fits(Prompt(id=i + 1, turns=(t,)), tok, gen, context_length(mdl), chat_template)
     prompt_ids = [encode_turn(tok, [{"role": "user", "content": t}], chat_template) for t in texts]
     prompts = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
                "sha256": prompts_digest(prompt_ids), "chat_template": chat_template,

@@ -247,3 +247,20 @@ def progress_callback(bar: Any) -> Progress:
         bar.update(tasks[name], completed=done, info=info)
 
     return on_progress
+
+
+def finish(job: Any, spec: Any, items: dict[int, Any], manifest: dict[str, Any], train_s: float, lines: list[str],
+           **summary: Any) -> dict[str, Any]:
+    """Log the per-layer report ``lines``, save the per-layer artifact (``manifest``: the fields of
+    :func:`collect` and the trainer's own, its ``training`` completed with the two durations),
+    say where; returns the command's summary."""
+    from ..artifacts import save_layers
+
+    for line in lines:
+        job.log(line)
+    collect_s = manifest["data"]["collect_seconds"]
+    manifest["training"].update(collect_seconds=collect_s, train_seconds=train_s)
+    save_layers(spec, job.output, job.model, items, manifest)
+    job.log(f"wrote {job.output} (data {collect_s:.1f}s, training {train_s:.1f}s)")
+    return {**summary, "artifact": str(job.output), "layers": sorted(items), "report": manifest["report"],
+            "rows": manifest["data"]["rows"], "collect_seconds": collect_s, "train_seconds": train_s}

@@ -23,10 +23,9 @@ import torch.nn.functional as F
 
 from ...engine import Engine
 from ...errors import ConfigError
-from ...artifacts import save_layers
 from ..base import layer_list
 from ..offline import OfflineJob
-from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, collect, cosine_lr, frozen_head, optimizer_step,
+from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, collect, cosine_lr, finish, frozen_head, optimizer_step,
                         progress_callback, splits, teacher_logprobs)
 from . import HEADS
 from .heads import LowRankHead, head_logits, init_head
@@ -164,19 +163,14 @@ def run(job: OfflineJob) -> dict[str, Any]:
     with job.progress() as bar:
         heads, reports = train_lm_heads(job.engine, data, cfg, progress_callback(bar))
     train_s = time.perf_counter() - t0
-    report = [asdict(r) for r in reports]
-    save_layers(HEADS, job.output, job.model, heads, {
-        **common, "rank": s.rank, "head_layers_note": "0-based id of the layer after which the head reads",
-        "training": {"loss": "forward KL(p_final || p_head)", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
-                     "lr": cfg.lr, "schedule": f"cosine, {cfg.warmup_share:.0%} warmup", "seed": s.seed,
-                     "early_stopping": "epoch with the lowest validation KL (validation prompts)",
-                     "collect_seconds": common["data"]["collect_seconds"], "train_seconds": train_s},
-        "report": report})
-    for r in reports:
-        pcs = ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}" for th, v in r.precision_coverage.items())
-        job.log(f"head after layer {r.layer} (epoch {r.best_epoch} kept): test KL {r.kl_before:.3f} -> {r.kl_after:.3f}, "
-                f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; {pcs}")
-    job.log(f"wrote {job.output} (data {common['data']['collect_seconds']:.1f}s, training {train_s:.1f}s)")
-    return {"kind": "lm-heads", "artifact": str(job.output), "layers": sorted(heads), "rank": s.rank, "report": report,
-            "rows": data.num_rows, "collect_seconds": common["data"]["collect_seconds"], "train_seconds": train_s,
-            "thresholds": list(DEFAULT_THRESHOLDS)}
+    manifest = {**common, "rank": s.rank, "head_layers_note": "0-based id of the layer after which the head reads",
+                "training": {"loss": "forward KL(p_final || p_head)", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+                             "lr": cfg.lr, "schedule": f"cosine, {cfg.warmup_share:.0%} warmup", "seed": s.seed,
+                             "early_stopping": "epoch with the lowest validation KL (validation prompts)"},
+                "report": [asdict(r) for r in reports]}
+    lines = [f"head after layer {r.layer} (epoch {r.best_epoch} kept): test KL {r.kl_before:.3f} -> {r.kl_after:.3f}, "
+             f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; "
+             + ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}" for th, v in r.precision_coverage.items())
+             for r in reports]
+    return finish(job, HEADS, heads, manifest, train_s, lines, kind="lm-heads", rank=s.rank,
+                  thresholds=list(DEFAULT_THRESHOLDS))

@@ -651,8 +651,6 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     s: Setting = job.setting
     search, engine, helper = s.search, job.engine, s.search.search_only
     db_path = Path(search.study_path) if search.study_path is not None else job.output.with_name(job.output.stem + ".optuna.db")
-    if search.storage is None:
-        check_writable(db_path, "--study-path")
     where = describe(search.storage) if search.storage is not None else str(db_path)
     if s.draft_precision in ("auto", "target"):
         quantized = resolve_precision(engine, "auto") if s.draft_precision == "auto" else None
@@ -666,7 +664,7 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
         f"{engine.dtype}, {engine.device}; {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens"
         f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
         f"draft weights {', '.join(precisions)}; study {where}{f'; {s.workers} workers' if s.workers > 1 else ''}[/dim]")
-    workers = Workers(job, s.workers, search, db_path)
+    workers = Workers(job, s.workers, search, db_path, where)
     with contextlib.ExitStack() as stack:
         bar: list[Any] = []  # (bar, task): started by the first report, once the study is open and its costs logged
 
@@ -729,8 +727,8 @@ class Workers:
     helpers (which got the terminal's Ctrl-C too) get 30 s to save their trials; any left
     running are killed."""
 
-    def __init__(self, job: OfflineJob, n: int, search: SearchConfig, db_path: Path) -> None:
-        self.job, self.n, self.search, self.db_path = job, n, search, db_path
+    def __init__(self, job: OfflineJob, n: int, search: SearchConfig, db_path: Path, where: str) -> None:
+        self.job, self.n, self.search, self.db_path, self.where = job, n, search, db_path, where
         self.procs: list[Any] = []
         self.done = 0
 
@@ -738,14 +736,12 @@ class Workers:
         """This run's arguments without --workers, --force and the study's name, then the study named explicitly."""
         import sys
 
-        out, args, i = [sys.executable, "-m", "selfspec_cli"], self.job.argv, 0
-        while i < len(args):
-            name = args[i].split("=", 1)[0]
-            if name in ("--workers", "--study-path", "--storage"):
-                i += 1 if "=" in args[i] else 2
-            else:
-                out += [] if name == "--force" else [args[i]]
-                i += 1
+        out, args, named = [sys.executable, "-m", "selfspec_cli"], iter(self.job.argv), ("--workers", "--study-path", "--storage")
+        for a in args:
+            if a in named:  # its value is the next argument
+                next(args, None)
+            if a.split("=", 1)[0] not in (*named, "--force"):
+                out.append(a)
         storage = self.search.storage
         return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.db_path)])
 
@@ -780,9 +776,7 @@ class Workers:
             for h in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     h.wait(timeout=30)
-            where = describe(self.search.storage) if self.search.storage is not None else str(self.db_path)
-            exc_note = f"{self.done} finished trials are saved in {where}; run the same command again to resume"
-            self.job.exit_note(exc_note)
+            self.job.exit_note(f"{self.done} finished trials are saved in {self.where}; run the same command again to resume")
         for h in self.procs:
             if h.poll() is None:
                 h.kill()

@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ...engine import Engine
-from ...artifacts import save_layers
 from ..adadecode import LowRankHead, head_logits, load_heads
 from ..offline import OfflineJob
-from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, collect, frozen_head, optimizer_step,
+from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, collect, finish, frozen_head, optimizer_step,
                         progress_callback, splits)
 from . import EXIT_MLPS
 from .predictor import NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, exit_logit, spec_local, specee_features
@@ -218,25 +217,20 @@ def run(job: OfflineJob) -> dict[str, Any]:
         predictors, reports = train_exit_mlps(job.engine, data, drafter_layer, heads[drafter_layer], cfg,
                                               progress_callback(bar))
     train_s = time.perf_counter() - t0
-    report = [asdict(r) for r in reports]
-    save_layers(EXIT_MLPS, job.output, job.model, predictors, {
+    manifest = {
         **common, "drafter": {"kind": "adadecode-head", "layer": drafter_layer,
                               "heads_artifact_id": drafter_manifest.get("artifact_id"), "top_k": NUM_SPEC_TOKENS},
         "features": "[s (4 speculative-token logits of final_norm(h_l)), q = softmax(s), q - q_(l-1) (q at the drafter layer)]",
         "label": "argmax of the full LM head on final_norm(h_l) is a speculative token and equals the full model's token",
         "training": {"loss": "BCE, positives weighted n_neg/n_pos", "epochs": cfg.epochs, "batch_size": cfg.batch_size,
-                     "lr": cfg.lr, "seed": s.seed, "collect_seconds": common["data"]["collect_seconds"],
-                     "train_seconds": train_s},
+                     "lr": cfg.lr, "seed": s.seed},
         "thresholds": {str(r.layer): r.threshold for r in reports},
         "threshold_rule": (f"lowest threshold >= 0.5 whose exit precision on the validation prompts has one-sided lower "
                            f"bounds (z {cfg.confidence_z}: Wilson over rows and a bootstrap over prompts) "
                            f">= {cfg.target_precision}"),
-        "report": report})
-    for r in reports:
-        job.log(f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
-                f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: "
-                f"precision {r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}")
-    job.log(f"wrote {job.output} (data {common['data']['collect_seconds']:.1f}s, training {train_s:.1f}s)")
-    return {"kind": "exit-mlp", "artifact": str(job.output), "layers": sorted(predictors), "drafter_layer": drafter_layer,
-            "report": report, "rows": data.num_rows, "collect_seconds": common["data"]["collect_seconds"],
-            "train_seconds": train_s}
+        "report": [asdict(r) for r in reports]}
+    lines = [f"predictor after layer {r.layer}: positives {r.positive_share:.3f}; test prompts at 0.5: exit precision "
+             f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: precision "
+             f"{r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}"
+             for r in reports]
+    return finish(job, EXIT_MLPS, predictors, manifest, train_s, lines, kind="exit-mlp", drafter_layer=drafter_layer)
