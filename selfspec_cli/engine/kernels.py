@@ -118,7 +118,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        # float() and to() return x itself for float32 rows: no copy
+        if x.dtype == torch.float32:  # the decode path: no float()/to() calls (about 1 % of a SmolLM2 step)
+            return self.module.linear(x, self.packed, self.weight.shape[0], self.bias_f32)
         return self.module.linear(x.float(), self.packed, self.weight.shape[0], self.bias_f32).to(x.dtype)
 
 
@@ -203,8 +204,9 @@ class QLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:
             return F.linear(x.float(), self.quant.dequantize(), self.bias).to(x.dtype)
-        return self.module.qlinear(x.float(), self.codes, self.scales, self.mins, self.out_features, self.quant.group,
-                                   self.quant.bits, self.bias, self.isa).to(x.dtype)
+        y = self.module.qlinear(x if x.dtype == torch.float32 else x.float(), self.codes, self.scales, self.mins,
+                                self.out_features, self.quant.group, self.quant.bits, self.bias, self.isa)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)  # fp32 rows: no to() call on the draft's path
 
 
 def _avx2_forced() -> bool:
