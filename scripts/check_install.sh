@@ -78,4 +78,15 @@ export VENV N
 if ! printf '%s\n' $methods | xargs -P "${JOBS:-2}" -I{} bash -c 'run_one "$1"' _ {}; then
   echo "check_install: FAILED (above)" >&2; exit 1
 fi
-echo "check_install: non-editable install ok: generate with every method ($methods) from $WORK, $((SECONDS - t0)) s" >&2
+# The offline steps are imported by module name from their method's package (methods/offline.py):
+# one calibration and one training from the installed package, each writing its artifact under
+# $SELFSPEC_HOME and printing one JSON summary.
+printf '%s\n' '{"prompt": "def parse(line):"}' '{"prompt": "import os"}' '{"prompt": "class Cache:"}' > train.jsonl
+for step in "calibrate --method fr-spec" "train-heads --kind lm-heads --epochs 1 --rank 4"; do
+  if ! "$VENV/bin/selfspec" $step --model pystdlib -p train.jsonl --num-prompts 3 -n 4 > step.json 2> step.err; then
+    echo "check_install: FAILED: selfspec $step" >&2; tail -3 step.err >&2; exit 1
+  fi
+  "$VENV/bin/python" -c 'import json, sys; a = json.load(open("step.json"))["artifact"]; sys.exit(0 if a.startswith(sys.argv[1]) else f"artifact {a}")' "$SELFSPEC_HOME"
+  echo "check_install: selfspec $step ok" >&2
+done
+echo "check_install: non-editable install ok: generate with every method ($methods), a calibration and a training from $WORK, $((SECONDS - t0)) s" >&2
