@@ -23,8 +23,30 @@ def test_contention_from_the_start_is_seen_against_one_thread():
     """A team that is slow from its first forward has a slow best: it is compared with one thread."""
     g, calls = _gov()
     assert calls == [1, 2] and g.current == 2
-    g.observe(1, 0.040)  # first 2-thread forward, under a busy competitor (probe of the warm-up)
+    g.observe(1, 0.040)  # the team's first forward pays its wake-up: not judged
+    assert g.current == 2
+    g.observe(1, 0.040)  # the next, still under a busy competitor (probe of the warm-up)
     assert g.current == 1
+
+
+def test_the_wake_up_forward_after_a_switch_is_not_judged():
+    """Measured on SmolLM2: the first forward after going to two threads took 31 ms against a 25 ms
+    one-thread step (and 18 ms against a 12 ms team step); judged, it failed every idle probe."""
+    g, calls = _gov()
+    g.observe(1, 0.031)  # wake-up
+    for _ in range(300):
+        g.observe(1, 0.010)
+    assert g.current == 2 and calls == [1, 2]
+    g.observe(1, 0.019)
+    g.observe(1, 0.019)  # two slow forwards: contention, one thread
+    assert g.current == 1
+    while g.current == 1:
+        g.observe(1, 0.016)
+    g.observe(1, 0.018)  # the probe's wake-up, slower than 1.3x the best: not judged
+    g.observe(1, 0.010)  # the probe itself is fast: stay
+    for _ in range(100):
+        g.observe(1, 0.010)
+    assert g.current == 2 and g.interval == 50
 
 
 def test_stays_at_two_threads_while_forwards_keep_their_speed():
@@ -44,11 +66,10 @@ def test_drops_to_one_thread_under_contention_and_probes_less_often_while_it_las
     assert g.current == 1 and calls[-1] == 1
     probes = []
     for i in range(2000):
-        if g.current == 2:  # a probe: still contended
+        before = g.current
+        g.observe(1, 0.030 if g.current == 2 else 0.012)  # probes (and their wake-ups) still contended
+        if before == 1 and g.current == 2:
             probes.append(i)
-            g.observe(1, 0.030)
-        else:
-            g.observe(1, 0.012)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # the interval doubles
 
