@@ -136,7 +136,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
             expected, cost = expected + e, cost + c
             unplanned |= bool(depth) and draft.plan is None
-            stats.target_forwards += not decided or draft.full_depth
+            if not decided or draft.full_depth:  # a decided round's forward counts only when it ran every layer
+                stats.target_forwards += 1
             stats.draft_lengths.append(0 if decided else depth)
             if depth and not decided:
                 stats.draft_rounds += 1

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ...artifacts import check_writable
+from ...loading import model_fingerprint
 from ...config import GenerationConfig
 from ...decoding.cost import VerifyCurve, measure_draft_step, timed, weight_bytes
 from ...decoding.layer_skip import DraftConfig
@@ -681,7 +682,7 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
 
         with workers:
             result = calibrate_self_sd(engine, job.tokenizer, job.prompt_ids, job.gen, search,
-                                       fingerprint=SKIP_SET.header(job.model)["model_fingerprint"],
+                                       fingerprint=model_fingerprint(job.model),
                                        prompts_sha=job.prompts["sha256"], on_trial=(lambda _r: None) if helper else on_trial,
                                        log=say, on_ready=workers.start, before_finish=workers.wait)
     if helper:
