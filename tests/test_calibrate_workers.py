@@ -90,8 +90,9 @@ def test_two_local_workers_finish_exactly_n_trials(kind, tiny_model_dir, prompt_
 
 def test_a_worker_killed_mid_trial_loses_nothing(tiny_model_dir, prompt_file, tmp_path):
     """``--workers 2`` on a journal file; the helper process is SIGKILLed while a trial of its own
-    runs. The first process fails the stale trial by its heartbeat, runs its copy, and the study
-    ends with exactly N complete trials and the artifact written."""
+    runs (stopped first and checked: a kill that lands between two trials kills none). The first
+    process fails the stale trial by its heartbeat, runs its copy, and the study ends with exactly
+    N complete trials and the artifact written."""
     storage = f"journal:{tmp_path / 'study.journal'}"
     n = 16
     argv = cli(*calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", str(n), "--storage", storage,
@@ -107,9 +108,15 @@ def test_a_worker_killed_mid_trial_loses_nothing(tiny_model_dir, prompt_file, tm
                 continue
             running = [t for t in load(storage).get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
                        if t.user_attrs.get("worker_index") == 1]
-            if running:
-                killed = running[0].number
-                os.kill(running[0].user_attrs["pid"], signal.SIGKILL)
+            if running:  # stop the helper, then kill it only if that trial is still running: under load,
+                pid = running[0].user_attrs["pid"]  # it may have finished between the read and the signal
+                os.kill(pid, signal.SIGSTOP)
+                if running[0].number in {t.number for t in load(storage).get_trials(
+                        deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}:
+                    killed = running[0].number
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGCONT)
         assert killed is not None, "the helper never ran a trial"
         out, err = first.communicate(timeout=600)
     finally:
