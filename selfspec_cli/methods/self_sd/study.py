@@ -50,10 +50,8 @@ def machine_id() -> str:
     """Where a throughput trial was timed: host name and CPU model (timings from two machines do not compare)."""
     cpu = ""
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
     return f"{socket.gethostname()} ({cpu})" if cpu else socket.gethostname()
 
 
@@ -113,9 +111,8 @@ def _open_storage(spec: str, heartbeat_s: int) -> Any:
     if scheme not in RDB_SCHEMES:
         raise ConfigError(f"--storage '{describe(spec)}' is neither a database URL ({', '.join(RDB_SCHEMES)}) nor a "
                           f"journal file ({JOURNAL_PREFIX}PATH or *.journal); pass one of those")
-    kwargs: dict[str, Any] = {}
-    if scheme == "sqlite":  # several writers wait for the file lock instead of failing at once
-        kwargs = {"connect_args": {"timeout": 120}}
+    # SQLite: several writers wait for the file lock instead of failing at once
+    kwargs = {"connect_args": {"timeout": 120}} if scheme == "sqlite" else {}
     try:
         storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
                                              grace_period=GRACE_BEATS * heartbeat_s, **{stale_arg: retry})
@@ -145,16 +142,11 @@ def _immediate_transactions(engine: Any) -> None:
     engine.dispose()  # connections opened before the listeners (the schema check) are not reused
 
 
-def _heartbeat_base() -> type:
+def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None]) -> Any:  # noqa: N802 (a class, built lazily)
+    from optuna.storages import JournalStorage
     from optuna.storages._heartbeat import BaseHeartbeat  # Optuna's heartbeat protocol (RDBStorage implements it)
 
-    return BaseHeartbeat
-
-
-def _journal_class() -> type:
-    from optuna.storages import JournalStorage
-
-    class _HeartbeatJournal(JournalStorage, _heartbeat_base()):  # type: ignore[misc]
+    class _HeartbeatJournal(JournalStorage, BaseHeartbeat):  # type: ignore[misc]
         """A journal-file storage that keeps Optuna's heartbeat protocol (Optuna implements it
         for SQL databases only): a running trial's heartbeat is a system attribute with the wall
         time, written every ``interval`` seconds by Optuna's heartbeat thread; a running trial
@@ -190,14 +182,9 @@ def _journal_class() -> type:
         def get_heartbeat_stale_trial_callback(self) -> Callable[..., None]:
             return self._callback
 
-        def get_failed_trial_callback(self) -> Callable[..., None]:  # the name before Optuna 4.9
-            return self._callback
+        get_failed_trial_callback = get_heartbeat_stale_trial_callback  # the name before Optuna 4.9
 
-    return _HeartbeatJournal
-
-
-def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None]) -> Any:  # noqa: N802 (a class, built lazily)
-    return _journal_class()(backend, interval, callback)
+    return _HeartbeatJournal(backend, interval, callback)
 
 
 def dispose(storage: Any) -> None:
