@@ -198,19 +198,14 @@ def dispose(storage: Any) -> None:
 # ---------------------------------------------------------------- one worker's share
 
 
-def _states() -> tuple[Any, Any]:
-    from optuna.trial import TrialState
-
-    return TrialState.COMPLETE, TrialState.RUNNING
-
-
 def check_slot(study: Any, trial: Any, n_trials: int) -> str | None:
     """Why ``trial`` (just started, parameters suggested) must not run: ``surplus`` when the complete
     trials and the running ones numbered before it already make ``n_trials``; ``duplicate`` when a
     complete trial, or a running one numbered before it, has the same parameters. None: run it."""
-    complete, running = _states()
-    before = [t for t in study.get_trials(deepcopy=False, states=(complete, running))
-              if t.state == complete or t.number < trial.number]
+    from optuna.trial import TrialState
+
+    before = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+              if t.state == TrialState.COMPLETE or t.number < trial.number]
     if len(before) >= n_trials:
         return "surplus"
     if any(t.params == trial.params for t in before):
@@ -225,14 +220,14 @@ def run_workers_share(study: Any, run_one: Callable[[], None], n_trials: int, *,
     wait (polling every ``poll_s``) for them to end: a running one whose worker died goes stale,
     is failed here and queued again with its parameters. Returns the trials this worker started."""
     import optuna
+    from optuna.trial import TrialState
 
-    complete, running = _states()
     started = 0
     while True:
         with contextlib.suppress(Exception):  # a busy database: the next round tries again
             optuna.storages.fail_stale_trials(study)
-        trials = study.get_trials(deepcopy=False, states=(complete, running))
-        if sum(t.state == complete for t in trials) >= n_trials:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+        if sum(t.state == TrialState.COMPLETE for t in trials) >= n_trials:
             return started
         if len(trials) >= n_trials:
             check()
@@ -248,8 +243,9 @@ def finished_last(study: Any, me: str, joined: Any) -> bool:
     completed last: that worker writes the result, once. A worker that ran no trial writes only when
     the study was already finished when it joined (``joined``, a naive local datetime as Optuna keeps
     them): it re-opened a finished study."""
-    complete, _ = _states()
-    done = study.get_trials(deepcopy=False, states=(complete,))
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not done:
         return False
     last = max(done, key=lambda t: (t.datetime_complete, t.number))
