@@ -443,8 +443,7 @@ def calibrate_self_sd(
         try:
             # the proxy's measured inputs, measured once per study by the first worker and kept in it, so that
             # every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)
-            saved_c = study.user_attrs.get("full_depth_c") or {}
-            full_c.update({p: float(v) for p, v in saved_c.items()})
+            full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
             if missing := [p for p in precisions if p not in full_c]:
                 full_c.update(full_depth_costs(engine, missing))
                 study.set_user_attr("full_depth_c", full_c)
