@@ -527,13 +527,14 @@ def calibrate_self_sd(
         finally:
             dispose(storage)
 
-    study_fields = dict(num_layers=L, best_trial=best_t.number, best_value=float(best_t.value),
-                        best_attrs=dict(best_t.user_attrs), trials=len(finished),
-                        new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
-                        study_path=search.storage if search.storage is not None else search.study_path)
+    # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
+    common = dict(num_layers=L, best_trial=best_t.number, best_value=float(best_t.value),
+                  best_attrs=dict(best_t.user_attrs), trials=len(finished),
+                  new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
+                  study_path=search.storage if search.storage is not None else search.study_path)
     if not writer:
-        return SelfSDCalibration(skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0], baseline=None,
-                                 writer=False, **study_fields)
+        return SelfSDCalibration(skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0],
+                                 baseline=None, writer=False, **common)
     attn, mlp = skip_sets_from_params(best_t.params, L)
     best_p = best_t.params.get("precision", precisions[0])
     log("re-measuring the best set, the starting points and plain decoding back to back")
@@ -545,9 +546,9 @@ def calibrate_self_sd(
     # the better uniform set, by the back-to-back re-measurement
     uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
     base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
-    return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, confirm=confirm,
-                             baseline=base and {**base, "confirm": confirm[base["name"]]}, seed_points=seeds_in_study,
-                             search_time_s=round(sum(durations), 3) if durations else None, **study_fields)
+    return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, seed_points=seeds_in_study,
+                             baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+                             search_time_s=round(sum(durations), 3) if durations else None, **common)
 
 
 def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int,
