@@ -15,7 +15,7 @@ storage that search shares between processes and machines.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,15 +88,6 @@ class SkipSet:
                 "environment": dict(environment), "created": now_iso()}
 
 
-
-
-def check_skip_sets(num_layers: int, skip_attn: Iterable[int], skip_mlp: Iterable[int]) -> tuple[frozenset[int], frozenset[int]]:
-    a, m = frozenset(int(i) for i in skip_attn), frozenset(int(i) for i in skip_mlp)
-    if bad := sorted(i for i in a | m if not 0 <= i < num_layers):
-        raise FieldError("skip_attn/skip_mlp", f"layer ids {bad} are out of range for a {num_layers}-layer model (valid: 0..{num_layers - 1})")
-    return a, m
-
-
 def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
     """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
     (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
@@ -134,7 +125,11 @@ class SelfSD(LayerSkipProposer, Method):
         config = config or SelfSDConfig()
         LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
         self.bind_config(config)
-        self._skip = check_skip_sets(engine.num_layers, skip.attn, skip.mlp)
+        n = engine.num_layers
+        if bad := sorted(i for i in skip.attn | skip.mlp if not 0 <= i < n):
+            raise FieldError("skip_attn/skip_mlp",
+                             f"layer ids {bad} are out of range for a {n}-layer model (valid: 0..{n - 1})")
+        self._skip = (skip.attn, skip.mlp)
         self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
         if m := skip.manifest:
             self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
@@ -143,11 +138,9 @@ class SelfSD(LayerSkipProposer, Method):
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None) -> SelfSD:
         config = config or SelfSDConfig()
-        if config.skip_attn is not None or config.skip_mlp is not None:
-            skip = SkipSet(frozenset(config.skip_attn or ()), frozenset(config.skip_mlp or ()))
-        else:
-            skip = SkipSet.load(config.layers, engine.model)
-        return cls(engine, tokenizer, config, skip)
+        if config.skip_attn is None and config.skip_mlp is None:
+            return cls(engine, tokenizer, config, SkipSet.load(config.layers, engine.model))
+        return cls(engine, tokenizer, config, SkipSet(config.skip_attn or (), config.skip_mlp or ()))
 
     def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
         return self._skip

@@ -248,10 +248,6 @@ class SearchConfig:
     search_only: bool = False  # a helper worker: run trials, never the confirmation or the artifact
     worker: str = ""  # this worker's name in the study (the helpers of --workers share their first process's)
 
-    @property
-    def storage_spec(self) -> str:
-        return self.storage if self.storage is not None else sqlite_url(Path(self.study_path))
-
     def __post_init__(self) -> None:
         for flag, value in (("trials", self.n_trials), ("repeats", self.repeats), ("heartbeat", self.heartbeat_s)):
             if value < 1:
@@ -346,9 +342,10 @@ def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
 
     if search.storage is None:
         check_writable(Path(search.study_path), "--study-path")
-    spec = search.storage_spec
+        spec, option = sqlite_url(Path(search.study_path)), "--study-path"
+    else:
+        spec, option = search.storage, "--storage"
     shown = describe(search.storage or str(search.study_path))
-    option = "--storage" if search.storage is not None else "--study-path"
     try:
         storage = open_storage(spec, search.heartbeat_s)
         study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
@@ -446,8 +443,7 @@ def calibrate_self_sd(
         try:
             # the proxy's measured inputs, measured once per study by the first worker and kept in it, so that
             # every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)
-            saved_c = study.user_attrs.get("full_depth_c") or {}
-            full_c.update({p: float(v) for p, v in saved_c.items()})
+            full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
             if missing := [p for p in precisions if p not in full_c]:
                 full_c.update(full_depth_costs(engine, missing))
                 study.set_user_attr("full_depth_c", full_c)
@@ -531,13 +527,14 @@ def calibrate_self_sd(
         finally:
             dispose(storage)
 
-    where = search.storage if search.storage is not None else search.study_path
-    mine = sum(t.user_attrs.get("worker") == me for t in finished)
+    # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
+    common = dict(num_layers=L, best_trial=best_t.number, best_value=float(best_t.value),
+                  best_attrs=dict(best_t.user_attrs), trials=len(finished),
+                  new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
+                  study_path=search.storage if search.storage is not None else search.study_path)
     if not writer:
-        return SelfSDCalibration(
-            num_layers=L, skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0], best_trial=best_t.number,
-            best_value=float(best_t.value), best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=mine,
-            study_path=where, baseline=None, writer=False)
+        return SelfSDCalibration(skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0],
+                                 baseline=None, writer=False, **common)
     attn, mlp = skip_sets_from_params(best_t.params, L)
     best_p = best_t.params.get("precision", precisions[0])
     log("re-measuring the best set, the starting points and plain decoding back to back")
@@ -549,12 +546,9 @@ def calibrate_self_sd(
     # the better uniform set, by the back-to-back re-measurement
     uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
     base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
-    return SelfSDCalibration(
-        num_layers=L, skip_attn=attn, skip_mlp=mlp, precision=best_p, best_trial=best_t.number, best_value=float(best_t.value),
-        best_attrs=dict(best_t.user_attrs), trials=len(finished), new_trials=mine,
-        study_path=where, baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
-        seed_points=seeds_in_study, search_time_s=round(sum(durations), 3) if durations else None,
-    )
+    return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, seed_points=seeds_in_study,
+                             baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+                             search_time_s=round(sum(durations), 3) if durations else None, **common)
 
 
 def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int,
@@ -653,11 +647,9 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     search, engine, helper = s.search, job.engine, s.search.search_only
     db_path = Path(search.study_path) if search.study_path is not None else job.output.with_name(job.output.stem + ".optuna.db")
     where = describe(search.storage) if search.storage is not None else str(db_path)
-    if s.draft_precision in ("auto", "target"):
-        quantized = resolve_precision(engine, "auto") if s.draft_precision == "auto" else None
-        precisions = ("target",) if quantized is None else ("target", quantized)
-    else:
-        precisions = (resolve_precision(engine, s.draft_precision),)
+    quantized = resolve_precision(engine, s.draft_precision)  # None: target, or auto without a quantized copy
+    own = ("target",) if s.draft_precision in ("auto", "target") else ()  # auto searches both weights
+    precisions = own + ((quantized,) if quantized else ())
     search = dataclasses.replace(search, study_path=db_path, precisions=precisions)
     unit = "x ar (predicted)" if search.objective == "proxy" else "tok/s"
     say = (lambda _m: None) if helper else job.log  # the helpers of --workers report through the first process

@@ -50,10 +50,8 @@ def machine_id() -> str:
     """Where a throughput trial was timed: host name and CPU model (timings from two machines do not compare)."""
     cpu = ""
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
     return f"{socket.gethostname()} ({cpu})" if cpu else socket.gethostname()
 
 
@@ -113,9 +111,8 @@ def _open_storage(spec: str, heartbeat_s: int) -> Any:
     if scheme not in RDB_SCHEMES:
         raise ConfigError(f"--storage '{describe(spec)}' is neither a database URL ({', '.join(RDB_SCHEMES)}) nor a "
                           f"journal file ({JOURNAL_PREFIX}PATH or *.journal); pass one of those")
-    kwargs: dict[str, Any] = {}
-    if scheme == "sqlite":  # several writers wait for the file lock instead of failing at once
-        kwargs = {"connect_args": {"timeout": 120}}
+    # SQLite: several writers wait for the file lock instead of failing at once
+    kwargs = {"connect_args": {"timeout": 120}} if scheme == "sqlite" else {}
     try:
         storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
                                              grace_period=GRACE_BEATS * heartbeat_s, **{stale_arg: retry})
@@ -145,16 +142,11 @@ def _immediate_transactions(engine: Any) -> None:
     engine.dispose()  # connections opened before the listeners (the schema check) are not reused
 
 
-def _heartbeat_base() -> type:
+def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None]) -> Any:  # noqa: N802 (a class, built lazily)
+    from optuna.storages import JournalStorage
     from optuna.storages._heartbeat import BaseHeartbeat  # Optuna's heartbeat protocol (RDBStorage implements it)
 
-    return BaseHeartbeat
-
-
-def _journal_class() -> type:
-    from optuna.storages import JournalStorage
-
-    class _HeartbeatJournal(JournalStorage, _heartbeat_base()):  # type: ignore[misc]
+    class _HeartbeatJournal(JournalStorage, BaseHeartbeat):  # type: ignore[misc]
         """A journal-file storage that keeps Optuna's heartbeat protocol (Optuna implements it
         for SQL databases only): a running trial's heartbeat is a system attribute with the wall
         time, written every ``interval`` seconds by Optuna's heartbeat thread; a running trial
@@ -190,14 +182,9 @@ def _journal_class() -> type:
         def get_heartbeat_stale_trial_callback(self) -> Callable[..., None]:
             return self._callback
 
-        def get_failed_trial_callback(self) -> Callable[..., None]:  # the name before Optuna 4.9
-            return self._callback
+        get_failed_trial_callback = get_heartbeat_stale_trial_callback  # the name before Optuna 4.9
 
-    return _HeartbeatJournal
-
-
-def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None]) -> Any:  # noqa: N802 (a class, built lazily)
-    return _journal_class()(backend, interval, callback)
+    return _HeartbeatJournal(backend, interval, callback)
 
 
 def dispose(storage: Any) -> None:
@@ -211,19 +198,14 @@ def dispose(storage: Any) -> None:
 # ---------------------------------------------------------------- one worker's share
 
 
-def _states() -> tuple[Any, Any]:
-    from optuna.trial import TrialState
-
-    return TrialState.COMPLETE, TrialState.RUNNING
-
-
 def check_slot(study: Any, trial: Any, n_trials: int) -> str | None:
     """Why ``trial`` (just started, parameters suggested) must not run: ``surplus`` when the complete
     trials and the running ones numbered before it already make ``n_trials``; ``duplicate`` when a
     complete trial, or a running one numbered before it, has the same parameters. None: run it."""
-    complete, running = _states()
-    before = [t for t in study.get_trials(deepcopy=False, states=(complete, running))
-              if t.state == complete or t.number < trial.number]
+    from optuna.trial import TrialState
+
+    before = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+              if t.state == TrialState.COMPLETE or t.number < trial.number]
     if len(before) >= n_trials:
         return "surplus"
     if any(t.params == trial.params for t in before):
@@ -238,14 +220,14 @@ def run_workers_share(study: Any, run_one: Callable[[], None], n_trials: int, *,
     wait (polling every ``poll_s``) for them to end: a running one whose worker died goes stale,
     is failed here and queued again with its parameters. Returns the trials this worker started."""
     import optuna
+    from optuna.trial import TrialState
 
-    complete, running = _states()
     started = 0
     while True:
         with contextlib.suppress(Exception):  # a busy database: the next round tries again
             optuna.storages.fail_stale_trials(study)
-        trials = study.get_trials(deepcopy=False, states=(complete, running))
-        if sum(t.state == complete for t in trials) >= n_trials:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+        if sum(t.state == TrialState.COMPLETE for t in trials) >= n_trials:
             return started
         if len(trials) >= n_trials:
             check()
@@ -261,8 +243,9 @@ def finished_last(study: Any, me: str, joined: Any) -> bool:
     completed last: that worker writes the result, once. A worker that ran no trial writes only when
     the study was already finished when it joined (``joined``, a naive local datetime as Optuna keeps
     them): it re-opened a finished study."""
-    complete, _ = _states()
-    done = study.get_trials(deepcopy=False, states=(complete,))
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not done:
         return False
     last = max(done, key=lambda t: (t.datetime_complete, t.number))
