@@ -106,10 +106,9 @@ class Auto(Method):
         cont, n = self.pld.candidate(state, budget)
         if cont:
             options.append((self.pld.planner(n).best(0.0, len(cont))[1], "ngram", self.pld))
-        if self.layer_skip is not None and budget > 0:
-            options.append((self.layer_skip.expected_gain(budget), "layer_skip", self.layer_skip))
-        if self.quant is not None and budget > 0:
-            options.append((self.quant.expected_gain(budget), "quant", self.quant))
+        for source, drafts in (("layer_skip", self.layer_skip), ("quant", self.quant)):
+            if drafts is not None and budget > 0:
+                options.append((drafts.expected_gain(budget), source, drafts))
         if not options:
             self._last = None
             self.rounds["none"] += 1
