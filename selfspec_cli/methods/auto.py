@@ -64,8 +64,7 @@ class Auto(Method):
             if source is not None and self.config.hybrid:
                 source.ngram = self.pld.candidate  # hybrid trees (decoding/layer_skip.py)
         self.needs_attn_cosine = bool(layer_skip and layer_skip.needs_attn_cosine)
-        self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0,
-                             quant.lookahead if quant else 0)
+        self.lookahead = max(source.lookahead for source in (self.pld, layer_skip, quant) if source is not None)
         self.rounds: Counter[str] = Counter()
         self._last: Proposer | None = None
         self._turn = 0
@@ -96,8 +95,7 @@ class Auto(Method):
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.rounds = Counter()
-        self.pld.begin(state, prefill)
-        for source in (self.layer_skip, self.quant):
+        for source in (self.pld, self.layer_skip, self.quant):
             if source is not None:
                 source.begin(state, prefill)
 
