@@ -219,8 +219,7 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
 
     tfile, mfile = tensors_artifact_paths(dir_or_path)
     manifest = read_json_artifact(mfile, "artifact manifest", create_hint)
-    if kind is not None and manifest.get("kind") != kind:
-        found = manifest.get("kind")
+    if kind is not None and (found := manifest.get("kind")) != kind:
         what = f"a {found!r} artifact" if found is not None else "not a selfspec artifact (it has no 'kind')"
         raise ArtifactError(f"'{mfile}' is {what}, not {kind!r}; {create_hint}")
     if model is not None:
