@@ -168,7 +168,7 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
 
 
 def splits(data: OnPolicyData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:meth:`~.data.OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
+    """:meth:`OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
     train_idx, val_idx, hold_idx = data.split3()
     return train_idx, val_idx, hold_idx if len(hold_idx) else train_idx
 
