@@ -91,24 +91,6 @@ def is_shipped(path: str | os.PathLike) -> bool:
     return paths.is_inside(path, loading.ARTIFACTS_DIR)
 
 
-def model_flag(model_or_spec: Any) -> str:
-    """`` --model NAME`` for a suggested command, or nothing for the default model."""
-    name = model_name(model_or_spec)
-    return "" if loading.is_default_model(name) else f" --model {name}"
-
-
-def output_advice(path: Path | None, model: torch.nn.Module, kind: str, suffix: str = "") -> str:
-    """The ``--output``/``--force`` part of a command that (re)creates an artifact, chosen so
-    that it can never replace the shipped artifacts or a file that exists: an explicit
-    ``path`` is kept only when nothing is there and it is outside the shipped tree;
-    otherwise the command writes the fingerprint-keyed default (with ``--force`` when
-    that one exists and is unusable)."""
-    default = user_artifact_path(kind, model, suffix)
-    if path is not None and Path(path) != default and not Path(path).exists() and not is_shipped(path):
-        return f" --output {path}"
-    return " --force" if default.exists() else ""
-
-
 def check_new_artifact(path: Path, force: bool, option: str = "--output") -> None:
     """Refuse to replace an existing artifact without ``--force``, and never write into the shipped tree."""
     if is_shipped(path) and not force:
@@ -237,8 +219,7 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
 
     tfile, mfile = tensors_artifact_paths(dir_or_path)
     manifest = read_json_artifact(mfile, "artifact manifest", create_hint)
-    if kind is not None and manifest.get("kind") != kind:
-        found = manifest.get("kind")
+    if kind is not None and (found := manifest.get("kind")) != kind:
         what = f"a {found!r} artifact" if found is not None else "not a selfspec artifact (it has no 'kind')"
         raise ArtifactError(f"'{mfile}' is {what}, not {kind!r}; {create_hint}")
     if model is not None:
@@ -289,11 +270,19 @@ class ArtifactSpec:
         return user_artifact_path(self.folder, model, self.suffix)
 
     def command(self, model_or_spec: Any, path: Path | None = None) -> str:
-        """The command that (re)creates it for this model, written to where it will be found."""
-        cmd = f"{self.make}{model_flag(model_or_spec)}{self.args}"
-        if isinstance(model_or_spec, torch.nn.Module):
-            cmd += output_advice(path, model_or_spec, self.folder, self.suffix)
-        return cmd
+        """The command that (re)creates it for this model, written to where it will be found. It names
+        ``--model`` unless the model is the default one; for a loaded model it adds the ``--output``/``--force``
+        part, chosen so that it can never replace the shipped artifacts or a file that exists: an explicit
+        ``path`` is kept only when nothing is there and it is outside the shipped tree; otherwise the command
+        writes the fingerprint-keyed default (with ``--force`` when that one exists and is unusable)."""
+        name = model_name(model_or_spec)
+        cmd = self.make + ("" if loading.is_default_model(name) else f" --model {name}") + self.args
+        if not isinstance(model_or_spec, torch.nn.Module):
+            return cmd
+        default = self.default_path(model_or_spec)
+        if path is not None and Path(path) != default and not Path(path).exists() and not is_shipped(path):
+            return f"{cmd} --output {path}"
+        return cmd + (" --force" if default.exists() else "")
 
     def hint(self, model: Any, path: Path | None = None) -> str:
         return f"create it with `{self.command(model, path)}`"

@@ -83,8 +83,6 @@ def looks_local(spec: str) -> bool:
 
 # ---------------------------------------------------------------- GGUF files
 
-GGUF_MAGIC = b"GGUF"
-
 
 def model_cache_dir() -> Path:
     """Where converted GGUF models live: ``models/`` in selfspec's cache
@@ -104,7 +102,7 @@ def default_model_gguf() -> Path:
 
 def is_gguf_file(path: Path) -> bool:
     with contextlib.suppress(OSError), path.open("rb") as f:
-        return f.read(4) == GGUF_MAGIC
+        return f.read(4) == b"GGUF"  # the format's magic number
     return False
 
 

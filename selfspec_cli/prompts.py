@@ -43,11 +43,6 @@ def _read_text(source: str) -> tuple[str, str]:
 PROMPT_FORMATS = ("auto", "text", "jsonl")
 
 
-def _is_jsonl(source: str, text: str) -> bool:
-    """``auto``: JSONL when the name ends in .jsonl/.json or the first non-blank line starts with '{'."""
-    return source.endswith((".jsonl", ".json")) or text.lstrip().startswith("{")
-
-
 def prompt_from_row(row: Mapping[str, Any], where: str, default_id: str | int) -> Prompt:
     """A prompt record: ``turns`` (a non-empty list of strings, none blank) or ``prompt`` (a
     string, not blank); the id is ``id``, else ``question_id``, else ``default_id``; ``category``
@@ -73,7 +68,8 @@ def prompt_from_row(row: Mapping[str, Any], where: str, default_id: str | int) -
 
 
 def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None) -> list[Prompt]:
-    jsonl = _is_jsonl(name, text) if jsonl is None else jsonl
+    if jsonl is None:  # auto: JSONL when the name ends in .jsonl/.json or the first non-blank line starts with '{'
+        jsonl = name.endswith((".jsonl", ".json")) or text.lstrip().startswith("{")
     prompts: list[Prompt] = []
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from .cost import Planner, VerifyCurve, measure_draft_step
-from .cost import ema
+from .cost import Planner, VerifyCurve, ema, measure_draft_step
 from .drafts import Chain, Draft, NoDraft, Round, Tree, chain_or_tree
 from .driver import Proposer
 from .sampling import processed_scores, sample_from

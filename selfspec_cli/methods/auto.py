@@ -64,8 +64,7 @@ class Auto(Method):
             if source is not None and self.config.hybrid:
                 source.ngram = self.pld.candidate  # hybrid trees (decoding/layer_skip.py)
         self.needs_attn_cosine = bool(layer_skip and layer_skip.needs_attn_cosine)
-        self.lookahead = max(self.pld.lookahead, layer_skip.lookahead if layer_skip else 0,
-                             quant.lookahead if quant else 0)
+        self.lookahead = max(source.lookahead for source in (self.pld, layer_skip, quant) if source is not None)
         self.rounds: Counter[str] = Counter()
         self._last: Proposer | None = None
         self._turn = 0
@@ -96,8 +95,7 @@ class Auto(Method):
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.rounds = Counter()
-        self.pld.begin(state, prefill)
-        for source in (self.layer_skip, self.quant):
+        for source in (self.pld, self.layer_skip, self.quant):
             if source is not None:
                 source.begin(state, prefill)
 
@@ -106,10 +104,9 @@ class Auto(Method):
         cont, n = self.pld.candidate(state, budget)
         if cont:
             options.append((self.pld.planner(n).best(0.0, len(cont))[1], "ngram", self.pld))
-        if self.layer_skip is not None and budget > 0:
-            options.append((self.layer_skip.expected_gain(budget), "layer_skip", self.layer_skip))
-        if self.quant is not None and budget > 0:
-            options.append((self.quant.expected_gain(budget), "quant", self.quant))
+        for source, drafts in (("layer_skip", self.layer_skip), ("quant", self.quant)):
+            if drafts is not None and budget > 0:
+                options.append((drafts.expected_gain(budget), source, drafts))
         if not options:
             self._last = None
             self.rounds["none"] += 1

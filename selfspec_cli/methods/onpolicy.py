@@ -34,7 +34,7 @@ from ..decoding.state import DecodeState
 from ..decoding.drafts import Round
 from ..engine import Engine, ForwardOutput
 from .ar import AR
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 from ..paths import atomic_write, cache_root
 
 
@@ -77,11 +77,6 @@ class OnPolicyData:
         return train[~val], train[val], test
 
 
-def collection_key(fingerprint: str, prompt_ids: list[list[int]], max_new_tokens: int) -> str:
-    blob = json.dumps({"fp": fingerprint, "prompts": prompt_ids, "n": max_new_tokens, "v": 1}).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
-
-
 class _HiddenRecorder(AR):
     """Plain greedy decoding through the driver that keeps, for each round's input row,
     the residual stream after every layer and the token the model picked (over all the
@@ -119,7 +114,8 @@ def collect_on_policy(
     """Collect (or load from the disk cache) the on-policy rows for ``prompt_ids``."""
     from safetensors.torch import load_file, save_file
 
-    key = collection_key(fingerprint, prompt_ids, max_new_tokens)
+    blob = json.dumps({"fp": fingerprint, "prompts": prompt_ids, "n": max_new_tokens, "v": 1}).encode()
+    key = hashlib.sha256(blob).hexdigest()[:20]  # the cache entry: model, tokenized prompts, generation length
     directory = Path(cache_dir) if cache_dir is not None else cache_root() / "onpolicy"
     path = directory / f"{key}.safetensors"
     if path.is_file():
@@ -172,7 +168,7 @@ def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
 
 
 def splits(data: OnPolicyData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:meth:`~.data.OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
+    """:meth:`OnPolicyData.split3`, the training rows standing in for an empty test set (one prompt)."""
     train_idx, val_idx, hold_idx = data.split3()
     return train_idx, val_idx, hold_idx if len(hold_idx) else train_idx
 
@@ -199,8 +195,6 @@ class TrainSetting:
 
 def check_options(options: dict[str, Any], epochs: int, batch_size: int, lr: float) -> TrainSetting:
     """The options of a training step, with this kind's defaults for those not given."""
-    from ..errors import ConfigError
-
     o = {"epochs": epochs, "batch_size": batch_size, "lr": lr, **{k: v for k, v in options.items() if v is not None}}
     for name in ("epochs", "batch_size", "rank"):
         if name in o and o[name] < 1:
@@ -215,7 +209,6 @@ def collect(job: Any) -> tuple[OnPolicyData, dict[str, Any]]:
     the data (prompts, rows, split) and the environment."""
     import time
 
-    from ..errors import ConfigError
     from ..loading import model_fingerprint
 
     if len(job.prompt_ids) < MIN_PROMPTS:

@@ -79,9 +79,8 @@ class PromptLookup(Method):
 
     def planner(self, n: int) -> Planner:
         if n not in self.planners:
-            curve = VerifyCurve.for_engine(self.engine)
-            self.curve = curve
-            self.planners[n] = Planner(curve, self.config.max_draft, overhead=self.overhead)
+            self.curve = VerifyCurve.for_engine(self.engine)
+            self.planners[n] = Planner(self.curve, self.config.max_draft, overhead=self.overhead)
         return self.planners[n]
 
     def begin(self, state: DecodeState, prefill: Any) -> None:

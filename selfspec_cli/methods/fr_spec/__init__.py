@@ -125,8 +125,7 @@ def attach(proposer: Any, model: torch.nn.Module, spec: str | None = "auto", siz
     with the target (measured on SmolLM2 with the GGUF-block draft: M 4.7 -> 9.0, decode-only
     2.00x -> 2.07x `ar`; docs/engine.md, "Quantized drafts")."""
     if spec == "auto" and size is None and getattr(proposer, "precision", None) is not None:
-        proposer.use_draft_vocab(None)
-        return
+        spec = "full"
     vocab = resolve(spec, model, size)
     proposer.use_draft_vocab(None if vocab is None else vocab.ids)
 

@@ -164,11 +164,6 @@ class SpecEE(Method):
                                  {"what": "specee calibration", "seconds": sman.get("search_time_s")}]
         return method
 
-    def _active(self) -> set[int]:
-        r = self.config.online_radius
-        online = {x + d for x in self._history for d in range(-r, r + 1)}
-        return set(self.offline) | {l for l in online if l in self.predictors}
-
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig, on_tokens: Any = None) -> DecodeResult:
         if not cfg.sampling.greedy:
             raise ConfigError("specee decodes greedily, as the paper does; use --temperature 0")
@@ -196,7 +191,8 @@ class SpecEE(Method):
         if self._shadow is not None:
             self._shadow.commit_decided([state.pending])
             ref = int(self._shadow.run(state.ids([state.pending])).logits[0].argmax())
-        active = self._active()
+        r = c.online_radius  # scheduled: the offline subset and +-r layers around each of the last exits
+        active = self.offline | {l for x in self._history for l in range(x - r, x + r + 1) if l in self.predictors}
         can_exit = sum(v.shape[0] for v in waiting.values()) < c.max_pending
         stops = {k0} | (active if can_exit else set())
         bounds = sorted({0, L} | {l + 1 for l in stops} | set(waiting))

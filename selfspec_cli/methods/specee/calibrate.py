@@ -51,14 +51,12 @@ def select_layers(exits: dict[int, int], predictor_layers: list[int]) -> list[in
 
 def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: GenerationConfig,
                     on_prompt: Callable[[int, int], None] = lambda i, n: None) -> ExitStatistics:
-    """Decode with every predictor active (the offline set = all layers) and count exits."""
+    """Decode with ``method`` (every predictor active: its offline set is all layers) and count exits."""
     layers = sorted(method.predictors)
-    full = SpecEE(method.engine, method.tokenizer, method.config, drafter_layer=method.k0, drafter=method.drafter,
-                  predictors=method.predictors, offline_layers=layers, thresholds=method.thresholds)
     exits = {l: 0 for l in layers}
     tokens = full_depth = 0
     for i, ids in enumerate(prompt_ids, 1):
-        res = full.generate(ids, cfg)
+        res = method.generate(ids, cfg)
         steps = len(res.token_ids) - 1  # the first token comes from the prefill
         for k, v in res.stats.extra["early_exits"].items():
             exits[int(k)] += v
@@ -76,7 +74,7 @@ def run(job: OfflineJob) -> dict[str, Any]:
     drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
     thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
     method = SpecEE(job.engine, job.tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
-                    offline_layers=[], thresholds=thresholds)  # the schedule is what this makes: none yet
+                    offline_layers=list(predictors), thresholds=thresholds)  # every predictor on
     job.log(f"[dim]SpecEE exit statistics: {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens, every "
             f"predictor on (layers {min(predictors)}..{max(predictors)}), kv mode {method.config.specee_kv_mode}[/dim]")
     t0 = time.perf_counter()
