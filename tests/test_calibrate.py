@@ -538,3 +538,21 @@ def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir
     named = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "1", "--seed", "3",
                               "--output", str(tmp_path / "mine.json")))
     assert named["artifact"] == str(tmp_path / "mine.json") and named["below_ar"] is True
+
+
+def test_the_manifest_does_not_keep_a_storage_password(tiny_model):
+    """A shared study's database URL may carry a password: the artifact records the storage as the
+    log lines show it (``describe``), never the raw ``--storage`` value."""
+    from selfspec_cli.methods.self_sd.calibrate import SearchConfig, SelfSDCalibration, build_manifest
+
+    model, _ = tiny_model
+    confirm = {"ar": {"tokens_per_s": 10.0}, "best": {"tokens_per_s": 12.0}}
+    result = SelfSDCalibration(num_layers=2, skip_attn=frozenset({1}), skip_mlp=frozenset(), precision="target",
+                               best_trial=0, best_value=1.2, best_attrs={}, trials=1, new_trials=1,
+                               study_path="postgresql://alice:s3cret@db.example:5432/studies", baseline=None,
+                               confirm=confirm)
+    search = SearchConfig(study_path=None, storage="postgresql://alice:s3cret@db.example:5432/studies")
+    manifest = build_manifest(result, model=model, cfg=GenerationConfig(max_new_tokens=4), search=search,
+                              prompts={}, environment={})
+    assert manifest["search"]["study_path"] == "postgresql://***@db.example:5432/studies"
+    assert "s3cret" not in json.dumps(manifest)

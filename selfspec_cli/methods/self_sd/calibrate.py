@@ -282,7 +282,7 @@ class SelfSDCalibration:
     best_attrs: dict[str, Any]
     trials: int  # COMPLETE trials in the study
     new_trials: int  # trials run by this call
-    study_path: Path | str  # the SQLite file, or the --storage as given
+    study_path: Path | str  # the SQLite file, or the --storage as given (the manifest hides its password)
     baseline: dict[str, Any] | None  # the better uniform set
     confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
     seed_points: list[dict[str, Any]] = field(default_factory=list)
@@ -597,7 +597,7 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
             "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>"
                      + (f", precision in {list(search.precisions)}" if len(search.precisions) > 1 else ""),
             "precisions": list(search.precisions),
-            "seed_points": result.seed_points, "study_path": str(result.study_path), "study_name": STUDY_NAME,
+            "seed_points": result.seed_points, "study_path": describe(str(result.study_path)), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
             "prompts": prompts,
