@@ -7,6 +7,7 @@ killed mid-trial loses nothing (its trial is run again), and one process writes 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -108,15 +109,23 @@ def test_a_worker_killed_mid_trial_loses_nothing(tiny_model_dir, prompt_file, tm
                 continue
             running = [t for t in load(storage).get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
                        if t.user_attrs.get("worker_index") == 1]
-            if running:  # stop the helper, then kill it only if that trial is still running: under load,
-                pid = running[0].user_attrs["pid"]  # it may have finished between the read and the signal
+            # stop the helper, then kill it only if that trial is still running: under load, it may
+            # have finished between the read and the signal (its pid is written just after its index)
+            pid = running[0].user_attrs.get("pid") if running else None
+            if pid is None:
+                continue
+            try:
                 os.kill(pid, signal.SIGSTOP)
                 if running[0].number in {t.number for t in load(storage).get_trials(
                         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}:
                     killed = running[0].number
                     os.kill(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # the helper ended meanwhile
+                pass
+            finally:
+                if killed is None:  # never leave it stopped
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
         assert killed is not None, "the helper never ran a trial"
         out, err = first.communicate(timeout=600)
     finally:
