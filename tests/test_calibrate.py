@@ -556,3 +556,13 @@ def test_the_manifest_does_not_keep_a_storage_password(tiny_model):
                               prompts={}, environment={})
     assert manifest["search"]["study_path"] == "postgresql://***@db.example:5432/studies"
     assert "s3cret" not in json.dumps(manifest)
+
+
+def test_describe_hides_only_a_urls_credentials():
+    from selfspec_cli.methods.self_sd.study import describe
+
+    assert describe("postgresql://alice:s3cret@db.example:5432/studies") == "postgresql://***@db.example:5432/studies"
+    assert describe("mysql://bob@db/s") == "mysql://***@db/s"
+    assert describe("journal:///tmp/a@b/study.journal") == "journal:///tmp/a@b/study.journal"  # a path, no credentials
+    assert describe("sqlite:////home/x@y/study.db") == "sqlite:////home/x@y/study.db"
+    assert describe("/tmp/plain.db") == "/tmp/plain.db"

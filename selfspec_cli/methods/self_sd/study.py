@@ -56,10 +56,12 @@ def machine_id() -> str:
 
 
 def describe(spec: str) -> str:
-    """The storage as a log line shows it (a database password is not printed)."""
-    if "://" in spec and "@" in spec.split("://", 1)[1]:
-        scheme, rest = spec.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    """The storage as a log line and the artifact show it: a database URL's user and password (the
+    part of its authority before the last '@') are not printed; a path holding '@' is kept."""
+    scheme, sep, rest = spec.partition("://")
+    authority, slash, path = rest.partition("/")
+    if sep and "@" in authority:
+        return f"{scheme}://***@{authority.rsplit('@', 1)[1]}{slash}{path}"
     return spec
 
 
