@@ -263,11 +263,41 @@ def test_verify_curve_interpolates_and_is_the_running_maximum_of_its_readings(mo
     assert CURVE.v(5) == pytest.approx(1.225) and CURVE.v(32) == pytest.approx(2.5 + 16 * 1.0 / 8)
     # a machine on which 3 rows read faster than 2, and 10 than 8 (noise): v(m) is the m-row time over the
     # one-row time, and never below a reading for fewer rows
-    secs = {1: 1.0, 2: 1.2, 3: 1.1, 4: 1.5, 5: 1.6, 6: 1.8, 8: 2.4, 10: 2.2, 12: 2.6, 16: 3.0}
+    secs = {1: 1.0, 2: 1.2, 3: 1.1, 4: 1.5, 6: 1.8, 8: 2.4, 12: 2.2, 16: 3.0, 24: 3.6, 32: 4.5}
     charge_forwards(monkeypatch, virtual_clock, lambda e, rows, kw: 0.0 if kw["positions"] == 0 else secs[rows])
     c = VerifyCurve.measure(Engine(make_tiny_model("llama-gqa", layers=2)), context=16, rounds=1)
     assert c.t1_s == pytest.approx(1.0) and c.times_s == pytest.approx(secs) and c.slope_s == pytest.approx(0.0, abs=1e-12)
-    assert c.ratios == {1: 1.0, 2: 1.2, 3: 1.2, 4: 1.5, 5: 1.6, 6: 1.8, 8: 2.4, 10: 2.4, 12: 2.6, 16: 3.0}
+    assert c.ratios == {1: 1.0, 2: 1.2, 3: 1.2, 4: 1.5, 6: 1.8, 8: 2.4, 12: 2.4, 16: 3.0, 24: 3.6, 32: 4.5}
+    assert c.v(26) == pytest.approx(3.6 + 2 * 0.9 / 8)  # read between measured rows, not extrapolated from 12 and 16
+
+
+def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_target_step(monkeypatch, virtual_clock):
+    """A host whose speed drifts: each refresh pools one more reading (per row count the median
+    time), and c is a draft forward over a target forward timed in the same interleaved passes."""
+    from selfspec_cli.decoding import cost as cost_mod
+
+    eng = Engine(make_tiny_model("llama-gqa", layers=2))
+    pace, calls = [1.0], [0]
+
+    def charge(e, rows, kw):
+        calls[0] += 1
+        if pace[0] is None:  # every forward 1 % slower than the one before; a draft forward is 0.3 of a step
+            return (1 + 0.01 * calls[0]) * (0.3 if kw.get("skip_mlp") else 1.0)
+        return 0.0 if kw["positions"] == 0 else pace[0] * (1 + rows / 8)
+
+    charge_forwards(monkeypatch, virtual_clock, charge)
+    assert VerifyCurve.refresh(eng) is None  # nothing to pool before the first reading
+    first = VerifyCurve.for_engine(eng)
+    for p in (1.5, 1.2):
+        pace[0] = p
+        pooled = VerifyCurve.refresh(eng)
+    assert VerifyCurve.for_engine(eng) is pooled and pooled.readings == 3 and first.readings == 1
+    assert pooled.t1_s == pytest.approx(1.2 * 1.125)  # the median of 1.0, 1.5 and 1.2 paces
+    assert pooled.times_s[32] == pytest.approx(1.2 * 5.0) and pooled.v(32) == pytest.approx(5.0 / 1.125, rel=1e-4)
+    # a drifting host: c still reads the draft's share of a step at the pace of the moment
+    pace[0] = None
+    c = cost_mod.draft_step_cost(eng, None, frozenset({0}), frozenset({0, 1}), context=16, rounds=9)
+    assert c == pytest.approx(0.3, rel=0.015)
 
 
 def test_driver_reports_predicted_and_realized_gain(monkeypatch, virtual_clock):

@@ -133,7 +133,7 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
     head's share (over a step at the prompt's context, 100 tokens, not the curve's 64), the
     weight bytes and the floor are then known exactly."""
     L = 4
-    F = {1: 10.0, 2: 11.0, 3: 10.5, 4: 12.0, 5: 13.0, 6: 14.0, 8: 16.0, 10: 18.0, 12: 20.0, 16: 24.0}
+    F = {1: 10.0, 2: 11.0, 3: 10.5, 4: 12.0, 6: 14.0, 8: 16.0, 12: 20.0, 16: 24.0, 24: 32.0, 32: 40.0}
     H, TICK = 2.0, 1.0
     eng = Engine(make_tiny_model("llama-gqa", layers=L))
 
@@ -152,7 +152,7 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
     step = t1 + 0.36  # the same at the prompt's context (100 tokens)
     assert doc["step_ms"] == t1 * 1e3 and doc["context_tokens"] == 64 and doc["draft_context_tokens"] == 100
     # v(k): the k-row time over the one-row time; 3 rows read cheaper than 2 and are reported as 2's
-    want_v = {1: 13, 2: 14, 3: 14, 4: 15, 5: 16, 6: 17, 8: 19, 10: 21, 12: 23, 16: 27}
+    want_v = {1: 13, 2: 14, 3: 14, 4: 15, 6: 17, 8: 19, 12: 23, 16: 27, 24: 35, 32: 43}
     assert doc["verify_cost"] == {str(k): pytest.approx(x / 13, abs=6e-4) for k, x in want_v.items()}
     assert doc["verify_ms"] == {str(k): pytest.approx((TICK + f + H) * 1e3) for k, f in F.items()}  # raw: 13500 at 3
     # T(1) after 64 + 190 tokens (the tiny model's 256 positions) is 1.9 s longer: 10 ms per token

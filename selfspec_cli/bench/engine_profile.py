@@ -9,7 +9,7 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
   divided by the memory read bandwidth measured here (``torch.sum`` over a buffer far
   larger than the last-level cache, with the same thread count as the engine);
 * ``step_ms`` = ``T(1)``: a one-row forward with logits, at a real prompt's context;
-* ``verify_cost[k]`` = ``v(k)`` for k = 1..16: a k-row forward with logits for every
+* ``verify_cost[k]`` = ``v(k)`` for k in CURVE_ROWS (1..32): a k-row forward with logits for every
   row (what verification does), divided by ``T(1)``;
 * ``draft_cost[r]`` = ``c(r)``: a one-row forward that skips a uniform share ``r`` of
   the sublayers (both sublayers of evenly spaced interior layers), divided by ``T(1)``;
@@ -139,16 +139,19 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         "draft_vocab_size": int(draft_vocab.numel()),
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
     # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost.py)
-    curve = VerifyCurve.for_engine(engine)
     return {
-        "context_tokens": curve.context, "step_ms": round(curve.t1_s * 1e3, 3),
-        "step_ms_per_1k_context": round(curve.slope_s * 1e6, 3),
-        "verify_ms": {str(k): round(t * 1e3, 3) for k, t in curve.times_s.items()},
-        "verify_cost": {str(k): round(v, 3) for k, v in curve.ratios.items()},
-        "draft_context_tokens": ctx,
+        **curve_fields(VerifyCurve.for_engine(engine)), "draft_context_tokens": ctx,
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
         "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3), "rounds": rounds, **vocab}
+
+
+def curve_fields(curve: VerifyCurve) -> dict[str, Any]:
+    """T(1), its growth with the context and v(k), as profile.json and bench's ``engine_costs`` hold them."""
+    return {"context_tokens": curve.context, "step_ms": round(curve.t1_s * 1e3, 3),
+            "step_ms_per_1k_context": round(curve.slope_s * 1e6, 3),
+            "verify_ms": {str(k): round(t * 1e3, 3) for k, t in curve.times_s.items()},
+            "verify_cost": {str(k): round(v, 3) for k, v in curve.ratios.items()}, "curve_readings": curve.readings}
 
 
 def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,

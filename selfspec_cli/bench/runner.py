@@ -99,7 +99,8 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
               device: torch.device, warmup: int = 1, repeats: int = 1, use_chat_template: bool = True,
               on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
               done: dict[str, dict[tuple[int, Any], dict[str, Any]]] | None = None,
-              partial: dict[str, ContenderResult] | None = None) -> dict[str, ContenderResult]:
+              partial: dict[str, ContenderResult] | None = None,
+              between_passes: Callable[[], None] | None = None) -> dict[str, ContenderResult]:
     """Warm up each contender on the first prompt, then ``repeats`` timed passes.
 
     Within a pass the order is prompt-major: every contender decodes prompt 1, then every
@@ -110,7 +111,8 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
 
     ``done``: records of an interrupted run, per contender and (pass, prompt id), kept as
     they are and not run again (``bench --resume``). ``partial``: filled as the run goes, so
-    that a caller interrupted mid-run has every finished record.
+    that a caller interrupted mid-run has every finished record. ``between_passes``: run before
+    every pass after the first, outside any timed region (the bench pools cost readings there).
     """
     done = done or {}
     results = {c.name: ContenderResult(c.name, c.lossless, c.kind) for c in contenders}
@@ -122,6 +124,8 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
     cuda = device.type == "cuda"
     with MemorySampler() as mem:
         for rep in range(repeats):
+            if rep and between_passes is not None:
+                between_passes()
             gens = {c.name: c.make() for c in contenders}
             for res in results.values():
                 res.repeats.append([])

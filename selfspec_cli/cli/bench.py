@@ -28,6 +28,7 @@ from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
+from ..decoding.cost import VerifyCurve
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
@@ -332,8 +333,10 @@ def bench(
             bar.update(task, advance=1, info=f"{name} {r['tokens'] / max(r['seconds'], 1e-9):.1f} tok/s")
 
         try:
+            # one process: pool another verify-curve reading before each pass (decoding/cost.py, VerifyCurve.refresh)
             results = run_bench(contenders, prompts, tok, cfg, dev, warmup, repeats, chat_template, on_record=on_record,
-                                done=done, partial=partial)
+                                done=done, partial=partial,
+                                between_passes=None if ranks.many else lambda: VerifyCurve.refresh(engine))
         except KeyboardInterrupt:
             stack.close()
             kept = _complete_cells(partial, prompts)
@@ -383,6 +386,8 @@ def bench(
         file_map["plots"] = _plots(results, summary, engine.num_layers, output_dir, ref, built)
     doc = document(summary, setup=setup, environment=environment_info(dev, engine.dtype), model=model_info,
                    reference=ref, baseline=base, files=file_map)
+    if engine_costs is not None:  # the curve the last pass's planners read (pooled over the passes)
+        engine_costs.update(prof.curve_fields(VerifyCurve.for_engine(engine)))
     doc["engine_costs"] = engine_costs
     atomic_write(output_dir / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))
 

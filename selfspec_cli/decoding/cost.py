@@ -44,6 +44,7 @@ side on CUDA), which the runtime, calibration and the bench time with too.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import statistics
 import time
@@ -59,10 +60,13 @@ from ..engine import Engine
 
 T = TypeVar("T")
 
-CURVE_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+# up to the longest verify the default planners make (specqd: 25 drafts and the pending token), so that
+# v is read between measured rows, not extrapolated (docs/engine.md)
+CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PROBE_BUDGET = 0.01  # share of a plain step a source that does not draft saves up per round, to probe
 CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the median is kept (docs/engine.md)
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
+_READINGS: "weakref.WeakKeyDictionary[Engine, list[VerifyCurve]]" = weakref.WeakKeyDictionary()
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
@@ -90,6 +94,7 @@ class VerifyCurve:
     context: int = 64
     slope_s: float = 0.0  # seconds per context token of a one-row step
     times_s: dict[int, float] = field(default_factory=dict)  # the medians behind the ratios, seconds
+    readings: int = 1  # how many readings it pools (VerifyCurve.refresh)
 
     def t1_at(self, context: int) -> float:
         return self.t1_s + self.slope_s * max(0, context - self.context)
@@ -105,11 +110,33 @@ class VerifyCurve:
 
     @classmethod
     def for_engine(cls, engine: Engine) -> VerifyCurve:
-        """Measured once per engine (about 140 forwards, 4-5 s on the default model) and kept with it: the planners,
-        ``selfspec profile`` and the bench's engine costs all read this one measurement."""
+        """Measured once per engine (about 140 forwards, 5-6 s on the default model) and kept with it: the planners,
+        ``selfspec profile`` and the bench's engine costs all read this one measurement (or the pool of
+        :meth:`refresh`)."""
         if engine not in _CURVES:
             _CURVES[engine] = cls.measure(engine)
+            _READINGS[engine] = [_CURVES[engine]]
         return _CURVES[engine]
+
+    @classmethod
+    def refresh(cls, engine: Engine) -> VerifyCurve | None:
+        """Take another reading and pool it with the earlier ones (:meth:`pool`); planners made
+        from now on read the pool. One reading is a few seconds of a shared host, whose speed
+        drifts by several per cent from minute to minute (docs/engine.md); a long run (the bench,
+        between its passes) pools many. Nothing when this engine has no curve yet."""
+        if engine not in _CURVES:
+            return None
+        readings = _READINGS.setdefault(engine, [c for c in (_CURVES[engine],) if c.times_s])
+        readings.append(cls.measure(engine, readings[0].context if readings else 64))
+        _CURVES[engine] = cls.pool(readings)
+        return _CURVES[engine]
+
+    @classmethod
+    def pool(cls, readings: list[VerifyCurve]) -> VerifyCurve:
+        """Per row count the median of the readings' times, and the median slope; v from those."""
+        times = {m: statistics.median(r.times_s[m] for r in readings) for m in readings[0].times_s}
+        pooled = cls._from_times(times, readings[0].context, statistics.median(r.slope_s for r in readings))
+        return dataclasses.replace(pooled, readings=len(readings))
 
     @classmethod
     def measure(cls, engine: Engine, context: int = 64, rounds: int = CURVE_ROUNDS) -> VerifyCurve:
@@ -117,12 +144,16 @@ class VerifyCurve:
         interleaved passes after one warm-up pass; per size the **median** (the fastest pass
         undershoots what plain decoding spends per step on a shared machine, so predictions
         read high, and it moves more from run to run than the median; docs/engine.md)."""
-        med = _median_forward_s(engine, context, CURVE_ROWS, rounds, logits_rows=slice(None))
-        t1 = med[1]
+        med = _median_forward_s(engine, context, {m: (m, {"logits_rows": slice(None)}) for m in CURVE_ROWS}, rounds)
+        return cls._from_times(med, context, cls._slope(engine, context, med[1], rounds))
+
+    @classmethod
+    def _from_times(cls, times: dict[int, float], context: int, slope_s: float) -> VerifyCurve:
         # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper): the running
         # maximum of the readings, from v(1) = 1
-        ratios = {m: round(r, 4) for m, r in zip(CURVE_ROWS, accumulate((med[m] / t1 for m in CURVE_ROWS), max))}
-        return cls(t1, ratios, context, cls._slope(engine, context, t1, rounds), med)
+        rows = sorted(times)
+        ratios = {m: round(r, 4) for m, r in zip(rows, accumulate((times[m] / times[1] for m in rows), max))}
+        return cls(times[1], ratios, context, slope_s, dict(times))
 
     @staticmethod
     def _slope(engine: Engine, context: int, t1: float, rounds: int, extra: int = 512) -> float:
@@ -131,24 +162,27 @@ class VerifyCurve:
         extra = min(extra, engine.adapter.max_positions - context - 2)
         if extra < 64:
             return 0.0
-        return max(0.0, (_median_forward_s(engine, context + extra, (1,), rounds)[1] - t1) / extra)
+        return max(0.0, (_median_forward_s(engine, context + extra, {1: (1, {})}, rounds)[1] - t1) / extra)
 
 
 @torch.inference_mode()
-def _median_forward_s(engine: Engine, context: int, rows: tuple[int, ...], rounds: int, **kw: Any) -> dict[int, float]:
-    """Per row count in ``rows``: the median seconds of a forward of that many rows (engine options ``kw``)
-    after a ``context``-token prefix, over ``rounds`` interleaved passes after one warm-up pass."""
-    cache = engine.new_cache(context + max(rows) + 1)
-    ids = torch.arange(context + max(rows), device=engine.device) % max(2, engine.vocab_size)
+def _median_forward_s(engine: Engine, context: int, runs: dict[T, tuple[int, dict[str, Any]]],
+                      rounds: int) -> dict[T, float]:
+    """Per key of ``runs``, ``(rows, engine options)``: the median seconds of a forward of that many
+    rows with those options after a ``context``-token prefix, over ``rounds`` interleaved passes
+    after one warm-up pass (so that every key sees the same drifts of the host)."""
+    most = max(m for m, _ in runs.values())
+    cache = engine.new_cache(context + most + 1)
+    ids = torch.arange(context + most, device=engine.device) % max(2, engine.vocab_size)
     engine.forward(cache, ids[:context], positions=0, logits_rows=None)
-    samples: dict[int, list[float]] = {m: [] for m in rows}
+    samples: dict[T, list[float]] = {key: [] for key in runs}
     for r in range(rounds + 1):  # pass 0 warms up
-        for m in rows:
+        for key, (m, kw) in runs.items():
             dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context, **kw), engine.device)[1]
             if r:
-                samples[m].append(dt)
+                samples[key].append(dt)
             cache.crop(context)
-    return {m: statistics.median(v) for m, v in samples.items()}
+    return {key: statistics.median(v) for key, v in samples.items()}
 
 
 def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset()) -> int:
@@ -166,12 +200,15 @@ def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_m
     return size(a.lm_head, a.final_norm) + sum(attn) + sum(mlp)
 
 
-def measure_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
-                       skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
-    """Seconds of one one-row draft forward with these weights and skip sets after a
-    ``context``-token prefix (as :meth:`VerifyCurve.measure` times
-    T(1): the median of ``rounds``), so that ``c`` is known before the first drafting round."""
-    return _median_forward_s(engine, context, (1,), rounds, skip_attn=skip_attn, skip_mlp=skip_mlp, weights=weights)[1]
+def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
+                    skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
+    """c before the first drafting round: one one-row draft forward with these weights and skip
+    sets over one one-row target forward, both after a ``context``-token prefix, timed in
+    interleaved passes (the median of ``rounds`` each), so that the ratio does not depend on how
+    fast the host was when T(1) was read."""
+    med = _median_forward_s(engine, context, {"draft": (1, {"skip_attn": skip_attn, "skip_mlp": skip_mlp, "weights": weights}),
+                                              "target": (1, {})}, rounds)
+    return med["draft"] / med["target"]
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from .cost import Planner, VerifyCurve, ema, measure_draft_step
+from .cost import Planner, VerifyCurve, draft_step_cost, ema
 from .drafts import Chain, Draft, NoDraft, Round, Tree, chain_or_tree
 from .driver import Proposer
 from .sampling import processed_scores, sample_from
@@ -142,7 +142,7 @@ class LayerSkipProposer(Proposer):
         self.ngram: Callable[[DecodeState, int], tuple[list[int], int]] | None = None
         self._ngram_planner: Planner | None = None
         self.precision: str | None = None  # None: the target's own weights; else engine.draft(precision)
-        self._c0: float | None = None  # c measured before any draft (measure_draft_step)
+        self._c0: float | None = None  # c measured before any draft (draft_step_cost)
         # quantized drafts: the inactive variant's cost state (the skip set, or full depth; see _pick_variant)
         self._full = False  # this round drafts at full depth, no skips
         self._other = CostSlot()
@@ -184,9 +184,8 @@ class LayerSkipProposer(Proposer):
         self._step_c = self._c0 = None
         self._other = CostSlot()
         if self.precision is not None and self.draft_cfg.cost_aware:
-            t1 = self._planner().curve.t1_s
-            self._c0 = measure_draft_step(self.engine, self.precision, *self.skip_sets()) / t1
-            self._other.c0 = measure_draft_step(self.engine, self.precision) / t1
+            self._c0 = draft_step_cost(self.engine, self.precision, *self.skip_sets())
+            self._other.c0 = draft_step_cost(self.engine, self.precision)
 
     # -- quantized drafts: skip set on top, or full depth -------------------
     def _swap(self) -> None:
@@ -243,7 +242,7 @@ class LayerSkipProposer(Proposer):
         if self.precision is None:
             return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
         if self._c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
-            self._c0 = measure_draft_step(self.engine, self.precision, attn, mlp) / self._planner().curve.t1_s
+            self._c0 = draft_step_cost(self.engine, self.precision, attn, mlp)
         return self._c0
 
     def _planner(self) -> Planner:

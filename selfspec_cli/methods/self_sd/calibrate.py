@@ -54,7 +54,7 @@ import torch
 from ...artifacts import check_writable
 from ...loading import model_fingerprint
 from ...config import GenerationConfig
-from ...decoding.cost import VerifyCurve, measure_draft_step, timed, weight_bytes
+from ...decoding.cost import VerifyCurve, draft_step_cost, timed, weight_bytes
 from ...decoding.layer_skip import DraftConfig
 from ...decoding.output import DecodeResult
 from ...engine import Engine
@@ -142,8 +142,7 @@ def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: f
 
 def full_depth_costs(engine: Engine, precisions: Sequence[str]) -> dict[str, float]:
     """c of a full-depth draft step per precision, over T(1) (``target``: 1 by definition)."""
-    t1 = VerifyCurve.for_engine(engine).t1_s
-    return {p: 1.0 if p == "target" else round(measure_draft_step(engine, p) / t1, 4) for p in precisions}
+    return {p: 1.0 if p == "target" else round(draft_step_cost(engine, p), 4) for p in precisions}
 
 
 def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) -> float:
