@@ -308,6 +308,10 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     for key in ("torch", "transformers", "device", "dtype", "threads", "cpu"):
         assert key in doc["environment"]
     assert doc["setup"]["repeats"] == 2 and doc["setup"]["categories"] == {"code": 2, "prose": 2}
+    # the verify curve pooled over a reading per pass, and the figures derived from it restated with it
+    costs = doc["engine_costs"]
+    assert costs["curve_readings"] == 2
+    assert costs["step_over_floor"] == pytest.approx(costs["step_ms"] / costs["floor_ms"], abs=1e-3)
     # the command as given to main(), not the test runner's argv
     assert doc["setup"]["command"].startswith("selfspec bench --methods ar,hf,hf-pld,swift,asd -m ")
     for name, m in doc["methods"].items():

@@ -297,7 +297,7 @@ def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_t
     # a drifting host: c still reads the draft's share of a step at the pace of the moment
     pace[0] = None
     c = cost_mod.draft_step_cost(eng, None, frozenset({0}), frozenset({0, 1}), context=16, rounds=9)
-    assert c == pytest.approx(0.3, rel=0.015)
+    assert c == pytest.approx(0.3, rel=0.005)  # timed apart (all drafts, then all targets) it reads 0.294
 
 
 def test_driver_reports_predicted_and_realized_gain(monkeypatch, virtual_clock):

@@ -388,6 +388,7 @@ def bench(
                    reference=ref, baseline=base, files=file_map)
     if engine_costs is not None:  # the curve the last pass's planners read (pooled over the passes)
         engine_costs.update(prof.curve_fields(VerifyCurve.for_engine(engine)))
+        engine_costs["step_over_floor"] = round(engine_costs["step_ms"] / engine_costs["floor_ms"], 3)
     doc["engine_costs"] = engine_costs
     atomic_write(output_dir / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))
 

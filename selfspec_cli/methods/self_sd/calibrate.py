@@ -141,7 +141,8 @@ def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: f
 
 
 def full_depth_costs(engine: Engine, precisions: Sequence[str]) -> dict[str, float]:
-    """c of a full-depth draft step per precision, over T(1) (``target``: 1 by definition)."""
+    """c of a full-depth draft step per precision: a draft forward over a target forward timed
+    beside it (:func:`draft_step_cost`; ``target``: 1 by definition)."""
     return {p: 1.0 if p == "target" else round(draft_step_cost(engine, p), 4) for p in precisions}
 
 
