@@ -154,3 +154,13 @@ def load_calibration_prompts(prompt_file: str | None, dataset: str | None, field
 def prompts_digest(prompt_ids: list[list[int]]) -> str:
     """A short hash of the tokenized calibration prompts (a resumed study must use the same ones)."""
     return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:16]
+
+
+def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template: bool) -> list[int]:
+    """Token ids of a conversation so far (ending with a user turn), ready to continue."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer("\n\n".join(m["content"] for m in history), add_special_tokens=True)["input_ids"]

@@ -16,7 +16,7 @@ from .config import GenerationConfig
 from .decoding.cost import timed
 from .decoding.output import DecodeResult
 from .errors import ConfigError
-from .prompts import Prompt
+from .prompts import Prompt, encode_turn
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -30,16 +30,6 @@ def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
 
 def context_length(model: Any) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 0)
-
-
-def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template: bool) -> list[int]:
-    """Token ids of a conversation so far (ending with a user turn), ready to continue."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer("\n\n".join(m["content"] for m in history), add_special_tokens=True)["input_ids"]
 
 
 def check_prompt_fits(prompt: Prompt, tokenizer: Any, cfg: GenerationConfig, ctx: int, use_chat_template: bool) -> None:

@@ -13,18 +13,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from selfspec_cli.bench import engine_profile
 from selfspec_cli.config import GenerationConfig, SamplingConfig
+from selfspec_cli.decoding import cost
 from selfspec_cli.decoding import layer_skip as layer_skip_mod
 from selfspec_cli.decoding.drafts import Chain
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine, kernels, quant
 from selfspec_cli.engine.kernels import QLinear, QuantWeight, quantize_int8
 from selfspec_cli.methods import AR, build
+from selfspec_cli.runtime import encode_turn
 
 from .conftest import make_tiny_model
 from .test_decoding import ALPHA, distribution_test
@@ -411,3 +415,45 @@ def test_a_draft_ends_at_an_end_of_sequence_token(method, options):
     assert res.token_ids[-1] == stop
     assert any(d and d[-1] == stop for d in drafts)  # the draft reached the stop token ...
     assert all(stop not in d[:-1] for d in drafts)  # ... and never drafted past it
+
+
+# ---- the full-depth quantized draft's prior: its measured agreement --------------------------
+
+
+@needs_kernel
+def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draft_cache):
+    model = make_tiny_model("llama-gqa")
+    eng = Engine(model)
+    eng.draft("int8")
+    _coarse_draft(eng, levels=8)  # a draft that disagrees now and then (22 of 24 here), so the count is not trivially all or none
+    eng.drafts["int8"].info = {"path": str(draft_cache / "drafts" / "copy.safetensors")}
+    ctx = _prompt(6, 0, model.config.vocab_size)
+    hits, n = cost.draft_agreement(eng, "int8", ctx, tokens=24)
+    assert n == 24 and [hits] == engine_profile._agreement(eng, [ctx], 24, [{"weights": "int8"}])[0]  # profile's count
+    assert 0 < hits < n
+    side = list((draft_cache / "drafts").glob("copy.safetensors.agreement-*.json"))
+    assert len(side) == 1 and json.loads(side[0].read_text())["hits"] == hits
+    # a later process reads the file instead of measuring again (a changed count shows it was read)
+    side[0].write_text(json.dumps({"hits": 3, "positions": 24}))
+    again = Engine(model)
+    again.drafts["int8"] = eng.drafts["int8"]
+    assert cost.draft_agreement(again, "int8", ctx, tokens=24) == (3, 24)
+
+
+@needs_kernel
+def test_full_depth_quantized_planners_start_from_the_measured_agreement(tiny_tokenizer):
+    eng = Engine(make_tiny_model("llama-gqa"))
+    ids = encode_turn(tiny_tokenizer, [{"role": "user", "content": layer_skip_mod.AGREEMENT_PROMPT}], True)
+    hits, n = cost.draft_agreement(eng, "int8", ids)
+    q = (hits + 1) / (n + 2)
+    assert q != 0.5
+    specqd = build("specqd", eng, tiny_tokenizer, draft_precision="int8")
+    assert specqd.planner.prior == q and specqd.planner.acceptance.rate(1) == pytest.approx(q)
+    # a skip set on top: its own planner knows nothing yet; its full-depth variant starts from q
+    ssd = build("self-sd", eng, tiny_tokenizer, draft_precision="int8", skip_attn="1", skip_mlp="2")
+    assert ssd.planner.prior == 0.5
+    ssd._gains(8)
+    assert ssd._other.planner.prior == q
+    # target-precision drafts and drafts without a tokenizer keep the flat prior
+    assert build("self-sd", eng, tiny_tokenizer, draft_precision="target", skip_attn="1").planner.prior == 0.5
+    assert build("specqd", eng, None, draft_precision="int8").planner.prior == 0.5

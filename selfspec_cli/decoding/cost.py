@@ -5,7 +5,8 @@ A round that drafts a chain of ``k`` tokens and verifies it emits, in expectatio
     E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j
 
 tokens, where ``a_j`` is the probability that draft depth ``j`` is accepted given that
-depth ``j - 1`` was (tracked online per proposer, :class:`Acceptance`). In units of one
+depth ``j - 1`` was (tracked online per proposer, :class:`Acceptance`; a full-depth quantized
+draft starts from its measured agreement, :func:`draft_agreement`). In units of one
 plain decoding step T(1) the round costs ``k c + v(k + 1)``: ``c`` is one draft step
 (measured online; 0 for n-gram drafts) and ``v(m)`` one full-depth forward of ``m``
 rows (:class:`VerifyCurve`, measured once per engine). Plain decoding is ``E(0) /
@@ -45,6 +46,8 @@ side on CUDA), which the runtime, calibration and the bench time with too.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import operator
 import statistics
 import time
@@ -52,11 +55,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from ..engine import Engine
+from ..errors import ArtifactError
+from ..paths import atomic_write
 
 T = TypeVar("T")
 
@@ -211,17 +217,66 @@ def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[in
     return med["draft"] / med["target"]
 
 
+AGREEMENT_TOKENS = 32  # positions of the target's own greedy text a quantized draft's prior is read over
+_AGREEMENT: "weakref.WeakKeyDictionary[Engine, dict[tuple, tuple[int, int]]]" = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def draft_agreement(engine: Engine, weights: str, context: list[int], tokens: int = AGREEMENT_TOKENS) -> tuple[int, int]:
+    """Top-1 hits of one-token drafts at ``weights`` (full depth, over the target's K/V) along
+    the target's greedy continuation of ``context`` (``tokens`` positions; a context of at least
+    two tokens), and the positions compared: depth 1's acceptance, as `selfspec profile` reads
+    it. Measured once per engine and kept beside the draft copy's disk cache (a JSON file,
+    written atomically), so that a later process reads it: it costs about ``tokens`` plain and
+    draft steps (about 1 s on the default model; docs/engine.md, "Quantized drafts")."""
+    key = (weights, tuple(context), tokens)
+    memo = _AGREEMENT.setdefault(engine, {})
+    if key in memo:
+        return memo[key]
+    path = engine.draft(weights).info.get("path")
+    digest = hashlib.sha256(json.dumps([list(context), tokens]).encode()).hexdigest()[:16]
+    side = Path(f"{path}.agreement-{digest}.json") if path else None
+    if side is not None and side.is_file():
+        try:
+            got = json.loads(side.read_text())
+            memo[key] = (int(got["hits"]), int(got["positions"]))
+            return memo[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: measure again and rewrite it
+    n, hits = len(context), 0
+    cache = engine.new_cache(n + tokens + 1)
+    engine.forward(cache, torch.tensor(context[:-1], device=engine.device), positions=0)
+    tok = context[-1]
+    for pos in range(n - 1, n - 1 + tokens):  # the draft's row is cropped before the target's is computed
+        x = torch.tensor([tok], device=engine.device)
+        guess = int(engine.forward(cache, x, positions=pos, weights=weights).logits[-1].argmax())
+        cache.crop(pos)
+        tok = int(engine.forward(cache, x, positions=pos).logits[-1].argmax())
+        hits += guess == tok
+    memo[key] = (hits, tokens)
+    if side is not None:
+        try:
+            atomic_write(side, lambda f: f.write(json.dumps({"hits": memo[key][0], "positions": tokens,
+                                                             "weights": weights}).encode()))
+        except ArtifactError:
+            pass  # a read-only cache only costs the next process the measurement
+    return memo[key]
+
+
 @dataclass
 class Acceptance:
-    """Per-depth acceptance ``a_j``, over all rounds so far. Depth 1 has a Beta(1, 1) prior;
-    depth ``j > 1`` a Beta prior of weight 2 centred on depth ``j - 1``'s estimate, so that a
-    depth never drafted yet is expected to behave like the one before it (a flat 0.5 there
-    would keep a planner from ever trying a depth beyond those it has seen)."""
+    """Per-depth acceptance ``a_j``, over all rounds so far. Depth 1 has a Beta prior of weight 2
+    centred on ``prior`` (0.5, a flat Beta(1, 1), when nothing is known; a quantized draft's
+    measured agreement, :func:`draft_agreement`); depth ``j > 1`` a Beta prior of weight 2
+    centred on depth ``j - 1``'s estimate, so that a depth never drafted yet is expected to
+    behave like the one before it (a flat 0.5 there would keep a planner from ever trying a
+    depth beyond those it has seen)."""
 
     max_depth: int
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     prior_weight: float = 2.0
+    prior: float = 0.5
 
     def __post_init__(self) -> None:
         self.reached = [0.0] * (self.max_depth + 1)  # index j: depth j (index 0 unused)
@@ -229,7 +284,7 @@ class Acceptance:
 
     def rate(self, depth: int) -> float:
         d = max(1, min(depth, self.max_depth))
-        mean = 0.5
+        mean = self.prior
         for j in range(1, d + 1):
             mean = (self.accepted[j] + self.prior_weight * mean) / (self.reached[j] + self.prior_weight)
         return mean
@@ -268,12 +323,13 @@ class Planner:
     acceptance: Acceptance = None  # type: ignore[assignment]
     probe_budget: float = PROBE_BUDGET  # probes may cost this share of a plain step per round that does not draft
     width: int = 1  # verified rows per draft depth (2 for a tree of at most 2k nodes)
+    prior: float = 0.5  # depth 1's prior acceptance (Acceptance)
     overhead: Overhead = field(default_factory=Overhead)  # shared by planners whose rounds cost alike
     _savings: float = 0.0  # probe budget earned and not yet spent, in plain steps
     last: tuple[float, float] = (1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
 
     def __post_init__(self) -> None:
-        self.acceptance = Acceptance(self.max_len)
+        self.acceptance = Acceptance(self.max_len, prior=self.prior)
 
     def reach(self, k: int) -> list[float]:
         """P(depth j of a k-token draft is accepted), j = 1..k."""
@@ -338,7 +394,7 @@ class Planner:
         self.overhead.observe(steps - (plan[1] - self.overhead.value))
 
     def report(self) -> dict[str, Any]:
-        return {"acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
+        return {"prior": round(self.prior, 3), "acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
                 "round_overhead": round(self.overhead.value, 4),
                 "verify_curve": {m: round(self.curve.v(m), 3) for m in (2, 4, 8)}}  # the reading this planner uses
 

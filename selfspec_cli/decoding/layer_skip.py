@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from .cost import Planner, VerifyCurve, draft_step_cost, ema
+from ..prompts import encode_turn
+from .cost import Planner, VerifyCurve, draft_agreement, draft_step_cost, ema
 from .drafts import Chain, Draft, NoDraft, Round, Tree, chain_or_tree
 from .driver import Proposer
 from .sampling import processed_scores, sample_from
@@ -127,8 +128,14 @@ class DraftNote:
     ngram_path: list[int] | None = None
 
 
+# the instruction whose greedy answer a quantized draft's agreement prior is read along (any neutral request)
+AGREEMENT_PROMPT = "Write a short paragraph about a topic of your choice."
+
+
 class LayerSkipProposer(Proposer):
     """Layer-skipping drafts; subclasses choose the skip sets."""
+
+    never_skips = False  # a subclass whose skip sets are always empty (SpecQD: the quantized model at full depth)
 
     def __init__(self, engine: Engine, tokenizer: Any, draft: DraftConfig) -> None:
         Proposer.__init__(self, engine, tokenizer)  # not super(): a method class mixes this in beside methods.Method
@@ -143,6 +150,7 @@ class LayerSkipProposer(Proposer):
         self._ngram_planner: Planner | None = None
         self.precision: str | None = None  # None: the target's own weights; else engine.draft(precision)
         self._c0: float | None = None  # c measured before any draft (draft_step_cost)
+        self._q0 = 0.5  # a full-depth quantized draft's prior acceptance (_reset_cost)
         # quantized drafts: the inactive variant's cost state (the skip set, or full depth; see _pick_variant)
         self._full = False  # this round drafts at full depth, no skips
         self._other = CostSlot()
@@ -178,14 +186,33 @@ class LayerSkipProposer(Proposer):
         self._reset_cost()
 
     def _reset_cost(self) -> None:
-        """Forget the measured draft costs; a quantized draft's are timed now, not inside a timed decode."""
+        """Forget the measured draft costs and acceptance; a quantized draft's costs are timed now,
+        and its full-depth prior read now (:meth:`_agreement_prior`), not inside a timed decode."""
         if self._full:
             self._swap()
         self._step_c = self._c0 = None
         self._other = CostSlot()
+        self._q0 = 0.5
         if self.precision is not None and self.draft_cfg.cost_aware:
             self._c0 = draft_step_cost(self.engine, self.precision, *self.skip_sets())
             self._other.c0 = draft_step_cost(self.engine, self.precision)
+            self._q0 = self._agreement_prior()
+        if self.draft_cfg.cost_aware:
+            self.planner = None
+            self._planner()
+
+    def _agreement_prior(self) -> float:
+        """Depth 1's prior acceptance for the full-depth quantized draft: its top-1 agreement with
+        the target along the target's own greedy answer to a neutral instruction
+        (:func:`~selfspec_cli.decoding.cost.draft_agreement`, as (hits + 1) / (positions + 2)),
+        so that a fresh decode starts from what the copy is known to do rather than from 0.5,
+        which prices a draft that costs c per token below plain decoding until a few rounds have
+        run (docs/engine.md, "Quantized drafts"). 0.5 without a tokenizer."""
+        if self.tokenizer is None:
+            return 0.5
+        ids = encode_turn(self.tokenizer, [{"role": "user", "content": AGREEMENT_PROMPT}], True)
+        hits, n = draft_agreement(self.engine, self.precision, ids)
+        return (hits + 1) / (n + 2)
 
     # -- quantized drafts: skip set on top, or full depth -------------------
     def _swap(self) -> None:
@@ -247,8 +274,10 @@ class LayerSkipProposer(Proposer):
 
     def _planner(self) -> Planner:
         if self.planner is None:
+            full_depth_quant = self.precision is not None and (self._full or self.never_skips)
             self.planner = Planner(VerifyCurve.for_engine(self.engine), self.draft_cfg.max_draft,
-                                   width=2 if self.draft_cfg.tree and not self._full else 1)
+                                   width=2 if self.draft_cfg.tree and not self._full else 1,
+                                   prior=self._q0 if full_depth_quant else 0.5)
             self.curve = self.planner.curve
         return self.planner
 

@@ -42,6 +42,7 @@ class SpecQD(LayerSkipProposer, Method):
     lossless = True
     description = "SpecQD: the model's own weights quantized (int8, or the GGUF's own blocks) as a full-depth draft"
     Config = SpecQDConfig
+    never_skips = True
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SpecQDConfig | None = None,
                  draft: DraftConfig | None = None) -> None:
