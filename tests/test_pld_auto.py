@@ -397,3 +397,19 @@ def test_pld_draft_ends_at_an_end_of_sequence_token():
     pld.planner(2).plan = lambda c, n: n  # take every token this round offers
     assert pld.propose(state, 4).tokens == [2]
     assert build("pld", eng, None, paper_drafting=True).propose(state, 4).tokens == [2, 7, 8, 9]
+
+
+@pytest.mark.skipif(__import__("selfspec_cli.engine.kernels", fromlist=["x"]).load_extension() is None,
+                    reason="quantized drafts need the CPU kernel")
+def test_auto_learns_ngram_acceptance_from_the_ngram_branch_of_hybrid_rounds(tiny_tokenizer, monkeypatch):
+    """While the quantized chain wins the rounds (its measured prior is high), the n-gram
+    continuation rides along as a second branch; its verdict is an n-gram draft's, and the
+    n-gram planners learn from it, so a source that seldom wins is still measured."""
+    eng = Engine(make_tiny_model("llama-gqa"))
+    auto = build("auto", eng, tiny_tokenizer, draft_precision="int8")
+    monkeypatch.setattr(auto.quant, "draft_cost", lambda: 0.05)  # a tiny model's draft step is not cheap: say it is
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 4  # lookups match from the first round
+    auto.generate(prompt, GenerationConfig(max_new_tokens=40))
+    own = auto.rounds["ngram"]
+    seen = sum(p.acceptance.reached[1] for p in auto.pld.planners.values())
+    assert auto.rounds["quant"] > 0 and seen > own

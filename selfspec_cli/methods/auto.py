@@ -9,7 +9,10 @@ n-gram continuation as a second branch of one verified tree. Before each round e
 (:mod:`selfspec_cli.decoding.cost`) gives the best expected gain over plain decoding at
 its measured draft cost and acceptance; the round goes to the source with the highest
 gain, which then plans its own draft length (and may still decline or probe). Each
-source keeps its own acceptance statistics, updated only by its own rounds.
+source keeps its own acceptance statistics, updated by its own rounds; the n-gram planners
+also by the n-gram branch of hybrid rounds (a verified n-gram draft), so that n-gram drafts
+stay measured while a quantized chain wins the rounds (a source that never drafts would
+keep its prior forever).
 
 Lossless: whichever source drafts, the driver verifies with the exact rules.
 """
@@ -19,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ..decoding.drafts import Draft, NoDraft, Round, depth
+from ..decoding.drafts import Chain, Draft, NoDraft, Round, Tree, depth
 from ..decoding.driver import Proposer
 from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
@@ -68,6 +71,7 @@ class Auto(Method):
         self.rounds: Counter[str] = Counter()
         self._last: Proposer | None = None
         self._turn = 0
+        self._ngram_n = 0  # the order of this round's n-gram lookup (0: none)
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None) -> Auto:
@@ -102,6 +106,7 @@ class Auto(Method):
     def propose(self, state: DecodeState, budget: int) -> Draft:
         options: list[tuple[float, str, Proposer]] = []
         cont, n = self.pld.candidate(state, budget)
+        self._ngram_n = n
         if cont:
             options.append((self.pld.planner(n).best(0.0, len(cont))[1], "ngram", self.pld))
         for source, drafts in (("layer_skip", self.layer_skip), ("quant", self.quant)):
@@ -126,6 +131,10 @@ class Auto(Method):
     def update(self, state: DecodeState, rnd: Round) -> None:
         if self._last is not None:
             self._last.update(state, rnd)
+        path = getattr(rnd.draft.note, "ngram_path", None) if isinstance(rnd.draft, (Chain, Tree)) else None
+        if self._last is not self.pld and path and self._ngram_n:
+            # the n-gram branch of a hybrid round is a verified n-gram draft: its planner learns from it too
+            self.pld.planner(self._ngram_n).observe(len(path), len(set(path) & set(rnd.verdict.accepted)))
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"auto_rounds": dict(self.rounds), "ngram": self.pld.describe()}
