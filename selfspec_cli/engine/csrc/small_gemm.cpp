@@ -435,7 +435,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
 // sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
 // (ns, K/2, 64) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums (ns, K/gs, 64)
-// float32. Made for drafting (one row at a time): rows are tiled by up to 3 (AVX-512) or 1 (AVX2).
+// float32. Rows are tiled by up to 6 (AVX-512) or 4 (AVX2): a k-row call decodes each line once per tile.
 // Arithmetic, per output and row, in float32 with FMA and a fixed order:
 //     p_g = sum over k in g (ascending) of float(q[n, k]) * x[k]     (one FMA chain)
 //     y   = sum over g (ascending) of  s[n, g] * p_g (+ m[n, g] * xs_g)   (one FMA chain)
@@ -450,19 +450,22 @@ namespace {
 constexpr int64_t SP = 64;  // outputs per quantized super-panel (one 64-byte line of 8-bit codes per k)
 constexpr int64_t QPF = 24;  // lines between a prefetch and its use
 
-// R rows x one super-panel, AVX-512: lane i of acc[r][j] is output 16 j + i of row r.
+// R rows x one super-panel, AVX-512: lane i of p[r][j] is output 16 j + i of row r. The group
+// partial sums p live in registers (R x 4 zmm; R <= 6 leaves room for the decode); the running
+// sums acc live in an L1 buffer, touched once per group. 4-bit codes are decoded with one
+// vpmovzxbd per 16 bytes (both nibbles of a byte in one dword) and a 16-entry float table
+// (vpermps reads each dword's low 4 bits): the low nibble is a lookup, the high one a shift and a
+// lookup. Each output's chain is the same as the AVX2 path's (below) whatever R is.
 template <int R, bool Q4, bool MIN>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 void qtile512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n_valid, const float* bias) {
-  __m512 acc[R][4];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) float acc[R][SP];
+  std::memset(acc, 0, sizeof(acc));
   const int64_t ng = k_n / gs;
-  const __m128i lo_mask = _mm_set1_epi8(0x0F);
-  const __m512i off = _mm512_set1_epi32(MIN ? 0 : 8);  // 4-bit without minimums: Q4_0's q - 8
+  alignas(64) float tab[16];
+  for (int i = 0; i < 16; ++i) tab[i] = float(MIN ? i : i - 8);  // Q4_1: q; Q4_0: q - 8 (exact)
+  const __m512 table = _mm512_load_ps(tab);
   for (int64_t g = 0; g < ng; ++g) {
     __m512 p[R][4];
 #pragma GCC unroll 16
@@ -474,117 +477,108 @@ void qtile512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_
       for (int64_t k = k0; k < k0 + gs; ++k) {
         const uint8_t* c = codes + k * SP;
         _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
-        __m512 wv[4];
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j)
-          wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
+        for (int j = 0; j < 4; ++j) {
+          const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) p[r][j] = _mm512_fmadd_ps(wv[j], xb, p[r][j]);
+          for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k]), p[r][j]);
         }
       }
     } else {
       for (int64_t k = k0; k < k0 + gs; k += 2) {
         const uint8_t* c = codes + (k / 2) * SP;
         _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
-        __m512 we[4], wo[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j));
-          we[j] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, lo_mask)), off));
-          wo[j] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo_mask)), off));
-        }
+          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+          const __m512 we = _mm512_permutexvar_ps(d, table);
+          const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const __m512 xe = _mm512_set1_ps(x[r * ldx + k]), xo = _mm512_set1_ps(x[r * ldx + k + 1]);
-#pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) p[r][j] = _mm512_fmadd_ps(wo[j], xo, _mm512_fmadd_ps(we[j], xe, p[r][j]));
+          for (int r = 0; r < R; ++r)
+            p[r][j] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r * ldx + k + 1]),
+                                      _mm512_fmadd_ps(we, _mm512_set1_ps(x[r * ldx + k]), p[r][j]));
         }
       }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512 s = _mm512_loadu_ps(sc + g * SP + 16 * j);
+      const __m512 m = MIN ? _mm512_loadu_ps(mn + g * SP + 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(s, p[r][j], acc[r][j]);
-      if constexpr (MIN) {
-        const __m512 m = _mm512_loadu_ps(mn + g * SP + 16 * j);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), acc[r][j]);
+      for (int r = 0; r < R; ++r) {
+        __m512 a = _mm512_fmadd_ps(s, p[r][j], _mm512_load_ps(acc[r] + 16 * j));
+        if constexpr (MIN) a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), a);
+        _mm512_store_ps(acc[r] + 16 * j, a);
       }
     }
   }
-  alignas(64) float buf[SP];
-#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(buf + 16 * j, acc[r][j]);
     float* out = y + r * ldy;
     if (bias != nullptr)
-      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[i];
+      for (int64_t i = 0; i < n_valid; ++i) out[i] = acc[r][i] + bias[i];
     else
-      std::memcpy(out, buf, sizeof(float) * n_valid);
+      std::memcpy(out, acc[r], sizeof(float) * n_valid);
   }
 }
 
-// One row x half H (32 outputs) of a super-panel, AVX2: acc[j] lane i is output 32 H + 8 j + i.
-// The two halves read the same lines (the second pass finds them in L1/L2).
-template <bool Q4, bool MIN>
-void qhalf256(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
-              const float* xs, float* out, int64_t h, const float* bias, int64_t n_valid) {
-  __m256 acc[4];
-  for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+// R rows x NQ x 8 outputs starting at output o0 of a super-panel, AVX2: lane i of p[r][j] is output
+// o0 + 8 j + i. One row takes 32 outputs (two passes over the super-panel's lines; the second finds
+// them in L1/L2), more rows 16 (four passes) so that R x NQ partial sums fit the 16 ymm registers.
+// The same chain per output as qtile512.
+template <int R, int NQ, bool Q4, bool MIN>
+void qtile256(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+              int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t o0, int64_t n_valid,
+              const float* bias) {
+  alignas(32) float acc[R][8 * NQ];
+  std::memset(acc, 0, sizeof(acc));
   const int64_t ng = k_n / gs;
-  const __m128i lo_mask = _mm_set1_epi8(0x0F);
-  const __m256i off = _mm256_set1_epi32(MIN ? 0 : 8);
+  const __m256i lo4 = _mm256_set1_epi32(0x0F), off = _mm256_set1_epi32(MIN ? 0 : 8);
   for (int64_t g = 0; g < ng; ++g) {
-    __m256 p[4];
-    for (int j = 0; j < 4; ++j) p[j] = _mm256_setzero_ps();
+    __m256 p[R][NQ];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NQ; ++j) p[r][j] = _mm256_setzero_ps();
     const int64_t k0 = g * gs;
     if constexpr (!Q4) {
       for (int64_t k = k0; k < k0 + gs; ++k) {
-        const uint8_t* c = codes + k * SP + 32 * h;
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
-        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
-        const __m256 xb = _mm256_broadcast_ss(x + k);
-        p[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), xb, p[0]);
-        p[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), xb, p[1]);
-        p[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), xb, p[2]);
-        p[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), xb, p[3]);
+        const uint8_t* c = codes + k * SP + o0;
+        if (o0 == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+        for (int j = 0; j < NQ; ++j) {
+          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j))));
+          for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k), p[r][j]);
+        }
       }
     } else {
       for (int64_t k = k0; k < k0 + gs; k += 2) {
-        const uint8_t* c = codes + (k / 2) * SP + 32 * h;
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
-        const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
-        for (int q = 0; q < 2; ++q) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * q));
-          const __m128i lo = _mm_and_si128(b, lo_mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
-          const __m256 e0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off));
-          const __m256 e1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off));
-          const __m256 o0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off));
-          const __m256 o1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
-          p[2 * q] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, p[2 * q]));
-          p[2 * q + 1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, p[2 * q + 1]));
+        const uint8_t* c = codes + (k / 2) * SP + o0;
+        if (o0 == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+        for (int j = 0; j < NQ; ++j) {
+          const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j)));
+          const __m256 we = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, lo4), off));
+          const __m256 wo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d, 4), off));
+          for (int r = 0; r < R; ++r)
+            p[r][j] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(x + r * ldx + k + 1),
+                                      _mm256_fmadd_ps(we, _mm256_broadcast_ss(x + r * ldx + k), p[r][j]));
         }
       }
     }
-    for (int j = 0; j < 4; ++j) {
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + g * SP + 32 * h + 8 * j), p[j], acc[j]);
-      if constexpr (MIN)
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g * SP + 32 * h + 8 * j), _mm256_broadcast_ss(xs + g), acc[j]);
+    for (int j = 0; j < NQ; ++j) {
+      const __m256 s = _mm256_loadu_ps(sc + g * SP + o0 + 8 * j);
+      const __m256 m = MIN ? _mm256_loadu_ps(mn + g * SP + o0 + 8 * j) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        __m256 a = _mm256_fmadd_ps(s, p[r][j], _mm256_load_ps(acc[r] + 8 * j));
+        if constexpr (MIN) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * ldxs + g), a);
+        _mm256_store_ps(acc[r] + 8 * j, a);
+      }
     }
   }
-  alignas(32) float buf[32];
-  for (int j = 0; j < 4; ++j) _mm256_store_ps(buf + 8 * j, acc[j]);
-  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, n_valid - 32 * h));
-  if (bias != nullptr)
-    for (int64_t i = 0; i < n; ++i) out[32 * h + i] = buf[i] + bias[32 * h + i];
-  else
-    std::memcpy(out + 32 * h, buf, sizeof(float) * n);
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(8 * NQ, n_valid - o0));
+  for (int r = 0; r < R; ++r) {
+    float* out = y + r * ldy + o0;
+    if (bias != nullptr)
+      for (int64_t i = 0; i < n; ++i) out[i] = acc[r][i] + bias[o0 + i];
+    else
+      std::memcpy(out, acc[r], sizeof(float) * n);
+  }
 }
 
 struct QArgs {
@@ -599,6 +593,9 @@ struct QArgs {
   const float* bias;
 };
 
+constexpr int QROWS512 = 6;  // rows per AVX-512 tile: 24 partial-sum registers + the decode
+constexpr int QROWS256 = 4;  // rows per AVX2 tile (16 outputs): 8 partial-sum registers + the decode
+
 template <bool Q4, bool MIN, bool AVX512>
 void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   const int64_t cstride = (Q4 ? a.k_n / 2 : a.k_n) * SP, sstride = (a.k_n / a.gs) * SP;
@@ -607,25 +604,32 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   const float* mn = MIN ? a.mn + sp * sstride : nullptr;
   const int64_t n0 = sp * SP, n_valid = std::min<int64_t>(SP, a.n - n0);
   const float* bias = a.bias ? a.bias + n0 : nullptr;
-  if constexpr (AVX512) {
-    // balanced row tiles of up to 3 rows (12 accumulators and 12 partial sums)
-    const int64_t tiles = (rows + 2) / 3;
-    int64_t r = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t size = (rows - r) / (tiles - t);
-      const float* xt = a.x + r * a.k_n;
-      const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
-      float* yt = a.y + r * a.n + n0;
-      if (size == 3) qtile512<3, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias);
-      else if (size == 2) qtile512<2, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias);
-      else qtile512<1, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias);
-      r += size;
+  const int64_t most = AVX512 ? QROWS512 : QROWS256;
+  // balanced row tiles (8 rows = 4 + 4 on AVX-512): which tile a row lands in never changes its chain
+  const int64_t tiles = (rows + most - 1) / most;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t size = (rows - r) / (tiles - t);
+    const float* xt = a.x + r * a.k_n;
+    const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
+    float* yt = a.y + r * a.n + n0;
+    if constexpr (AVX512) {
+#define QT(RR) qtile512<RR, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
+      switch (size) {
+        case 6: QT(6); break; case 5: QT(5); break; case 4: QT(4); break;
+        case 3: QT(3); break; case 2: QT(2); break; default: QT(1);
+      }
+#undef QT
+    } else if (size == 1) {
+      for (int64_t o0 = 0; o0 < SP; o0 += 32)
+        qtile256<1, 4, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
+    } else {
+#define QT(RR) qtile256<RR, 2, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
+      for (int64_t o0 = 0; o0 < SP; o0 += 16)
+        switch (size) { case 4: QT(4); break; case 3: QT(3); break; default: QT(2); }
+#undef QT
     }
-  } else {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t h = 0; h < 2; ++h)
-        qhalf256<Q4, MIN>(codes, sc, mn, a.k_n, a.gs, a.x + r * a.k_n, MIN ? a.xs + r * a.ldxs : nullptr,
-                          a.y + r * a.n + n0, h, bias, n_valid);
+    r += size;
   }
 }
 
