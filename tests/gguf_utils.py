@@ -226,7 +226,7 @@ def load_shipped_tokenizer():
 
 def make_tiny_gguf(tmp_dir, seed: int = 0, tie_word_embeddings: bool = True,
                    chat_template: str | None = CHATML_TEMPLATE, name: str = "tiny-llama-f32.gguf",
-                   tokenizer="tiny", qtype: str | None = None):
+                   tokenizer="tiny", qtype: str | None = None, layers: int = 2):
     """Write a tiny random Llama to `tmp_dir/name`, over `tokenizer`: "tiny" (`tiny_bpe_tokenizer()`,
     the default: its small vocabulary keeps transformers' GGUF metadata parsing fast), "shipped" (the
     repo's 8192-token tokenizer; each load then spends seconds parsing the vocabulary), or a fast
@@ -243,7 +243,7 @@ def make_tiny_gguf(tmp_dir, seed: int = 0, tie_word_embeddings: bool = True,
         tokenizer = load_shipped_tokenizer()
     ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     ids = {k: (v if v is not None else ids["eos_token_id"]) for k, v in ids.items()}
-    config = tiny_llama_config(len(tokenizer), tie_word_embeddings=tie_word_embeddings, **ids)
+    config = tiny_llama_config(len(tokenizer), tie_word_embeddings=tie_word_embeddings, num_hidden_layers=layers, **ids)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():

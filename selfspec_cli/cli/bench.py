@@ -30,13 +30,14 @@ from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
 from ..decoding.cost import VerifyCurve
 from ..engine import Engine
+from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build
 from ..paths import atomic_write
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
-from .common import (MODEL_HELP, SAMPLING_RULE_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
+from .common import (MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
                      check_not_input, err_console, invocation, set_exit_note,
                      log, progress, table, write_record)
 from .method_options import method_config
@@ -50,6 +51,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "auto-single": ("auto", {"hybrid": False}, " [one drafting source per round, no hybrid trees]"),
     "specqd-int8": ("specqd", {"draft_precision": "int8"}, " [int8 per-channel draft weights]"),
 }
+# plain decoding on another target than the run's (engine/target.py): the fp32 row beside a block or bf16 target,
+# so every run shows what the faster target is worth; added by itself when the run's target is not fp32
+TARGET_PEERS: dict[str, str] = {"ar-fp32": "fp32"}
 DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"
 
@@ -197,19 +201,21 @@ def bench(
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
     """Benchmark methods and peers on the same model and prompts (greedy, or sampled with one seed): speed, speedup, M, alpha, parity."""
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
-    unknown = [m for m in names if m not in METHODS and m not in VARIANTS and m not in PEERS]
+    unknown = [m for m in names if m not in METHODS and m not in VARIANTS and m not in PEERS and m not in TARGET_PEERS]
     if not names or unknown:
         raise ConfigError(f"unknown --methods {', '.join(unknown) or '(none)'}; "
-                          f"choose from: {', '.join([*METHODS, *VARIANTS, *PEERS])}")
+                          f"choose from: {', '.join([*METHODS, *VARIANTS, *PEERS, *TARGET_PEERS])}")
     if warmup < 0 or repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
+    check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     for opt, value, peer in (("--early-exit-layer", early_exit_layer, "hf-early-exit"),
                              ("--assistant-model", assistant_model, "hf-assisted")):
         if value is not None and peer not in names:
@@ -250,8 +256,13 @@ def bench(
     suite_prompts, prompts = prompts, ranks.share(prompts)  # this rank's prompts (all of them in one process)
     records_dir = output_dir / "records" / (f"rank{ranks.rank}" if ranks.many else "")
     assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
-    engine = Engine(mdl)
+    engine = Engine(mdl, target_precision=target_precision)
     dev = torch.device(engine.device)
+    if REFERENCE in names and engine.target_precision != "fp32" and engine.dtype == torch.float32:
+        names = list(dict.fromkeys([*names[:names.index(REFERENCE) + 1], "ar-fp32", *names]))  # beside ar
+    say(f"[dim]target: {engine.target_precision} ({engine.target_info.get('why') or 'asked'}); every speedup is "
+        f"against ar on it[/dim]")
+    other_targets: dict[str, Engine] = {}  # TARGET_PEERS' engines, built once
 
     # build every contender once up front: a missing artifact fails now, not after an hour
     contenders: list[Contender] = []
@@ -272,13 +283,24 @@ def bench(
                 return built[n][-1].generate
 
             contenders.append(Contender(n, make, first.lossless))
+        elif n in TARGET_PEERS:
+            tp = TARGET_PEERS[n]
+            if tp not in other_targets:
+                other_targets[tp] = Engine(mdl, target_precision=tp)
+            descriptions[n] = (f"plain decoding on the {tp} target (the model's float32 tensors), beside ar on "
+                               f"this run's {engine.target_precision} target")
+
+            def make_ar(e: Engine = other_targets[tp]) -> Any:
+                return build(REFERENCE, e, tok).generate
+
+            contenders.append(Contender(n, make_ar, True, kind="peer"))
         else:
             peer = make_peer(n, mdl, early_exit_layer=early_exit_layer, assistant=assistant)
             descriptions[n] = PEERS[n]
             contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
     run_key = {"methods": names, "prompts": [p.id for p in suite_prompts], "max_new_tokens": max_new_tokens,
-               "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype),
+               "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype), "target_precision": engine.target_precision,
                "chat_template": chat_template, "warmup": warmup, "seed": seed, "threads": torch.get_num_threads(),
                "early_exit_layer": early_exit_layer, "assistant_model": assistant_model,
                "prompts_sha256": hashlib.sha256(dumps([list(p.turns) for p in suite_prompts]).encode()).hexdigest(),

@@ -13,7 +13,7 @@ from ..methods import OFFLINE
 from ..methods.base import DRAFT_PRECISIONS
 from ..methods.self_sd.calibrate import SAMPLERS
 from ..methods.self_sd.study import DEFAULT_HEARTBEAT_S
-from .common import MODEL_HELP, THREADS_HELP, check_choice
+from .common import TARGET_HELP, MODEL_HELP, THREADS_HELP, check_choice
 from .offline import run_step, step_for
 
 CALIBRATE_METHODS = [name for command, name in OFFLINE if command == "calibrate"]
@@ -45,6 +45,7 @@ def calibrate(
     draft_precision: Optional[str] = typer.Option(None, "--draft-precision", help="Self-SD: draft weights searched together with the skip set: auto (the target's own and the quantized copy generate would use: the GGUF's own blocks for a GGUF model, else int8), target (the target's only), int8, int8-g32 or gguf (that one only)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
     """Self-SD: search skipped sublayers and the draft's precision by Bayesian optimization (of the predicted
@@ -59,4 +60,5 @@ def calibrate(
                    worker_group=worker_group, draft_precision=draft_precision)
     run_step(step, options, model=model, prompt_file=prompt_file, prompt_format=prompt_format, dataset=dataset,
              dataset_field=dataset_field, num_prompts=num_prompts, max_new_tokens=max_new_tokens, output=output,
-             force=force, threads=threads, chat_template=chat_template, dtype=dtype, device=device)
+             force=force, threads=threads, chat_template=chat_template, dtype=dtype, device=device,
+             target_precision=target_precision)

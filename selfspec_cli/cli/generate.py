@@ -10,13 +10,14 @@ import typer
 from ..artifacts import check_new_artifact
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
+from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
 from ..loading import load_model
 from ..methods import METHODS, build
 from ..prompts import PROMPT_FORMATS, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
 from .method_options import flag_error, given_options, method_config, with_method_options
-from .common import MODEL_HELP, SAMPLING_RULE_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
+from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
@@ -34,6 +35,7 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); the output keeps it."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --output (or --save-layers artifact)."),
@@ -51,6 +53,7 @@ def generate(
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
+    check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
     if save_layers is not None:
         check_new_artifact(save_layers, force, "--save-layers")
@@ -62,13 +65,13 @@ def generate(
     for p in prompts:
         check_prompt_fits(p, tok, cfg, context_length(mdl), chat_template)
 
-    engine = Engine(mdl)
+    engine = Engine(mdl, target_precision=target_precision)
     try:
         meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
-        f"method {method}; {len(prompts)} prompts[/dim]")
+        f"target {engine.target_precision}; method {method}; {len(prompts)} prompts[/dim]")
     total_tokens, total_time = 0, 0.0
     with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out, progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")

@@ -17,6 +17,7 @@ from ..config import GenerationConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model
+from ..engine.target import TARGET_PRECISIONS
 from ..methods import OFFLINE
 from ..methods.offline import OfflineJob, OfflineStep
 from ..prompts import PROMPT_FORMATS, Prompt, load_calibration_prompts, prompts_digest
@@ -36,7 +37,7 @@ def step_for(command: str, flag: str, name: str | None) -> OfflineStep:
 def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, prompt_file: str | None,
              prompt_format: str, dataset: str | None, dataset_field: str, num_prompts: int | None,
              max_new_tokens: int | None, output: Path | None, force: bool, threads: str | None,
-             chat_template: bool, dtype: str, device: str) -> None:
+             chat_template: bool, dtype: str, device: str, target_precision: str = "auto") -> None:
     """Run ``step`` with the command's common options and ``options``: its own (parameter name ->
     value; None: not given). One given that belongs to another step is refused."""
     given = {k: v for k, v in options.items() if v is not None}
@@ -46,6 +47,7 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {flag} {', '.join(owners) or 'no step'}, "
                           f"not of {step.name}; drop it")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
+    check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     setting = step.prepare(given)
     writes = getattr(setting, "writes", True)  # False: a --workers helper, which never writes
     apply_threads(threads)
@@ -67,7 +69,7 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
     prompts = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
                "sha256": prompts_digest(prompt_ids), "chat_template": chat_template,
                **({"dataset_field": dataset_field} if dataset is not None else {})}
-    job = OfflineJob(Engine(mdl), tok, prompt_ids, gen, out_path, output is not None, force, prompts, setting, log,
+    job = OfflineJob(Engine(mdl, target_precision=target_precision), tok, prompt_ids, gen, out_path, output is not None, force, prompts, setting, log,
                      progress, invocation_args(), set_exit_note)
     summary = step.load().run(job)
     if summary is not None:

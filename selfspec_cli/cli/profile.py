@@ -18,12 +18,13 @@ from ..bench import engine_profile as prof
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..engine import Engine
 from ..errors import ArtifactError, ConfigError
+from ..engine.target import TARGET_PRECISIONS
 from ..loading import load_model, model_fingerprint
 from ..prompts import PROMPT_FORMATS
 from ..methods import METHODS, fr_spec
 from ..methods.self_sd import SkipSet
 from ..runtime import encode_turn, eos_token_ids
-from .common import MODEL_HELP, THREADS_HELP, print_json, apply_threads, check_choice, err_console, log, progress, table
+from .common import MODEL_HELP, TARGET_HELP, THREADS_HELP, print_json, apply_threads, check_choice, err_console, log, progress, table
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -45,6 +46,7 @@ def profile(
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the chat template (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
     """Measure the engine against the machine: memory-bandwidth floor, decode step T(1), verification cost v(k),
@@ -61,6 +63,7 @@ def profile(
     if redundancy_prompts < 0 or redundancy_tokens < 1:
         raise ConfigError("--redundancy-prompts must be >= 0 and --redundancy-tokens >= 1")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
+    check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
     old = [output_dir / n for n in PROFILE_FILES if (output_dir / n).exists()]
@@ -71,7 +74,7 @@ def profile(
     prompts, _ = load_prompts(prompt_file, suite, prompt_format)  # never empty: both readers refuse that
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
-    engine = Engine(mdl)
+    engine = Engine(mdl, target_precision=target_precision)
     ids = [encode_turn(tok, [{"role": "user", "content": p.turns[0]}], chat_template) for p in prompts]
     calibrated = None
     try:

@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..engine import Engine
+from ..engine.kernels import stream_bytes
 from ..errors import ArtifactError
 from ..paths import atomic_write
 
@@ -196,14 +197,16 @@ def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_m
     matrices, biases and norms, the final norm and the LM head (one embedding row is negligible).
     Batch-1 decoding is memory-bound (docs/engine.md), so a skip set's draft cost is about its
     share of these bytes."""
-    a = engine.adapter
+    a, lins, mat = engine.adapter, engine._lin, stream_bytes  # the target's matrices as it streams them
 
     def size(*ts: torch.Tensor | None) -> int:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-    attn = [size(w.attn_norm, w.w_qkv, w.b_qkv, w.w_o, w.b_o, w.qk_norm) for l, w in enumerate(a.layers) if l not in skip_attn]
-    mlp = [size(w.mlp_norm, w.w_gate_up, w.b_gate_up, w.w_down, w.b_down) for l, w in enumerate(a.layers) if l not in skip_mlp]
-    return size(a.lm_head, a.final_norm) + sum(attn) + sum(mlp)
+    attn = [size(w.attn_norm, w.b_qkv, w.b_o, w.qk_norm) + mat(lins[l]["qkv"]) + mat(lins[l]["o"])
+            for l, w in enumerate(a.layers) if l not in skip_attn]
+    mlp = [size(w.mlp_norm, w.b_gate_up, w.b_down) + mat(lins[l]["gate_up"]) + mat(lins[l]["down"])
+           for l, w in enumerate(a.layers) if l not in skip_mlp]
+    return mat(engine.lm_head) + size(a.final_norm) + sum(attn) + sum(mlp)
 
 
 def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),

@@ -108,10 +108,14 @@ class Linear:
     module: Any
 
     @classmethod
-    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, module: Any | None) -> "Linear":
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, module: Any | None,
+             pack_dtype: torch.dtype | None = None) -> "Linear":
+        """``pack_dtype`` bfloat16: panels of the weights rounded to bf16 (half the bytes a step
+        streams; exact when the weights are bf16 values, as a bf16 checkpoint's are), widened
+        exactly in the kernel, so a row's products equal those of fp32 panels of the same values."""
         packed = bias_f32 = None
         if module is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":
-            packed = module.pack(weight.detach())
+            packed = module.pack(weight.detach() if pack_dtype is None else weight.detach().to(pack_dtype))
             bias_f32 = None if bias is None else bias.detach().float().contiguous()
         return cls(weight, bias, packed, bias_f32, module)
 
@@ -207,6 +211,15 @@ class QLinear:
         y = self.module.qlinear(x if x.dtype == torch.float32 else x.float(), self.codes, self.scales, self.mins,
                                 self.out_features, self.quant.group, self.quant.bits, self.bias, self.isa)
         return y if x.dtype == torch.float32 else y.to(x.dtype)  # fp32 rows: no to() call on the draft's path
+
+
+def stream_bytes(lin: Linear | QLinear) -> int:
+    """Bytes one call reads of a matrix: its codes, scales and minimums, its packed panels (bf16
+    panels: 2 per weight), or the weight tensor itself on the F.linear path."""
+    if isinstance(lin, QLinear):
+        return lin.quant.nbytes()
+    t = lin.packed if lin.packed is not None else lin.weight
+    return t.numel() * t.element_size()
 
 
 def _avx2_forced() -> bool:

@@ -46,6 +46,7 @@ from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
 from .quant import DraftWeights, build_draft, gguf_source, subset
+from .target import QUANT_TARGETS, resolve_target, target_linears
 
 
 @dataclass(slots=True)
@@ -65,7 +66,7 @@ LAST_ROW = slice(-1, None)
 class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
-    def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True, target_precision: str | None = None) -> None:
         self.adapter = a = ModelAdapter(model)
         self.model = model
         self.governor = governor_for_new_engine()  # --threads auto (engine/threads.py), else None
@@ -81,8 +82,14 @@ class Engine:
         module = kernels.load_extension() if reason is None else None
         if reason is None and module is None:
             reason = kernels.status()["reason"]  # the build failed
-        self._lin, self.lm_head = self._linears(module)
         self._module = module
+        self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
+        # the target's weights (engine/target.py): the model's own tensors, bf16 panels, or the GGUF's blocks
+        self.target_precision, self.target_info = resolve_target(self, target_precision)
+        if self.target_precision in QUANT_TARGETS:
+            self._lin, self.lm_head = target_linears(self, self.target_precision)  # no float panels are packed
+        else:
+            self._lin, self.lm_head = self._linears(module, torch.bfloat16 if self.target_precision == "bf16" else None)
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
         self._ops = module if module is not None and self.dtype == torch.float32 and self._d in KERNEL_HEAD_SIZES else None
@@ -90,8 +97,7 @@ class Engine:
                             "load_s": kernels.status()["load_s"] if module is not None else None,
                             "pack_s": round(time.perf_counter() - t0, 3),
                             # every op row-wise: a k-row forward equals k one-row steps bit for bit
-                            "batch_invariant": self._ops is not None}
-        self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
+                            "batch_invariant": self._ops is not None, "target": self.target_precision}
 
     def draft(self, precision: str) -> DraftWeights:
         """The draft copy of the matrices at ``precision`` (engine/quant.py), built on first use
@@ -105,12 +111,13 @@ class Engine:
         return self.drafts[precision]
 
     # -- setup -------------------------------------------------------------
-    def _linears(self, module: Any | None) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
+    def _linears(self, module: Any | None, pack_dtype: torch.dtype | None = None
+                 ) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
         """Every layer's matrix products (by :data:`LINEARS` name) and the LM head, prepacked
-        for ``module`` (None: plain ``F.linear``)."""
+        for ``module`` (None: plain ``F.linear``), as ``pack_dtype`` panels (None: the weights' dtype)."""
         a, make = self.adapter, kernels.Linear.make
-        return ([{k: make(getattr(w, f"w_{k}"), getattr(w, f"b_{k}"), module) for k in LINEARS} for w in a.layers],
-                make(a.lm_head, None, module))
+        return ([{k: make(getattr(w, f"w_{k}"), getattr(w, f"b_{k}"), module, pack_dtype) for k in LINEARS}
+                 for w in a.layers], make(a.lm_head, None, module, pack_dtype))
 
     def _grow_rope(self, length: int) -> None:
         self._cos, sin = self.adapter.rope_table(length)  # (length, D): rows 0..length-1
@@ -154,9 +161,12 @@ class Engine:
         is token ``ids[i]``'s logit, bit-identical to the full head's (same kernel, same
         per-output order). FR-Spec's draft vocabulary (methods/fr_spec/); with ``weights``,
         the rows of that draft copy's quantized head."""
+        if weights is None and self.target_precision in QUANT_TARGETS:
+            weights = self.target_precision  # the target's head is that copy's
         if weights is not None:
             return subset(self.draft(weights).head, ids, self._module)
-        return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module)
+        pack = torch.bfloat16 if self.target_precision == "bf16" else None
+        return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module, pack)
 
     # -- masks -------------------------------------------------------------
     def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..decoding.layer_skip import LayerSkipProposer
 from ..engine import Engine
+from ..engine.target import QUANT_TARGETS
 from ..errors import ConfigError
 from . import adadecode, fr_spec, self_sd, specee
 from .adadecode import AdaDecode
@@ -58,6 +59,10 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     method = method_class(name).build(engine, tokenizer, config)
     if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
         precision = method_precision(engine, config.draft_precision, getattr(method, "artifact_precision", None))
+        if precision is None and isinstance(method, SpecQD) and engine.target_precision in QUANT_TARGETS:
+            raise ConfigError(f"specqd has no draft on the {engine.target_precision} target: no quantized copy is cheaper "
+                              "than the file's own blocks the target reads; use --method auto, self-sd or pld, or "
+                              "--target-precision fp32")
         if precision is None and isinstance(method, SpecQD):
             raise ConfigError("specqd drafts with quantized weights, which need the CPU kernel "
                               f"({engine.kernel_info.get('reason') or 'unavailable'}); use --method ar or pld here")

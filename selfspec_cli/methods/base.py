@@ -14,6 +14,7 @@ from ..decoding.driver import Proposer
 from ..decoding.layer_skip import DraftConfig
 from ..engine import Engine
 from ..engine.quant import PRECISIONS, GGUFDraftError
+from ..engine.target import QUANT_TARGETS
 from ..errors import ConfigError, FieldError
 
 DRAFT_PRECISIONS = ("auto", "target", *PRECISIONS)
@@ -30,10 +31,12 @@ def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) ->
     kernel is unavailable (a quantized draft without it would be slower than the target).
     An explicit precision that cannot be had is refused (``strict``) or resolved as ``auto``
     (a precision read from an artifact, which the user did not ask for)."""
-    if precision == "target":
+    if precision == "target" or precision == engine.target_precision:  # a copy at the target's own precision is it
         return None
     if precision == "auto" or (not strict and engine.kernel_info["backend"] != "small_gemm"):
         if engine.kernel_info["backend"] != "small_gemm":
+            return None
+        if engine.target_precision in QUANT_TARGETS:  # no quantized copy is cheaper than the file's own blocks
             return None
         try:
             engine.draft("gguf")

@@ -1,0 +1,117 @@
+"""The target's weights: which copy of a model's matrices plain decoding and verification read.
+
+A speedup only means something against the fastest exact plain decoding of the same weights,
+so the target reads the weights as the checkpoint stores them (docs/engine.md, "The target's
+weights"; ``--target-precision``):
+
+* ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0) through the ``qlinear`` kernel, for a
+  model converted from a GGUF whose fp32 weights are those blocks exactly (checked matrix by
+  matrix, as the block draft is). A tensor of a type the kernel does not take stays a float32
+  matrix (``fp32_fallback``), so the target's weights are still the file's;
+* ``bf16``: bfloat16 weight panels (half the bytes of fp32), float32 activations and
+  accumulation. Exact for a bfloat16 checkpoint loaded as float32 (every weight is a bf16
+  value); for other weights it rounds them (``rounded_matrices`` says how many), which is then
+  another target, chosen explicitly;
+* ``fp32``: the float32 tensors as loaded;
+* ``auto``: the checkpoint's own storage: ``gguf`` when the blocks are the weights, else ``bf16``
+  when every matrix holds bf16 values, else ``fp32``.
+
+``None`` (the library's default) keeps the weights as loaded, in whatever dtype.
+
+Invariants:
+
+* the block and bf16 kernels keep one FMA chain per output in a fixed order, so a k-row
+  verification on any target equals k one-row steps bit for bit (tests/test_target.py);
+* a ``bf16`` target of bf16-valued weights gives the very bits of the fp32 target (bf16 widens
+  to fp32 exactly inside the kernel), so its tokens are the fp32 target's;
+* without the CPU kernel (no AVX2, a GPU, ``SELFSPEC_KERNELS=0``) only the weights as loaded
+  can be the target: ``auto`` resolves to them, an explicit ``gguf``/``bf16`` is refused.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigError
+from .adapter import LINEARS
+from .quant import GGUFDraftError
+
+if TYPE_CHECKING:
+    from .runner import Engine
+
+TARGET_PRECISIONS = ("auto", "fp32", "bf16", "gguf")
+QUANT_TARGETS = ("gguf",)  # targets read from a quantized copy (engine.draft(...))
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16-model", torch.float16: "fp16-model"}
+
+
+def _matrices(engine: Engine) -> list[torch.Tensor]:
+    a = engine.adapter
+    return [getattr(w, f"w_{n}") for w in a.layers for n in LINEARS] + [a.lm_head]
+
+
+def _bf16_exact(w: torch.Tensor) -> bool:
+    return bool(torch.equal(w.to(torch.bfloat16).float(), w))
+
+
+def _blocks(engine: Engine) -> tuple[str | None, dict[str, Any]]:
+    """``gguf`` when the model's GGUF blocks are its weights (fallback matrices named), else None and why."""
+    try:
+        d = engine.draft("gguf")
+    except GGUFDraftError as exc:
+        return None, {"gguf": str(exc)}
+    return "gguf", {"fp32_fallback": list(d.info.get("int8_fallback", []))}
+
+
+def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, Any]]:
+    """(the target precision, what decided it) for ``asked`` (see the module docstring).
+    Raises :class:`ConfigError` for an explicit precision this engine cannot run."""
+    loaded = _NAMES.get(engine.dtype, str(engine.dtype).removeprefix("torch."))
+    if asked is None:
+        return loaded, {"asked": None}
+    if asked not in TARGET_PRECISIONS:
+        raise ConfigError(f"unknown target precision '{asked}'; choose one of: {', '.join(TARGET_PRECISIONS)}")
+    info: dict[str, Any] = {"asked": asked}
+    kernel = engine._module is not None and engine.dtype == torch.float32
+    if asked == "auto":
+        if not kernel:
+            return loaded, {**info, "why": "the weights as loaded (no CPU kernel for block or bf16 panels, "
+                                           "or a model not loaded in float32)"}
+        got, extra = _blocks(engine)
+        if got is not None:
+            return got, {**info, **extra, "why": "the GGUF file's own blocks are the model's weights"}
+        if all(_bf16_exact(w) for w in _matrices(engine)):
+            return "bf16", {**info, "why": "every matrix holds bfloat16 values (a bf16 checkpoint)"}
+        return "fp32", {**info, "why": "float32 weights that bf16 would round"}
+    if asked == "fp32":
+        if engine.dtype != torch.float32:
+            raise ConfigError(f"--target-precision fp32 needs the model loaded in float32 (it is {engine.dtype}); "
+                              "pass --dtype float32")
+        return "fp32", info
+    if not kernel:
+        raise ConfigError(f"--target-precision {asked} needs the CPU kernel and a model loaded in float32 "
+                          f"({engine.kernel_info.get('reason') or engine.dtype}); use --target-precision auto or fp32")
+    if asked == "gguf":
+        got, extra = _blocks(engine)
+        if got is None:
+            raise ConfigError(f"--target-precision gguf: {extra['gguf']}; use --target-precision auto")
+        return got, {**info, **extra}
+    rounded = sum(not _bf16_exact(w) for w in _matrices(engine))
+    return "bf16", {**info, "rounded_matrices": rounded}
+
+
+def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]], Any]:
+    """The block target's matrix products: the copy's blocks, with float32 panels for the
+    matrices whose GGUF type the kernel does not take (the copy holds int8 stand-ins for those,
+    which are not the model's weights)."""
+    from .kernels import Linear
+
+    d = engine.draft(precision)
+    a = engine.adapter
+
+    def pick(q: Any, w: torch.Tensor, b: torch.Tensor | None) -> Any:
+        return Linear.make(w, b, engine._module) if q.quant.fmt == "int8" else q
+
+    layers = [{n: pick(d.layers[l][n], getattr(w, f"w_{n}"), getattr(w, f"b_{n}")) for n in LINEARS}
+              for l, w in enumerate(a.layers)]
+    return layers, pick(d.head, a.lm_head, None)

@@ -1,0 +1,159 @@
+"""The target's weights (engine/target.py): block, bf16 and fp32 targets.
+
+Real GGUF files (written in-process by tests/gguf_utils.py and loaded through transformers' own
+GGUF loader) and real tiny transformers models. What is checked:
+
+* a k-row verification forward on every target equals k one-row steps bit for bit, at every block
+  type the kernel takes, on the AVX2 path and (where the CPU has it) the AVX-512 path;
+* ``auto`` resolves to the checkpoint's own storage; explicit targets this engine cannot run are
+  refused with one line;
+* a bf16 target of bf16-valued weights gives the fp32 target's very logits;
+* every lossless method keeps greedy parity with ``ar`` on the block target.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.decoding.cost import weight_bytes
+from selfspec_cli.engine import Engine
+from selfspec_cli.engine import kernels as K
+from selfspec_cli.errors import ConfigError
+from selfspec_cli.methods import AR, build
+
+from .conftest import make_tiny_model
+
+ext = K.load_extension()
+needs_kernel = pytest.mark.skipif(ext is None, reason="the CPU kernel is not available here")
+ISAS = ["avx2"] + (["avx512"] if ext is not None and ext.qisa() == "avx512" else [])
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """A tiny Llama per block type, converted from its GGUF (Q4_1, Q4_0, Q8_0)."""
+    from selfspec_cli.loading import load_model
+
+    from .gguf_utils import make_tiny_gguf
+
+    root = tmp_path_factory.mktemp("target")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SELFSPEC_HOME", str(root / "home"))
+    out = {}
+    for qtype in ("Q4_1", "Q4_0", "Q8_0"):
+        path, _, _ = make_tiny_gguf(root, qtype=qtype, name=f"tiny-{qtype}.gguf")
+        out[qtype] = load_model(str(path), dtype="float32", device="cpu", log=None)[0]
+    path, _, _ = make_tiny_gguf(root, qtype="Q4_1", name="tiny-Q4_1-6.gguf", layers=6)  # SWIFT needs >= 4 layers
+    out["Q4_1x6"] = load_model(str(path), dtype="float32", device="cpu", log=None)[0]
+    yield out
+    mp.undo()
+
+
+def _k_rows_equal_one_row_steps(eng: Engine, prompt: list[int], k: int) -> None:
+    ids = torch.tensor(prompt)
+    c1, ck = eng.new_cache(64), eng.new_cache(64)
+    p = len(prompt) - k
+    eng.forward(c1, ids[:p], positions=0)
+    eng.forward(ck, ids[:p], positions=0)
+    many = eng.forward(ck, ids[p:], positions=p, logits_rows=slice(None)).logits
+    ones = torch.cat([eng.forward(c1, ids[p + i:p + i + 1], positions=p + i).logits for i in range(k)])
+    assert torch.equal(many, ones), k
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+def test_block_target_k_rows_equal_one_row_steps(gguf_models, monkeypatch, qtype, isa):
+    monkeypatch.setenv("SELFSPEC_ISA", isa)  # read when the kernel's panels are made
+    eng = Engine(gguf_models[qtype], target_precision="gguf")
+    assert eng.target_precision == "gguf" and eng.target_info["fp32_fallback"] == []
+    assert all(lin.isa == ("avx2" if isa == "avx2" else "auto") for lin in eng._lin[0].values())
+    prompt = list(range(3, 23))
+    for k in (2, 3, 4, 6, 7, 8, 13):
+        _k_rows_equal_one_row_steps(eng, prompt, k)
+
+
+@needs_kernel
+def test_block_target_is_the_isa_independent_and_streams_the_files_bytes(gguf_models, monkeypatch):
+    model = gguf_models["Q4_1"]
+    ids = torch.arange(3, 20)
+    logits = {}
+    for isa in ISAS:
+        monkeypatch.setenv("SELFSPEC_ISA", isa)
+        eng = Engine(model, target_precision="gguf")
+        logits[isa] = eng.forward(eng.new_cache(32), ids, positions=0, logits_rows=slice(None)).logits
+    assert all(torch.equal(v, logits["avx2"]) for v in logits.values())
+    fp32 = Engine(model, target_precision="fp32")
+    # Q4_1: 20 bytes per 32 weights in the file, 24 here (scale and minimum as float32), against 128 in fp32
+    assert weight_bytes(eng) < 0.25 * weight_bytes(fp32)
+    # the block target computes the fp32 weights exactly, up to summation order
+    want = fp32.forward(fp32.new_cache(32), ids, positions=0, logits_rows=slice(None)).logits
+    assert float((want - logits["avx2"]).abs().max()) < 1e-3
+
+
+@needs_kernel
+def test_auto_follows_the_checkpoints_storage(gguf_models):
+    assert Engine(gguf_models["Q4_1"], target_precision="auto").target_precision == "gguf"
+    model = make_tiny_model("llama-gqa", layers=2)
+    assert Engine(model, target_precision="auto").target_precision == "fp32"  # random fp32 weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # what loading a bf16 checkpoint as float32 gives
+    assert Engine(model, target_precision="auto").target_precision == "bf16"
+    assert Engine(model).target_precision == "fp32"  # the library's default: the weights as loaded
+
+
+@needs_kernel
+def test_bf16_target_of_bf16_values_is_the_fp32_target_bit_for_bit():
+    model = make_tiny_model("qwen2-bias", layers=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    b16, f32 = Engine(model, target_precision="bf16"), Engine(model, target_precision="fp32")
+    assert b16.target_info["rounded_matrices"] == 0
+    assert weight_bytes(b16) < 0.6 * weight_bytes(f32)
+    ids = torch.arange(3, 30)
+    got = b16.forward(b16.new_cache(40), ids, positions=0, logits_rows=slice(None)).logits
+    want = f32.forward(f32.new_cache(40), ids, positions=0, logits_rows=slice(None)).logits
+    assert torch.equal(got, want)
+    _k_rows_equal_one_row_steps(b16, list(range(3, 20)), 5)
+
+
+@needs_kernel
+def test_targets_an_engine_cannot_run_are_refused():
+    model = make_tiny_model("llama-gqa", layers=2)
+    with pytest.raises(ConfigError, match="--target-precision gguf"):
+        Engine(model, target_precision="gguf")
+    with pytest.raises(ConfigError, match="unknown target precision"):
+        Engine(model, target_precision="int3")
+
+
+@needs_kernel
+@pytest.mark.parametrize("method,options", [
+    ("self-sd", {"skip_attn": "1", "skip_mlp": "0", "paper_drafting": True}),
+    ("self-sd", {"skip_attn": "0", "skip_mlp": "1", "hybrid": True}),
+    ("swift", {"paper_drafting": True}),
+    ("asd", {"paper_drafting": True}),
+    ("pld", {}),
+    ("auto", {}),
+])
+def test_lossless_methods_keep_greedy_parity_on_the_block_target(gguf_models, method, options):
+    eng = Engine(gguf_models["Q4_1x6"], target_precision="gguf")
+    m = build(method, eng, None, **options)
+    ar = AR(eng)
+    drafted = 0
+    for seed, n in [(0, 40), (1, 13)]:
+        prompt = torch.randint(3, eng.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        cfg = GenerationConfig(max_new_tokens=n)
+        res = m.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids, (method, seed)
+        drafted += res.stats.drafted_tokens
+    if options.get("paper_drafting"):
+        assert drafted > 0
+
+
+@needs_kernel
+def test_specqd_says_why_there_is_no_draft_on_a_block_target(gguf_models):
+    eng = Engine(gguf_models["Q4_1"], target_precision="gguf")
+    with pytest.raises(ConfigError, match="target"):
+        build("specqd", eng, None)
