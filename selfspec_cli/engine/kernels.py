@@ -82,7 +82,7 @@ def load_extension() -> Any | None:
                 build = cache_dir() / f"torch-{torch.__version__}-{tag}"
                 build.mkdir(parents=True, exist_ok=True)
                 module = load(name=f"selfspec_small_gemm_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
+                              extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
                 reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"
                 print(f"selfspec: {reason}; using F.linear (slower). Set SELFSPEC_KERNELS=0 to silence.", file=sys.stderr)
@@ -153,8 +153,10 @@ class QuantWeight:
         return w.view(n, k)
 
     def nbytes(self) -> int:
-        """Bytes a decode step streams: codes at their bit width plus scales and minimums."""
-        return (self.codes.numel() * self.bits) // 8 + 4 * self.scales.numel() * (2 if self.mins is not None else 1)
+        """Bytes a decode step streams: codes at their bit width plus scales and minimums (2 bytes each where
+        all are float16 values, as :class:`QLinear` then stores them, else 4)."""
+        per = 2 if all(t is None or torch.equal(t.half().float(), t) for t in (self.scales, self.mins)) else 4
+        return (self.codes.numel() * self.bits) // 8 + per * self.scales.numel() * (2 if self.mins is not None else 1)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
@@ -202,8 +204,12 @@ class QLinear:
             codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
         else:
             codes = codes.view(torch.uint8)
-        return cls(quant, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales),
-                   panels(quant.mins) if quant.mins is not None else None, module, "avx2" if _avx2_forced() else "auto", n)
+        # float16 scales (and minimums) where each is a float16 value, as the GGUF's blocks store them: 2 bytes
+        # a group less to stream, widened exactly in the kernel
+        half = all(t is None or torch.equal(t.half().float(), t) for t in (quant.scales, quant.mins))
+        sdt = torch.float16 if half else torch.float32
+        return cls(quant, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales.to(sdt)),
+                   panels(quant.mins.to(sdt)) if quant.mins is not None else None, module, "avx2" if _avx2_forced() else "auto", n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:

@@ -434,7 +434,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // a minimum (GGUF Q4_1: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
 // Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
 // sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
-// (ns, K/2, 64) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums (ns, K/gs, 64)
+// (ns, K/2, 64) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums (ns, K/gs, 64) float32, or float16
 // float32. Rows are tiled by up to 6 (AVX-512) or 4 (AVX2): a k-row call decodes each line once per tile.
 // Arithmetic, per output and row, in float32 with FMA and a fixed order:
 //     p_g = sum over k in g (ascending) of float(q[n, k]) * x[k]     (one FMA chain)
@@ -450,15 +450,24 @@ namespace {
 constexpr int64_t SP = 64;  // outputs per quantized super-panel (one 64-byte line of 8-bit codes per k)
 constexpr int64_t QPF = 24;  // lines between a prefetch and its use
 
+// Scales and minimums are float32, or float16 where every one is a float16 value (the GGUF's own
+// blocks store them so): widened exactly on load, so both give the same chain.
+__attribute__((target("avx512f"))) inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 ld16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // R rows x one super-panel, AVX-512: lane i of p[r][j] is output 16 j + i of row r. The group
 // partial sums p live in registers (R x 4 zmm; R <= 6 leaves room for the decode); the running
 // sums acc live in an L1 buffer, touched once per group. 4-bit codes are decoded with one
 // vpmovzxbd per 16 bytes (both nibbles of a byte in one dword) and a 16-entry float table
 // (vpermps reads each dword's low 4 bits): the low nibble is a lookup, the high one a shift and a
 // lookup. Each output's chain is the same as the AVX2 path's (below) whatever R is.
-template <int R, bool Q4, bool MIN>
+template <int R, bool Q4, bool MIN, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-void qtile512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n_valid, const float* bias) {
   alignas(64) float acc[R][SP];
   std::memset(acc, 0, sizeof(acc));
@@ -502,8 +511,8 @@ void qtile512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 s = _mm512_loadu_ps(sc + g * SP + 16 * j);
-      const __m512 m = MIN ? _mm512_loadu_ps(mn + g * SP + 16 * j) : _mm512_setzero_ps();
+      const __m512 s = ld16(sc + g * SP + 16 * j);
+      const __m512 m = MIN ? ld16(mn + g * SP + 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512 a = _mm512_fmadd_ps(s, p[r][j], _mm512_load_ps(acc[r] + 16 * j));
@@ -525,8 +534,8 @@ void qtile512(const uint8_t* codes, const float* sc, const float* mn, int64_t k_
 // o0 + 8 j + i. One row takes 32 outputs (two passes over the super-panel's lines; the second finds
 // them in L1/L2), more rows 16 (four passes) so that R x NQ partial sums fit the 16 ymm registers.
 // The same chain per output as qtile512.
-template <int R, int NQ, bool Q4, bool MIN>
-void qtile256(const uint8_t* codes, const float* sc, const float* mn, int64_t k_n, int64_t gs, const float* x,
+template <int R, int NQ, bool Q4, bool MIN, typename S>
+void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t o0, int64_t n_valid,
               const float* bias) {
   alignas(32) float acc[R][8 * NQ];
@@ -562,8 +571,8 @@ void qtile256(const uint8_t* codes, const float* sc, const float* mn, int64_t k_
       }
     }
     for (int j = 0; j < NQ; ++j) {
-      const __m256 s = _mm256_loadu_ps(sc + g * SP + o0 + 8 * j);
-      const __m256 m = MIN ? _mm256_loadu_ps(mn + g * SP + o0 + 8 * j) : _mm256_setzero_ps();
+      const __m256 s = ld8(sc + g * SP + o0 + 8 * j);
+      const __m256 m = MIN ? ld8(mn + g * SP + o0 + 8 * j) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         __m256 a = _mm256_fmadd_ps(s, p[r][j], _mm256_load_ps(acc[r] + 8 * j));
         if constexpr (MIN) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * ldxs + g), a);
@@ -583,8 +592,8 @@ void qtile256(const uint8_t* codes, const float* sc, const float* mn, int64_t k_
 
 struct QArgs {
   const uint8_t* codes;
-  const float* sc;
-  const float* mn;
+  const void* sc;  // float or float16 (uint16_t), as S says
+  const void* mn;
   int64_t k_n, gs, n;
   const float* x;
   const float* xs;
@@ -596,12 +605,12 @@ struct QArgs {
 constexpr int QROWS512 = 6;  // rows per AVX-512 tile: 24 partial-sum registers + the decode
 constexpr int QROWS256 = 4;  // rows per AVX2 tile (16 outputs): 8 partial-sum registers + the decode
 
-template <bool Q4, bool MIN, bool AVX512>
+template <bool Q4, bool MIN, bool AVX512, typename S>
 void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   const int64_t cstride = (Q4 ? a.k_n / 2 : a.k_n) * SP, sstride = (a.k_n / a.gs) * SP;
   const uint8_t* codes = a.codes + sp * cstride;
-  const float* sc = a.sc + sp * sstride;
-  const float* mn = MIN ? a.mn + sp * sstride : nullptr;
+  const S* sc = static_cast<const S*>(a.sc) + sp * sstride;
+  const S* mn = MIN ? static_cast<const S*>(a.mn) + sp * sstride : nullptr;
   const int64_t n0 = sp * SP, n_valid = std::min<int64_t>(SP, a.n - n0);
   const float* bias = a.bias ? a.bias + n0 : nullptr;
   const int64_t most = AVX512 ? QROWS512 : QROWS256;
@@ -614,7 +623,7 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
     const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
     float* yt = a.y + r * a.n + n0;
     if constexpr (AVX512) {
-#define QT(RR) qtile512<RR, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
+#define QT(RR) qtile512<RR, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
       switch (size) {
         case 6: QT(6); break; case 5: QT(5); break; case 4: QT(4); break;
         case 3: QT(3); break; case 2: QT(2); break; default: QT(1);
@@ -622,9 +631,9 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
 #undef QT
     } else if (size == 1) {
       for (int64_t o0 = 0; o0 < SP; o0 += 32)
-        qtile256<1, 4, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
+        qtile256<1, 4, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
     } else {
-#define QT(RR) qtile256<RR, 2, Q4, MIN>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
+#define QT(RR) qtile256<RR, 2, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
       for (int64_t o0 = 0; o0 < SP; o0 += 16)
         switch (size) { case 4: QT(4); break; case 3: QT(3); break; default: QT(2); }
 #undef QT
@@ -633,13 +642,13 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   }
 }
 
-template <bool Q4, bool MIN, bool AVX512>
+template <bool Q4, bool MIN, bool AVX512, typename S>
 void qrun(const QArgs& a, int64_t rows) {
   const int64_t supers = (a.n + SP - 1) / SP;
   const int64_t bytes = (Q4 ? a.k_n / 2 : a.k_n) * SP;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
   at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) qsuper<Q4, MIN, AVX512>(a, rows, s);
+    for (int64_t s = s0; s < s1; ++s) qsuper<Q4, MIN, AVX512, S>(a, rows, s);
   });
 }
 
@@ -654,7 +663,7 @@ bool cpu_has_avx512() {
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
 std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 
-// x (R, K) float32; codes packed (ns, K or K/2, 64) uint8/int8; scales (ns, K/gs, 64) float32; mins the same or
+// x (R, K) float32; codes packed (ns, K or K/2, 64) uint8/int8; scales (ns, K/gs, 64) float32 or float16; mins the same or
 // None; bits 8 or 4; isa "auto", "avx2" or "avx512". Returns (R, N) float32.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                       int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
@@ -667,12 +676,13 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
               "qlinear: packed codes expected");
   const int64_t np = codes.size(0);
   TORCH_CHECK(np * SP >= n && np * SP - n < SP, "qlinear: bad output size");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == torch::kFloat32) && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == np && scales.size(1) == k / gs && scales.size(2) == SP,
               "qlinear: packed scales expected");
   const bool has_min = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
-                           mins->scalar_type() == torch::kFloat32), "qlinear: mins must match scales");
+                           mins->scalar_type() == scales.scalar_type()), "qlinear: mins must match scales");
   TORCH_CHECK(bits == 4 || !has_min, "qlinear: 8-bit codes take no minimums");
   const bool avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
   TORCH_CHECK(!avx512 || cpu_has_avx512(), "qlinear: this CPU has no AVX-512");
@@ -698,18 +708,23 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
         sp[r * ng + g] = s;
       }
   }
-  QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-          has_min ? mins->data_ptr<float>() : nullptr, k, gs, n, xc.data_ptr<float>(),
+  QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+          has_min ? mins->data_ptr() : nullptr, k, gs, n, xc.data_ptr<float>(),
           has_min ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b};
-  if (bits == 8) {
-    if (avx512) qrun<false, false, true>(a, rows); else qrun<false, false, false>(a, rows);
-  } else {
-    if (has_min) {
-      if (avx512) qrun<true, true, true>(a, rows); else qrun<true, true, false>(a, rows);
-    } else {
-      if (avx512) qrun<true, false, true>(a, rows); else qrun<true, false, false>(a, rows);
-    }
+#define QDISPATCH(Q4, MIN)                                                                        \
+  if (half) {                                                                                      \
+    if (avx512) qrun<Q4, MIN, true, uint16_t>(a, rows); else qrun<Q4, MIN, false, uint16_t>(a, rows); \
+  } else {                                                                                         \
+    if (avx512) qrun<Q4, MIN, true, float>(a, rows); else qrun<Q4, MIN, false, float>(a, rows);       \
   }
+  if (bits == 8) {
+    QDISPATCH(false, false)
+  } else if (has_min) {
+    QDISPATCH(true, true)
+  } else {
+    QDISPATCH(true, false)
+  }
+#undef QDISPATCH
   return out;
 }
 
