@@ -153,7 +153,51 @@ def test_lossless_methods_keep_greedy_parity_on_the_block_target(gguf_models, me
 
 
 @needs_kernel
-def test_specqd_says_why_there_is_no_draft_on_a_block_target(gguf_models):
+def test_specqd_refuses_a_draft_at_the_targets_own_precision(gguf_models):
     eng = Engine(gguf_models["Q4_1"], target_precision="gguf")
+    assert build("specqd", eng, None).describe()["draft_precision"] == "w4a8"  # auto: the W4A8 product
     with pytest.raises(ConfigError, match="target"):
-        build("specqd", eng, None)
+        build("specqd", eng, None, draft_precision="gguf")
+
+
+# ---- the W4A8 draft: the block target's own codes times int8 activations ------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
+def test_w4a8_is_close_batch_invariant_and_the_same_on_both_paths(gguf_models, monkeypatch, qtype):
+    logits = {}
+    for isa in ISAS:
+        monkeypatch.setenv("SELFSPEC_ISA", isa)
+        eng = Engine(gguf_models[qtype], target_precision="gguf")
+        lin = eng.draft("w4a8").layers[0]["gate_up"]
+        x = torch.randn(9, lin.quant.codes.shape[1], generator=torch.Generator().manual_seed(1))
+        many = lin(x)
+        assert torch.equal(many, torch.cat([lin(x[i:i + 1]) for i in range(9)]))  # batch-invariant
+        # against the exact product with the same weights: int8 rounding of x per group of 32
+        want = x.double() @ lin.quant.dequantize().double().T
+        err = float((many.double() - want).abs().max() / want.abs().max())
+        assert 1e-7 < err < 0.03, err  # not the target's arithmetic, but close to it
+        logits[isa] = many
+        assert eng.draft("w4a8").layers[0]["qkv"].base is eng._lin[0]["qkv"]  # the target's own codes: no copy
+    assert all(torch.equal(v, logits["avx2"]) for v in logits.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize("method,options", [("specqd", {"paper_drafting": True}), ("auto", {}),
+                                            ("self-sd", {"skip_attn": "1", "skip_mlp": "2", "paper_drafting": True})])
+def test_w4a8_drafts_keep_parity_on_the_block_target(gguf_models, method, options):
+    eng = Engine(gguf_models["Q4_1x6"], target_precision="gguf")
+    m = build(method, eng, None, **options)
+    ar = AR(eng)
+    drafted = 0
+    for seed, n in [(0, 40), (3, 17)]:
+        prompt = torch.randint(3, eng.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+        cfg = GenerationConfig(max_new_tokens=n)
+        res = m.generate(prompt, cfg)
+        assert res.token_ids == ar.generate(prompt, cfg).token_ids, (method, seed)
+        drafted += res.stats.drafted_tokens
+    info = m.describe()
+    assert (info.get("quant") or info.get("layer_skip") or info)["draft_precision"] == "w4a8"
+    if options.get("paper_drafting"):
+        assert drafted > 0

@@ -198,12 +198,14 @@ class QLinear:
             padded[:n] = t
             return padded.view(np_, 64, t.shape[1]).transpose(1, 2).contiguous()
 
-        codes = panels(quant.codes)
-        if quant.bits == 4:  # byte [kk, j] = q(2kk) | q(2kk+1) << 4
-            pairs = codes.view(np_, k // 2, 2, 64).to(torch.uint8)
-            codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+        if quant.bits == 4:  # dword [b, o] = sum_n q(o, 8b + n) << 4n, as (np, K/2, 64) bytes (csrc: qlinear)
+            padded = quant.codes.new_zeros(np_ * 64, k)
+            padded[:n] = quant.codes
+            eights = padded.view(np_, 64, k // 8, 8).to(torch.int64)
+            words = (eights << (4 * torch.arange(8))).sum(-1)  # (np, 64, K/8), each < 2**32
+            codes = words.transpose(1, 2).to(torch.int32).contiguous().view(torch.uint8).view(np_, k // 2, 64)
         else:
-            codes = codes.view(torch.uint8)
+            codes = panels(quant.codes).view(torch.uint8)
         # float16 scales (and minimums) where each is a float16 value, as the GGUF's blocks store them: 2 bytes
         # a group less to stream, widened exactly in the kernel
         half = all(t is None or torch.equal(t.half().float(), t) for t in (quant.scales, quant.mins))
@@ -219,10 +221,33 @@ class QLinear:
         return y if x.dtype == torch.float32 else y.to(x.dtype)  # fp32 rows: no to() call on the draft's path
 
 
-def stream_bytes(lin: Linear | QLinear) -> int:
+@dataclass(slots=True)
+class A8Linear:
+    """The int8-activation product (W4A8, csrc ``qlinear_a8``) over a :class:`QLinear`'s own 4-bit codes:
+    a draft for the block target that streams the same bytes with several times fewer instructions per
+    weight, and holds nothing of its own. Each row's x is rounded to int8 per weight group, so it is not
+    the target's arithmetic; it is deterministic and batch-invariant. 8-bit matrices (Q8_0) keep the
+    float path."""
+
+    base: QLinear
+
+    @property
+    def quant(self) -> QuantWeight:
+        return self.base.quant
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.base
+        if b.module is None or x.dim() != 2 or b.quant.bits != 4:
+            return b(x)
+        y = b.module.qlinear_a8(x if x.dtype == torch.float32 else x.float(), b.codes, b.scales, b.mins,
+                                b.out_features, b.quant.group, b.bias, b.isa)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def stream_bytes(lin: Linear | QLinear | A8Linear) -> int:
     """Bytes one call reads of a matrix: its codes, scales and minimums, its packed panels (bf16
     panels: 2 per weight), or the weight tensor itself on the F.linear path."""
-    if isinstance(lin, QLinear):
+    if isinstance(lin, (QLinear, A8Linear)):
         return lin.quant.nbytes()
     t = lin.packed if lin.packed is not None else lin.weight
     return t.numel() * t.element_size()

@@ -10,6 +10,8 @@ Precisions (``PRECISIONS``):
 
 * ``int8``: symmetric round-to-nearest, one scale per output channel;
 * ``int8-g32``: the same with one scale per 32 input weights;
+* ``w4a8``: the ``gguf`` copy's 4-bit blocks times int8-quantized activations (kernels.A8Linear):
+  no bytes of its own, several times fewer instructions per weight; the draft for a block target;
 * ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0) for a model converted from a GGUF.
   Where the fp32 target was dequantized from that file, the block draft's weights *are*
   the target's weights (checked at build, row by row, exactly; only the summation order
@@ -46,7 +48,7 @@ from . import kernels
 from .adapter import LINEARS, ModelAdapter
 from .kernels import QLinear, QuantWeight, quantize_int8
 
-PRECISIONS = ("int8", "int8-g32", "gguf")
+PRECISIONS = ("int8", "int8-g32", "gguf", "w4a8")
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                "down": ("ffn_down",)}
 

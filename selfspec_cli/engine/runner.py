@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
@@ -102,6 +103,10 @@ class Engine:
     def draft(self, precision: str) -> DraftWeights:
         """The draft copy of the matrices at ``precision`` (engine/quant.py), built on first use
         (or read from the disk cache) and kept; ``forward(..., weights=precision)`` runs on it."""
+        if precision == "w4a8" and precision not in self.drafts:  # the gguf copy's own codes, int8 activations
+            base = self.draft("gguf")
+            self.drafts[precision] = DraftWeights(precision, [{n: A8Linear(q) for n, q in d.items()} for d in base.layers],
+                                                  A8Linear(base.head), {**base.info, "precision": precision, "shares": "gguf"})
         if precision not in self.drafts:
             where = getattr(self.model, "name_or_path", "") or ""
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)

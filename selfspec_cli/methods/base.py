@@ -25,7 +25,8 @@ DRAFT_SINKS, DRAFT_WINDOW = 4, 0
 
 
 def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) -> str | None:
-    """The draft weights ``precision`` names (None: the target's own). ``auto``: the GGUF's
+    """The draft weights ``precision`` names (None: the target's own). ``auto``: on a block target,
+    its blocks with int8 activations (``w4a8``); else the GGUF's
     own blocks when the fp32 target was dequantized from them (the draft then computes with
     the target's very weights), else int8 per channel; the target's weights when the CPU
     kernel is unavailable (a quantized draft without it would be slower than the target).
@@ -36,8 +37,8 @@ def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) ->
     if precision == "auto" or (not strict and engine.kernel_info["backend"] != "small_gemm"):
         if engine.kernel_info["backend"] != "small_gemm":
             return None
-        if engine.target_precision in QUANT_TARGETS:  # no quantized copy is cheaper than the file's own blocks
-            return None
+        if engine.target_precision in QUANT_TARGETS:  # the file's own blocks with int8 activations (W4A8)
+            return "w4a8"
         try:
             engine.draft("gguf")
             return "gguf"

@@ -434,7 +434,9 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // a minimum (GGUF Q4_1: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
 // Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
 // sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
-// (ns, K/2, 64) bytes, byte [kk, j] = q(2kk) | q(2kk+1) << 4. Scales and minimums (ns, K/gs, 64) float32, or float16
+// (ns, K/8, 64) uint32 (as (ns, K/2, 64) bytes): dword [b, o] = sum over n < 8 of q(o, 8b + n) << 4n, so one
+// 64-byte load gives 16 outputs x 8 codes: the FMA paths shift a code into each dword's low bits, and the
+// int8-activation path (qlinear_a8) masks even and odd codes into bytes for vpdpbusd. Scales and minimums (ns, K/gs, 64) float32, or float16
 // float32. Rows are tiled by up to 6 (AVX-512) or 4 (AVX2): a k-row call decodes each line once per tile.
 // Arithmetic, per output and row, in float32 with FMA and a fixed order:
 //     p_g = sum over k in g (ascending) of float(q[n, k]) * x[k]     (one FMA chain)
@@ -494,18 +496,18 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
         }
       }
     } else {
-      for (int64_t k = k0; k < k0 + gs; k += 2) {
-        const uint8_t* c = codes + (k / 2) * SP;
-        _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+      for (int64_t k = k0; k < k0 + gs; k += 8) {
+        const uint32_t* c = reinterpret_cast<const uint32_t*>(codes + (k / 2) * SP);  // 8 codes per output dword
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-          const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
-          const __m512 we = _mm512_permutexvar_ps(d, table);
-          const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+          _mm_prefetch(reinterpret_cast<const char*>(c + 16 * j) + QPF * SP, _MM_HINT_T0);
+          const __m512i d = _mm512_loadu_si512(c + 16 * j);
+#pragma GCC unroll 8
+          for (int n = 0; n < 8; ++n) {  // vpermps reads each dword's low 4 bits: code k + n
+            const __m512 w = _mm512_permutexvar_ps(n ? _mm512_srli_epi32(d, 4 * n) : d, table);
 #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r)
-            p[r][j] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r * ldx + k + 1]),
-                                      _mm512_fmadd_ps(we, _mm512_set1_ps(x[r * ldx + k]), p[r][j]));
+            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k + n]), p[r][j]);
+          }
         }
       }
     }
@@ -557,16 +559,16 @@ void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
         }
       }
     } else {
-      for (int64_t k = k0; k < k0 + gs; k += 2) {
-        const uint8_t* c = codes + (k / 2) * SP + o0;
-        if (o0 == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
+      for (int64_t k = k0; k < k0 + gs; k += 8) {
+        const uint32_t* c = reinterpret_cast<const uint32_t*>(codes + (k / 2) * SP) + o0;  // output o's dword: c[o]
+        if (o0 == 0)
+          for (int q = 0; q < 4; ++q) _mm_prefetch(reinterpret_cast<const char*>(c + 16 * q) + QPF * SP, _MM_HINT_T0);
         for (int j = 0; j < NQ; ++j) {
-          const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j)));
-          const __m256 we = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, lo4), off));
-          const __m256 wo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d, 4), off));
-          for (int r = 0; r < R; ++r)
-            p[r][j] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(x + r * ldx + k + 1),
-                                      _mm256_fmadd_ps(we, _mm256_broadcast_ss(x + r * ldx + k), p[r][j]));
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 8 * j));
+          for (int n = 0; n < 8; ++n) {
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d, 4 * n), lo4), off));
+            for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k + n), p[r][j]);
+          }
         }
       }
     }
@@ -658,6 +660,152 @@ bool cpu_has_avx512() {
   return has;
 }
 
+
+// ---- int8 activations over the same 4-bit codes (W4A8): a draft for the block target -------------
+//
+// Each row's x is quantized per weight group (gs, a multiple of 8): d = max|x| / 127, qx = round(x / d)
+// (int8; an all-zero group gives d = 1, qx = 0), stored per 8 inputs as [qx(k), qx(k+2), qx(k+4),
+// qx(k+6), qx(k+1), qx(k+3), qx(k+5), qx(k+7)] to match the even and odd codes of a dword. Per output
+// and group, isum = sum q(k) qx(k) is an exact integer (vpdpbusd, or vpmaddubsw + vpmaddwd on AVX2:
+// 15 x 127 x 2 fits int16), then in float32, in a fixed order:
+//     y = sum over g of s_g * (d_g * isum_g) (+ m_g * (d_g * sx_g))      (Q4_0: isum_g - 8 sx_g)
+// with sx_g = sum of qx over the group. Not the target's arithmetic (x is rounded): a draft only. It is
+// deterministic, batch-invariant and the same on both paths (integer sums are exact).
+
+struct A8Args {
+  const uint8_t* codes;
+  const void* sc;
+  const void* mn;
+  int64_t k_n, gs, n;
+  const int8_t* xq;   // (rows, K) permuted per 8
+  const float* dx;    // (rows, K/gs)
+  const float* sxf;   // (rows, K/gs): sum of qx (exact in float)
+  float* y;
+  const float* bias;
+};
+
+template <int R, bool MIN, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+void a8tile512(const A8Args& a, const uint8_t* codes, const S* sc, const S* mn, int64_t r0, int64_t n0, int64_t n_valid) {
+  alignas(64) float acc[R][SP];
+  std::memset(acc, 0, sizeof(acc));
+  const int64_t ng = a.k_n / a.gs;
+  const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i is[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) is[r][j] = _mm512_setzero_si512();
+    for (int64_t k = g * a.gs; k < (g + 1) * a.gs; k += 8) {
+      const uint32_t* c = reinterpret_cast<const uint32_t*>(codes + (k / 2) * SP);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(c + 16 * j) + QPF * SP, _MM_HINT_T0);
+        const __m512i d = _mm512_loadu_si512(c + 16 * j);
+        const __m512i ev = _mm512_and_si512(d, m4), od = _mm512_and_si512(_mm512_srli_epi32(d, 4), m4);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + (r0 + r) * a.k_n + k);
+          is[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[r][j], ev, _mm512_set1_epi32(xr[0])), od,
+                                         _mm512_set1_epi32(xr[1]));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 s = ld16(sc + g * SP + 16 * j);
+      const __m512 m = MIN ? ld16(mn + g * SP + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const float dg = a.dx[(r0 + r) * ng + g], sx = a.sxf[(r0 + r) * ng + g];
+        __m512 sum = _mm512_cvtepi32_ps(is[r][j]);
+        if constexpr (!MIN) sum = _mm512_sub_ps(sum, _mm512_set1_ps(8.0f * sx));  // exact: |values| < 2^24
+        __m512 t = _mm512_fmadd_ps(s, _mm512_mul_ps(_mm512_set1_ps(dg), sum), _mm512_load_ps(acc[r] + 16 * j));
+        if constexpr (MIN) t = _mm512_fmadd_ps(m, _mm512_set1_ps(dg * sx), t);
+        _mm512_store_ps(acc[r] + 16 * j, t);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = a.y + (r0 + r) * a.n + n0;
+    for (int64_t i = 0; i < n_valid; ++i) out[i] = acc[r][i] + (a.bias ? a.bias[n0 + i] : 0.0f);
+  }
+}
+
+// AVX2: one row x 16 outputs (two ymm of int32 sums); vpmaddubsw (u8 codes x s8 activations, pairs summed
+// in int16: at most 2 x 15 x 127) then vpmaddwd by ones: the same integers as vpdpbusd.
+template <bool MIN, typename S>
+void a8tile256(const A8Args& a, const uint8_t* codes, const S* sc, const S* mn, int64_t r, int64_t n0, int64_t o0,
+               int64_t n_valid) {
+  alignas(32) float acc[16];
+  std::memset(acc, 0, sizeof(acc));
+  const int64_t ng = a.k_n / a.gs;
+  const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i is[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t k = g * a.gs; k < (g + 1) * a.gs; k += 8) {
+      const uint32_t* c = reinterpret_cast<const uint32_t*>(codes + (k / 2) * SP) + o0;
+      const int32_t* xr = reinterpret_cast<const int32_t*>(a.xq + r * a.k_n + k);
+      const __m256i xe = _mm256_set1_epi32(xr[0]), xo = _mm256_set1_epi32(xr[1]);
+      for (int j = 0; j < 2; ++j) {
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 8 * j));
+        const __m256i ev = _mm256_and_si256(d, m4), od = _mm256_and_si256(_mm256_srli_epi32(d, 4), m4);
+        const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(ev, xe), _mm256_maddubs_epi16(od, xo));
+        is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(p16, ones));
+      }
+    }
+    const float dg = a.dx[r * ng + g], sx = a.sxf[r * ng + g];
+    for (int j = 0; j < 2; ++j) {
+      const __m256 s = ld8(sc + g * SP + o0 + 8 * j);
+      __m256 sum = _mm256_cvtepi32_ps(is[j]);
+      if constexpr (!MIN) sum = _mm256_sub_ps(sum, _mm256_set1_ps(8.0f * sx));
+      __m256 t = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_set1_ps(dg), sum), _mm256_load_ps(acc + 8 * j));
+      if constexpr (MIN) t = _mm256_fmadd_ps(ld8(mn + g * SP + o0 + 8 * j), _mm256_set1_ps(dg * sx), t);
+      _mm256_store_ps(acc + 8 * j, t);
+    }
+  }
+  const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, n_valid - o0));
+  float* out = a.y + r * a.n + n0 + o0;
+  for (int64_t i = 0; i < nv; ++i) out[i] = acc[i] + (a.bias ? a.bias[n0 + o0 + i] : 0.0f);
+}
+
+template <bool MIN, bool AVX512, typename S>
+void a8run(const A8Args& a, int64_t rows) {
+  const int64_t supers = (a.n + SP - 1) / SP;
+  const int64_t bytes = (a.k_n / 2) * SP;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
+  const int64_t sstride = (a.k_n / a.gs) * SP;
+  at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
+    for (int64_t sp = s0; sp < s1; ++sp) {
+      const uint8_t* codes = a.codes + sp * bytes;
+      const S* sc = static_cast<const S*>(a.sc) + sp * sstride;
+      const S* mn = MIN ? static_cast<const S*>(a.mn) + sp * sstride : nullptr;
+      const int64_t n0 = sp * SP, nv = std::min<int64_t>(SP, a.n - n0);
+      if constexpr (AVX512) {
+        const int64_t tiles = (rows + 5) / 6;
+        int64_t r = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t size = (rows - r) / (tiles - t);
+#define AT(RR) a8tile512<RR, MIN, S>(a, codes, sc, mn, r, n0, nv)
+          switch (size) { case 6: AT(6); break; case 5: AT(5); break; case 4: AT(4); break;
+                          case 3: AT(3); break; case 2: AT(2); break; default: AT(1); }
+#undef AT
+          r += size;
+        }
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t o0 = 0; o0 < SP; o0 += 16) a8tile256<MIN, S>(a, codes, sc, mn, r, n0, o0, nv);
+      }
+    }
+  });
+}
+
+bool cpu_has_vnni512() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
 }  // namespace
 
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
@@ -670,7 +818,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear: x must be 2-D float32");
   TORCH_CHECK(bits == 8 || bits == 4, "qlinear: bits must be 8 or 4");
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(gs > 0 && k % gs == 0 && (bits == 8 || gs % 2 == 0), "qlinear: group size ", gs, " must divide K=", k);
+  TORCH_CHECK(gs > 0 && k % gs == 0 && (bits == 8 || gs % 8 == 0), "qlinear: group size ", gs, " must divide K=", k,
+              bits == 4 ? " and be a multiple of 8" : "");
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == SP && codes.size(1) == (bits == 4 ? k / 2 : k) &&
                   codes.element_size() == 1 && codes.is_contiguous(),
               "qlinear: packed codes expected");
@@ -728,8 +877,63 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   return out;
 }
 
+
+// x (R, K) float32; 4-bit codes packed as for qlinear; scales/mins float32 or float16; isa as qlinear's
+// ("avx512" needs AVX-512 VNNI). Returns (R, N) float32: the W4A8 product described above.
+torch::Tensor qlinear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                         int64_t n, int64_t gs, c10::optional<torch::Tensor> bias, std::string isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear_a8: x must be 2-D float32");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(gs > 0 && gs % 8 == 0 && k % gs == 0, "qlinear_a8: group size ", gs, " must be a multiple of 8 dividing K=", k);
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == SP && codes.size(1) == k / 2 && codes.is_contiguous(),
+              "qlinear_a8: packed 4-bit codes expected");
+  const int64_t np = codes.size(0), ng = k / gs;
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == torch::kFloat32) && scales.is_contiguous() &&
+              scales.size(0) == np && scales.size(1) == ng, "qlinear_a8: packed scales expected");
+  const bool has_min = mins.has_value() && mins->defined();
+  const bool avx512 = (isa == "avx512" || (isa == "auto" && cpu_has_avx512())) && cpu_has_vnni512();
+  TORCH_CHECK(isa != "avx512" || avx512, "qlinear_a8: this CPU has no AVX-512 VNNI");
+  torch::Tensor xc = x.contiguous();
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  auto xq = torch::empty({rows, k}, torch::kInt8);
+  auto dx = torch::empty({rows, ng}, x.options()), sxf = torch::empty({rows, ng}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* dp = dx.data_ptr<float>();
+  float* sp = sxf.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* xg = xp + r * k + g * gs;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < gs; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float d = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / d;
+      int32_t sum = 0;
+      for (int64_t b = 0; b < gs; b += 8)
+        for (int64_t i = 0; i < 8; ++i) {
+          const int32_t v = std::max(-127, std::min(127, static_cast<int32_t>(std::nearbyint(xg[b + i] * inv))));
+          q[r * k + g * gs + b + (i % 2) * 4 + i / 2] = static_cast<int8_t>(v);  // evens, then odds
+          sum += v;
+        }
+      dp[r * ng + g] = d;
+      sp[r * ng + g] = static_cast<float>(sum);
+    }
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) bc = bias->to(torch::kFloat32).contiguous();
+  A8Args a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), has_min ? mins->data_ptr() : nullptr,
+           k, gs, n, q, dp, sp, out.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr};
+#define A8D(MIN)                                                                                   \
+  if (half) { if (avx512) a8run<MIN, true, uint16_t>(a, rows); else a8run<MIN, false, uint16_t>(a, rows); } \
+  else { if (avx512) a8run<MIN, true, float>(a, rows); else a8run<MIN, false, float>(a, rows); }
+  if (has_min) { A8D(true) } else { A8D(false) }
+#undef A8D
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x W^T (+ b) with W quantized (8-bit or 4-bit codes, per-group scales), batch-invariant");
+  m.def("qlinear_a8", &qlinear_a8, "y = x W^T (+ b): 4-bit codes times int8-quantized x (W4A8), a draft's product");
   m.def("qisa", &qisa, "the instruction set qlinear dispatches to on this CPU");
 
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
