@@ -104,12 +104,14 @@ def test_auto_follows_the_checkpoints_storage(gguf_models):
 
 
 @needs_kernel
-def test_bf16_target_of_bf16_values_is_the_fp32_target_bit_for_bit():
+@pytest.mark.parametrize("name,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_16_bit_target_of_such_values_is_the_fp32_target_bit_for_bit(name, dtype):
     model = make_tiny_model("qwen2-bias", layers=3)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    b16, f32 = Engine(model, target_precision="bf16"), Engine(model, target_precision="fp32")
+            p.copy_(p.to(dtype).float())  # a bf16 or fp16 checkpoint loaded as float32
+    assert Engine(model, target_precision="auto").target_precision == name
+    b16, f32 = Engine(model, target_precision=name), Engine(model, target_precision="fp32")
     assert b16.target_info["rounded_matrices"] == 0
     assert weight_bytes(b16) < 0.6 * weight_bytes(f32)
     ids = torch.arange(3, 30)

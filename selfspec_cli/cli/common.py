@@ -68,8 +68,8 @@ def table(title: str, columns: Collection[str], left: Collection[str] = ("method
 
 DEFAULT_THREADS = 1  # measured: docs/engine.md, "Threads"
 TARGET_HELP = ("The target's weights, which plain decoding and verification read: auto (the checkpoint's own storage: "
-               "a GGUF model's blocks, a bf16 checkpoint's bf16 values, else fp32), fp32, bf16 (bf16 weight panels, "
-               "fp32 activations and accumulation) or gguf (the GGUF file's own blocks). Every speedup is against "
+               "a GGUF model's blocks, a bf16 or fp16 checkpoint's own values, else fp32), fp32, bf16 or fp16 (16-bit "
+               "weight panels, fp32 activations and accumulation) or gguf (the GGUF file's own blocks). Every speedup is against "
                "ar on this target (docs/engine.md, \"The target's weights\").")
 THREADS_HELP = ("CPU threads for torch: a number, or auto (every core while the machine is otherwise idle, one "
                 "thread the moment another process takes a core; engine/threads.py). Default 1: a lone thread "

@@ -110,8 +110,8 @@ class Linear:
     @classmethod
     def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, module: Any | None,
              pack_dtype: torch.dtype | None = None) -> "Linear":
-        """``pack_dtype`` bfloat16: panels of the weights rounded to bf16 (half the bytes a step
-        streams; exact when the weights are bf16 values, as a bf16 checkpoint's are), widened
+        """``pack_dtype`` bfloat16 or float16: panels of the weights rounded to it (half the bytes a step
+        streams; exact when the weights are such values, as a bf16 or fp16 checkpoint's are), widened
         exactly in the kernel, so a row's products equal those of fp32 panels of the same values."""
         packed = bias_f32 = None
         if module is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":

@@ -47,7 +47,7 @@ from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
 from .quant import DraftWeights, build_draft, gguf_source, subset
-from .target import QUANT_TARGETS, resolve_target, target_linears
+from .target import PANEL_DTYPES, QUANT_TARGETS, resolve_target, target_linears
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ class Engine:
         if self.target_precision in QUANT_TARGETS:
             self._lin, self.lm_head = target_linears(self, self.target_precision)  # no float panels are packed
         else:
-            self._lin, self.lm_head = self._linears(module, torch.bfloat16 if self.target_precision == "bf16" else None)
+            self._lin, self.lm_head = self._linears(module, PANEL_DTYPES.get(self.target_precision))
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
         self._ops = module if module is not None and self.dtype == torch.float32 and self._d in KERNEL_HEAD_SIZES else None
@@ -170,8 +170,8 @@ class Engine:
             weights = self.target_precision  # the target's head is that copy's
         if weights is not None:
             return subset(self.draft(weights).head, ids, self._module)
-        pack = torch.bfloat16 if self.target_precision == "bf16" else None
-        return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module, pack)
+        return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module,
+                                   PANEL_DTYPES.get(self.target_precision))
 
     # -- masks -------------------------------------------------------------
     def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,

@@ -12,9 +12,10 @@ weights"; ``--target-precision``):
   accumulation. Exact for a bfloat16 checkpoint loaded as float32 (every weight is a bf16
   value); for other weights it rounds them (``rounded_matrices`` says how many), which is then
   another target, chosen explicitly;
+* ``fp16``: the same with float16 panels (a float16 checkpoint's own values);
 * ``fp32``: the float32 tensors as loaded;
 * ``auto``: the checkpoint's own storage: ``gguf`` when the blocks are the weights, else ``bf16``
-  when every matrix holds bf16 values, else ``fp32``.
+  when every matrix holds bf16 values, else ``fp16`` when every one holds float16 values, else ``fp32``.
 
 ``None`` (the library's default) keeps the weights as loaded, in whatever dtype.
 
@@ -40,7 +41,8 @@ from .quant import GGUFDraftError
 if TYPE_CHECKING:
     from .runner import Engine
 
-TARGET_PRECISIONS = ("auto", "fp32", "bf16", "gguf")
+TARGET_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "gguf")
+PANEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # targets packed as 16-bit float panels
 QUANT_TARGETS = ("gguf",)  # targets read from a quantized copy (engine.draft(...))
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16-model", torch.float16: "fp16-model"}
 
@@ -50,8 +52,8 @@ def _matrices(engine: Engine) -> list[torch.Tensor]:
     return [getattr(w, f"w_{n}") for w in a.layers for n in LINEARS] + [a.lm_head]
 
 
-def _bf16_exact(w: torch.Tensor) -> bool:
-    return bool(torch.equal(w.to(torch.bfloat16).float(), w))
+def _exact(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    return bool(torch.equal(w.to(dtype).float(), w))
 
 
 def _blocks(engine: Engine) -> tuple[str | None, dict[str, Any]]:
@@ -80,9 +82,10 @@ def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, An
         got, extra = _blocks(engine)
         if got is not None:
             return got, {**info, **extra, "why": "the GGUF file's own blocks are the model's weights"}
-        if all(_bf16_exact(w) for w in _matrices(engine)):
-            return "bf16", {**info, "why": "every matrix holds bfloat16 values (a bf16 checkpoint)"}
-        return "fp32", {**info, "why": "float32 weights that bf16 would round"}
+        for name, dt in PANEL_DTYPES.items():
+            if all(_exact(w, dt) for w in _matrices(engine)):
+                return name, {**info, "why": f"every matrix holds {dt} values (a {name} checkpoint)"}
+        return "fp32", {**info, "why": "float32 weights that bf16 and fp16 would round"}
     if asked == "fp32":
         if engine.dtype != torch.float32:
             raise ConfigError(f"--target-precision fp32 needs the model loaded in float32 (it is {engine.dtype}); "
@@ -96,8 +99,8 @@ def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, An
         if got is None:
             raise ConfigError(f"--target-precision gguf: {extra['gguf']}; use --target-precision auto")
         return got, {**info, **extra}
-    rounded = sum(not _bf16_exact(w) for w in _matrices(engine))
-    return "bf16", {**info, "rounded_matrices": rounded}
+    rounded = sum(not _exact(w, PANEL_DTYPES[asked]) for w in _matrices(engine))
+    return asked, {**info, "rounded_matrices": rounded}
 
 
 def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]], Any]:

@@ -19,7 +19,7 @@
 //     with the bias added after; tiling over rows or panels never changes
 //     that order, and threads split output blocks, never K. So the products of a
 //     k-row verification forward equal those of k one-row decode steps bit for bit.
-//   * weights are float32 or bfloat16 (converted exactly to float32 in registers);
+//   * weights are float32, bfloat16 or float16 (converted exactly to float32 in registers);
 //     x, bias and y are float32; accumulation is float32 with FMA.
 //   * no -ffast-math: the compiler may not reassociate the sums.
 #include <torch/extension.h>
@@ -47,6 +47,12 @@ inline void load_w(const uint16_t* p, __m256& a, __m256& b) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
   b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+}
+
+struct Half { uint16_t bits; };  // an IEEE float16 weight (a float16 checkpoint's own values)
+inline void load_w(const Half* p, __m256& a, __m256& b) {
+  a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
 // R rows of x against P consecutive panels (16 P outputs starting at panel p0).
@@ -144,8 +150,8 @@ void run(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, 
 // (N, K) float32 or bfloat16 -> packed panels (ceil(N/16), K, 16), zero-padded rows, same dtype.
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack: weight must be 2-D");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
-              "pack: weight must be float32 or bfloat16");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16 ||
+              w.scalar_type() == torch::kHalf, "pack: weight must be float32, bfloat16 or float16");
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t np = (n + PW - 1) / PW;
   auto padded = torch::zeros({np * PW, k}, w.options());
@@ -173,6 +179,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
   if (rows == 0) return out;
   if (packed.scalar_type() == torch::kFloat32)
     run<float>(packed.data_ptr<float>(), n, k, xc.data_ptr<float>(), rows, b, out.data_ptr<float>());
+  else if (packed.scalar_type() == torch::kHalf)
+    run<Half>(reinterpret_cast<const Half*>(packed.data_ptr<at::Half>()), n, k, xc.data_ptr<float>(), rows, b,
+              out.data_ptr<float>());
   else
     run<uint16_t>(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), n, k, xc.data_ptr<float>(), rows,
                   b, out.data_ptr<float>());
