@@ -203,3 +203,24 @@ def test_w4a8_drafts_keep_parity_on_the_block_target(gguf_models, method, option
     assert (info.get("quant") or info.get("layer_skip") or info)["draft_precision"] == "w4a8"
     if options.get("paper_drafting"):
         assert drafted > 0
+
+
+@needs_kernel
+def test_releasing_the_float_weights_keeps_every_token(gguf_models):
+    """A block target frees the model's float matrices and its tied float embedding (rows then come
+    from the head's Q8_0 blocks): the same tokens, the bytes given back."""
+    from selfspec_cli.loading import load_model
+
+    path = gguf_models["Q4_1x6"].name_or_path  # a model of its own: this one loses its float weights
+    eng = Engine(load_model(path, dtype="float32", device="cpu", log=None)[0], target_precision="gguf")
+    m, ar = build("auto", eng, None), AR(eng)
+    prompt = list(range(5, 15))
+    cfg = GenerationConfig(max_new_tokens=24)
+    before = ar.generate(prompt, cfg).token_ids
+    emb = eng.embed(torch.arange(eng.vocab_size))
+    freed = eng.release_float_weights()
+    assert freed >= sum(t.numel() * 4 for t in [eng.adapter.embed]) and eng._embed_rows is not None
+    assert eng.adapter.embed.numel() == 0 and all(p.numel() == 0 for p in eng.model.model.layers[0].mlp.parameters())
+    assert torch.equal(eng.embed(torch.arange(eng.vocab_size)), emb)
+    assert ar.generate(prompt, cfg).token_ids == before == m.generate(prompt, cfg).token_ids
+    assert Engine(make_tiny_model("llama-gqa", layers=2), target_precision="fp32").release_float_weights() == 0

@@ -299,6 +299,8 @@ def bench(
             descriptions[n] = PEERS[n]
             contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
+    if not any(n in PEERS or n in TARGET_PEERS for n in names):  # no contender runs the float weights
+        engine.release_float_weights()
     run_key = {"methods": names, "prompts": [p.id for p in suite_prompts], "max_new_tokens": max_new_tokens,
                "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype), "target_precision": engine.target_precision,
                "chat_template": chat_template, "warmup": warmup, "seed": seed, "threads": torch.get_num_threads(),

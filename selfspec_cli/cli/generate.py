@@ -70,6 +70,7 @@ def generate(
         meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
+    engine.release_float_weights()  # a block target: the float matrices are no longer needed (docs/engine.md, Memory)
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
         f"target {engine.target_precision}; method {method}; {len(prompts)} prompts[/dim]")
     total_tokens, total_time = 0, 0.0

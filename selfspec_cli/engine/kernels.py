@@ -177,9 +177,11 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
 class QLinear:
     """``y = x W^T + b`` over a :class:`QuantWeight`, packed for the kernel's ``qlinear``
     (csrc/small_gemm.cpp: 8-bit and 4-bit panels, per-group scales, fp32 accumulation,
-    batch-invariant; AVX-512 where the CPU has it, else AVX2)."""
+    batch-invariant; AVX-512 where the CPU has it, else AVX2). Only the packed form is held
+    (:meth:`make` drops the unpacked codes): :attr:`quant` unpacks them again when asked (FR-Spec's
+    subsets, the F.linear fallback, tests), so a copy costs its streamed bytes and no more."""
 
-    quant: QuantWeight
+    meta: QuantWeight  # format, group, bits and sizes; its codes/scales/mins are empty placeholders
     bias: torch.Tensor | None
     codes: torch.Tensor
     scales: torch.Tensor
@@ -187,6 +189,25 @@ class QLinear:
     module: Any
     isa: str = "auto"
     out_features: int = 0
+    _nbytes: int = 0
+
+    @property
+    def quant(self) -> QuantWeight:
+        """The :class:`QuantWeight` these panels hold, unpacked from them (exactly: codes, and scales
+        widened from float16 where they were stored so)."""
+        n, m = self.out_features, self.meta
+        k = self.codes.shape[1] * (2 if m.bits == 4 else 1)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # (np, C, 64) -> (N, C)
+            return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].float().contiguous()
+
+        if m.bits == 4:
+            words = self.codes.view(torch.int32).view(-1, k // 8, 64).to(torch.int64) & 0xFFFFFFFF
+            nib = (words[..., None] >> (4 * torch.arange(8))) & 15  # (np, K/8, 64, 8)
+            codes = nib.permute(0, 2, 1, 3).reshape(-1, k)[:n].to(torch.uint8).contiguous()
+        else:
+            codes = self.codes.view(torch.int8).transpose(1, 2).reshape(-1, k)[:n].contiguous()
+        return QuantWeight(m.fmt, codes, rows(self.scales), None if self.mins is None else rows(self.mins), m.group, m.bits)
 
     @classmethod
     def make(cls, quant: QuantWeight, bias: torch.Tensor | None, module: Any) -> "QLinear":
@@ -199,25 +220,28 @@ class QLinear:
             return padded.view(np_, 64, t.shape[1]).transpose(1, 2).contiguous()
 
         if quant.bits == 4:  # dword [b, o] = sum_n q(o, 8b + n) << 4n, as (np, K/2, 64) bytes (csrc: qlinear)
-            padded = quant.codes.new_zeros(np_ * 64, k)
+            padded = quant.codes.new_zeros(np_ * 64, k, dtype=torch.uint8)
             padded[:n] = quant.codes
-            eights = padded.view(np_, 64, k // 8, 8).to(torch.int64)
-            words = (eights << (4 * torch.arange(8))).sum(-1)  # (np, 64, K/8), each < 2**32
-            codes = words.transpose(1, 2).to(torch.int32).contiguous().view(torch.uint8).view(np_, k // 2, 64)
+            pairs = padded[:, 0::2] | (padded[:, 1::2] << 4)  # byte i of a dword: codes 2i and 2i + 1
+            # four consecutive bytes are one little-endian dword: (np, 64, K/8, 4) -> (np, K/8, 64, 4)
+            codes = pairs.view(np_, 64, k // 8, 4).transpose(1, 2).contiguous().view(np_, k // 2, 64)
         else:
             codes = panels(quant.codes).view(torch.uint8)
         # float16 scales (and minimums) where each is a float16 value, as the GGUF's blocks store them: 2 bytes
         # a group less to stream, widened exactly in the kernel
         half = all(t is None or torch.equal(t.half().float(), t) for t in (quant.scales, quant.mins))
         sdt = torch.float16 if half else torch.float32
-        return cls(quant, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales.to(sdt)),
-                   panels(quant.mins.to(sdt)) if quant.mins is not None else None, module, "avx2" if _avx2_forced() else "auto", n)
+        empty = torch.empty(0)
+        meta = QuantWeight(quant.fmt, empty, empty, None, quant.group, quant.bits)
+        return cls(meta, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales.to(sdt)),
+                   panels(quant.mins.to(sdt)) if quant.mins is not None else None, module, "avx2" if _avx2_forced() else "auto", n,
+                   quant.nbytes())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:
             return F.linear(x.float(), self.quant.dequantize(), self.bias).to(x.dtype)
         y = self.module.qlinear(x if x.dtype == torch.float32 else x.float(), self.codes, self.scales, self.mins,
-                                self.out_features, self.quant.group, self.quant.bits, self.bias, self.isa)
+                                self.out_features, self.meta.group, self.meta.bits, self.bias, self.isa)
         return y if x.dtype == torch.float32 else y.to(x.dtype)  # fp32 rows: no to() call on the draft's path
 
 
@@ -235,20 +259,29 @@ class A8Linear:
     def quant(self) -> QuantWeight:
         return self.base.quant
 
+    @property
+    def meta(self) -> QuantWeight:
+        return self.base.meta
+
+    def nbytes(self) -> int:
+        return self.base._nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         b = self.base
-        if b.module is None or x.dim() != 2 or b.quant.bits != 4:
+        if b.module is None or x.dim() != 2 or b.meta.bits != 4:
             return b(x)
         y = b.module.qlinear_a8(x if x.dtype == torch.float32 else x.float(), b.codes, b.scales, b.mins,
-                                b.out_features, b.quant.group, b.bias, b.isa)
+                                b.out_features, b.meta.group, b.bias, b.isa)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def stream_bytes(lin: Linear | QLinear | A8Linear) -> int:
     """Bytes one call reads of a matrix: its codes, scales and minimums, its packed panels (bf16
     panels: 2 per weight), or the weight tensor itself on the F.linear path."""
-    if isinstance(lin, (QLinear, A8Linear)):
-        return lin.quant.nbytes()
+    if isinstance(lin, QLinear):
+        return lin._nbytes
+    if isinstance(lin, A8Linear):
+        return lin.nbytes()
     t = lin.packed if lin.packed is not None else lin.weight
     return t.numel() * t.element_size()
 

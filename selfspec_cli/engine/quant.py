@@ -63,7 +63,7 @@ class DraftWeights:
     info: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(q.quant.nbytes() for d in self.layers for q in d.values()) + self.head.quant.nbytes()
+        return sum(kernels.stream_bytes(q) for d in self.layers for q in d.values()) + kernels.stream_bytes(self.head)
 
 
 # ------------------------------------------------------------------ building
@@ -278,7 +278,7 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
     draft = DraftWeights(precision, [{n: QLinear.make(q, getattr(adapter.layers[l], f"b_{n}"), module) for n, q in d.items()}
                                      for l, d in enumerate(layers)], QLinear.make(head, None, module))
     draft.info = {**info, "load_s": round(time.perf_counter() - t0, 3), "bytes": draft.nbytes(),
-                  "formats": sorted({q.quant.fmt for d in draft.layers for q in d.values()} | {draft.head.quant.fmt}),
+                  "formats": sorted({q.meta.fmt for d in draft.layers for q in d.values()} | {draft.head.meta.fmt}),
                   "isa": kernels.isa() if module is not None else None}
     if path is not None:
         draft.info["path"] = str(path)

@@ -64,6 +64,34 @@ ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; l
 LAST_ROW = slice(-1, None)
 
 
+def _block_rows(head: kernels.QLinear) -> Any:
+    """Embedding rows from a head's packed panels, computed as the file format (and
+    :meth:`QuantWeight.dequantize`) defines them: ``s q`` (Q8_0), ``s (q - 8)`` (Q4_0), ``s q + m`` (Q4_1)."""
+    meta, group = head.meta, head.meta.group
+    if meta.bits == 8:
+        codes = head.codes.view(torch.int8)  # (np, K, 64)
+    else:
+        codes = head.codes.view(torch.int32).view(head.codes.shape[0], -1, 64)  # (np, K/8, 64) words
+
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        sp, lane = ids // 64, ids % 64
+        if meta.bits == 8:
+            q = codes[sp, :, lane].float()  # (T, K)
+        else:
+            words = codes[sp, :, lane].to(torch.int64) & 0xFFFFFFFF  # (T, K/8)
+            q = ((words[..., None] >> (4 * torch.arange(8, device=ids.device))) & 15).reshape(len(ids), -1).float()
+        t = q.shape[0]
+        q = q.view(t, -1, group)
+        if meta.bits == 4 and head.mins is None:
+            q = q - 8.0
+        w = q * head.scales[sp, :, lane].float()[:, :, None]
+        if head.mins is not None:
+            w = w + head.mins[sp, :, lane].float()[:, :, None]
+        return w.view(t, -1)
+
+    return rows
+
+
 class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
@@ -85,6 +113,7 @@ class Engine:
             reason = kernels.status()["reason"]  # the build failed
         self._module = module
         self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
+        self._embed_rows: Any = None  # set by release_float_weights()
         # the target's weights (engine/target.py): the model's own tensors, bf16 panels, or the GGUF's blocks
         self.target_precision, self.target_info = resolve_target(self, target_precision)
         if self.target_precision in QUANT_TARGETS:
@@ -152,7 +181,46 @@ class Engine:
         return KVCache(self.num_layers, self._hkv, self._d, capacity, self.dtype, self.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._embed_rows is not None:  # the float table was released: rows from the head's own blocks
+            return self._embed_rows(input_ids)
         return F.embedding(input_ids, self.adapter.embed)
+
+    def release_float_weights(self) -> int:
+        """Free the model's float matrices when the target reads a quantized copy (a block target), and a
+        tied embedding too, whose rows are then dequantized from the head's own blocks (the very values:
+        checked on a sample first). Returns the bytes freed (0 for other targets). Afterwards the Hugging
+        Face module cannot run, and no int8 copy can be built: callers release only once every method
+        and draft they need is built (``selfspec generate`` does; docs/engine.md, "Memory")."""
+        if self.target_precision not in QUANT_TARGETS:
+            return 0
+        a, gone = self.adapter, []
+        head = self.lm_head
+        tied = a.lm_head.untyped_storage().data_ptr() == a.embed.untyped_storage().data_ptr()
+        if tied and isinstance(head, kernels.QLinear):
+            probe = torch.arange(0, a.embed.shape[0], max(1, a.embed.shape[0] // 257), device=self.device)
+            rows = _block_rows(head)
+            if torch.equal(rows(probe), F.embedding(probe, a.embed)):
+                self._embed_rows = rows
+                gone.append(a.embed)
+        gone += [getattr(w, f"w_{name}") for w in a.layers for name in LINEARS]
+        if not tied and isinstance(head, kernels.QLinear):
+            gone.append(a.lm_head)
+        ptrs = {t.untyped_storage().data_ptr() for t in gone}
+        freed = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in gone}.values())
+        # drop every reference: the module's parameters (views into the fused matrices, or the loaded
+        # tensors, which safetensors may have memory-mapped) and the adapter's own
+        for p in self.model.parameters():
+            if p.untyped_storage().data_ptr() in ptrs:
+                p.data = p.data.new_empty(0)
+        for w in a.layers:
+            for name in LINEARS:
+                setattr(w, f"w_{name}", getattr(w, f"w_{name}").new_empty(0))
+        if self._embed_rows is not None:
+            a.embed = a.embed.new_empty(0)
+        if not tied and isinstance(head, kernels.QLinear):
+            a.lm_head = a.lm_head.new_empty(0)
+        self.kernel_info["float_weights_released_mb"] = round(freed / 2**20, 1)
+        return freed
 
     def final_logits(self, hidden: torch.Tensor, head: Any = None, weights: str | None = None) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or

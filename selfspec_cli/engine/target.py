@@ -113,7 +113,7 @@ def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]]
     a = engine.adapter
 
     def pick(q: Any, w: torch.Tensor, b: torch.Tensor | None) -> Any:
-        return Linear.make(w, b, engine._module) if q.quant.fmt == "int8" else q
+        return Linear.make(w, b, engine._module) if q.meta.fmt == "int8" else q
 
     layers = [{n: pick(d.layers[l][n], getattr(w, f"w_{n}"), getattr(w, f"b_{n}")) for n in LINEARS}
               for l, w in enumerate(a.layers)]
