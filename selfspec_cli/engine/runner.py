@@ -33,6 +33,7 @@ range of layers ``[start, end)``:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +63,17 @@ ALL_ROWS = slice(None)
 KERNEL_HEAD_SIZES = (16, 32, 64, 128)  # what csrc's attend() and rope_() take
 ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps large freed blocks otherwise); no-op elsewhere."""
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _block_rows(head: kernels.QLinear) -> Any:
@@ -217,8 +229,24 @@ class Engine:
                 setattr(w, f"w_{name}", getattr(w, f"w_{name}").new_empty(0))
         if self._embed_rows is not None:
             a.embed = a.embed.new_empty(0)
+            if tied:
+                a.lm_head = a.embed
         if not tied and isinstance(head, kernels.QLinear):
             a.lm_head = a.lm_head.new_empty(0)
+        # the tensors that remain (norms, biases) may share one memory-mapped file with the released ones,
+        # which stays mapped (and resident) while any of them lives: give them memory of their own
+        moved: dict[int, torch.Tensor] = {}
+        for p in self.model.parameters():
+            if p.numel():
+                moved[p.data_ptr()] = p.data = p.data.clone()
+        for w in a.layers:
+            for f in dataclasses.fields(w):
+                t = getattr(w, f.name)
+                if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() in moved:
+                    setattr(w, f.name, moved[t.data_ptr()])
+        if a.final_norm.data_ptr() in moved:
+            a.final_norm = moved[a.final_norm.data_ptr()]
+        _trim_heap()
         self.kernel_info["float_weights_released_mb"] = round(freed / 2**20, 1)
         return freed
 
