@@ -280,6 +280,32 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
     return out
 
 
+def draft_verdict(quantized: dict[str, Any], verify_cost: dict[str, float]) -> dict[str, Any]:
+    """Whether any full-depth copy can pay against this target: for each draft with a measured c and
+    one-token agreement a, the best expected gain of a chain of k drafts, (1 - a^(k+1)) / (1 - a) tokens
+    per k c + v(k+1) target steps (a i.i.d. per token, an optimistic reading), over the k the verify
+    curve covers. A draft at the target's own precision is the target and is left out."""
+    per: dict[str, Any] = {}
+    ks = sorted(int(k) for k in verify_cost if int(k) >= 2)
+    for name, q in quantized.items():
+        if name == "_" or "c" not in q or q.get("agreement") is None:
+            continue
+        c, a = q.get("c_draft_vocab", q["c"]), min(q["agreement"], 0.999)
+        gains = {k - 1: (1 - a ** k) / (1 - a) / ((k - 1) * c + verify_cost[str(k)]) for k in ks}
+        best = max(gains, key=gains.get)
+        per[name] = {"c": c, "agreement": q["agreement"], "best_k": best, "best_gain": round(gains[best], 3)}
+    paying = {n: v for n, v in per.items() if v["best_gain"] > 1.0 and v["c"] < 0.98}
+    if not per:
+        summary = "no quantized copy measured"
+    elif paying:
+        n = max(paying, key=lambda n: paying[n]["best_gain"])
+        summary = f"{n} can pay: up to {paying[n]['best_gain']:.2f}x at {paying[n]['best_k']} drafts (c {paying[n]['c']:.2f})"
+    else:
+        summary = ("nothing cheaper than the target pays here: no full-depth copy gains over plain decoding "
+                   "(layer skipping and n-gram drafts are measured by selfspec bench)")
+    return {"drafts": per, "summary": summary}
+
+
 def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], methods: Sequence[str],
                        max_new_tokens: int, eos_ids: tuple[int, ...] = (),
                        on_method: Callable[[int, str], None] | None = None) -> dict[str, Any]:

@@ -119,7 +119,9 @@ def profile(
     result: dict[str, Any] = {
         "kind": "selfspec-profile", "model": model_name(mdl), "model_fingerprint": model_fingerprint(mdl),
         "num_layers": engine.num_layers, **costs, "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
-        "kernel_max_logit_diff": diff, "redundancy": red, "quantized_drafts": quantized, "predicted_speedup": predicted,
+        "target_precision": engine.target_precision, "target_info": engine.target_info,
+        "kernel_max_logit_diff": diff, "redundancy": red, "quantized_drafts": quantized,
+        "draft_verdict": prof.draft_verdict(quantized, costs["verify_cost"]), "predicted_speedup": predicted,
         "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
         "profile_s": round(time.perf_counter() - t_start, 1)}
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ def profile(
 
 
 def _table(r: dict[str, Any]) -> Table:
-    t = table(f"profile: {r['model']} ({r['environment']['dtype']}, {r['environment']['threads']} thread(s), "
+    t = table(f"profile: {r['model']} (target {r['target_precision']}, {r['environment']['threads']} thread(s), "
               f"kernel {r['kernel']['backend']})", ("figure", "value"), left=("figure",))
     t.add_row("weights read per step", f"{r['weight_bytes'] / 1e6:.0f} MB")
     t.add_row("read bandwidth", f"{r['bandwidth_gbs']:.1f} GB/s")
@@ -158,6 +160,8 @@ def _table(r: dict[str, Any]) -> Table:
         t.add_row(f"draft {name}", q["unavailable"] if "unavailable" in q else
                   f"c {q['c']:.2f} (draft vocabulary {q.get('c_draft_vocab', q['c']):.2f}), agreement "
                   f"{q['agreement']:.3f}, {q['draft_bytes'] / 1e6:.0f} MB, loaded in {q['load_s']:.2f} s ({q['cache']})")
+    if v := r.get("draft_verdict"):
+        t.add_row("full-depth drafts", v["summary"])
     for name, p in (r.get("predicted_speedup") or {}).items():
         t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)")
                   if p.get("predicted_speedup") is None

@@ -58,7 +58,9 @@ def method_precision(engine: Engine, asked: str, calibrated: str | None) -> str 
     that ``auto`` follows the precision its skip set was calibrated with (``calibrated``) when
     this engine can have it (else ``auto``'s own choice)."""
     if asked == "auto" and calibrated:
-        return resolve_precision(engine, calibrated, strict=False)
+        got = resolve_precision(engine, calibrated, strict=False)
+        # a set calibrated on a quantized copy that is this engine's target: auto's draft weights instead
+        return resolve_precision(engine, "auto") if got is None and calibrated != "target" else got
     return resolve_precision(engine, asked)
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from ...artifacts import ArtifactSpec
+from ...engine.target import QUANT_TARGETS
 from ...errors import FieldError
 from ..offline import OfflineStep
 
@@ -123,8 +124,11 @@ def attach(proposer: Any, model: torch.nn.Module, spec: str | None = "auto", siz
     ``auto`` keeps the full vocabulary for a proposer that drafts over quantized weights: its
     head is cheap there, and a subset caps the acceptance of a draft that otherwise agrees
     with the target (measured on SmolLM2 with the GGUF-block draft: M 4.7 -> 9.0, decode-only
-    2.00x -> 2.07x `ar`; docs/engine.md, "Quantized drafts")."""
-    if spec == "auto" and size is None and getattr(proposer, "precision", None) is not None:
+    2.00x -> 2.07x `ar`; docs/engine.md, "Quantized drafts"). Not on a block target: the draft's
+    head is then the target's own blocks, as costly as the target's head (docs/engine.md, "The target's weights")."""
+    engine = getattr(proposer, "engine", None)
+    block_target = engine is not None and engine.target_precision in QUANT_TARGETS
+    if spec == "auto" and size is None and getattr(proposer, "precision", None) is not None and not block_target:
         spec = "full"
     vocab = resolve(spec, model, size)
     proposer.use_draft_vocab(None if vocab is None else vocab.ids)
