@@ -247,6 +247,9 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
     out: dict[str, Any] = {}
     avail: list[str] = []
     for p in precisions:
+        if p == engine.target_precision:  # a copy at the target's own precision is the target
+            out[p] = {"unavailable": f"the {p} target itself"}
+            continue
         try:
             d = engine.draft(p)
         except GGUFDraftError as exc:
