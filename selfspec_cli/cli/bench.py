@@ -28,7 +28,7 @@ from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
-from ..decoding.cost import VerifyCurve
+from ..decoding.cost import VerifyCurve, measure_fresh
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
@@ -251,6 +251,7 @@ def bench(
     records_dir = output_dir / "records" / (f"rank{ranks.rank}" if ranks.many else "")
     assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
     engine = Engine(mdl)
+    measure_fresh(engine)  # every run measures its own costs (and pools a new reading per pass), never the store's
     dev = torch.device(engine.device)
 
     # build every contender once up front: a missing artifact fails now, not after an hour
