@@ -48,8 +48,8 @@ side on CUDA), which the runtime, calibration and the bench time with too.
 **Costs on disk** (:mod:`.cost_store`). The curve and each timed draft's c are kept per
 machine (model, precision, threads, kernel build, device, CPU), so that a process reads
 them instead of timing about 160 forwards first. A machine with nothing stored takes a
-short reading (:data:`SHORT_ROWS`, :data:`SHORT_ROUNDS` passes, no slope: about a tenth of
-the full reading) and says so in one line on stderr; every process's rounds then refine the
+short reading (:data:`SHORT_ROWS`, :data:`SHORT_ROUNDS` passes, no slope: about an eighth
+of the full reading's time) and says so in one line on stderr; every process's rounds then refine the
 store at its exit, and ``selfspec profile`` takes the full reading (``--remeasure``: a fresh
 one). An engine in :func:`measure_fresh` mode (the bench) measures everything itself, as
 before the store, and stores what it measured. Invariant: a running process plans with the
@@ -89,8 +89,8 @@ CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the me
 SLOPE_EXTRA = 512  # T(1)'s growth with the context: read after this many more tokens than the curve's context
 # a first reading on a machine with no stored costs (VerifyCurve.for_engine): the powers of two up to 16 rows
 # (v beyond 16 rows extrapolated from 8 and 16 until rounds fill the table), 3 passes, and no slope (its
-# long prefill would cost as much again; the rounds of later runs fit it): about a tenth of the full
-# reading's time (docs/engine.md, "Costs on disk")
+# long prefill would cost as much again; the rounds of later runs fit it): about an eighth of the full
+# reading's time, 2.0-2.2 s against about 18 s on a busy 2-core host (docs/engine.md, "Costs on disk")
 SHORT_ROWS = (1, 2, 4, 8, 16)
 SHORT_ROUNDS = 3
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
@@ -150,7 +150,7 @@ class VerifyCurve:
         costs all read this one reading (or the pool of :meth:`refresh`). On first use it is read from
         the store of this machine's costs (decoding/cost_store.py: no forward is timed); only when
         none is stored is it measured, and then stored: a **short** reading (:data:`SHORT_ROWS`, about
-        0.15 of the full reading's forwards, said in one line on stderr) so that a first call on a new
+        an eighth of the full reading's time, said in one line on stderr) so that a first call on a new
         machine does not stall for the full one, which later processes' rounds refine
         (:func:`cost_store.flush`); ``full`` (``selfspec profile``) takes the full reading (about 160
         forwards, 5-6 s on the default model) when what is kept or stored lacks some of its rows.
