@@ -102,7 +102,7 @@ def test_a_changed_key_component_misses(timings, change):
     assert cost_store.path_for(key) != cost_store.path_for(other_key) and cost_store.path_for(other_key).is_file()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "foreign key", "bad curve"])
+@pytest.mark.parametrize("damage", ["garbage", "foreign key", "bad curve", "bad timestamp"])
 def test_an_unreadable_or_foreign_file_is_measured_again_and_replaced(timings, damage):
     eng = Engine(make_tiny_model("llama-gqa"))
     VerifyCurve.for_engine(eng)
@@ -112,8 +112,10 @@ def test_an_unreadable_or_foreign_file_is_measured_again_and_replaced(timings, d
         path.write_bytes(b"\x00{not json")
     elif damage == "foreign key":
         path.write_text(json.dumps({**rec, "key": {**rec["key"], "cpu": "another CPU"}}))
-    else:
+    elif damage == "bad curve":
         path.write_text(json.dumps({**rec, "curve": {**rec["curve"], "times_s": {"1": -1.0, "2": 0.5}}}))
+    else:  # hand-edited: profile's age must not fail on it
+        path.write_text(json.dumps({**rec, "updated": "yesterday"}))
     _fresh_process()
     again = Engine(make_tiny_model("llama-gqa"))
     curve = VerifyCurve.for_engine(again)

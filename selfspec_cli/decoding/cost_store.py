@@ -122,6 +122,8 @@ def read(key: dict[str, str], path: Path | None = None) -> dict[str, Any] | None
         return None
     if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION or rec.get("key") != key:
         return None
+    if not all(isinstance(rec.get(t), (int, float)) for t in ("created", "updated")) or not isinstance(rec.get("draft_costs", {}), dict):
+        return None
     return rec
 
 
@@ -157,11 +159,11 @@ def describe(key: dict[str, str]) -> dict[str, Any]:
     rec = read(key)
     if rec is None:
         return {"path": str(path), "key": key, "stored": False}
-    curve = rec.get("curve") or {}
+    curve = rec.get("curve") if isinstance(rec.get("curve"), dict) else {}
     return {"path": str(path), "key": key, "stored": True, "age_s": round(time.time() - float(rec["updated"]), 1),
             "created_age_s": round(time.time() - float(rec["created"]), 1),
             "rows": sorted(int(m) for m in curve.get("times_s", {})), "readings": curve.get("readings"),
-            "draft_costs": {k: v.get("c") for k, v in (rec.get("draft_costs") or {}).items()}}
+            "draft_costs": {k: v.get("c") if isinstance(v, dict) else None for k, v in (rec.get("draft_costs") or {}).items()}}
 
 
 # ---------------------------------------------------------------- online refresh
@@ -260,6 +262,6 @@ def flush() -> list[Path]:
         try:
             if (p := o.flush()) is not None:
                 written.append(p)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a store changed under us or a half-gone cache directory at exit: the next process measures
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError):
+            pass  # a hand-edited store, one changed under us or a half-gone cache directory at exit: the next process measures
     return written
