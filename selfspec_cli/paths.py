@@ -8,7 +8,7 @@
   (``<home>/artifacts/self-sd/<model name>-<fingerprint>.json``), so an artifact made
   for one model can never land on another model's file.
 * Everything selfspec can rebuild (converted GGUF models, the compiled kernel, quantized
-  drafts, on-policy training data) lives in the one cache directory :func:`cache_root`:
+  drafts, on-policy training data, the machine's measured costs) lives in the one cache directory :func:`cache_root`:
   ``$SELFSPEC_CACHE`` when set, else ``$SELFSPEC_HOME/cache`` when ``SELFSPEC_HOME`` is
   set, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
 * Artifacts, caches, the bench's ``results.json`` and plots, and the ``--output`` of
@@ -42,7 +42,8 @@ def cache_root() -> Path:
     """selfspec's one cache directory (read from the environment at every call):
     ``$SELFSPEC_CACHE``, else ``$SELFSPEC_HOME/cache``, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
     Converted GGUF models live in ``models/``, the compiled kernel in ``kernels/``, quantized
-    drafts in ``drafts/`` and on-policy training data in ``onpolicy/``."""
+    drafts in ``drafts/``, on-policy training data in ``onpolicy/`` and the engine's measured costs
+    in ``costs/`` (decoding/cost_store.py)."""
     if os.environ.get("SELFSPEC_CACHE"):
         return Path(os.environ["SELFSPEC_CACHE"]).expanduser()
     if os.environ.get("SELFSPEC_HOME"):

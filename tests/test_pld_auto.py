@@ -287,6 +287,7 @@ def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_t
 
     charge_forwards(monkeypatch, virtual_clock, charge)
     assert VerifyCurve.refresh(eng) is None  # nothing to pool before the first reading
+    cost_mod.measure_fresh(eng)  # as the bench: a full first reading of its own, not a stored or short one
     first = VerifyCurve.for_engine(eng)
     for p in (1.5, 1.2):
         pace[0] = p

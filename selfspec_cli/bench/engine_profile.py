@@ -113,7 +113,8 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
     """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.cost.VerifyCurve`:
-    one measurement per engine, shared with the planners), and c(r) and the LM head's share at
+    one full reading per engine, shared with the planners, read from this machine's store of costs
+    when it holds a full one, else measured and stored), and c(r) and the LM head's share at
     the context of ``prompt_ids`` (over a one-row step timed there, the median of ``rounds``);
     with a ``draft_vocab`` (FR-Spec's token ids) also c(r) of drafts that score only those tokens."""
     ctx = len(prompt_ids)
@@ -140,7 +141,7 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
     # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost.py)
     return {
-        **curve_fields(VerifyCurve.for_engine(engine)), "draft_context_tokens": ctx,
+        **curve_fields(VerifyCurve.for_engine(engine, full=True)), "draft_context_tokens": ctx,
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
         "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3), "rounds": rounds, **vocab}

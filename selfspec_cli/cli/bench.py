@@ -28,7 +28,7 @@ from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig
-from ..decoding.cost import VerifyCurve
+from ..decoding.cost import VerifyCurve, measure_fresh
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError
@@ -257,6 +257,7 @@ def bench(
     records_dir = output_dir / "records" / (f"rank{ranks.rank}" if ranks.many else "")
     assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
     engine = Engine(mdl, target_precision=target_precision)
+    measure_fresh(engine)  # every run measures its own costs (and pools a new reading per pass), never the store's
     dev = torch.device(engine.device)
     if REFERENCE in names and engine.target_precision != "fp32" and engine.dtype == torch.float32:
         names = list(dict.fromkeys([*names[:names.index(REFERENCE) + 1], "ar-fp32", *names]))  # beside ar

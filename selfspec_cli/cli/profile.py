@@ -1,8 +1,14 @@
 """``selfspec profile``: the engine's costs on this machine against the hardware's limits.
 
-Writes ``profile.json`` (keys documented in docs/profile.md), ``verify_cost.png`` and
+Writes ``profile.json`` (keys documented in docs/engine.md, "`profile.json`"), ``verify_cost.png`` and
 ``redundancy.png`` into ``--output-dir``; a rich table goes to stderr and one JSON line
 with the headline figures to stdout.
+
+The verify curve is this machine's stored one (decoding/cost_store.py) when the store holds a
+full reading; otherwise, and always with ``--remeasure``, a full reading is taken and stored
+(``--remeasure`` also times the draft costs afresh). ``cost_store`` in profile.json and the
+table say where it is kept, under which key, how old it is, its rows, and whether this run
+read or measured it.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from rich.table import Table
 from ..artifacts import environment_info, model_name, now_iso, save_json_artifact
 from ..bench import engine_profile as prof
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
+from ..decoding import cost_store
+from ..decoding.cost import CURVE_ROWS, engine_key, measure_fresh
 from ..engine import Engine
 from ..errors import ArtifactError, ConfigError
 from ..engine.target import TARGET_PRECISIONS
@@ -43,6 +51,7 @@ def profile(
     predict: str = typer.Option(",".join(prof.PREDICT_METHODS), "--predict", help="Methods whose speedup to predict from the measured costs and the acceptance they show on the prompts ('' for none)."),
     predict_tokens: int = typer.Option(32, "--predict-tokens", help="Greedy tokens per prompt for the predictions (on --redundancy-prompts prompts, at least 1)."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
+    remeasure: bool = typer.Option(False, "--remeasure", help="Take a fresh full reading of the verify curve and the draft costs, and store it, instead of reading what this machine's cost store holds."),
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the chat template (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
@@ -89,6 +98,11 @@ def profile(
         f"{' (' + engine.kernel_info['reason'] + ')' if engine.kernel_info.get('reason') else ''}[/dim]")
 
     t_start = time.perf_counter()
+    before = cost_store.describe(engine_key(engine))
+    if remeasure:
+        measure_fresh(engine)
+    # the store's curve is used when it is a full reading (a short one, or none, is measured in full and stored)
+    read = not remeasure and before["stored"] and set(CURVE_ROWS) <= set(before["rows"])
     # the context: the median-length prompt of the set (a typical decode position)
     ctx_ids = sorted(ids, key=len)[len(ids) // 2]
     with progress() as bar:
@@ -122,6 +136,7 @@ def profile(
         "target_precision": engine.target_precision, "target_info": engine.target_info,
         "kernel_max_logit_diff": diff, "redundancy": red, "quantized_drafts": quantized,
         "draft_verdict": prof.draft_verdict(quantized, costs["verify_cost"]), "predicted_speedup": predicted,
+        "cost_store": {**cost_store.describe(engine_key(engine)), "curve": "read" if read else "measured"},
         "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
         "profile_s": round(time.perf_counter() - t_start, 1)}
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -162,8 +177,21 @@ def _table(r: dict[str, Any]) -> Table:
                   f"{q['agreement']:.3f}, {q['draft_bytes'] / 1e6:.0f} MB, loaded in {q['load_s']:.2f} s ({q['cache']})")
     if v := r.get("draft_verdict"):
         t.add_row("full-depth drafts", v["summary"])
+    if s := r.get("cost_store"):
+        t.add_row("costs on disk", f"{s['path']}" + (
+            f" ({'read' if s['curve'] == 'read' else 'measured now and stored'}; rows {','.join(map(str, s['rows']))}, "
+            f"{s['readings']} reading(s), updated {_age(s['age_s'])} ago, created {_age(s['created_age_s'])} ago)"
+            if s["stored"] else " (not writable: nothing stored)"))
+        t.add_row("costs key", ", ".join(f"{k} {v}" for k, v in s["key"].items()))
     for name, p in (r.get("predicted_speedup") or {}).items():
         t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)")
                   if p.get("predicted_speedup") is None
                   else f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
     return t
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"

@@ -8,14 +8,16 @@ tokens, where ``a_j`` is the probability that draft depth ``j`` is accepted give
 depth ``j - 1`` was (tracked online per proposer, :class:`Acceptance`; a full-depth quantized
 draft starts from its measured agreement, :func:`draft_agreement`). In units of one
 plain decoding step T(1) the round costs ``k c + v(k + 1)``: ``c`` is one draft step
-(measured online; 0 for n-gram drafts) and ``v(m)`` one full-depth forward of ``m``
-rows (:class:`VerifyCurve`, measured once per engine). Plain decoding is ``E(0) /
+(measured online, from a stored or timed first value: :func:`draft_cost_for`; 0 for n-gram
+drafts) and ``v(m)`` one full-depth forward of ``m`` rows (:class:`VerifyCurve`, one reading
+per engine, read from this machine's store of costs: :mod:`.cost_store`). Plain decoding is ``E(0) /
 v(1) = 1``. :meth:`Planner.plan` picks the ``k`` that maximizes ``E(k) / (k c + v(k+1))``
 (SWIFT's Eq. 6 with a measured v), and ``k = 0``, no draft, whenever no draft pays.
 
 A drafting round also pays for work no forward accounts for: the Python around each
 draft step, the lookup, building and checking a tree. And ``v`` is one reading, taken
-once per engine, that can be off by 5-10 % on a busy host. :class:`Overhead` learns
+once per machine and refreshed by every process's rounds (:mod:`.cost_store`), that can be
+off by 5-10 % on a busy host. :class:`Overhead` learns
 both from the rounds themselves: the driver measures each drafting round in plain
 rounds of the same proposer (``Round.steps``, from :class:`RoundClock`: its seconds over the
 running average of plain rounds', or over T(1) until a plain round has run), and the
@@ -42,14 +44,26 @@ verified, so every lossless proposer stays exact.
 
 Every cost is measured with :func:`timed` (wall time, with a device synchronize on each
 side on CUDA), which the runtime, calibration and the bench time with too.
+
+**Costs on disk** (:mod:`.cost_store`). The curve and each timed draft's c are kept per
+machine (model, precision, threads, kernel build, device, CPU), so that a process reads
+them instead of timing about 160 forwards first. A machine with nothing stored takes a
+short reading (:data:`SHORT_ROWS`, :data:`SHORT_ROUNDS` passes, no slope: about an eighth
+of the full reading's time) and says so in one line on stderr; every process's rounds then refine the
+store at its exit, and ``selfspec profile`` takes the full reading (``--remeasure``: a fresh
+one). An engine in :func:`measure_fresh` mode (the bench) measures everything itself, as
+before the store, and stores what it measured. Invariant: a running process plans with the
+reading it started with; the store changes only what the next process reads.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import operator
 import statistics
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -64,6 +78,7 @@ from ..engine import Engine
 from ..engine.kernels import stream_bytes
 from ..errors import ArtifactError
 from ..paths import atomic_write
+from . import cost_store
 
 T = TypeVar("T")
 
@@ -72,8 +87,18 @@ T = TypeVar("T")
 CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PROBE_BUDGET = 0.01  # share of a plain step a source that does not draft saves up per round, to probe
 CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the median is kept (docs/engine.md)
+SLOPE_EXTRA = 512  # T(1)'s growth with the context: read after this many more tokens than the curve's context
+# a first reading on a machine with no stored costs (VerifyCurve.for_engine): the powers of two up to 16 rows
+# (v beyond 16 rows extrapolated from 8 and 16 until rounds fill the table), 3 passes, and no slope (its
+# long prefill would cost as much again; the rounds of later runs fit it): about an eighth of the full
+# reading's time, 2.0-2.2 s against about 18 s on a busy 2-core host (docs/engine.md, "Costs on disk")
+SHORT_ROWS = (1, 2, 4, 8, 16)
+SHORT_ROUNDS = 3
 _CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
 _READINGS: "weakref.WeakKeyDictionary[Engine, list[VerifyCurve]]" = weakref.WeakKeyDictionary()
+_FRESH: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines that measure their costs themselves (measure_fresh)
+_KEYS: "weakref.WeakKeyDictionary[Engine, dict[str, str]]" = weakref.WeakKeyDictionary()  # cost_store.machine_key
+_ONLINE: "weakref.WeakKeyDictionary[Engine, cost_store.Online]" = weakref.WeakKeyDictionary()
 
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
@@ -115,61 +140,162 @@ class VerifyCurve:
         x0 = hi if m > hi else lo  # extrapolate from the last point, interpolate from the lower one
         return self.ratios[x0] + (m - x0) * (self.ratios[hi] - self.ratios[lo]) / (hi - lo)
 
+    @property
+    def full(self) -> bool:
+        """Whether every row count of the full reading (:data:`CURVE_ROWS`) is in the table."""
+        return all(m in self.ratios for m in CURVE_ROWS)
+
     @classmethod
-    def for_engine(cls, engine: Engine) -> VerifyCurve:
-        """Measured once per engine (about 140 forwards, 5-6 s on the default model) and kept with it: the planners,
-        ``selfspec profile`` and the bench's engine costs all read this one measurement (or the pool of
-        :meth:`refresh`)."""
-        if engine not in _CURVES:
-            _CURVES[engine] = cls.measure(engine)
-            _READINGS[engine] = [_CURVES[engine]]
-        return _CURVES[engine]
+    def for_engine(cls, engine: Engine, full: bool = False) -> VerifyCurve:
+        """The engine's curve, kept with it: the planners, ``selfspec profile`` and the bench's engine
+        costs all read this one reading (or the pool of :meth:`refresh`). On first use it is read from
+        the store of this machine's costs (decoding/cost_store.py: no forward is timed); only when
+        none is stored is it measured, and then stored: a **short** reading (:data:`SHORT_ROWS`, about
+        an eighth of the full reading's time, said in one line on stderr) so that a first call on a new
+        machine does not stall for the full one, which later processes' rounds refine
+        (:func:`cost_store.flush`); ``full`` (``selfspec profile``) takes the full reading (about 160
+        forwards, 5-6 s on the default model) when what is kept or stored lacks some of its rows.
+        An engine in :func:`measure_fresh` mode measures the full reading itself, as before there was
+        a store, and stores it."""
+        if engine in _CURVES and (engine in _FRESH or not full or _CURVES[engine].full):
+            return _CURVES[engine]
+        key = engine_key(engine)
+        if engine not in _FRESH:
+            stored = cls.from_record(((cost_store.read(key) or {}).get("curve")))
+            if stored is not None and (stored.full or not full):
+                return cls._keep(engine, stored)
+        if full or engine in _FRESH:
+            curve = cls.measure(engine)
+            cost_store.update(key, curve=curve.to_record())
+            return cls._keep(engine, curve)
+        t0 = time.perf_counter()
+        curve = cls.measure(engine, rounds=SHORT_ROUNDS, rows=SHORT_ROWS, extra=0)
+        where = cost_store.update(key, curve=curve.to_record())
+        print(f"selfspec: no engine costs stored for this machine; measured a short verify curve "
+              f"({len(SHORT_ROWS)} row counts x {SHORT_ROUNDS} passes, {time.perf_counter() - t0:.1f} s)"
+              f"{f' into {where}' if where else ' (the cache is not writable: not stored)'}; later runs read it "
+              "and refine it from their rounds ('selfspec profile' takes a full reading)", file=sys.stderr)
+        return cls._keep(engine, curve)
+
+    @classmethod
+    def _keep(cls, engine: Engine, curve: VerifyCurve) -> VerifyCurve:
+        """Make ``curve`` the engine's, its first reading, and let the engine's rounds refine the store."""
+        _CURVES[engine] = curve
+        _READINGS[engine] = [curve]
+        _ONLINE[engine] = cost_store.online(engine_key(engine))
+        return curve
 
     @classmethod
     def refresh(cls, engine: Engine) -> VerifyCurve | None:
         """Take another reading and pool it with the earlier ones (:meth:`pool`); planners made
-        from now on read the pool. One reading is a few seconds of a shared host, whose speed
-        drifts by several per cent from minute to minute (docs/engine.md); a long run (the bench,
-        between its passes) pools many. Nothing when this engine has no curve yet."""
+        from now on read the pool, and the store keeps it. One reading is a few seconds of a shared
+        host, whose speed drifts by several per cent from minute to minute (docs/engine.md); a long
+        run (the bench, between its passes) pools many. Nothing when this engine has no curve yet."""
         if engine not in _CURVES:
             return None
         readings = _READINGS.setdefault(engine, [])  # a curve set from outside (a test's) is not a reading
         readings.append(cls.measure(engine, _CURVES[engine].context))
         _CURVES[engine] = cls.pool(readings)
+        if engine in _ONLINE:  # a reading of this machine, not a test's curve
+            cost_store.update(engine_key(engine), curve=_CURVES[engine].to_record())
         return _CURVES[engine]
 
     @classmethod
     def pool(cls, readings: list[VerifyCurve]) -> VerifyCurve:
-        """Per row count the median of the readings' times, and the median slope; v from those."""
-        times = {m: statistics.median(r.times_s[m] for r in readings) for m in readings[0].times_s}
+        """Per row count the median of the readings' times (over the readings that have that row
+        count: a short reading pools with full ones), and the median slope; v from those."""
+        rows = sorted({m for r in readings for m in r.times_s})
+        times = {m: statistics.median(r.times_s[m] for r in readings if m in r.times_s) for m in rows}
         pooled = cls._from_times(times, readings[0].context, statistics.median(r.slope_s for r in readings))
-        return dataclasses.replace(pooled, readings=len(readings))
+        return dataclasses.replace(pooled, readings=sum(r.readings for r in readings))
 
     @classmethod
-    def measure(cls, engine: Engine, context: int = 64, rounds: int = CURVE_ROUNDS) -> VerifyCurve:
-        """Time forwards of ``CURVE_ROWS`` rows after a ``context``-token prefix, ``rounds``
-        interleaved passes after one warm-up pass; per size the **median** (the fastest pass
+    def measure(cls, engine: Engine, context: int = 64, rounds: int = CURVE_ROUNDS, rows: tuple[int, ...] = CURVE_ROWS,
+                extra: int = SLOPE_EXTRA) -> VerifyCurve:
+        """Time forwards of ``rows`` rows (by default ``CURVE_ROWS``) after a ``context``-token prefix,
+        ``rounds`` interleaved passes after one warm-up pass; per size the **median** (the fastest pass
         undershoots what plain decoding spends per step on a shared machine, so predictions
-        read high, and it moves more from run to run than the median; docs/engine.md)."""
-        med = _median_forward_s(engine, context, {m: (m, {"logits_rows": slice(None)}) for m in CURVE_ROWS}, rounds)
-        return cls._from_times(med, context, cls._slope(engine, context, med[1], rounds))
+        read high, and it moves more from run to run than the median; docs/engine.md); the slope
+        over ``extra`` more tokens (none below 64: 0)."""
+        med = _median_forward_s(engine, context, {m: (m, {"logits_rows": slice(None)}) for m in rows}, rounds)
+        return cls._from_times(med, context, cls._slope(engine, context, med[1], rounds, extra))
 
     @classmethod
-    def _from_times(cls, times: dict[int, float], context: int, slope_s: float) -> VerifyCurve:
+    def _from_times(cls, times: dict[int, float], context: int, slope_s: float, readings: int = 1) -> VerifyCurve:
         # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper): the running
         # maximum of the readings, from v(1) = 1
         rows = sorted(times)
         ratios = {m: round(r, 4) for m, r in zip(rows, accumulate((times[m] / times[1] for m in rows), max))}
-        return cls(times[1], ratios, context, slope_s, dict(times))
+        return cls(times[1], ratios, context, slope_s, dict(times), readings)
+
+    def to_record(self) -> dict[str, Any]:
+        """The reading as the store keeps it (decoding/cost_store.py): the forward times, not the ratios."""
+        return {"context": self.context, "slope_s": self.slope_s, "times_s": {str(m): t for m, t in sorted(self.times_s.items())},
+                "readings": self.readings}
+
+    @classmethod
+    def from_record(cls, rec: Any) -> VerifyCurve | None:
+        """The curve of a stored record; None for anything that is not a usable one (missing fields,
+        T(1) missing or not positive, fewer than two row counts, a negative slope)."""
+        try:
+            times = {int(m): float(t) for m, t in rec["times_s"].items()}
+            context, slope, readings = int(rec["context"]), float(rec["slope_s"]), int(rec.get("readings", 1))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if (1 not in times or len(times) < 2 or context < 1 or readings < 1 or not math.isfinite(slope) or slope < 0
+                or not all(m >= 1 and math.isfinite(t) and t > 0 for m, t in times.items())):
+            return None
+        return cls._from_times(times, context, slope, readings)
 
     @staticmethod
-    def _slope(engine: Engine, context: int, t1: float, rounds: int, extra: int = 512) -> float:
+    def _slope(engine: Engine, context: int, t1: float, rounds: int, extra: int = SLOPE_EXTRA) -> float:
         """Seconds per context token of a one-row step: T(1) after ``context + extra`` tokens
         (fewer where the model's positions end sooner) against T(1) after ``context``; never negative."""
         extra = min(extra, engine.adapter.max_positions - context - 2)
         if extra < 64:
             return 0.0
         return max(0.0, (_median_forward_s(engine, context + extra, {1: (1, {})}, rounds)[1] - t1) / extra)
+
+
+def engine_key(engine: Engine) -> dict[str, str]:
+    """The key of the engine's costs in the store (:func:`cost_store.machine_key`), read once per engine."""
+    if engine not in _KEYS:
+        _KEYS[engine] = cost_store.machine_key(engine)
+    return _KEYS[engine]
+
+
+def measure_fresh(engine: Engine) -> None:
+    """From now on the engine measures its costs itself, as before there was a store: the verify
+    curve's full reading on first use, c at every :func:`draft_cost_for` (what the bench does, so
+    that every run and every pass rests on its own readings; ``selfspec profile --remeasure``). What
+    it measures is still stored. A curve the engine already holds is forgotten."""
+    _FRESH.add(engine)
+    _CURVES.pop(engine, None)
+    _READINGS.pop(engine, None)
+
+
+def observe_forward(engine: Engine, rows: int, seconds: float, context: int) -> None:
+    """A verify forward of ``rows`` rows (a plain step: 1) that took ``seconds`` after ``context``
+    tokens, for the store's online refresh (cost_store.Online), put at the curve's context. Only
+    engines whose curve is this machine's reading, on a CPU (no device synchronize is paid here),
+    and row counts of :data:`CURVE_ROWS`."""
+    online, curve = _ONLINE.get(engine), _CURVES.get(engine)
+    if online is not None and curve is not None and rows in CURVE_ROWS and engine.device.type == "cpu":
+        online.observe_forward(rows, seconds * curve.t1_s / curve.t1_at(context), context - curve.context, seconds)
+
+
+def draft_variant(weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> str:
+    """A draft variant's name in the store: its weights and skip sets."""
+    return f"{weights or 'target'}/attn{sorted(skip_attn)}/mlp{sorted(skip_mlp)}".replace(" ", "")
+
+
+def observe_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+                       seconds: float, context: int) -> None:
+    """One draft step of this variant took ``seconds`` after ``context`` tokens (a round's draft time
+    over its steps), for the store's online refresh of its c (as :func:`observe_forward`)."""
+    online, curve = _ONLINE.get(engine), _CURVES.get(engine)
+    if online is not None and curve is not None and engine.device.type == "cpu":
+        online.observe_draft(draft_variant(weights, skip_attn, skip_mlp), seconds * curve.t1_s / curve.t1_at(context))
 
 
 @torch.inference_mode()
@@ -218,6 +344,25 @@ def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[in
     med = _median_forward_s(engine, context, {"draft": (1, {"skip_attn": skip_attn, "skip_mlp": skip_mlp, "weights": weights}),
                                               "target": (1, {})}, rounds)
     return med["draft"] / med["target"]
+
+
+def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
+                   skip_mlp: frozenset[int] = frozenset()) -> float:
+    """c of this draft variant on this machine: the stored one (decoding/cost_store.py), else timed
+    now (:func:`draft_step_cost`) and stored. An engine in :func:`measure_fresh` mode times it at
+    every call, as before there was a store."""
+    variant, key = draft_variant(weights, skip_attn, skip_mlp), engine_key(engine)
+    if engine not in _FRESH:
+        got = ((cost_store.read(key) or {}).get("draft_costs") or {}).get(variant)
+        try:
+            c = float(got["c"])
+            if math.isfinite(c) and c > 0:
+                return c
+        except (KeyError, TypeError, ValueError):
+            pass  # none stored, or unusable: time it
+    c = draft_step_cost(engine, weights, skip_attn, skip_mlp)
+    cost_store.update(key, draft_costs={variant: {"c": round(c, 5), "readings": 1}})
+    return c
 
 
 AGREEMENT_TOKENS = 32  # positions of the target's own greedy text a quantized draft's prior is read over

@@ -22,7 +22,10 @@ statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
    stopping rules, and ``proposer.update(state, round)`` learns what was accepted and
    what the round cost (:class:`~.drafts.Round`; as transformers separates
    ``get_candidates`` from ``update_candidate_strategy``). Time is measured with one
-   :class:`~.cost.RoundClock` per decode; nothing is written into the proposer.
+   :class:`~.cost.RoundClock` per decode; nothing is written into the proposer. The
+   seconds of each chain's (or plain step's) verify forward go to the store of the
+   machine's costs (:func:`~.cost.observe_forward`, decoding/cost_store.py), which the
+   next process reads; they change nothing in this decode.
 
 An empty draft makes the round a plain decoding step, so ``ar`` is the proposer
 that never drafts. Every lossless proposer gets exact greedy output and the
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
-from .cost import RoundClock
+from .cost import RoundClock, observe_forward
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
@@ -122,7 +125,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             t1 = time.perf_counter()
             draft = proposer.propose(state, sink.remaining - 1)
             t2 = time.perf_counter()
-            verdict, out = _verify(state, draft, proposer)
+            pos = state.pos
+            verdict, out, forward_s = _verify(state, draft, proposer)
             t3 = time.perf_counter()
             timings["draft_s"] += t2 - t1
             timings["verify_s"] += t3 - t2
@@ -145,6 +149,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             _record(stats, sink, verdict.tokens, len(verdict.accepted), on_tokens)
             plain_equiv += stats.accept_lengths[-1] * (clock.t1_at(state.pos) or 0.0)
             t4 = time.perf_counter()
+            if forward_s is not None:  # the store's online refresh of the verify curve (decoding/cost_store.py)
+                observe_forward(eng, verdict_rows(draft), forward_s, pos)
             proposer.update(state, Round(draft, verdict, out, steps))
             timings["update_s"] += time.perf_counter() - t4
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
@@ -168,14 +174,26 @@ def _record(stats: DecodeStats, sink: TokenSink, tokens: list[int], accepted: in
 
 
 
-def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None]:
-    """Apply the shared exact rule to a draft and commit the result in ``state``."""
+def verdict_rows(draft: Draft) -> int:
+    """Rows of a chain's (or a plain round's) verify forward: the pending token and the drafts."""
+    return 1 + (0 if isinstance(draft, NoDraft) else len(draft.tokens))
+
+
+def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None, float | None]:
+    """Apply the shared exact rule to a draft and commit the result in ``state``; also the seconds of
+    the verify forward when it was a chain's (or a plain step), the forward the verify curve times."""
     if isinstance(draft, Decided):
         state.commit_decided(draft.tokens)
-        return Verdict([], list(draft.tokens)), None
+        return Verdict([], list(draft.tokens)), None, None
     tokens: list[int] = [] if isinstance(draft, NoDraft) else draft.tokens
     parents = draft.parents if isinstance(draft, Tree) else None
-    out = None if isinstance(draft, Deferred) else state.verify_forward(tokens, parents, **proposer.verify_options())
+    forward_s = None
+    if isinstance(draft, Deferred):
+        out = None
+    else:
+        t0 = time.perf_counter()
+        out = state.verify_forward(tokens, parents, **proposer.verify_options())
+        forward_s = time.perf_counter() - t0 if parents is None else None
     logits = draft.logits if out is None else out.logits
     sampling = state.sampling
     if state.noise is not None:  # rule gumbel: the greedy rules on the rows' perturbed scores
@@ -191,4 +209,4 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
             q = F.one_hot(state.ids(tokens), logits.shape[-1]).to(logits.dtype)
         verdict = verify_chain_sampling(tokens, q, logits, sampling, state.generator)
     state.commit(verdict.tokens, verdict.accepted, tree=parents is not None)
-    return verdict, out
+    return verdict, out, forward_s

@@ -32,7 +32,7 @@ import torch
 
 from ..engine import Engine
 from ..prompts import encode_turn
-from .cost import Planner, VerifyCurve, draft_agreement, draft_step_cost, ema
+from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step
 from .drafts import Chain, Draft, NoDraft, Round, Tree, chain_or_tree
 from .driver import Proposer
 from .sampling import processed_scores, sample_from
@@ -149,7 +149,7 @@ class LayerSkipProposer(Proposer):
         self.ngram: Callable[[DecodeState, int], tuple[list[int], int]] | None = None
         self._ngram_planner: Planner | None = None
         self.precision: str | None = None  # None: the target's own weights; else engine.draft(precision)
-        self._c0: float | None = None  # c measured before any draft (draft_step_cost)
+        self._c0: float | None = None  # c before any draft (draft_cost_for: stored, or timed)
         self._q0 = 0.5  # a full-depth quantized draft's prior acceptance (_reset_cost)
         # quantized drafts: the inactive variant's cost state (the skip set, or full depth; see _pick_variant)
         self._full = False  # this round drafts at full depth, no skips
@@ -194,8 +194,8 @@ class LayerSkipProposer(Proposer):
         self._other = CostSlot()
         self._q0 = 0.5
         if self.precision is not None and self.draft_cfg.cost_aware:
-            self._c0 = draft_step_cost(self.engine, self.precision, *self.skip_sets())
-            self._other.c0 = draft_step_cost(self.engine, self.precision)
+            self._c0 = draft_cost_for(self.engine, self.precision, *self.skip_sets())
+            self._other.c0 = draft_cost_for(self.engine, self.precision)
             self._q0 = self._agreement_prior()
         if self.draft_cfg.cost_aware:
             self.planner = None
@@ -269,7 +269,7 @@ class LayerSkipProposer(Proposer):
         if self.precision is None:
             return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
         if self._c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
-            self._c0 = draft_step_cost(self.engine, self.precision, attn, mlp)
+            self._c0 = draft_cost_for(self.engine, self.precision, attn, mlp)
         return self._c0
 
     def _planner(self) -> Planner:
@@ -390,8 +390,10 @@ class LayerSkipProposer(Proposer):
             if d in state.eos:  # nothing after an end of sequence can be emitted
                 break
         if self.planner is not None:  # one draft step over the plain step at this context (VerifyCurve.t1_at)
-            step_c = (time.perf_counter() - t0) / steps / self.planner.curve.t1_at(state.pos + steps // 2)
-            self._step_c = ema(self._step_c, step_c)
+            step_s, at = (time.perf_counter() - t0) / steps, state.pos + steps // 2
+            self._step_c = ema(self._step_c, step_s / self.planner.curve.t1_at(at))
+            if self.precision is not None:  # a timed (quantized) draft's c: the store's online refresh
+                observe_draft_step(self.engine, self.precision, *self._sets(), step_s, at)
         if plan is not None and (steps < budget or use_tree):  # the round as drafted, not as planned
             plan = self.planner.drafted(steps, len(tokens), self.draft_cost())
         note = DraftNote(hit_limit=hit_limit, chain_nodes=len(tokens))

@@ -51,6 +51,19 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+def source_tag() -> str:
+    """The sha256 tag of the kernel's source file (its path and bytes)."""
+    return hashlib.sha256(str(_SOURCE.resolve()).encode() + _SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def build_id() -> str:
+    """The compiled kernel's identity and the name of its build directory in :func:`cache_dir`: one
+    build per source file (:func:`source_tag`) and torch version, so that two checkouts sharing the
+    cache never load, or rebuild over, each other's extension (the cost store keys on it too:
+    decoding/cost_store.py)."""
+    return f"torch-{torch.__version__}-{source_tag()}"
+
+
 def unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the fast path cannot run here, or None when it can."""
     if os.environ.get("SELFSPEC_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
@@ -76,12 +89,9 @@ def load_extension() -> Any | None:
             try:
                 from torch.utils.cpp_extension import load
 
-                # one build per source file (its path and bytes) and torch version: two checkouts sharing
-                # the cache never load, or rebuild over, each other's extension
-                tag = hashlib.sha256(str(_SOURCE.resolve()).encode() + _SOURCE.read_bytes()).hexdigest()[:12]
-                build = cache_dir() / f"torch-{torch.__version__}-{tag}"
+                build = cache_dir() / build_id()
                 build.mkdir(parents=True, exist_ok=True)
-                module = load(name=f"selfspec_small_gemm_{tag}", sources=[str(_SOURCE)], build_directory=str(build),
+                module = load(name=f"selfspec_small_gemm_{source_tag()}", sources=[str(_SOURCE)], build_directory=str(build),
                               extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
                 reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"

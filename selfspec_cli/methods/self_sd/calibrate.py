@@ -449,7 +449,7 @@ def calibrate_self_sd(
                 study.set_user_attr("full_depth_c", full_c)
             if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
                 if (saved := study.user_attrs.get("verify_curve")) is None:
-                    own = VerifyCurve.for_engine(engine)
+                    own = VerifyCurve.for_engine(engine, full=True)  # a full reading for the study (stored or taken now)
                     saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
                     study.set_user_attr("verify_curve", saved)
                 curve.append(VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()}))

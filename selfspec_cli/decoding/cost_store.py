@@ -1,0 +1,267 @@
+"""Engine costs on disk: measured once per machine, read by every later process, refreshed by its rounds.
+
+What is kept, one JSON file per key in ``costs/`` of selfspec's cache
+(``<cache>/costs/<digest>.json``, :func:`selfspec_cli.paths.cache_root`): the verify curve's
+forward times (T(1), the m-row forward behind each v(m), T(1)'s growth with the context) and
+c, one draft step over a plain step, of each quantized draft variant that was timed
+(decoding/cost.py reads and writes both). A quantized draft's agreement with the target is a
+property of the two sets of weights, not of the machine: it stays beside the draft copy's own
+disk cache (:func:`selfspec_cli.decoding.cost.draft_agreement`).
+
+The key (:func:`machine_key`) is everything that sets those costs and does not change while
+the machine stays the same: the model's fingerprint, the target's precision (``fp32``,
+``bf16``, ``gguf``, ... or its dtype), the thread count (``auto<n>`` under the thread
+governor), the kernel build (the compiled kernel's build id, or ``F.linear`` without it),
+the device and the CPU model. What changes from minute to minute (other processes' load,
+where the weights land in memory; docs/engine.md, "How far the readings repeat") is not in
+the key: the online refresh follows it.
+
+**Online refresh** (:class:`Online`). A process that planned with a stored reading times its
+own verify forwards (the driver, one ``time.perf_counter`` pair per round; plain rounds are
+one-row forwards, T(1)) and its draft steps (the layer-skip proposer), each put at the
+curve's context. At its exit (:func:`flush`, also callable directly) the medians of what it
+saw, for each row count and draft variant seen at least :data:`ONLINE_MIN` times, are one
+more reading: T(1) moves towards the process's T(1), and each v(m) and c towards the
+process's ratio to its own T(1) (so that a process on a slower minute does not make every
+row look dearer), each by ``1 / min(readings + 1, BLEND_CAP)``: the mean of the readings so
+far, then an exponential average over about the last ten. A row count of the full curve the
+stored table lacks (a short first reading) is filled in from the rounds, and T(1)'s growth
+with the context from the process's plain steps (a least-squares slope, when they span at
+least :data:`SLOPE_SPAN` tokens; a share of T(1), blended the same way). Chains only: a tree's
+verify forward (a mask, other rows) is not one the curve times.
+
+Invariants:
+
+* a file is written atomically (:func:`selfspec_cli.paths.atomic_write`); one that cannot be
+  read, is of another format or version, or holds another key is ignored (the costs are
+  measured again and written over it); a cache that cannot be written only costs the next
+  process the measurement: nothing here raises;
+* the refresh never changes the costs a running process plans with (its planners learn
+  the round overhead ``o`` from their rounds instead, decoding/cost.py): it changes what
+  the next process reads.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import platform
+import statistics
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import Engine, kernels
+from ..engine.adapter import model_fingerprint
+from ..errors import ArtifactError
+from ..paths import atomic_write, cache_root
+
+FORMAT = "selfspec-costs"
+VERSION = 1
+ONLINE_MIN = 3  # observations of a row count or draft variant before a process's reading of it counts
+BLEND_CAP = 10  # a stored figure moves 1 / min(readings + 1, BLEND_CAP) of the way to a process's reading
+ONLINE_KEEP = 1024  # the newest observations kept per row count and draft variant
+SLOPE_SPAN = 64  # context tokens a process's plain steps must span before they give a slope
+DRAFT_KEEP = 64  # draft variants kept per key, the newest (SWIFT's search times one per skip set it tries)
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[Engine, str]" = weakref.WeakKeyDictionary()
+
+
+def costs_dir() -> Path:
+    """Where the costs live: ``costs/`` of selfspec's cache (read from the environment at every call)."""
+    return cache_root() / "costs"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what :mod:`platform` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name") and ":" in line:
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def target_precision(engine: Engine) -> str:
+    """The target's precision (``Engine.target_precision`` where the engine has one), else its dtype."""
+    return getattr(engine, "target_precision", None) or str(engine.dtype).removeprefix("torch.")
+
+
+def machine_key(engine: Engine) -> dict[str, str]:
+    """What the engine's costs depend on, other than the minute (see the module docstring)."""
+    if engine not in _FINGERPRINTS:
+        _FINGERPRINTS[engine] = model_fingerprint(engine.model)
+    governor = getattr(engine, "governor", None)
+    device = engine.device.type
+    if device == "cuda":
+        device = f"cuda {torch.cuda.get_device_name(engine.device)}"
+    return {"model": _FINGERPRINTS[engine], "precision": target_precision(engine),
+            "threads": f"auto{governor.threads}" if governor is not None else str(torch.get_num_threads()),
+            "kernel": kernels.build_id() if engine.kernel_info.get("backend") == "small_gemm" else "F.linear",
+            "device": device, "cpu": cpu_model()}
+
+
+def path_for(key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return costs_dir() / f"{digest}.json"
+
+
+def read(key: dict[str, str], path: Path | None = None) -> dict[str, Any] | None:
+    """The stored record for ``key`` (at ``path``, by default :func:`path_for`); None when there is
+    none, or it is unreadable or foreign."""
+    try:
+        rec = json.loads((path or path_for(key)).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION or rec.get("key") != key:
+        return None
+    if not all(isinstance(rec.get(t), (int, float)) for t in ("created", "updated")) or not isinstance(rec.get("draft_costs", {}), dict):
+        return None
+    return rec
+
+
+def write(key: dict[str, str], rec: dict[str, Any], path: Path | None = None) -> Path | None:
+    """Store ``rec`` (its ``curve`` and ``draft_costs``) for ``key``, atomically (at ``path``, by
+    default :func:`path_for`); None when the cache cannot be written."""
+    now = time.time()
+    doc = {"format": FORMAT, "version": VERSION, "key": key, "created": rec.get("created", now), "updated": now,
+           "curve": rec.get("curve"), "draft_costs": rec.get("draft_costs") or {}}
+    path = path or path_for(key)
+    try:
+        atomic_write(path, lambda f: f.write((json.dumps(doc, indent=1) + "\n").encode()))
+    except ArtifactError:
+        return None
+    return path
+
+
+def update(key: dict[str, str], *, curve: dict[str, Any] | None = None,
+           draft_costs: dict[str, dict[str, Any]] | None = None) -> Path | None:
+    """Replace the stored curve (when given) and add or replace draft costs (the newest
+    :data:`DRAFT_KEEP`), keeping the rest."""
+    rec = read(key) or {}
+    if curve is not None:
+        rec["curve"] = curve
+    old = {k: v for k, v in (rec.get("draft_costs") or {}).items() if k not in (draft_costs or {})}
+    rec["draft_costs"] = dict(list({**old, **(draft_costs or {})}.items())[-DRAFT_KEEP:])
+    return write(key, rec)
+
+
+def describe(key: dict[str, str]) -> dict[str, Any]:
+    """What is stored for ``key``, as ``selfspec profile`` shows it: path, key, age, rows, readings."""
+    path = path_for(key)
+    rec = read(key)
+    if rec is None:
+        return {"path": str(path), "key": key, "stored": False}
+    curve = rec.get("curve") if isinstance(rec.get("curve"), dict) else {}
+    return {"path": str(path), "key": key, "stored": True, "age_s": round(time.time() - float(rec["updated"]), 1),
+            "created_age_s": round(time.time() - float(rec["created"]), 1),
+            "rows": sorted(int(m) for m in curve.get("times_s", {})), "readings": curve.get("readings"),
+            "draft_costs": {k: v.get("c") if isinstance(v, dict) else None for k, v in (rec.get("draft_costs") or {}).items()}}
+
+
+# ---------------------------------------------------------------- online refresh
+
+
+def _blend(old: float, new: float, readings: int) -> float:
+    return old + (new - old) / min(readings + 1, BLEND_CAP)
+
+
+def slope_fit(plain: list[tuple[int, float]]) -> float | None:
+    """Least-squares seconds per context token of plain steps ``(tokens past the curve's context,
+    seconds)``, never negative; None over fewer than ``ONLINE_MIN`` steps or a span under :data:`SLOPE_SPAN`."""
+    if len(plain) < ONLINE_MIN or max(x for x, _ in plain) - min(x for x, _ in plain) < SLOPE_SPAN:
+        return None
+    mx, my = statistics.fmean(x for x, _ in plain), statistics.fmean(y for _, y in plain)
+    sxx = sum((x - mx) ** 2 for x, _ in plain)
+    return max(0.0, sum((x - mx) * (y - my) for x, y in plain) / sxx)
+
+
+def blend(rec: dict[str, Any], rows: dict[int, list[float]], drafts: dict[str, list[float]],
+          plain: list[tuple[int, float]] = ()) -> dict[str, Any] | None:
+    """``rec`` with one process's observations folded in (the module docstring's rule); None when
+    there is nothing to fold (no stored curve, or too few observations of anything). ``rows``: an
+    m-row verify forward's seconds at the curve's context; ``drafts``: one draft step's seconds;
+    ``plain``: plain steps as taken, for the slope (:func:`slope_fit`)."""
+    curve = rec.get("curve")
+    if not curve:
+        return None
+    times = {int(m): float(t) for m, t in curve["times_s"].items()}
+    med = {m: statistics.median(v) for m, v in rows.items() if len(v) >= ONLINE_MIN}
+    dmed = {k: statistics.median(v) for k, v in drafts.items() if len(v) >= ONLINE_MIN and k in (rec.get("draft_costs") or {})}
+    if not med and not dmed:
+        return None
+    n, t1 = int(curve.get("readings", 1)), times[1]
+    t1_here = med.get(1, t1)  # this process's plain step (the stored one when it ran none)
+    t1_new = _blend(t1, t1_here, n)
+    ratios = {m: t / t1 for m, t in times.items()}
+    for m, s in med.items():
+        ratios[m] = _blend(ratios[m], s / t1_here, n) if m in ratios else s / t1_here
+    new_curve = {**curve, "times_s": {str(m): ratios[m] * t1_new for m in sorted(ratios)}, "readings": n + 1}
+    if (slope := slope_fit(list(plain))) is not None:  # as a share of T(1), like the rows
+        new_curve["slope_s"] = _blend(float(curve["slope_s"]) / t1, slope / t1_here, n) * t1_new
+    costs = {k: dict(v) for k, v in (rec.get("draft_costs") or {}).items()}
+    for k, s in dmed.items():
+        r = int(costs[k].get("readings", 1))
+        costs[k].update(c=round(_blend(float(costs[k]["c"]), s / t1_here, r), 5), readings=r + 1)
+    return {**rec, "curve": new_curve, "draft_costs": costs}
+
+
+@dataclass
+class Online:
+    """One process's observations for one key, kept until :func:`flush` folds them into the store."""
+
+    key: dict[str, str]
+    path: Path
+    rows: dict[int, deque] = field(default_factory=dict)
+    drafts: dict[str, deque] = field(default_factory=dict)
+    plain: deque = field(default_factory=lambda: deque(maxlen=ONLINE_KEEP))  # (tokens past the curve's context, s)
+
+    def observe_forward(self, rows: int, seconds: float, past: int = 0, raw_s: float | None = None) -> None:
+        """An m-row forward's ``seconds`` put at the curve's context; a plain step's also as taken
+        (``raw_s``, ``past`` tokens beyond that context), for the slope."""
+        self.rows.setdefault(rows, deque(maxlen=ONLINE_KEEP)).append(seconds)
+        if rows == 1 and raw_s is not None:
+            self.plain.append((past, raw_s))
+
+    def observe_draft(self, variant: str, seconds: float) -> None:
+        self.drafts.setdefault(variant, deque(maxlen=ONLINE_KEEP)).append(seconds)
+
+    def flush(self) -> Path | None:
+        """Fold the observations into the stored record and forget them; the path written, or None."""
+        rows, drafts, plain = {m: list(v) for m, v in self.rows.items()}, {k: list(v) for k, v in self.drafts.items()}, list(self.plain)
+        self.rows, self.drafts, self.plain = {}, {}, deque(maxlen=ONLINE_KEEP)
+        rec = read(self.key, self.path)
+        new = blend(rec, rows, drafts, plain) if rec is not None else None
+        return write(self.key, new, self.path) if new is not None else None
+
+
+_ONLINE: dict[str, Online] = {}  # store path -> this process's observations for it
+
+
+def online(key: dict[str, str]) -> Online:
+    """This process's observations for ``key`` (flushed at exit)."""
+    path = path_for(key)
+    if not _ONLINE:
+        atexit.register(flush)
+    if str(path) not in _ONLINE:
+        _ONLINE[str(path)] = Online(key, path)
+    return _ONLINE[str(path)]
+
+
+def flush() -> list[Path]:
+    """Fold every observation this process made into the store (at exit; tests and commands may call it)."""
+    written = []
+    for o in list(_ONLINE.values()):
+        try:
+            if (p := o.flush()) is not None:
+                written.append(p)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError):
+            pass  # a hand-edited store, one changed under us or a half-gone cache directory at exit: the next process measures
+    return written
