@@ -51,7 +51,20 @@ def prompt_file(tmp_path) -> Path:
 
 
 def gen_args(model: Path, prompts: Path | str, *extra: str) -> list[str]:
-    return ["generate", "-m", str(model), "-p", str(prompts), "--device", "cpu", *extra]
+    """generate's arguments; plain decoding (``--method ar``) unless ``extra`` names a method (the
+    default, auto, has its own test: test_generate_defaults_to_auto)."""
+    method = () if "--method" in extra else ("--method", "ar")
+    return ["generate", "-m", str(model), "-p", str(prompts), "--device", "cpu", *method, *extra]
+
+
+def test_generate_defaults_to_auto(capsys, tiny_model_dir, prompt_file):
+    capsys.readouterr()
+    rc = main(["generate", "-m", str(tiny_model_dir), "-p", str(prompt_file), "--device", "cpu", "-n", "6"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    recs = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert recs and all(r["method"] == "auto" and r["lossless"] for r in recs)
+    assert "auto, target" in err and "tok/s" in err  # the summary line on stderr
 
 
 def run_generate(capsys, model: Path, prompts: Path | str, *extra: str) -> list[dict]:

@@ -299,7 +299,7 @@ def test_sigterm_keeps_finished_records_and_exits_143(tiny_model_dir, tmp_path):
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "selfspec_cli", "generate", "-m", str(tiny_model_dir), "-p", str(prompts),
-                             "-n", "48", "--device", "cpu", "-o", str(out)], env=env, stdout=subprocess.PIPE,
+                             "-n", "48", "--device", "cpu", "--method", "ar", "-o", str(out)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180

@@ -261,8 +261,6 @@ def bench(
     dev = torch.device(engine.device)
     if REFERENCE in names and engine.target_precision != "fp32" and engine.dtype == torch.float32:
         names = list(dict.fromkeys([*names[:names.index(REFERENCE) + 1], "ar-fp32", *names]))  # beside ar
-    say(f"[dim]target: {engine.target_precision} ({engine.target_info.get('why') or 'asked'}); every speedup is "
-        f"against ar on it[/dim]")
     other_targets: dict[str, Engine] = {}  # TARGET_PEERS' engines, built once
 
     # build every contender once up front: a missing artifact fails now, not after an hour
@@ -329,6 +327,8 @@ def bench(
     say(f"[dim]model {model_name(mdl)} ({mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {dev}, "
         f"{torch.get_num_threads()} threads{' per rank' if ranks.many else ''}); {len(suite_prompts)} prompts ({', '.join(f'{c} {k}' for c, k in cats.items())}) "
         f"x {max_new_tokens} tokens; warm-up {warmup}, repeats {repeats}; contenders {', '.join(names)}[/dim]")
+    say(f"[dim]target: {engine.target_precision} ({engine.target_info.get('why') or 'asked'}); every speedup is "
+        f"against ar on it[/dim]")
 
     engine_costs = None
     if costs and ranks.lead:

@@ -25,7 +25,7 @@ def generate(
     prompt_file: str = typer.Option(..., "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin."),
     prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    method: str = typer.Option("ar", "--method", help=f"Decoding method: {', '.join(METHODS)}."),
+    method: str = typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best draft by measured costs; ar: plain decoding)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
@@ -83,5 +83,13 @@ def generate(
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
+    curve = getattr(meth, "curve", None)  # the engine's stored costs, when the method plans with them
+    if total_time > 0:
+        pace = f"{total_tokens} tokens in {total_time:.1f} s, {total_tokens / total_time:.1f} tok/s (prefill included)"
+        if curve is not None and method != "ar":
+            ar_pace = 1.0 / curve.t1_s
+            pace += (f"; ar on this target decodes about {ar_pace:.1f} tok/s here (stored T(1) {curve.t1_s * 1e3:.1f} ms): "
+                     f"{total_tokens / total_time / ar_pace:.2f}x")
+        log(f"[dim]{method}, target {engine.target_precision}: {pace}[/dim]")
     if save_layers is not None:
         log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")

@@ -214,7 +214,9 @@ class Engine:
             if torch.equal(rows(probe), F.embedding(probe, a.embed)):
                 self._embed_rows = rows
                 gone.append(a.embed)
-        gone += [getattr(w, f"w_{name}") for w in a.layers for name in LINEARS]
+        # a matrix the target runs as float panels (a GGUF type the kernel does not take) keeps its tensor
+        gone += [getattr(w, f"w_{name}") for l, w in enumerate(a.layers) for name in LINEARS
+                 if isinstance(self._lin[l][name], kernels.QLinear)]
         if not tied and isinstance(head, kernels.QLinear):
             gone.append(a.lm_head)
         ptrs = {t.untyped_storage().data_ptr() for t in gone}
@@ -224,9 +226,10 @@ class Engine:
         for p in self.model.parameters():
             if p.untyped_storage().data_ptr() in ptrs:
                 p.data = p.data.new_empty(0)
-        for w in a.layers:
+        for l, w in enumerate(a.layers):
             for name in LINEARS:
-                setattr(w, f"w_{name}", getattr(w, f"w_{name}").new_empty(0))
+                if isinstance(self._lin[l][name], kernels.QLinear):
+                    setattr(w, f"w_{name}", getattr(w, f"w_{name}").new_empty(0))
         if self._embed_rows is not None:
             a.embed = a.embed.new_empty(0)
             if tied:

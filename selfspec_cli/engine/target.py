@@ -62,6 +62,8 @@ def _blocks(engine: Engine) -> tuple[str | None, dict[str, Any]]:
         d = engine.draft("gguf")
     except GGUFDraftError as exc:
         return None, {"gguf": str(exc)}
+    if not d.info.get("exact_matrices", 1):  # an F32/F16 file: no block the kernel takes
+        return None, {"gguf": "the GGUF file holds no block type the kernel takes (" + ", ".join(d.info.get("types", [])) + ")"}
     return "gguf", {"fp32_fallback": list(d.info.get("int8_fallback", []))}
 
 
