@@ -67,12 +67,14 @@ def _restricted(model) -> SelfSD:
     return sd
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: the law handed to the verifier, and test_verify_exact
 def test_sampling_with_a_draft_vocabulary_is_exact(small_vocab_setup):
     model, prompt, law = small_vocab_setup
     samples = _pair_samples(_restricted(model), prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: the law handed to the verifier, and test_verify_exact
 def test_sampling_test_catches_a_misplaced_restricted_law(small_vocab_setup, monkeypatch):
     """Control: the subset's probabilities written at columns 0..N-1 instead of at their
     token ids (an indexing bug) must fail the same test."""

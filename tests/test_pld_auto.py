@@ -102,6 +102,7 @@ def test_paper_drafting_drafts_every_match_and_stays_exact():
 
 
 # False-positive rate per test: ALPHA = 1e-3. Drafts are deterministic (point masses).
+@pytest.mark.slow  # 2,500 decodes; fast: test_verify_exact's deterministic-draft enumeration
 def test_pld_sampling_is_exact(small_vocab_setup):
     model, prompt, law = small_vocab_setup
     m = PromptLookup(Engine(model), config=PLDConfig(paper_drafting=True, max_draft=4))
@@ -109,6 +110,7 @@ def test_pld_sampling_is_exact(small_vocab_setup):
     assert distribution_test(samples, law) > ALPHA
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: test_verify_exact's deterministic-draft enumeration
 def test_pld_sampling_test_catches_a_broken_rule(small_vocab_setup, monkeypatch):
     """Control: accepting every drafted token (ignoring p) must fail the same test."""
     model, prompt, law = small_vocab_setup
@@ -118,6 +120,7 @@ def test_pld_sampling_test_catches_a_broken_rule(small_vocab_setup, monkeypatch)
     assert distribution_test(samples, law) < ALPHA
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: the specqd and hybrid sampling tests of the sources auto picks from
 def test_auto_sampling_is_exact(small_vocab_setup, monkeypatch, virtual_clock):
     known_costs(monkeypatch, virtual_clock)  # the same drafts (and so the same samples) on any host
     model, prompt, law = small_vocab_setup
