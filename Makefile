@@ -1,8 +1,8 @@
-# One command sets up and runs the main job; one sets up and runs the tests.
+# One command sets up and runs the main job; one sets up and runs the (fast) tests; test-all runs them all.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-all bench
 setup:
 	@$(PIP) torch==2.13.0
 	@$(PIP) -e ".[test]"
@@ -17,7 +17,14 @@ setup:
 demo: setup
 	$(PYTHON) -m selfspec_cli generate --prompt-file examples/questions.jsonl --max-new-tokens 96
 
+# The fast set (under 5 minutes on 2 idle cores): every test not marked slow. Each statistical, torchrun
+# or multi-worker test marked slow names beside its mark the cheaper test that covers its feature here.
 test: setup
+	$(PYTHON) -m pytest -q -m "not slow"
+
+# Everything, the slow tests too (the long statistical, torchrun, multi-worker and shipped-model
+# tests): what CI runs (.ci/run).
+test-all: setup
 	$(PYTHON) -m pytest -q
 
 # Every default method and peer on the default suite (spec-bench-mini: 12 Spec-Bench questions, 2 per group, x 64 tokens); see docs/benchmarks.md.

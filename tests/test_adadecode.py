@@ -125,6 +125,7 @@ def test_adadecode_statistics_when_every_early_token_is_right():
 
 
 # False-positive rate per test: ALPHA = 1e-3.
+@pytest.mark.slow  # 2,500 decodes; fast: test_verify_exact's AdaDecode enumeration
 def test_adadecode_sampling_is_exact(small_vocab_setup):  # noqa: F811
     model, prompt, law = small_vocab_setup
     m = AdaDecode(Engine(model), heads=random_heads(model, [0, 1, 2], seed=3), config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.0))
@@ -132,6 +133,7 @@ def test_adadecode_sampling_is_exact(small_vocab_setup):  # noqa: F811
     assert distribution_test(samples, law) > ALPHA
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: test_verify_exact's AdaDecode enumeration
 def test_sampling_test_catches_the_papers_rule(small_vocab_setup, monkeypatch):  # noqa: F811
     """Control: the paper's rule (draft law = the head's distribution although the
     token was taken deterministically) is biased, and the same test must reject it."""

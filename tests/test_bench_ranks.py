@@ -33,6 +33,7 @@ def records(out: Path, name: str) -> list[dict]:
     return [json.loads(ln) for ln in (out / "records" / f"{name}.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # torchrun, 2 ranks; fast: the share/merge and fewer-prompts tests
 @needs_shipped_model
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
@@ -96,6 +97,7 @@ def _rank_pid(rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # torchrun, 2 ranks; fast: the share/merge and fewer-prompts tests
 @needs_shipped_model
 def test_a_dead_rank_fails_the_run_and_resume_finishes_it(tmp_path):
     """SIGKILL rank 1 once it has finished a prompt: torchrun stops rank 0, which says where its

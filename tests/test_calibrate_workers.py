@@ -61,6 +61,7 @@ def assert_exact(study: optuna.Study, n: int) -> list[optuna.trial.FrozenTrial]:
     return done
 
 
+@pytest.mark.slow  # worker processes; fast: the pruning, one-writer and option tests
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_two_local_workers_finish_exactly_n_trials(kind, tiny_model_dir, prompt_file, tmp_path):
     storage = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else f"journal:{tmp_path / 'study.journal'}"
@@ -89,6 +90,7 @@ def test_two_local_workers_finish_exactly_n_trials(kind, tiny_model_dir, prompt_
     assert load(storage).user_attrs["verify_curve"] == kept  # a later run reads it, never measures it again
 
 
+@pytest.mark.slow  # worker processes; fast: the pruning, one-writer and option tests
 def test_a_worker_killed_mid_trial_loses_nothing(tiny_model_dir, prompt_file, tmp_path):
     """``--workers 2`` on a journal file; the helper process is SIGKILLed while a trial of its own
     runs (stopped first and checked: a kill that lands between two trials kills none). The first

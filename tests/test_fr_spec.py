@@ -67,12 +67,14 @@ def _restricted(model) -> SelfSD:
     return sd
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: the law handed to the verifier, and test_verify_exact
 def test_sampling_with_a_draft_vocabulary_is_exact(small_vocab_setup):
     model, prompt, law = small_vocab_setup
     samples = _pair_samples(_restricted(model), prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
 
 
+@pytest.mark.slow  # 2,500 decodes; fast: the law handed to the verifier, and test_verify_exact
 def test_sampling_test_catches_a_misplaced_restricted_law(small_vocab_setup, monkeypatch):
     """Control: the subset's probabilities written at columns 0..N-1 instead of at their
     token ids (an indexing bug) must fail the same test."""
@@ -81,6 +83,36 @@ def test_sampling_test_catches_a_misplaced_restricted_law(small_vocab_setup, mon
                         lambda self, p: torch.cat([p, p.new_zeros(self.engine.vocab_size - p.numel())]))
     samples = _pair_samples(_restricted(model), prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
+
+
+def test_sampled_drafts_hand_the_verifier_their_law_at_the_subset_token_ids(small_vocab_setup, monkeypatch):
+    """The cheap check behind the chi-square pair above (marked slow; the rule itself, given the
+    restricted law, is enumerated exactly in test_verify_exact.py): every law a sampled draft hands
+    the verifier is a distribution over the draft vocabulary's token ids only, and gives the drafted
+    token positive mass. The misplaced law of the control (columns 0..N-1) fails it."""
+    from selfspec_cli.config import SamplingConfig
+    from selfspec_cli.decoding import driver
+
+    model, prompt, _ = small_vocab_setup
+    sd = _restricted(model)
+    subset = torch.zeros(SMALL_VOCAB, dtype=torch.bool)
+    subset[sd.vocab_ids] = True
+    assert not subset[: subset.sum()].all()  # not the first N ids: a misplaced law would show
+    laws = []
+    real = driver.verify_chain_sampling
+
+    def spy(draft_tokens, q, target_logits, cfg, gen):
+        laws.append((list(draft_tokens), q.clone()))
+        return real(draft_tokens, q, target_logits, cfg, gen)
+
+    monkeypatch.setattr(driver, "verify_chain_sampling", spy)
+    for seed in range(8):
+        sd.generate(prompt, GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(1.0, 25, 0.95, seed, "speculative")))
+    assert sum(len(d) for d, _ in laws) >= 20
+    for draft, q in laws:
+        assert q.shape == (len(draft), SMALL_VOCAB)
+        assert torch.allclose(q.sum(-1), torch.ones(len(draft)), atol=1e-5)
+        assert (q[:, ~subset] == 0).all() and all(q[i, d] > 0 and subset[d] for i, d in enumerate(draft))
 
 
 def test_ranking_and_coverage():

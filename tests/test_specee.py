@@ -81,11 +81,42 @@ def test_specee_empty_mode_leaves_deep_kv_short(monkeypatch):
     assert lengths[0] - lengths[-1] <= exits
 
 
-def test_specee_random_predictors_runs_both_modes():
+def test_specee_random_predictors_exit_at_several_layers_and_keep_their_books_in_both_modes():
+    """Random predictors (a sliding-window model) fire at several layers and often fail the
+    verification, so exits, failed checks and full-depth tokens mix. In both modes the counters
+    agree with each other (every exit passed a verification; a token that exits after layer l ran
+    l + 1 layers, any other all L). Empty mode: layer j's cache misses exactly the tokens that
+    exited below it. Deferred mode: every layer's cache holds every token except those still
+    waiting to enter it, and every token decoded at full depth agrees with the full model."""
     model = make_tiny_model("mistral-window", layers=6)
+    L, tokens = 6, 30
+    prompt = _prompt(6, 3)
     for mode in ("empty", "deferred"):
-        res = _specee(model, kv_mode=mode).generate(_prompt(6, 3), GenerationConfig(max_new_tokens=30))
-        assert len(res.token_ids) == 30 and res.stats.extra["kv_mode"] == mode
+        m = _specee(model, kv_mode=mode)
+        caches = []
+        real = m.engine.new_cache
+        m.engine.new_cache = lambda capacity: caches.append(real(capacity)) or caches[-1]
+        res = m.generate(prompt, GenerationConfig(max_new_tokens=tokens))
+        st, ev = res.stats.extra, res.stats.extra["evaluation"]
+        assert len(res.token_ids) == tokens and st["kv_mode"] == mode
+        rounds = tokens - 1  # the prefill decides the first token
+        exits = {int(l): n for l, n in st["early_exits"].items()}
+        n_exits = sum(exits.values())
+        assert len(exits) >= 2 and 0 < n_exits < rounds, exits  # several exit layers, and full-depth tokens
+        assert ev["early_exits"] == n_exits and st["exit_rate"] == pytest.approx(n_exits / rounds)
+        assert st["verifications"] == n_exits + st["failed_verifications"] and st["failed_verifications"] > 0
+        assert st["predictor_checks"] >= st["verifications"]
+        layers_run = rounds * L - sum(n * (L - 1 - l) for l, n in exits.items())
+        assert st["mean_layers_run_per_token"] == pytest.approx(layers_run / rounds)
+        lengths = caches[0].lengths  # the decoder's own cache (caches[1] is the evaluation's shadow)
+        assert lengths[0] == len(prompt) + rounds  # every token fed enters layer 0
+        if mode == "empty":
+            assert [lengths[0] - n for n in lengths] == [sum(exits.get(x, 0) for x in range(j)) for j in range(L)]
+        else:
+            waiting = {s: rows.shape[0] for s, rows in m._waiting.items()}
+            assert [lengths[0] - n for n in lengths] == [sum(w for s, w in waiting.items() if s <= j) for j in range(L)]
+            wrong_exits = n_exits - round(ev["early_exit_agreement"] * n_exits)
+            assert rounds - round(ev["token_agreement"] * rounds) == wrong_exits  # only exits disagree
 
 
 def test_specee_is_greedy_only_and_validates_mode():

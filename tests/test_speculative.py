@@ -118,18 +118,34 @@ def test_verify_rules_on_hand_built_logits():
     assert v.accepted == [1, 3] and v.tokens == [2, 3, 7]
 
 
-def test_adaptive_threshold_moves_toward_target():
+def test_adaptive_threshold_follows_draft_and_verify_update_exactly():
+    """Draft & Verify's update, value by value (layer_skip.AdaptiveThreshold): acceptance EMA
+    m <- 0.5 m + 0.5 a/d from m = 1; candidate th +- 0.01 (up while m < 0.9); th <- 0.9 th + 0.1
+    candidate, so each counted round moves th by exactly 0.001; a round that hit its length limit
+    updates m only; th stays in [0, 1]. Computed by hand, not by re-running the formula."""
     th = AdaptiveThreshold(0.6)
-    for _ in range(20):
-        th.update(accepted=1, drafted=10, hit_limit=False)
-    assert th.value > 0.6
-    th2 = AdaptiveThreshold(0.6)
-    for _ in range(20):
-        th2.update(accepted=10, drafted=10, hit_limit=False)
-    assert th2.value < 0.6
-    th3 = AdaptiveThreshold(0.6)
-    th3.update(accepted=0, drafted=10, hit_limit=True)
-    assert th3.value == 0.6
+    # (accepted, drafted, hit_limit) -> (m, th) after the round
+    steps = [
+        ((5, 10, False), (0.75, 0.601)),  # m < 0.9: up by 0.1 * 0.01
+        ((10, 10, False), (0.875, 0.602)),  # still below the target: up
+        ((10, 10, False), (0.9375, 0.601)),  # m >= 0.9: down
+        ((0, 10, True), (0.46875, 0.601)),  # hit the length limit: th unchanged, m still moves
+        ((4, 8, False), (0.484375, 0.602)),  # a/d = 0.5 (not a whole number of tenths)
+        ((8, 8, False), (0.7421875, 0.603)),
+        ((8, 8, False), (0.87109375, 0.604)),
+        ((8, 8, False), (0.935546875, 0.603)),
+    ]
+    for (accepted, drafted, hit_limit), (m, value) in steps:
+        th.update(accepted=accepted, drafted=drafted, hit_limit=hit_limit)
+        assert (th.ema, th.value) == pytest.approx((m, value), abs=1e-12), (accepted, drafted, hit_limit)
+    at_target = AdaptiveThreshold(0.6)
+    at_target.update(accepted=8, drafted=10, hit_limit=False)  # m = 0.9 exactly: not below the target, so down
+    assert (at_target.ema, at_target.value) == pytest.approx((0.9, 0.599), abs=1e-12)
+    # clamped to [0, 1]: at 1.0 with low acceptance (0.9 + 0.101 = 1.001), at 0.0 with full acceptance (-0.001)
+    top, bottom = AdaptiveThreshold(1.0), AdaptiveThreshold(0.0)
+    top.update(accepted=0, drafted=4, hit_limit=False)
+    bottom.update(accepted=4, drafted=4, hit_limit=False)
+    assert top.value == 1.0 and bottom.value == 0.0
 
 
 # --- sampling: the joint law of generated tokens 2 and 3 must be the target's -----------

@@ -381,6 +381,36 @@ def test_chain_checker_catches_broken_rules(monkeypatch, broken, k):
     assert broken(monkeypatch).deviation(k) > BROKEN
 
 
+# AdaDecode: an early token is the head's top token, taken deterministically (no sampling)
+ADA_HEADS = CHAIN_Q  # the heads' laws at draft positions 1..5
+ADA_DRAFT = ADA_HEADS.argmax(-1)  # the tokens they draft
+
+
+class AdaDecodeHarness(ChainHarness):
+    """The drafts are the heads' top tokens (q: point masses on them); the verifier is told the
+    law AdaDecode hands it, ``proposal_law(head law, token)``, or, with ``papers_rule``, the
+    head's whole law (the paper's rule, which test_adadecode's chi-square control also rejects)."""
+
+    def __init__(self, monkeypatch, papers_rule: bool = False) -> None:
+        from selfspec_cli.methods import adadecode as ada
+
+        super().__init__(monkeypatch, q=torch.nn.functional.one_hot(ADA_DRAFT, V).double())
+        self.told = ADA_HEADS if papers_rule else torch.stack(
+            [ada.proposal_law(ADA_HEADS[i], int(ADA_DRAFT[i])) for i in range(len(ADA_HEADS))])
+
+    def verifier_q(self, k: int) -> torch.Tensor:
+        return self.told[:k]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_adadecode_proposal_law_is_exact_and_the_papers_rule_is_not(monkeypatch, k):
+    """The exact counterpart of tests/test_adadecode.py's chi-square pair (marked slow): AdaDecode's
+    proposal law (selfspec_cli.methods.adadecode.proposal_law) through the real chain rule gives the
+    target's law exactly; the paper's rule deviates from it by 0.23 (k = 1) to 0.58 (k = 5)."""
+    assert AdaDecodeHarness(monkeypatch).deviation(k) <= EXACT
+    assert AdaDecodeHarness(monkeypatch, papers_rule=True).deviation(k) > BROKEN
+
+
 # FR-Spec: drafts restricted to a draft vocabulary S; their laws are zero outside S
 SUBSET = [0, 2]
 RESTRICTED_Q = torch.zeros_like(CHAIN_Q)
