@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from selfspec_cli.errors import ConfigError
 import torch.nn.functional as F
 
 from selfspec_cli.engine import Engine, kernels
@@ -103,9 +105,12 @@ def test_engine_logits_with_and_without_kernel(arch):
 def test_engine_without_kernel_reports_why(monkeypatch):
     eng = Engine(make_tiny_model("llama-gqa"), fast_kernels=False)
     assert eng.kernel_info == {"backend": "torch", "reason": "fast_kernels=False", "load_s": None,
-                               "pack_s": eng.kernel_info["pack_s"], "batch_invariant": False}
+                               "pack_s": eng.kernel_info["pack_s"], "batch_invariant": False, "target": "fp32"}
     monkeypatch.setenv("SELFSPEC_KERNELS", "0")
-    eng = Engine(make_tiny_model("llama-gqa"))
+    eng = Engine(make_tiny_model("llama-gqa"), target_precision="auto")  # auto without the kernel: weights as loaded
+    assert eng.target_precision == "fp32" and "no CPU kernel" in eng.target_info["why"]
+    with pytest.raises(ConfigError, match="needs the CPU kernel"):
+        Engine(make_tiny_model("llama-gqa"), target_precision="bf16")
     assert eng.kernel_info["backend"] == "torch" and "SELFSPEC_KERNELS" in eng.kernel_info["reason"]
     assert all(lin.packed is None for lin in eng._lin[0].values()) and eng.lm_head.packed is None
 

@@ -123,7 +123,7 @@ class Engine:
         module = kernels.load_extension() if reason is None else None
         if reason is None and module is None:
             reason = kernels.status()["reason"]  # the build failed
-        self._module = module
+        self._module, self._kernel_reason = module, reason
         self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
         self._embed_rows: Any = None  # set by release_float_weights()
         # the target's weights (engine/target.py): the model's own tensors, bf16 panels, or the GGUF's blocks

@@ -95,7 +95,7 @@ def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, An
         return "fp32", info
     if not kernel:
         raise ConfigError(f"--target-precision {asked} needs the CPU kernel and a model loaded in float32 "
-                          f"({engine.kernel_info.get('reason') or engine.dtype}); use --target-precision auto or fp32")
+                          f"({engine._kernel_reason or engine.dtype}); use --target-precision auto or fp32")
     if asked == "gguf":
         got, extra = _blocks(engine)
         if got is None:
