@@ -19,6 +19,11 @@ Invariants:
 * the kernel changes fp32 logits only by summation order (a single FMA chain per
   output instead of the BLAS blocking): 4e-5 to 5e-5 on SmolLM2's logits, reported by
   ``selfspec profile`` as ``kernel_max_logit_diff``.
+* float panels hold float32, bfloat16 or float16 weights (16-bit panels: a bf16/fp16 target,
+  engine/target.py; widened exactly, so a row's products equal fp32 panels' of the same values);
+  quantized panels (:class:`QLinear`) hold 8-bit or 4-bit codes with float32 or float16 scales and
+  only their packed form; :class:`A8Linear` multiplies a QLinear's own 4-bit codes by int8-rounded
+  activations (a draft's product, deterministic and batch-invariant, not the target's arithmetic).
 * without a C++ compiler, AVX2/FMA, or on a GPU, every call is plain ``F.linear``
   (same results as before this module existed); ``SELFSPEC_KERNELS=0`` forces that.
 * the extension is compiled once per machine (about 30 s; ``make setup`` does it) into

@@ -23,9 +23,12 @@ range of layers ``[start, end)``:
 * ``kv_window`` = (sinks, window): a draft's cheap view of a long context, as in
   StreamingLLM and MagicDec: each row attends to the first ``sinks`` keys it may see and
   the newest ``window`` (kernel attention only; None, the target's exact attention);
-* ``weights`` picks the matrices: None, the target's own; a precision name
-  (``int8``, ``int8-g32``, ``gguf``), the quantized draft copy :meth:`Engine.draft`
+* ``weights`` picks the matrices: None, the target's own (``target_precision``: the weights as
+  loaded, fp32, bf16/fp16 panels, or the GGUF's own blocks; engine/target.py); a precision name
+  (``int8``, ``int8-g32``, ``gguf``, ``w4a8``), the quantized draft copy :meth:`Engine.draft`
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
+* :meth:`Engine.release_float_weights` frees the float matrices a block target no longer
+  reads (the embedding rows then come from the head's own blocks, exactly);
 * hidden states (residual stream after layer ``l``) are returned for the layers in
   ``output_hidden`` and logits only for the rows in ``logits_rows``, over the whole
   vocabulary or over a subset's ``head`` (:meth:`Engine.subset_head`).
