@@ -224,3 +224,21 @@ def test_releasing_the_float_weights_keeps_every_token(gguf_models):
     assert torch.equal(eng.embed(torch.arange(eng.vocab_size)), emb)
     assert ar.generate(prompt, cfg).token_ids == before == m.generate(prompt, cfg).token_ids
     assert Engine(make_tiny_model("llama-gqa", layers=2), target_precision="fp32").release_float_weights() == 0
+
+
+@needs_kernel
+def test_an_f16_gguf_streams_its_16_bit_values(tmp_path, monkeypatch):
+    """A GGUF of F16 tensors holds no block the kernel takes: auto reads its float16 values as
+    float16 panels (bit for bit the fp32 target); a mixed file's F16 matrices get 16-bit panels too."""
+    from selfspec_cli.engine.target import target_linears
+    from selfspec_cli.loading import load_model
+
+    from .gguf_utils import make_tiny_gguf
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    path, _, _ = make_tiny_gguf(tmp_path, qtype="F16", name="tiny-f16.gguf")
+    model = load_model(str(path), dtype="float32", device="cpu", log=None)[0]
+    eng = Engine(model, target_precision="auto")
+    assert eng.target_precision == "fp16"
+    lins = target_linears(eng, "gguf")[0][0]  # every matrix a fallback: 16-bit float panels
+    assert all(isinstance(l, K.Linear) and l.packed.dtype == torch.float16 for l in lins.values())

@@ -6,8 +6,8 @@ weights"; ``--target-precision``):
 
 * ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0) through the ``qlinear`` kernel, for a
   model converted from a GGUF whose fp32 weights are those blocks exactly (checked matrix by
-  matrix, as the block draft is). A tensor of a type the kernel does not take stays a float32
-  matrix (``fp32_fallback``), so the target's weights are still the file's;
+  matrix, as the block draft is). A tensor of a type the kernel does not take stays a float
+  matrix (``fp32_fallback``; 16-bit panels where its values allow, as an F16 or BF16 tensor's do), so the target's weights are still the file's;
 * ``bf16``: bfloat16 weight panels (half the bytes of fp32), float32 activations and
   accumulation. Exact for a bfloat16 checkpoint loaded as float32 (every weight is a bf16
   value); for other weights it rounds them (``rounded_matrices`` says how many), which is then
@@ -106,16 +106,21 @@ def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, An
 
 
 def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]], Any]:
-    """The block target's matrix products: the copy's blocks, with float32 panels for the
-    matrices whose GGUF type the kernel does not take (the copy holds int8 stand-ins for those,
-    which are not the model's weights)."""
+    """The block target's matrix products: the copy's blocks, with float panels (16-bit where exact,
+    else float32) for the matrices whose GGUF type the kernel does not take as blocks (the copy holds
+    int8 stand-ins for those, which are not the model's weights)."""
     from .kernels import Linear
 
     d = engine.draft(precision)
     a = engine.adapter
 
     def pick(q: Any, w: torch.Tensor, b: torch.Tensor | None) -> Any:
-        return Linear.make(w, b, engine._module) if q.meta.fmt == "int8" else q
+        if q.meta.fmt != "int8":
+            return q
+        # a GGUF type the kernel does not take as blocks (F16, BF16, K-quants): float panels, 16-bit
+        # where every weight is such a value (an F16/BF16 tensor's are), else fp32
+        exact = next((dt for dt in PANEL_DTYPES.values() if _exact(w, dt)), None)
+        return Linear.make(w, b, engine._module, exact)
 
     layers = [{n: pick(d.layers[l][n], getattr(w, f"w_{n}"), getattr(w, f"b_{n}")) for n in LINEARS}
               for l, w in enumerate(a.layers)]
