@@ -57,6 +57,10 @@ FORMATS = {
     "int8-g32": lambda n, k, g: quantize_int8(torch.randn(n, k, generator=g), 32),
     "q4_1": lambda n, k, g: _q4(n, k, g, True),
     "q4_0": lambda n, k, g: _q4(n, k, g, False),
+    # 5-bit codes held as bytes with a minimum (GGUF Q5_1, Q5_K), groups of 16 (Q6_K's sub-blocks)
+    "q5_1": lambda n, k, g: QuantWeight("q5_1", torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8),
+                                        torch.rand(n, k // 16, generator=g) * 0.02,
+                                        -torch.rand(n, k // 16, generator=g) * 0.1, 16, 8),
 }
 
 

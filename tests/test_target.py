@@ -242,3 +242,36 @@ def test_an_f16_gguf_streams_its_16_bit_values(tmp_path, monkeypatch):
     assert eng.target_precision == "fp16"
     lins = target_linears(eng, "gguf")[0][0]  # every matrix a fallback: 16-bit float panels
     assert all(isinstance(l, K.Linear) and l.packed.dtype == torch.float16 for l in lins.values())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_block_type_reads_as_gguf_py_dequantizes_it(qtype):
+    """The codes, scales and minimums read from a tensor's blocks dequantize to exactly what gguf-py
+    computes for them (the values transformers' GGUF loader gives the model). K-quant blocks are
+    random bytes (gguf-py cannot quantize them) with finite float16 scales."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from selfspec_cli.engine.quant import _gguf_block
+
+    kind = Q[qtype]
+    per, size = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(3)
+    rows, cols = 5, 512
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    halves = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208]}[qtype]
+    for at in halves:  # finite, moderate float16 scales (random bytes could be NaN or inf)
+        raw[:, :, at:at + 2] = rng.uniform(0.001, 0.1, (rows, cols // per)).astype(np.float16).view(np.uint8).reshape(
+            rows, cols // per, 2)
+    raw = raw.reshape(rows, -1)
+
+    class Tensor:
+        tensor_type, data = kind, raw
+
+    got = _gguf_block(Tensor())
+    want = quants.dequantize(raw, kind).reshape(rows, cols)
+    assert got is not None and got.codes.shape == (rows, cols)
+    assert np.array_equal(got.dequantize().numpy(), want.astype(np.float32))

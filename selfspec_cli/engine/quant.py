@@ -12,10 +12,11 @@ Precisions (``PRECISIONS``):
 * ``int8-g32``: the same with one scale per 32 input weights;
 * ``w4a8``: the ``gguf`` copy's 4-bit blocks times int8-quantized activations (kernels.A8Linear):
   no bytes of its own, several times fewer instructions per weight; the draft for a block target;
-* ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0) for a model converted from a GGUF.
+* ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) for a model
+  converted from a GGUF.
   Where the fp32 target was dequantized from that file, the block draft's weights *are*
   the target's weights (checked at build, row by row, exactly; only the summation order
-  in the kernel differs). Tensors of other GGUF types (K-quants, F16) fall back to int8
+  in the kernel differs). Tensors of other GGUF types (F16, BF16, ...) fall back to int8
   per channel, reported per matrix.
 
 Invariants:
@@ -75,27 +76,71 @@ def _int8(adapter: ModelAdapter, group: int | None) -> tuple[list[dict[str, Quan
 
 
 def _gguf_block(t: Any) -> QuantWeight | None:
-    """A GGUF tensor's blocks as a QuantWeight (rows = the tensor's rows as stored), or None
-    for a type the kernel does not take."""
+    """A GGUF tensor's blocks as a QuantWeight (rows = the tensor's rows as stored), or None for a
+    type the kernel does not take. The codes and per-group scales (and minimums) reproduce gguf-py's
+    dequantization exactly (the same float32 products): Q8_0, Q4_0 and Q4_1 as they are; Q5_0, Q5_1,
+    Q5_K and Q6_K as bytes (5- and 6-bit codes, 1 byte a weight); Q4_K as 4-bit codes whose groups of
+    32 carry their sub-block's ``d * sc`` and ``-(dmin * m)`` as float32 scale and minimum."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
     kind = t.tensor_type
-    size = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}.get(kind)  # bytes per block of 32 weights
+    size = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q4_K: 144, Q.Q5_K: 176,
+            Q.Q6_K: 210}.get(kind)  # bytes per block (32 weights; 256 for the K-quants)
     if size is None:
         return None
     raw = np.asarray(t.data)
     n = raw.shape[0]
     b = raw.reshape(n, -1, size)
+    nb = b.shape[1]
 
-    def half(at: int) -> torch.Tensor:  # (n, blocks) float32 from the float16 at byte ``at`` of each block
-        return torch.from_numpy(b[:, :, at : at + 2].copy().view(np.float16).astype(np.float32)[..., 0])
+    def f16(at: int) -> np.ndarray:  # (n, blocks) float32 from the float16 at byte ``at`` of each block
+        return b[:, :, at: at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+    def qw(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, group: int, bits: int) -> QuantWeight:
+        return QuantWeight(kind.name.lower(), torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)),
+                           torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(n, -1)),
+                           None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(n, -1)),
+                           group, bits)
+
+    def high_bits(qh: np.ndarray, count: int) -> np.ndarray:  # (n, nb, 4) bytes -> (n, nb, count) bits, LE
+        word = qh.copy().view(np.uint32)  # (n, nb, 1)
+        return ((word >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
 
     if kind == Q.Q8_0:
-        return QuantWeight("q8_0", torch.from_numpy(b[:, :, 2:].copy().view(np.int8).reshape(n, -1)), half(0), None, 32, 8)
-    qs = torch.from_numpy(b[:, :, size - 16:].copy())  # (n, blocks, 16): weights j and j + 16
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1)
-    return QuantWeight("q4_1" if kind == Q.Q4_1 else "q4_0", codes, half(0), half(2) if kind == Q.Q4_1 else None, 32, 4)
+        return qw(b[:, :, 2:].copy().view(np.int8), f16(0), None, 32, 8)
+    if kind in (Q.Q4_0, Q.Q4_1):
+        qs = b[:, :, size - 16:]  # (n, blocks, 16): weights j and j + 16
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        return qw(codes, f16(0), f16(2) if kind == Q.Q4_1 else None, 32, 4)
+    if kind in (Q.Q5_0, Q.Q5_1):  # d (, m), qh (4 bytes), qs (16): q = low nibble | bit << 4
+        at = 2 if kind == Q.Q5_0 else 4
+        qs = b[:, :, at + 4:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (high_bits(b[:, :, at:at + 4], 32) << 4)
+        if kind == Q.Q5_0:
+            return qw(q.astype(np.int8) - np.int8(16), f16(0), None, 32, 8)
+        return qw(q.astype(np.int8), f16(0), f16(2), 32, 8)
+    if kind in (Q.Q4_K, Q.Q5_K):  # d, dmin, 12 bytes of 6-bit scales and minimums, (qh 32,) qs 128
+        from gguf.quants import Q4_K as _Q4K
+
+        sc, mn = _Q4K.get_scale_min(b[:, :, 4:16].reshape(n * nb, 12))
+        d = f16(0)[..., None] * sc.reshape(n, nb, 8).astype(np.float32)  # (n, nb, 8): gguf-py's products
+        dm = f16(2)[..., None] * mn.reshape(n, nb, 8).astype(np.float32)
+        qs = b[:, :, size - 128:].reshape(n, nb, 4, 32)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, 8, 32)  # sub-block 2i: low, 2i + 1: high
+        if kind == Q.Q4_K:
+            return qw(q, d, -dm, 32, 4)
+        qh = b[:, :, 16:48]  # bit i of byte j: the fifth bit of weight j of sub-block i
+        q = q | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1) << 4)
+        return qw(q.astype(np.int8), d, -dm, 32, 8)
+    # Q6_K: ql 128, qh 64, 16 int8 scales, d; sub-blocks of 16
+    ql = b[:, :, :128].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(n, nb, 8, 32)
+    qh = b[:, :, 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(n, nb, 8, 32)
+    q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+    d = f16(208)[..., None] * b[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # (n, nb, 16)
+    return qw(q, d, None, 16, 8)
 
 
 def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None:

@@ -4,7 +4,8 @@ A speedup only means something against the fastest exact plain decoding of the s
 so the target reads the weights as the checkpoint stores them (docs/engine.md, "The target's
 weights"; ``--target-precision``):
 
-* ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0) through the ``qlinear`` kernel, for a
+* ``gguf``: the GGUF file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; engine/quant.py)
+  through the ``qlinear`` kernel, for a
   model converted from a GGUF whose fp32 weights are those blocks exactly (checked matrix by
   matrix, as the block draft is). A tensor of a type the kernel does not take stays a float
   matrix (``fp32_fallback``; 16-bit panels where its values allow, as an F16 or BF16 tensor's do), so the target's weights are still the file's;

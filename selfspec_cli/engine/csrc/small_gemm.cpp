@@ -439,8 +439,9 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // A quantized matrix W (N, K) is stored as integer codes with one scale (and, for 4-bit, one
 // minimum) per group of `gs` consecutive weights along K (gs = K: one scale per output channel):
 //     W[n, k] = s[n, g] * q[n, k] (+ m[n, g]),  g = k / gs   (Q4_0: q - 8 for q).
-// Formats: 8-bit signed codes (int8 per channel or per group, GGUF Q8_0); 4-bit codes 0..15 with
-// a minimum (GGUF Q4_1: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
+// Formats: 8-bit signed codes, with or without minimums (int8 per channel or per group; GGUF Q8_0, and
+// Q5_0, Q5_1, Q5_K, Q6_K held as bytes); 4-bit codes 0..15 with a minimum (GGUF Q4_1, Q4_K: W = s q + m)
+// or without one (GGUF Q4_0: W = s (q - 8)).
 // Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
 // sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
 // (ns, K/8, 64) uint32 (as (ns, K/2, 64) bytes): dword [b, o] = sum over n < 8 of q(o, 8b + n) << 4n, so one
@@ -841,7 +842,6 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   const bool has_min = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
                            mins->scalar_type() == scales.scalar_type()), "qlinear: mins must match scales");
-  TORCH_CHECK(bits == 4 || !has_min, "qlinear: 8-bit codes take no minimums");
   const bool avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
   TORCH_CHECK(!avx512 || cpu_has_avx512(), "qlinear: this CPU has no AVX-512");
   torch::Tensor xc = x.contiguous();
@@ -875,7 +875,9 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   } else {                                                                                         \
     if (avx512) qrun<Q4, MIN, true, float>(a, rows); else qrun<Q4, MIN, false, float>(a, rows);       \
   }
-  if (bits == 8) {
+  if (bits == 8 && has_min) {  // GGUF Q5_1 / Q5_K: 5-bit codes held as bytes, with minimums
+    QDISPATCH(false, true)
+  } else if (bits == 8) {
     QDISPATCH(false, false)
   } else if (has_min) {
     QDISPATCH(true, true)
