@@ -1,5 +1,6 @@
 """Read prompt files: plain text (one prompt per line) or JSONL (``prompt`` or
-Spec-Bench-style ``turns``), from a path or ``-`` for stdin.
+Spec-Bench-style ``turns``), from a path or ``-`` for stdin (UTF-8, a leading byte order
+mark dropped).
 
 :func:`prompt_from_row` is the one reading of a prompt record, with its one-line errors:
 every JSONL line of a prompt file, and every row of a benchmark suite
@@ -27,15 +28,18 @@ class Prompt:
 
 
 def _read_text(source: str) -> tuple[str, str]:
+    """The text of a prompt file (or of stdin, ``-``), without a leading UTF-8 byte order mark (the
+    BOM Windows editors put first: it would make a JSONL file's first line invalid JSON, and be
+    sent to the model as the first prompt's first character)."""
     if source == "-":
-        return sys.stdin.read(), "stdin"
+        return sys.stdin.read().removeprefix("\ufeff"), "stdin"
     path = Path(source)
     if not path.exists():
         raise PromptFileError(f"prompt file '{source}' does not exist; pass --prompt-file an existing file or - for stdin")
     if path.is_dir():
         raise PromptFileError(f"prompt file '{source}' is a directory; pass a file")
     try:
-        return path.read_text(encoding="utf-8"), source
+        return path.read_text(encoding="utf-8-sig"), source
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError(f"cannot read prompt file '{source}' ({exc.__class__.__name__}); check permissions and UTF-8 encoding") from None
 
