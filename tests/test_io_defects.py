@@ -1,4 +1,5 @@
-"""Defect 9 of the new-user findings (2026-11-27): a byte order mark in a prompt file.
+"""Defects 4 and 9 of the new-user findings (2026-11-27): an out-of-range --seed and a byte order
+mark in a prompt file.
 
 Real parts throughout: the session's tiny saved Llama (tests/conftest.py).
 """
@@ -41,6 +42,34 @@ def _one_error_line(err: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("selfspec: error: "), err
     assert err.rstrip().splitlines()[-1] == lines[0], err  # nothing after it
     return lines[0]
+
+
+# ---------------------------------------------------------------- 4. --seed out of range
+
+
+SEEDS = ["-1", str(2**32), "99999999999999999999999"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("command", ["generate", "bench", "calibrate", "train-heads"])
+def test_a_seed_out_of_range_is_refused_before_loading(capsys, prompt_file, tmp_path, command, seed):
+    """The model does not exist: the seed must be refused first (was: accepted and wrapped modulo 2**64,
+    or a traceback from torch's, numpy's or optuna's seeding after the model loaded)."""
+    model = str(tmp_path / "no-such-model")
+    argv = {"generate": ["generate", "-m", model, "-p", str(prompt_file), "--method", "ar", "-t", "0.7"],
+            "bench": ["bench", "-m", model, "--methods", "ar", "-p", str(prompt_file), "-t", "0.5",
+                      "-o", str(tmp_path / "b")],
+            "calibrate": ["calibrate", "--method", "self-sd", "-m", model, "-p", str(prompt_file), "--trials", "1",
+                          "-o", str(tmp_path / "cal.json")],
+            "train-heads": ["train-heads", "--kind", "lm-heads", "-m", model, "-p", str(prompt_file),
+                            "-o", str(tmp_path / "heads")]}[command]
+    assert_user_error(capsys, [*argv, "--seed", seed, "--device", "cpu"], "--seed must be in 0..2**32-1", f"got {seed}")
+    assert not (tmp_path / "cal.optuna.db").exists()
+
+
+def test_the_largest_seed_samples(capsys, tiny_model_dir, prompt_file):
+    recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "3", "-t", "0.8", "--seed", str(2**32 - 1))
+    assert [r["id"] for r in recs] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------- 9. a UTF-8 byte order mark

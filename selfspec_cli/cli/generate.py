@@ -8,7 +8,7 @@ from typing import Any, Optional
 import typer
 
 from ..artifacts import check_new_artifact
-from ..config import GenerationConfig, SamplingConfig
+from ..config import GenerationConfig, SamplingConfig, check_seed
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
@@ -47,6 +47,7 @@ def generate(
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
     Every method is lossless except specee (LOSSY: its records say lossless false)."""
     check_choice(method, METHODS, "--method")
+    check_seed(seed)  # before the methods' configs take it
     if save_layers is not None and method != "swift":
         raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
