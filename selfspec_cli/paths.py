@@ -14,7 +14,8 @@
 * Artifacts, caches, the bench's ``results.json`` and plots, and the ``--output`` of
   ``generate`` are written through :func:`atomic_open` / :func:`atomic_write`: a temporary
   file in the destination directory, flushed and fsynced, then ``os.replace``; a crash or
-  Ctrl-C leaves the old file or the new one, never a torn one.
+  Ctrl-C leaves the old file or the new one, never a torn one. A destination that is a
+  symbolic link is followed: the file it points to is replaced, the link is kept.
 """
 from __future__ import annotations
 
@@ -76,13 +77,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | No
     plain ``open()`` would give (or the old file's), flushed and fsynced, then renamed over
     ``path`` (and the directory fsynced). Missing parent directories are created. The file's
     ``name`` is the temporary file's path, for writers that take a path (safetensors'
-    ``save_file``). On an exception the temporary file is removed, unless ``keep`` is given:
-    the file is then a visible ``<name>.<random>.partial`` and is left in place when
-    ``keep(partial)`` returns True. An OSError of these steps (not of the block's own
-    code) is raised as ``error(exc)``, by default an :class:`ArtifactError` naming ``path``.
+    ``save_file``). A symbolic link is followed: the file it points to is replaced (the
+    temporary file lies in that file's directory), and the link stays a link. On an
+    exception the temporary file is removed, unless ``keep`` is given: the file is then a
+    visible ``<name>.<random>.partial`` and is left in place when ``keep(partial)``
+    returns True. An OSError of these steps (not of the block's own code) is raised as
+    ``error(exc)``, by default an :class:`ArtifactError` naming ``path``.
     """
     path = Path(path)
-    error = error or _write_error(path)
+    error = error or _write_error(path)  # named as the caller named it
+    if path.is_symlink():  # replace the file the link points to (as `>` would), never the link itself
+        path = Path(os.path.realpath(path))
     prefix, suffix = (f"{path.name}.", ".partial") if keep is not None else (f".{path.name}.", ".tmp")
     tmp: Path | None = None
     try:

@@ -1,5 +1,5 @@
-"""Defects 4 and 9 of the new-user findings (2026-11-27): an out-of-range --seed and a byte order
-mark in a prompt file.
+"""Defects 4, 9 and 17 of the new-user findings (2026-11-27): an out-of-range --seed, a byte order
+mark in a prompt file, and an --output that is a symbolic link.
 
 Real parts throughout: the session's tiny saved Llama (tests/conftest.py).
 """
@@ -98,3 +98,24 @@ def test_a_byte_order_mark_never_reaches_the_model(capsys, tiny_model_dir, tmp_p
     want = run_generate(capsys, tiny_model_dir, plain, "-n", "4")
     got = run_generate(capsys, tiny_model_dir, bom, "-n", "4")
     assert [(r["prompt_tokens"], r["token_ids"]) for r in got] == [(r["prompt_tokens"], r["token_ids"]) for r in want]
+
+
+# ---------------------------------------------------------------- 17. --output through a symbolic link
+
+
+def test_forced_output_through_a_link_replaces_the_file_it_points_to(capsys, tiny_model_dir, prompt_file, tmp_path):
+    """The link stays a link; the file it points to (in another directory) gets the records, written
+    atomically beside that file (was: the link was replaced by a regular file, its target unchanged)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "links").mkdir()
+    target = tmp_path / "data" / "keep.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "links" / "keeplink.jsonl"
+    link.symlink_to(target)
+    capsys.readouterr()
+    rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "3", "-o", str(link), "--force"))
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert [json.loads(x)["id"] for x in target.read_text().splitlines()] == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "data")) == ["keep.jsonl"] and os.listdir(tmp_path / "links") == ["keeplink.jsonl"]
