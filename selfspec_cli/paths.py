@@ -104,9 +104,14 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | No
         raise error(exc) from None
     in_block = True
     try:
-        with f:
+        try:
             yield f
-            in_block = False
+        except BaseException:
+            with contextlib.suppress(OSError):  # after a failed write (disk full) closing fails the same way again
+                f.close()
+            raise
+        in_block = False
+        with f:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,7 +1,8 @@
-"""Defects 4, 9 and 17 of the new-user findings (2026-11-27): an out-of-range --seed, a byte order
-mark in a prompt file, and an --output that is a symbolic link.
+"""Defects 3, 4, 9 and 17 of the new-user findings (2026-11-27): a failed write of the output, an
+out-of-range --seed, a byte order mark in a prompt file, and an --output that is a symbolic link.
 
-Real parts throughout: the session's tiny saved Llama (tests/conftest.py).
+Real parts throughout: the session's tiny saved Llama (tests/conftest.py) and /dev/full, a file-
+size limit (RLIMIT_FSIZE) for a disk that fills part-way.
 """
 from __future__ import annotations
 
@@ -42,6 +43,51 @@ def _one_error_line(err: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("selfspec: error: "), err
     assert err.rstrip().splitlines()[-1] == lines[0], err  # nothing after it
     return lines[0]
+
+
+# ---------------------------------------------------------------- 3. a failed write of the output
+
+
+def test_an_output_that_refuses_writes_is_one_line(capsys, tiny_model_dir, prompt_file):
+    """``-o /dev/full``: every write fails with ENOSPC; one line, status 2 (was a traceback, status 1)."""
+    line = assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "-n", "3", "-o", "/dev/full"),
+                             "cannot write --output '/dev/full'", "No space left on device", "free some space",
+                             only_line=False)
+    assert "finished record" not in line  # a device keeps nothing
+
+
+def test_a_stdout_that_refuses_writes_is_one_line(tiny_model_dir, prompt_file):
+    """``> /dev/full``: one line naming stdout, status 2, and no 'Exception ignored' from the final flush."""
+    with open("/dev/full", "w") as full:
+        res = _selfspec(gen_args(tiny_model_dir, prompt_file, "-n", "3"), stdout=full, stderr=subprocess.PIPE)
+    assert res.returncode == 2, res.stderr
+    line = _one_error_line(res.stderr)
+    assert "cannot write stdout (No space left on device)" in line and "free some space" in line, line
+
+
+def test_a_disk_that_fills_part_way_keeps_and_names_the_finished_records(capsys, tiny_model_dir, prompt_file, tmp_path):
+    """The file-size limit lets two records and half of the third reach the disk (a disk that fills
+    part-way): one line, status 2, naming the partial file with its two whole records."""
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, prompt_file, "-n", "5", "-o", str(tmp_path / "sizes.jsonl"))) == 0
+    sizes = [len(line.encode()) for line in (tmp_path / "sizes.jsonl").read_text().splitlines(keepends=True)]
+    limit = sizes[0] + sizes[1] + sizes[2] // 2  # timings vary by a few bytes; half a record does not
+
+    import resource
+
+    def limit_files() -> None:  # in the child only; Python ignores SIGXFSZ, so a write past it is EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = tmp_path / "out.jsonl"
+    res = _selfspec(gen_args(tiny_model_dir, prompt_file, "-n", "5", "-o", str(out)), capture_output=True,
+                    preexec_fn=limit_files)
+    assert res.returncode == 2, res.stderr
+    line = _one_error_line(res.stderr)
+    (partial,) = tmp_path.glob("out.jsonl.*.partial")
+    assert f"cannot write --output '{out}' (File too large)" in line, line
+    assert f"2 finished records are in {partial}" in line and "free some space" in line, line
+    assert not out.exists()
+    assert [json.loads(x)["id"] for x in partial.read_text().splitlines()] == [1, 2]  # whole lines only
 
 
 # ---------------------------------------------------------------- 4. --seed out of range
