@@ -11,6 +11,9 @@
   drafts, on-policy training data, the machine's measured costs) lives in the one cache directory :func:`cache_root`:
   ``$SELFSPEC_CACHE`` when set, else ``$SELFSPEC_HOME/cache`` when ``SELFSPEC_HOME`` is
   set, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
+* Work whose result goes into one of these directories first checks that it can write there
+  (:func:`check_cache_writable`, :func:`check_home_writable`): an unwritable one is one line,
+  naming it and the variable that chose it, before the work, not after.
 * Artifacts, caches, the bench's ``results.json`` and plots, and the ``--output`` of
   ``generate`` are written through :func:`atomic_open` / :func:`atomic_write`: a temporary
   file in the destination directory, flushed and fsynced, then ``os.replace``; a crash or
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ArtifactError, SelfSpecError
+from .errors import ArtifactError, ConfigError, SelfSpecError
 
 
 def user_home() -> Path:
@@ -50,6 +53,54 @@ def cache_root() -> Path:
     if os.environ.get("SELFSPEC_HOME"):
         return Path(os.environ["SELFSPEC_HOME"]).expanduser() / "cache"
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "selfspec"
+
+
+def _origin(default: str, *variables: tuple[str, str]) -> tuple[str | None, str]:
+    """The environment variable that chose a directory, and how (``$SELFSPEC_HOME/cache``)."""
+    for var, shown in variables:
+        if os.environ.get(var):
+            return var, shown
+    return None, default
+
+
+def _probe(directory: Path) -> str | None:
+    """Create ``directory`` if needed and write a file in it; None when that works, else the reason."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def check_cache_writable(sub: str = "") -> Path:
+    """Make sure selfspec can write ``sub`` of the cache (:func:`cache_root`), creating it, before
+    work whose result goes there (converting a GGUF model); else a one-line :class:`ConfigError`
+    naming the directory and the environment variable that chose it. Returns the directory."""
+    root = cache_root()
+    var, shown = _origin("the default, with no variable set", ("SELFSPEC_CACHE", "$SELFSPEC_CACHE"),
+                         ("SELFSPEC_HOME", "$SELFSPEC_HOME/cache"), ("XDG_CACHE_HOME", "$XDG_CACHE_HOME/selfspec"))
+    reason = _probe(root / sub)
+    if reason is not None:
+        fix = ("set SELFSPEC_HOME (or SELFSPEC_CACHE, for the cache alone) to a writable directory"
+               if var == "SELFSPEC_HOME" else "set SELFSPEC_CACHE to a writable directory")
+        raise ConfigError(f"cannot write selfspec's cache directory '{root}' ({shown}): {reason}; {fix}")
+    return root / sub
+
+
+def check_home_writable() -> Path:
+    """Make sure selfspec can write its user artifacts (:func:`user_artifacts_dir`), creating the
+    directory, before work whose artifact goes there; else a one-line :class:`ConfigError` naming the
+    directory and the environment variable that chose it. Returns the artifacts directory."""
+    home = user_home()
+    _, shown = _origin("the default, with no variable set", ("SELFSPEC_HOME", "$SELFSPEC_HOME"),
+                       ("XDG_DATA_HOME", "$XDG_DATA_HOME/selfspec"))
+    reason = _probe(user_artifacts_dir())
+    if reason is not None:
+        raise ConfigError(f"cannot write selfspec's home directory '{home}' ({shown}): {reason}; set SELFSPEC_HOME to "
+                          "a writable directory, or pass --output")
+    return user_artifacts_dir()
 
 
 def is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:

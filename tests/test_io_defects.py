@@ -1,8 +1,10 @@
-"""Defects 3, 4, 9 and 17 of the new-user findings (2026-11-27): a failed write of the output, an
-out-of-range --seed, a byte order mark in a prompt file, and an --output that is a symbolic link.
+"""Defects 3, 4, 5, 9 and 17 of the new-user findings (2026-11-27): a failed write of the output, an
+out-of-range --seed, an unwritable cache or home, a byte order mark in a prompt file, and an
+--output that is a symbolic link.
 
-Real parts throughout: the session's tiny saved Llama (tests/conftest.py) and /dev/full, a file-
-size limit (RLIMIT_FSIZE) for a disk that fills part-way.
+Real parts throughout: the session's tiny saved Llama (tests/conftest.py), a real GGUF file
+(tests/gguf_utils.py), and /dev/full, a file-size limit (RLIMIT_FSIZE) for a disk that fills part-
+way.
 """
 from __future__ import annotations
 
@@ -116,6 +118,37 @@ def test_a_seed_out_of_range_is_refused_before_loading(capsys, prompt_file, tmp_
 def test_the_largest_seed_samples(capsys, tiny_model_dir, prompt_file):
     recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "3", "-t", "0.8", "--seed", str(2**32 - 1))
     assert [r["id"] for r in recs] == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- 5. an unwritable cache or home
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    from .gguf_utils import make_tiny_gguf
+
+    return make_tiny_gguf(tmp_path / "src", seed=3)[0]
+
+
+@pytest.mark.parametrize("variable,value,named", [("SELFSPEC_CACHE", "/proc/nope", "'/proc/nope' ($SELFSPEC_CACHE)"),
+                                                  ("SELFSPEC_HOME", "/proc/nope2", "'/proc/nope2/cache' ($SELFSPEC_HOME/cache)")])
+def test_an_unwritable_cache_fails_before_the_conversion(capsys, monkeypatch, tiny_gguf, prompt_file, variable, value, named):
+    """A GGUF model is converted into the cache: an unwritable cache is one line naming the directory
+    and its variable, before the conversion (was: a traceback after converting)."""
+    monkeypatch.delenv("SELFSPEC_CACHE", raising=False)
+    monkeypatch.setenv(variable, value)
+    capsys.readouterr()
+    line = assert_user_error(capsys, gen_args(tiny_gguf, prompt_file, "-n", "2"), named, f"set {variable}")
+    assert "converting" not in line
+
+
+def test_an_unwritable_home_fails_before_calibrating(capsys, monkeypatch, selfspec_home, tiny_model_dir, prompt_file):
+    """calibrate's artifact goes to the home by default: an unwritable home is one line before the model loads."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(selfspec_home / "cache"))  # a writable cache (the shared kernel)
+    monkeypatch.setenv("SELFSPEC_HOME", "/proc/nope2")
+    assert_user_error(capsys, ["calibrate", "--method", "self-sd", "-m", str(tiny_model_dir), "-p", str(prompt_file),
+                               "--trials", "1", "--num-prompts", "1", "-n", "2", "--device", "cpu"],
+                      "cannot write selfspec's home directory '/proc/nope2' ($SELFSPEC_HOME)", "set SELFSPEC_HOME")
 
 
 # ---------------------------------------------------------------- 9. a UTF-8 byte order mark
