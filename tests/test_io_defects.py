@@ -1,10 +1,10 @@
-"""Defects 3, 4, 5, 9 and 17 of the new-user findings (2026-11-27): a failed write of the output, an
-out-of-range --seed, an unwritable cache or home, a byte order mark in a prompt file, and an
---output that is a symbolic link.
+"""Defects 3, 4, 5, 8, 9 and 17 of the new-user findings (2026-11-27): a failed write of the output,
+an out-of-range --seed, an unwritable cache or home, records beside the progress bar on a
+terminal, a byte order mark in a prompt file, and an --output that is a symbolic link.
 
 Real parts throughout: the session's tiny saved Llama (tests/conftest.py), a real GGUF file
-(tests/gguf_utils.py), and /dev/full, a file-size limit (RLIMIT_FSIZE) for a disk that fills part-
-way.
+(tests/gguf_utils.py), /dev/full, a file-size limit (RLIMIT_FSIZE) for a disk that fills part-way,
+and a pseudo-terminal for the progress bar.
 """
 from __future__ import annotations
 
@@ -149,6 +149,53 @@ def test_an_unwritable_home_fails_before_calibrating(capsys, monkeypatch, selfsp
     assert_user_error(capsys, ["calibrate", "--method", "self-sd", "-m", str(tiny_model_dir), "-p", str(prompt_file),
                                "--trials", "1", "--num-prompts", "1", "-n", "2", "--device", "cpu"],
                       "cannot write selfspec's home directory '/proc/nope2' ($SELFSPEC_HOME)", "set SELFSPEC_HOME")
+
+
+# ---------------------------------------------------------------- 8. records and the progress bar on one terminal
+
+
+_CSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_records_never_share_a_line_with_the_progress_bar(tiny_model_dir, prompt_file):
+    """stdout and stderr on one pseudo-terminal, as in a shell: every record starts its own line (after
+    the bar is erased) and the bar is drawn again under it (was: ``generate ━━━ 0/4 0:00:00 {"id": 1, ...``)."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TERM="xterm-256color", COLUMNS="120")
+    proc = subprocess.Popen([sys.executable, "-m", "selfspec_cli", *gen_args(tiny_model_dir, prompt_file, "-n", "4")],
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    raw, deadline = b"", time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1.0)[0]:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            raw += chunk
+        assert proc.wait(timeout=60) == 0, raw.decode(errors="replace")
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    text = raw.decode("utf-8", errors="replace")
+    assert "generate" in _CSI.sub("", text)  # the bar was drawn
+    starts = [seg for seg in text.split("\n") if '{"id"' in seg]
+    assert len(starts) == len(PROMPTS), text
+    for seg in starts:
+        before, record = seg[:seg.index('{"id"')], seg[seg.index('{"id"'):]
+        shown = _CSI.sub("", before).rsplit("\r", 1)[-1]  # what the terminal shows before the record
+        assert shown == "", repr(seg)
+        assert json.loads(record.rstrip("\r"))["method"] == "ar", repr(seg)  # the bar never cuts into a record
 
 
 # ---------------------------------------------------------------- 9. a UTF-8 byte order mark

@@ -256,13 +256,38 @@ def _write_fix(errno: int | None, where: str) -> str:
     return f"choose another {where}"
 
 
-def write_record(stream: IO[str], record: dict[str, Any]) -> None:
-    """One record as a line of JSON, flushed. A reader that went away is :class:`OutputClosed`;
-    any other failed write is :class:`OutputWriteError`, worded here for stdout (the caller
-    that opened a file words it for the file: :func:`output_stream`)."""
+def _is_tty(stream: IO[str]) -> bool:
     try:
-        stream.write(dumps(record, ensure_ascii=False) + "\n")
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _write_line(stream: IO[str], line: str, bar: Progress | None) -> None:
+    """``line`` into ``stream``, flushed. While ``bar`` is drawn on a terminal and ``stream`` is one
+    too (a terminal shows both), the bar is erased first, so the line begins where the bar was
+    and the bar is drawn again under it: a record never shares a line with the bar."""
+    live = bar.live if bar is not None else None
+    render = getattr(live, "_live_render", None)  # rich's Live: the bar's last drawing (its height)
+    if live is None or render is None or not live.is_started or not live.console.is_terminal or not _is_tty(stream):
+        stream.write(line)
         stream.flush()
+        return
+    with live._lock:  # the bar's refresh thread waits
+        live.console.control(render.position_cursor())  # to the bar's first line, erased (on stderr)
+        render._shape = None  # the bar is gone: the next drawing starts where the cursor is, under the line
+        stream.write(line)
+        stream.flush()
+    live.refresh()
+
+
+def write_record(stream: IO[str], record: dict[str, Any], bar: Progress | None = None) -> None:
+    """One record as a line of JSON, flushed (above ``bar``, a progress bar on the same terminal:
+    :func:`_write_line`). A reader that went away is :class:`OutputClosed`; any other failed
+    write is :class:`OutputWriteError`, worded here for stdout (the caller that opened a file
+    words it for the file: :func:`output_stream`)."""
+    try:
+        _write_line(stream, dumps(record, ensure_ascii=False) + "\n", bar)
     except BrokenPipeError:
         raise OutputClosed from None
     except OSError as exc:

@@ -80,7 +80,7 @@ def generate(
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, engine.device, method, chat_template, meth.lossless)
             rec["threads"] = n_threads
-            write_record(out, rec)
+            write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
