@@ -1,6 +1,6 @@
 """Read prompt files: plain text (one prompt per line) or JSONL (``prompt`` or
 Spec-Bench-style ``turns``), from a path or ``-`` for stdin (UTF-8, a leading byte order
-mark dropped).
+mark dropped), and prompts given on the command line (``generate --prompt``).
 
 :func:`prompt_from_row` is the one reading of a prompt record, with its one-line errors:
 every JSONL line of a prompt file, and every row of a benchmark suite
@@ -100,6 +100,17 @@ def read_prompts(source: str, fmt: str = "auto") -> list[Prompt]:
     if fmt not in PROMPT_FORMATS:
         raise PromptFileError(f"unknown --prompt-format '{fmt}'; choose one of: {', '.join(PROMPT_FORMATS)}")
     return parse_prompts(*_read_text(source), None if fmt == "auto" else fmt == "jsonl")
+
+
+def prompts_from_texts(texts: list[str] | tuple[str, ...], option: str = "--prompt") -> list[Prompt]:
+    """Prompts given as text on the command line (``--prompt``, repeatable): ids 1..n, in order;
+    an empty or blank one is refused (one line)."""
+    if not texts:
+        raise PromptFileError(f"no {option} given; pass at least one")
+    for i, t in enumerate(texts, start=1):
+        if not t.strip():
+            raise PromptFileError(f"{option} number {i} is empty; give it some text")
+    return [Prompt(id=i, turns=(t,)) for i, t in enumerate(texts, start=1)]
 
 
 # ---------------------------------------------------------------- offline steps' prompts

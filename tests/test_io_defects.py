@@ -1,10 +1,11 @@
-"""Defects 3, 4, 5, 8, 9 and 17 of the new-user findings (2026-11-27): a failed write of the output,
-an out-of-range --seed, an unwritable cache or home, records beside the progress bar on a
-terminal, a byte order mark in a prompt file, and an --output that is a symbolic link.
+"""Defects 3, 4, 5, 8, 9, 15 (--prompt) and 17 of the new-user findings (2026-11-27): a failed
+write of the output, an out-of-range --seed, an unwritable cache or home, records beside the
+progress bar on a terminal, a byte order mark in a prompt file, prompts given as text, and an
+--output that is a symbolic link.
 
 Real parts throughout: the session's tiny saved Llama (tests/conftest.py), a real GGUF file
-(tests/gguf_utils.py), /dev/full, a file-size limit (RLIMIT_FSIZE) for a disk that fills part-way,
-and a pseudo-terminal for the progress bar.
+(tests/gguf_utils.py), /dev/full, a file-size limit (RLIMIT_FSIZE) for a disk that fills
+part-way, and a pseudo-terminal for the progress bar.
 """
 from __future__ import annotations
 
@@ -224,6 +225,33 @@ def test_a_byte_order_mark_never_reaches_the_model(capsys, tiny_model_dir, tmp_p
     want = run_generate(capsys, tiny_model_dir, plain, "-n", "4")
     got = run_generate(capsys, tiny_model_dir, bom, "-n", "4")
     assert [(r["prompt_tokens"], r["token_ids"]) for r in got] == [(r["prompt_tokens"], r["token_ids"]) for r in want]
+
+
+# ---------------------------------------------------------------- 15. --prompt TEXT
+
+
+def test_prompts_given_as_text(capsys, tiny_model_dir, tmp_path):
+    """--prompt (-P), repeatable: ids 1..n, the same records as the same lines in a file."""
+    capsys.readouterr()
+    argv = ["generate", "-m", str(tiny_model_dir), "--device", "cpu", "--method", "ar", "-n", "4"]
+    assert main([*argv, "--prompt", PROMPTS[0], "-P", PROMPTS[1]]) == 0
+    out, err = capsys.readouterr()
+    recs = [json.loads(line) for line in out.splitlines()]
+    from_file = run_generate(capsys, tiny_model_dir, write_lines(tmp_path / "two.txt", PROMPTS[:2]), "-n", "4")
+    assert [r["id"] for r in recs] == [1, 2]
+    assert [r["token_ids"] for r in recs] == [r["token_ids"] for r in from_file]
+
+
+@pytest.mark.parametrize("extra,fragments", [
+    ([], ("Missing option '--prompt-file'", "'--prompt' / '-P'")),
+    (["-p", "PROMPTS", "-P", "import torch"], ("--prompt-file and --prompt both give the prompts",)),
+    (["-P", "import torch", "-P", "  "], ("--prompt number 2 is empty",)),
+    (["-P", "import torch", "--prompt-format", "jsonl"], ("--prompt-format is an option of --prompt-file",)),
+])
+def test_prompt_and_prompt_file_are_one_of_two(capsys, tiny_model_dir, prompt_file, extra, fragments):
+    extra = [str(prompt_file) if a == "PROMPTS" else a for a in extra]
+    assert_user_error(capsys, ["generate", "-m", str(tiny_model_dir), "--device", "cpu", "--method", "ar", *extra],
+                      *fragments)
 
 
 # ---------------------------------------------------------------- 17. --output through a symbolic link
