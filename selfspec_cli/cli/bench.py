@@ -27,7 +27,7 @@ from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
-from ..config import GenerationConfig, SamplingConfig
+from ..config import GenerationConfig, SamplingConfig, check_seed
 from ..decoding.cost import VerifyCurve, measure_fresh
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
@@ -212,6 +212,7 @@ def bench(
                           f"choose from: {', '.join([*METHODS, *VARIANTS, *PEERS, *TARGET_PEERS])}")
     if warmup < 0 or repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
+    check_seed(seed)
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir '{output_dir}' is a file; pass a directory")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")

@@ -5,7 +5,7 @@ import os
 import stat
 import shlex
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any, Collection, Iterator
 
@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SelfSpecError
 from ..jsonio import dumps
 from ..paths import atomic_open
 
@@ -189,11 +189,14 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
     written in place and never replaced. The output may never be an input file.
     """
     if path is None or str(path) == "-":
-        yield sys.stdout
+        yield sys.stdout  # a failed write is write_record's one line about stdout
         return
 
     def unwritable(exc: OSError) -> ConfigError:
         return ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path")
+
+    def failed(exc: OutputWriteError) -> OutputWriteError:  # a record's write failed (disk full, /dev/full)
+        return OutputWriteError(f"cannot write --output '{path}' ({exc.reason}); {_write_fix(exc.errno, '--output')}")
 
     stream = _is_stream(path)  # a pipe, >(cmd), /dev/stdout: written in place, as a shell redirection would
     check_output(path, force=force, append=append, inputs=inputs)  # nothing to check for a stream
@@ -204,8 +207,11 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
                 set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {partial} ('{path}' is unchanged)")
             return n > 0
 
-        with atomic_open(path, "w", encoding="utf-8", keep=keep, error=unwritable) as f:
-            yield f
+        try:
+            with atomic_open(path, "w", encoding="utf-8", keep=keep, error=unwritable) as f:
+                yield f
+        except OutputWriteError as exc:  # keep() has named the partial file in the exit note
+            raise failed(exc) from None
         return
     try:
         f = path.open("a" if append else "w", encoding="utf-8")
@@ -213,8 +219,18 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
             f.write("\n")
     except OSError as exc:
         raise unwritable(exc) from None
-    with f:
+    try:
         yield f
+    except BaseException as exc:
+        with suppress(OSError):  # a failed write leaves its bytes buffered: closing would fail again
+            f.close()
+        if isinstance(exc, OutputWriteError):
+            raise failed(exc) from None
+        raise
+    try:
+        f.close()
+    except OSError as exc:
+        raise unwritable(exc) from None
 
 
 class OutputClosed(Exception):
@@ -222,12 +238,66 @@ class OutputClosed(Exception):
     so that click does not turn it into exit status 1; the entry point ends quietly."""
 
 
-def write_record(stream: IO[str], record: dict[str, Any]) -> None:
+class OutputWriteError(SelfSpecError):
+    """A record could not be written (disk full, ``> /dev/full``, a quota): one line and status 2,
+    like every user error. ``stdout``: the failed stream was stdout, whose buffered bytes the
+    entry point then drops (so that the interpreter's last flush neither fails nor prints)."""
+
+    def __init__(self, message: str, *, reason: str = "", errno: int | None = None, stdout: bool = False) -> None:
+        super().__init__(message)
+        self.reason, self.errno, self.stdout = reason, errno, stdout
+
+
+def _write_fix(errno: int | None, where: str) -> str:
+    import errno as e
+
+    if errno in (e.ENOSPC, e.EDQUOT, e.EFBIG):
+        return f"free some space, or choose another {where}"
+    return f"choose another {where}"
+
+
+def _is_tty(stream: IO[str]) -> bool:
     try:
-        stream.write(dumps(record, ensure_ascii=False) + "\n")
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _write_line(stream: IO[str], line: str, bar: Progress | None) -> None:
+    """``line`` into ``stream``, flushed. While ``bar`` is drawn on a terminal and ``stream`` is one
+    too (a terminal shows both), the bar is erased first, so the line begins where the bar was
+    and the bar is drawn again under it: a record never shares a line with the bar."""
+    live = bar.live if bar is not None else None
+    render = getattr(live, "_live_render", None)  # rich's Live: the bar's last drawing (its height)
+    if live is None or render is None or not live.is_started or not live.console.is_terminal or not _is_tty(stream):
+        stream.write(line)
         stream.flush()
+        return
+    with live._lock:  # the bar's refresh thread waits
+        live.console.control(render.position_cursor())  # to the bar's first line, erased (on stderr)
+        render._shape = None  # the bar is gone: the next drawing starts where the cursor is, under the line
+        stream.write(line)
+        stream.flush()
+    live.refresh()
+
+
+def write_record(stream: IO[str], record: dict[str, Any], bar: Progress | None = None) -> None:
+    """One record as a line of JSON, flushed (above ``bar``, a progress bar on the same terminal:
+    :func:`_write_line`). A reader that went away is :class:`OutputClosed`; any other failed
+    write is :class:`OutputWriteError`, worded here for stdout (the caller that opened a file
+    words it for the file: :func:`output_stream`)."""
+    try:
+        _write_line(stream, dumps(record, ensure_ascii=False) + "\n", bar)
     except BrokenPipeError:
         raise OutputClosed from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if stream is sys.stdout or stream is sys.__stdout__:
+            raise OutputWriteError(f"cannot write stdout ({reason}); {_write_fix(exc.errno, 'place to send stdout')}",
+                                   reason=reason, errno=exc.errno, stdout=True) from None
+        where = getattr(stream, "name", "the output")
+        raise OutputWriteError(f"cannot write '{where}' ({reason}); {_write_fix(exc.errno, 'location')}",
+                               reason=reason, errno=exc.errno) from None
 
 
 def print_json(obj: Any) -> None:

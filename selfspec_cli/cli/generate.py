@@ -1,20 +1,21 @@
-"""``selfspec generate``: decode every prompt of a file with one method; JSONL out."""
+"""``selfspec generate``: decode every prompt of a file (or given with ``--prompt``) with one method; JSONL out."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
+import click
 import typer
 
 from ..artifacts import check_new_artifact
-from ..config import GenerationConfig, SamplingConfig
+from ..config import GenerationConfig, SamplingConfig, check_seed
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
 from ..loading import load_model
 from ..methods import METHODS, build
-from ..prompts import PROMPT_FORMATS, read_prompts
+from ..prompts import PROMPT_FORMATS, prompts_from_texts, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
 from .method_options import flag_error, given_options, method_config, with_method_options
 from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
@@ -22,7 +23,8 @@ from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, a
 @with_method_options
 def generate(
     ctx: typer.Context,
-    prompt_file: str = typer.Option(..., "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin. This or --prompt is required."),
+    prompt_texts: list[str] = typer.Option([], "--prompt", "-P", help="A prompt given as text (repeatable; the records' ids are 1, 2, ... in order), instead of --prompt-file."),
     prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     method: str = typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best draft by measured costs; ar: plain decoding)."),
@@ -46,7 +48,15 @@ def generate(
 ) -> None:
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
     Every method is lossless except specee (LOSSY: its records say lossless false)."""
+    if prompt_file is None and not prompt_texts:  # worded as click words a missing option
+        raise click.UsageError("Missing option '--prompt-file' / '-p' (a file; '-' reads stdin) or '--prompt' / '-P' "
+                               "(text, repeatable)", ctx=ctx)
+    if prompt_file is not None and prompt_texts:
+        raise ConfigError("--prompt-file and --prompt both give the prompts; pass one of them")
+    if prompt_texts and prompt_format != "auto":
+        raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
     check_choice(method, METHODS, "--method")
+    check_seed(seed)  # before the methods' configs take it
     if save_layers is not None and method != "swift":
         raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
@@ -58,7 +68,7 @@ def generate(
     if save_layers is not None:
         check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
-    prompts = read_prompts(prompt_file, prompt_format)
+    prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     cfg = dataclasses.replace(cfg, eos_token_ids=eos_token_ids(mdl, tok))
@@ -79,7 +89,7 @@ def generate(
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, engine.device, method, chat_template, meth.lossless)
             rec["threads"] = n_threads
-            write_record(out, rec)
+            write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")

@@ -2,24 +2,26 @@
 the methods' offline steps (:mod:`selfspec_cli.methods.offline`).
 
 In order, so that a mistake costs no model load: the step named by ``--method``/``--kind``,
-the options only other steps take refused with one line, the step's own options checked
-(``prepare``), the prompts read, an explicit ``--output`` checked; then the model loads, the
-default output path (the artifact spec's, fingerprint-keyed) is checked, the prompts are
-encoded and checked against the context, and the step's ``run`` does the work. Its summary
-is printed as one JSON object on stdout; no manifest is written here.
+the options only other steps take refused with one line, ``--seed``'s range checked, the
+step's own options checked (``prepare``), the prompts read, an explicit ``--output`` checked
+(without one: that the user directory the default path lies in can be written); then the
+model loads, the default output path (the artifact spec's, fingerprint-keyed) is checked,
+the prompts are encoded and checked against the context, and the step's ``run`` does the
+work. Its summary is printed as one JSON object on stdout; no manifest is written here.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, check_seed
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loading import load_model
 from ..engine.target import TARGET_PRECISIONS
 from ..methods import OFFLINE
 from ..methods.offline import OfflineJob, OfflineStep
+from ..paths import check_home_writable
 from ..prompts import PROMPT_FORMATS, Prompt, load_calibration_prompts, prompts_digest
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import apply_threads, check_choice, invocation_args, log, print_json, progress, set_exit_note
@@ -46,6 +48,7 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
         flag = "--method" if step.command == "calibrate" else "--kind"
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {flag} {', '.join(owners) or 'no step'}, "
                           f"not of {step.name}; drop it")
+    check_seed(given.get("seed"))
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     setting = step.prepare(given)
@@ -57,6 +60,8 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
                                      else num_prompts, prompt_format)
     if output is not None and writes:
         step.artifact.check_output(output, force)
+    elif writes:  # the default path lies in the user's home: an unwritable one fails now, not after the work
+        check_home_writable()
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     out_path = output or step.artifact.default_path(mdl)
