@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import torch
 import typer
-from rich.table import Table
 
 from ..artifacts import environment_info, model_name
 from ..bench import engine_profile as prof, plots, ranks as rk
@@ -39,7 +38,7 @@ from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
                      check_not_input, err_console, invocation, set_exit_note,
-                     log, progress, table, write_record)
+                     FigureTable, log, progress, write_record)
 from .method_options import method_config
 from ..jsonio import dumps
 
@@ -118,10 +117,12 @@ def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt) + suffix
 
 
-def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
+def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> FigureTable:
     vs = [k for k, shown in (("ar", has_ref), ("hf", has_base)) if shown]  # the speedup columns
-    t = table(title, ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "vs ar, paired [95 %]", "decode tok/s", "M", "alpha", "parity",
-                      "differs (first token)", "optim s", "peak MB"], left=("method", "differs (first token)"))
+    t = FigureTable(title + ("; vs ar/hf: ratio of mean tok/s, paired: geometric mean of per-prompt ratios" if vs else ""),
+                    ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "paired vs ar [95 %]", "decode tok/s", "M",
+                     "alpha", "parity", "differs (first token)", "optim s", "peak MB"],
+                    left=("method", "differs (first token)"), wrap=("differs (first token)",))
     for n, m in summary.items():
         par = m.get("parity")
         differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
@@ -142,12 +143,12 @@ def _paired(p: dict[str, Any] | None) -> str:
     return f"{p['speedup']:.3f}x" + (f" [{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}]" if p["ci95"] else "")
 
 
-def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table | None:
+def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> FigureTable | None:
     cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
     if not cats:
         return None
-    t = table("speedup by category: vs ar [paired, 95 % interval]" + (" / vs hf" if has_base else "") + "  (M)",
-              ["method", *cats])
+    t = FigureTable("speedup by category: vs ar [paired, 95 % interval]" + (" / vs hf" if has_base else "") + "  (M)",
+                    ["method", *cats])
     for n, m in summary.items():
         t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
     return t
@@ -162,13 +163,13 @@ def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
     return _f(b["speedup_vs_ar"]) + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "") + hf + m
 
 
-def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
+def _cost_table(summary: dict[str, dict[str, Any]]) -> FigureTable | None:
     rows = {n: m["cost_model"] for n, m in summary.items() if m.get("cost_model")}
     if not rows:
         return None
-    t = table("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup, decode-only",
-              ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted",
-               "end to end vs ar", "skip ratio"))
+    t = FigureTable("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup, decode-only",
+                    ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted",
+                     "end to end vs ar", "skip ratio"))
     for n, cm in rows.items():
         m = summary[n]
         t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),

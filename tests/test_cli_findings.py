@@ -1,0 +1,65 @@
+"""Reproductions from the second new-user session (shared/notes/new-user-findings.md, items 6,
+10, 12, 13, 14, 16 and 18), each with the behaviour a user should get: bench tables readable at
+80 columns, the artifact a method loads named and a useless trained artifact kept off the
+default path, no unsearched SWIFT skip set saved, options that are ignored or conflict refused
+before the model loads, the README's flags equal to the commands' own."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from selfspec_cli.cli.app import main
+
+from .test_cli import assert_user_error, gen_args, prompt_file, run_generate, write_jsonl, write_lines  # noqa: F401 (fixture)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+COMMANDS = ("generate", "calibrate", "train-heads", "bench", "profile")
+
+
+# ---------------------------------------------------------------- 6. bench tables at 80 columns
+
+
+def _figures(summary: dict) -> list[str]:
+    """The figures bench's main table shows, as it formats them."""
+    out = []
+    for m in summary.values():
+        out += [f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
+        out += [f"{m[k]:.2f}x" for k in ("speedup_vs_ar", "speedup_vs_hf") if m.get(k) is not None]
+        if (p := m.get("paired_vs_ar")) and p.get("ci95"):
+            out.append(f"{p['speedup']:.3f}x [{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}]")
+        if m.get("parity"):
+            out.append(f"{m['parity']['parity']:.0%} ({m['parity']['token_parity']:.1%} tok)")
+    return out
+
+
+def test_bench_tables_keep_every_figure_whole_at_80_columns(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    """The main table once squeezed 12 columns into 80 and cut the figures (`1.…`); now its
+    columns are split over as many tables as the width needs, each repeating the method."""
+    from rich.console import Console
+
+    from selfspec_cli.cli import bench as bench_cli
+    from selfspec_cli.cli import common
+
+    monkeypatch.setattr(common.err_console, "width", 80)
+    prompts = write_lines(tmp_path / "p.txt", ["alpha beta gamma", "one two three one two"])
+    capsys.readouterr()
+    assert main(["bench", "--methods", "ar,hf,pld,asd", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "6",
+                 "--warmup", "0", "--repeats", "2", "--no-plots", "--no-costs", "--device", "cpu",
+                 "-o", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "…" not in err
+    table_lines = [line for line in err.splitlines() if set(line) & set("│┃┏┡└━─")]
+    assert table_lines and max(len(line) for line in table_lines) <= 80
+    summary = json.loads((tmp_path / "b" / "results.json").read_text())["methods"]
+    for fig in _figures(summary):
+        assert fig in err, fig
+    for name in summary:
+        assert re.search(rf"│ {re.escape(name)} +│", err), name  # the method names are whole too
+    # one table when the width allows it
+    wide = Console(width=250, record=True, file=io.StringIO())
+    wide.print(bench_cli._table(summary, "t", True, False))
+    assert wide.export_text().count("method") == 1
