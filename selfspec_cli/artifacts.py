@@ -238,6 +238,23 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
     return tensors, manifest
 
 
+# ---------------------------------------------------------------- which artifacts a run loaded
+
+_RECORDERS: list[dict[str, str]] = []
+
+
+@contextlib.contextmanager
+def recording_loads() -> Any:
+    """Inside it, every :meth:`ArtifactSpec.load` adds ``kind -> absolute path`` to the dict it
+    gives (so a command can say which artifact files a method loaded)."""
+    used: dict[str, str] = {}
+    _RECORDERS.append(used)
+    try:
+        yield used
+    finally:
+        _RECORDERS.remove(used)
+
+
 # ---------------------------------------------------------------- the artifact spec
 
 
@@ -312,6 +329,8 @@ class ArtifactSpec:
     def load(self, path: str | os.PathLike | None, model: torch.nn.Module) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
         """``(path, manifest, tensors)`` of this model's artifact (tensors empty for a JSON one)."""
         p = self.resolve(path, model)
+        for used in _RECORDERS:
+            used[self.kind] = os.path.abspath(p)
         hint = self.hint(model, p)
         if not self.is_json:
             tensors, manifest = load_tensors_artifact(p, model, kind=self.kind, create_hint=hint)

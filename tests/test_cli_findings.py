@@ -63,3 +63,61 @@ def test_bench_tables_keep_every_figure_whole_at_80_columns(capsys, tiny_model_d
     wide = Console(width=250, record=True, file=io.StringIO())
     wide.print(bench_cli._table(summary, "t", True, False))
     assert wide.export_text().count("method") == 1
+
+
+# ---------------------------------------------------------------- 10. which artifact, and no useless default
+
+
+def test_generate_names_the_artifact_it_loads(capsys, tiny_model_dir, prompt_file, tmp_path):
+    from selfspec_cli.artifacts import save_json_artifact
+    from selfspec_cli.loading import load_model
+    from selfspec_cli.methods.self_sd import SKIP_SET
+
+    model, _ = load_model(str(tiny_model_dir), device="cpu")
+    art = tmp_path / "skip.json"
+    save_json_artifact(art, {**SKIP_SET.header(model), "skip_attn": [1], "skip_mlp": [2]})
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, prompt_file, "-n", "4", "--method", "self-sd", "--layers", str(art))) == 0
+    out, err = capsys.readouterr()
+    assert f"using self-sd-layers {art}" in err
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert recs and all(r["artifacts"] == {"self-sd-layers": str(art)} for r in recs)
+    # a method that loads none says nothing of the kind
+    recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "3")
+    assert all("artifacts" not in r for r in recs)
+
+
+def _useless_model_dir(tmp_path, tokenizer) -> Path:
+    """A tiny Llama whose last layer decides the output alone (its MLP scaled up a hundredfold), so
+    no earlier layer's head can predict the model's token."""
+    import torch
+
+    from .conftest import make_tiny_model
+
+    model = make_tiny_model("llama-gqa", seed=3)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.mul_(100.0)
+    d = tmp_path / "last-layer-model"
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_heads_that_predict_nothing_do_not_become_the_default(capsys, tiny_tokenizer, tmp_path, selfspec_home):
+    """A throwaway train-heads run (top-1 0.000) once replaced the heads generate loads, silently."""
+    model_dir = _useless_model_dir(tmp_path, tiny_tokenizer)
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(6)])
+    capsys.readouterr()
+    rc = main(["train-heads", "--kind", "lm-heads", "-m", str(model_dir), "-p", str(prompts), "-n", "8", "--layers", "0",
+               "--epochs", "1", "--rank", "2", "--lr", "1e-9", "--device", "cpu", "--cache-dir", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert summary["report"][0]["top1_after"] == 0.0  # the premise: a head of no use
+    art = Path(summary["artifact"])
+    assert art.name.endswith(".unusable") and summary["usable"] is False
+    assert not (art.parent / art.name.removesuffix(".unusable") / "manifest.json").exists()  # no heads at the default
+    warning = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warning) == 1 and "not made this model's default" in warning[0] and f"rm -r '{art}'" in warning[0]
+    # generate finds no heads of this model: the useless ones are not its default
+    assert_user_error(capsys, gen_args(model_dir, prompts, "-n", "3", "--method", "adadecode"), "no AdaDecode heads")

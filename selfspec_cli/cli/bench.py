@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import typer
 
-from ..artifacts import environment_info, model_name
+from ..artifacts import environment_info, model_name, recording_loads
 from ..bench import engine_profile as prof, plots, ranks as rk
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
@@ -268,12 +268,14 @@ def bench(
     contenders: list[Contender] = []
     descriptions: dict[str, str] = {}
     offline: dict[str, dict[str, Any] | None] = {}
+    artifacts: dict[str, dict[str, str]] = {}
     built: dict[str, list[Method]] = {}  # the method instances of each pass, for their search histories
     for n in names:
         if n in METHODS or n in VARIANTS:
             base, extra, note = VARIANTS.get(n, (n, {}, ""))
             conf = method_config(base, extra, seed=seed)  # the run's seed where the method has one
-            first = build(base, engine, tok, conf)
+            with recording_loads() as artifacts[n]:  # the artifact files it reads, recorded in results.json
+                first = build(base, engine, tok, conf)
             descriptions[n] = first.description + note
             offline[n] = first.offline_info()  # calibration / training time, from its artifacts
             built[n] = []
@@ -397,6 +399,8 @@ def bench(
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
     summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
+    for n, m in summary.items():
+        m["artifacts"] = artifacts.get(n, {})
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": decoding, "batch_size": 1,
              "chat_template": chat_template, "seed": seed, "command": invocation(), "complete": True,

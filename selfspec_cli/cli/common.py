@@ -48,7 +48,9 @@ def check_choice(value: str, choices: Collection[str], option: str, where: str =
 
 
 def log(msg: str) -> None:
-    err_console.print(msg, highlight=False)
+    """One message line on stderr (rich markup allowed); never broken by rich at the console's width,
+    so a path in it stays whole for copying."""
+    err_console.print(msg, highlight=False, soft_wrap=True)
 
 
 def progress(disable: bool = False) -> Progress:

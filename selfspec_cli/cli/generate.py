@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from ..artifacts import check_new_artifact
+from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
@@ -67,18 +67,23 @@ def generate(
 
     engine = Engine(mdl, target_precision=target_precision)
     try:
-        meth = build(method, engine, tok, method_cfg)
+        with recording_loads() as used:  # the artifact files the method reads, named on stderr and in each record
+            meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
     engine.release_float_weights()  # a block target: the float matrices are no longer needed (docs/engine.md, Memory)
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
         f"target {engine.target_precision}; method {method}; {len(prompts)} prompts[/dim]")
+    for kind, path in used.items():
+        log(f"[dim]using {kind} {path}[/dim]")
     total_tokens, total_time = 0, 0.0
     with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out, progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, engine.device, method, chat_template, meth.lossless)
             rec["threads"] = n_threads
+            if used:
+                rec["artifacts"] = dict(used)
             write_record(out, rec)
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
