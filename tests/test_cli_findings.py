@@ -121,3 +121,18 @@ def test_heads_that_predict_nothing_do_not_become_the_default(capsys, tiny_token
     assert len(warning) == 1 and "not made this model's default" in warning[0] and f"rm -r '{art}'" in warning[0]
     # generate finds no heads of this model: the useless ones are not its default
     assert_user_error(capsys, gen_args(model_dir, prompts, "-n", "3", "--method", "adadecode"), "no AdaDecode heads")
+
+
+# ---------------------------------------------------------------- 12. swift --save-layers without a search
+
+
+def test_swift_refuses_to_save_a_skip_set_it_never_searched(capsys, tiny_model_dir, prompt_file, tmp_path):
+    saved = tmp_path / "swift.json"
+    capsys.readouterr()
+    rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "4", "--method", "swift", "--save-layers", str(saved),
+                       "-o", str(tmp_path / "out.jsonl")))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "evaluated no candidate" in err and "--optimize-budget" in err
+    assert not saved.exists()
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 4  # the records themselves are kept

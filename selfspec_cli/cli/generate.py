@@ -97,4 +97,9 @@ def generate(
                      f"{total_tokens / total_time / ar_pace:.2f}x")
         log(f"[dim]{method}, target {engine.target_precision}: {pace}[/dim]")
     if save_layers is not None:
+        if not meth.search_history():  # nothing searched: the file would hold the uniform starting set
+            raise ConfigError(f"--save-layers: SWIFT's search evaluated no candidate in this run (too few tokens for its "
+                              f"--context-window and --optimize-budget), so '{save_layers}' would hold only the unsearched "
+                              "starting set and was not written; decode more (--max-new-tokens, more prompts) or raise "
+                              "--optimize-budget")
         log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")
