@@ -136,3 +136,13 @@ def test_swift_refuses_to_save_a_skip_set_it_never_searched(capsys, tiny_model_d
     assert "evaluated no candidate" in err and "--optimize-budget" in err
     assert not saved.exists()
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 4  # the records themselves are kept
+
+
+# ---------------------------------------------------------------- 13, 14. refused up front
+
+
+def test_train_heads_refuses_a_layer_listed_twice_before_loading(capsys, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", ["a", "b", "c"])
+    # a model that does not exist: a refusal that names --layers came before any loading
+    assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tmp_path / "no-model"), "-p", str(prompts),
+                               "--layers", "3,1,3"], "--layers", "layer 3 more than once")

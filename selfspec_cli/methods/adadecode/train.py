@@ -150,6 +150,9 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
 
 def prepare(options: dict[str, Any]) -> TrainSetting:
     layers = layer_list(options.get("layers"), "--layers")  # "3,7" -> (3, 7); a bad list is one line naming the flag
+    if layers is not None and (twice := sorted({k for k in layers if layers.count(k) > 1})):
+        raise ConfigError(f"--layers names layer {', '.join(map(str, twice))} more than once (one head per layer); "
+                          "list each layer once")
     return check_options({**options, "layers": layers}, epochs=30, batch_size=128, lr=5e-3)
 
 
