@@ -326,6 +326,20 @@ class ArtifactSpec:
                                 f"{self.hint(model)}{self.alternative}")
         return found
 
+    def precheck(self, path: str | os.PathLike, option: str) -> None:
+        """Refuse, before any model loads, an explicit ``path`` that holds no artifact of this kind
+        (missing, or no manifest of this kind); the model's fingerprint is checked when it loads."""
+        mfile = Path(path) if self.is_json else tensors_artifact_paths(path)[1]
+        if not Path(path).exists():
+            raise ArtifactError(f"{option} '{path}' does not exist; pass a {self.what} made by `{self.make}`")
+        try:
+            kind = json.loads(mfile.read_text(encoding="utf-8")).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind != self.kind:
+            raise ArtifactError(f"{option} '{path}' is not a {self.what} (no manifest of kind {self.kind!r} in it); "
+                                f"pass one made by `{self.make}`")
+
     def load(self, path: str | os.PathLike | None, model: torch.nn.Module) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
         """``(path, manifest, tensors)`` of this model's artifact (tensors empty for a JSON one)."""
         p = self.resolve(path, model)

@@ -230,6 +230,17 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
     return spec  # a hub id
 
 
+def config_num_layers(spec: str | None, log: Any = None) -> int | None:
+    """The model's layer count from its ``config.json``, read before any weights load (so that
+    options naming layers are checked at once); None where that file is not local (a hub id)."""
+    where = Path(resolve_model_path(spec, log or _stderr_log))
+    try:
+        n = json.loads((where / "config.json").read_text(encoding="utf-8")).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def is_default_model(name: str | os.PathLike) -> bool:
     """Whether ``name`` (a loaded model's ``name_or_path``) is the default model, so that
     suggested commands can leave ``--model`` out."""

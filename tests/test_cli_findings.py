@@ -146,3 +146,41 @@ def test_train_heads_refuses_a_layer_listed_twice_before_loading(capsys, tmp_pat
     # a model that does not exist: a refusal that names --layers came before any loading
     assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tmp_path / "no-model"), "-p", str(prompts),
                                "--layers", "3,1,3"], "--layers", "layer 3 more than once")
+
+
+@pytest.mark.parametrize("extra,fragments", [
+    (("--append",), ("--append", "--output FILE")),
+    (("--force",), ("--force", "--output FILE")),
+    (("-o", "-", "--append"), ("--append",)),
+    (("--top-k", "5"), ("--top-k", "--temperature")),
+    (("--top-p", "0.9"), ("--top-p", "--temperature")),
+    (("--sampling-rule", "speculative"), ("--sampling-rule", "--temperature")),
+    (("--method", "auto", "--ngram-only", "--draft-precision", "int8"), ("--ngram-only/--draft-precision", "conflict")),
+    (("--method", "specee", "-t", "0.5"), ("--method specee", "greedily", "--temperature 0")),
+])
+def test_ignored_or_conflicting_generate_options_are_refused_up_front(capsys, tmp_path, prompt_file, extra, fragments):
+    """Each was accepted without a word (or refused only after the model loaded); a model path
+    that does not exist shows that the refusal comes before any loading."""
+    assert_user_error(capsys, gen_args(tmp_path / "no-model", prompt_file, *extra), *fragments)
+
+
+def test_skip_layers_out_of_range_are_refused_before_the_weights_load(capsys, tiny_model_dir, prompt_file, monkeypatch):
+    from selfspec_cli.cli import generate as gen_cli
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(gen_cli, "load_model", no_loading)
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--skip-attn", "1,99"),
+                      "--skip-attn/--skip-mlp", "[99]", "4-layer model")
+
+
+def test_offline_steps_refuse_bad_paths_before_loading(capsys, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", ["a", "b", "c"])
+    missing = str(tmp_path / "no-model")
+    (tmp_path / "notamodel").mkdir()
+    assert_user_error(capsys, ["train-heads", "--kind", "exit-mlp", "-m", missing, "-p", str(prompts), "--heads",
+                               str(tmp_path / "notamodel")], "--heads", "not a AdaDecode heads artifact",
+                      "selfspec train-heads --kind lm-heads")
+    assert_user_error(capsys, ["calibrate", "--method", "self-sd", "-m", missing, "-p", str(prompts), "--storage",
+                               "bogus://x"], "--storage", "neither a database URL")

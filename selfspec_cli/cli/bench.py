@@ -37,7 +37,7 @@ from ..paths import atomic_write
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
-                     check_not_input, err_console, invocation, set_exit_note,
+                     check_not_input, check_sampling_options, err_console, invocation, set_exit_note,
                      FigureTable, log, progress, write_record)
 from .method_options import method_config
 from ..jsonio import dumps
@@ -221,9 +221,10 @@ def bench(
                              ("--assistant-model", assistant_model, "hf-assisted")):
         if value is not None and peer not in names:
             raise ConfigError(f"{opt} is an option of the {peer} peer; drop it or add {peer} to --methods")
-    if temperature > 0 and (greedy_only := [n for n in names if n in PEERS or VARIANTS.get(n, (n,))[0] == "specee"]):
-        raise ConfigError(f"{', '.join(greedy_only)} run greedy only; with --temperature drop them from --methods "
-                          "(e.g. --methods ar,specqd,self-sd,swift,asd,pld,auto,adadecode)")
+    if temperature > 0 and (greedy_only := [n for n in names if n in PEERS or (
+            (base := VARIANTS.get(n, (n,))[0]) in METHODS and METHODS[base].greedy_only)]):
+        raise ConfigError(f"{', '.join(greedy_only)} {'runs' if len(greedy_only) == 1 else 'run'} greedy only; with "
+                          "--temperature drop them from --methods (e.g. --methods ar,specqd,self-sd,swift,asd,pld,auto,adadecode)")
     if "hf-assisted" in names and assistant_model is None:
         raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
@@ -241,6 +242,7 @@ def bench(
     rk.init(ranks)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates first
+    check_sampling_options(sampling)
     decoding = "greedy" if sampling.greedy else (f"sampling (temperature {temperature}, top-p {top_p}, top-k {top_k}, "
                                                  f"rule {sampling_rule}, seed {seed})")
     prompts, source = load_prompts(prompt_file, suite, prompt_format)

@@ -47,6 +47,17 @@ def check_choice(value: str, choices: Collection[str], option: str, where: str =
         raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
 
 
+def check_sampling_options(sampling: Any) -> None:
+    """Refuse sampling options given with greedy decoding (``--temperature 0``), which would ignore them."""
+    if not sampling.greedy:
+        return
+    for flag, given in (("--top-k", sampling.top_k != 0), ("--top-p", sampling.top_p != 1.0),
+                        ("--sampling-rule", sampling.rule != "gumbel")):
+        if given:
+            raise ConfigError(f"{flag} shapes sampling, and --temperature 0 decodes greedily, which would ignore it; "
+                              f"pass --temperature > 0 or drop {flag}")
+
+
 def log(msg: str) -> None:
     """One message line on stderr (rich markup allowed); never broken by rich at the console's width,
     so a path in it stays whole for copying."""

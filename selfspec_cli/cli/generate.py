@@ -12,12 +12,12 @@ from ..config import GenerationConfig, SamplingConfig
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
-from ..loading import load_model
+from ..loading import config_num_layers, load_model, resolve_device, resolve_dtype
 from ..methods import METHODS, build
 from ..prompts import PROMPT_FORMATS, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
-from .method_options import flag_error, given_options, method_config, with_method_options
-from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
+from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
+from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, check_sampling_options, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
@@ -52,6 +52,14 @@ def generate(
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
+    check_sampling_options(sampling)
+    if not sampling.greedy and METHODS[method].greedy_only:
+        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
+    if output is None or str(output) == "-":  # the records go to stdout: nothing to replace or add to
+        for flag, given in (("--append", append), ("--force", force and save_layers is None)):
+            if given:
+                raise ConfigError(f"{flag} applies to --output FILE, and without it the records go to stdout; "
+                                  f"drop {flag} or pass --output FILE")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
@@ -59,6 +67,8 @@ def generate(
         check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = read_prompts(prompt_file, prompt_format)
+    resolve_dtype(dtype, resolve_device(device))  # a bad --dtype or --device before anything is read
+    check_layer_ids(method_cfg, config_num_layers(model))  # from config.json: no weights loaded yet
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     cfg = dataclasses.replace(cfg, eos_token_ids=eos_token_ids(mdl, tok))

@@ -63,7 +63,7 @@ from ..ar import AR
 from ..base import resolve_precision
 from ..offline import OfflineJob
 from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
-from .study import (DEFAULT_HEARTBEAT_S, check_slot, describe, dispose, finished_last, machine_id, open_storage, quiet,
+from .study import (DEFAULT_HEARTBEAT_S, check_slot, check_storage, describe, dispose, finished_last, machine_id, open_storage, quiet,
                     run_workers_share, sqlite_url, worker_id)
 
 STUDY_NAME = "self-sd"
@@ -629,6 +629,8 @@ def prepare(options: dict[str, Any]) -> Setting:
         raise ConfigError("--storage and --study-path both name the study; pass one of them")
     if o["workers"] < 1:
         raise ConfigError(f"--workers must be >= 1, got {o['workers']}")
+    if o["storage"] is not None:
+        check_storage(o["storage"])  # a bad URL costs no model load
     repeats = o["repeats"] if o["repeats"] is not None else (1 if o["objective"] == "proxy" else 3)
     search = SearchConfig(study_path=o["study_path"], n_trials=o["trials"], seed=o["seed"], sampler=o["sampler"],
                           repeats=repeats, objective=o["objective"], storage=o["storage"], heartbeat_s=o["heartbeat"],

@@ -117,6 +117,7 @@ class SpecEEConfig:
 class SpecEE(Method):
     name = "specee"
     lossless = False
+    greedy_only = True
     description = "SpecEE (LOSSY): speculative early exit with per-layer predictors and two-level scheduling"
     Config = SpecEEConfig
 
