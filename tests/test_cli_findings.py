@@ -184,3 +184,89 @@ def test_offline_steps_refuse_bad_paths_before_loading(capsys, tmp_path):
                       "selfspec train-heads --kind lm-heads")
     assert_user_error(capsys, ["calibrate", "--method", "self-sd", "-m", missing, "-p", str(prompts), "--storage",
                                "bogus://x"], "--storage", "neither a database URL")
+
+
+# ---------------------------------------------------------------- 16. the README's flags are the commands' own
+
+
+def _section(command: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"### `selfspec {command}`")
+    end = min(i for i in (text.find("\n### ", start + 1), text.find("\n## ", start + 1)) if i > 0)
+    return text[start:end]
+
+
+def _synopsis(command: str) -> str:
+    sec = _section(command)
+    start = sec.index("```bash") + len("```bash")
+    return sec[start:sec.index("```", start)]
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _help_options(command: str) -> list[set[str]]:
+    """The long names of each option ``selfspec <command> --help`` lists (click's own list, hidden
+    ones left out): ``{"--chat-template", "--no-chat-template"}`` is one option."""
+    import typer
+
+    from selfspec_cli.cli.app import app
+
+    cmd = typer.main.get_command(app).commands[command]
+    return [names for p in cmd.params if not getattr(p, "hidden", False)
+            if (names := {o for o in (*p.opts, *p.secondary_opts) if o.startswith("--")} - {"--help"})]
+
+
+def _help_flags(command: str) -> set[str]:
+    return set().union(*_help_options(command))
+
+
+def _method_table() -> list[tuple[set[str], str]]:
+    """(flags, methods column) of each row of the README's method-flag table."""
+    rows = []
+    for line in _section("generate").splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows.append((set(FLAG.findall(cells[0])), cells[1]))
+    return rows
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_flags_exist_in_the_commands_help(command):
+    documented = set(FLAG.findall(_synopsis(command)))
+    if command == "generate":
+        documented |= {f for flags, _ in _method_table() for f in flags}
+    help_flags = _help_flags(command)
+    assert documented - help_flags == set(), f"the README documents flags {command} --help does not list"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_help_flag_is_in_the_readme(command):
+    documented = set(FLAG.findall(_section(command)))
+    missing = sorted(min(names) for names in _help_options(command) if not names & documented)
+    assert missing == [], f"{command} --help lists options its README section never names"
+
+
+def test_readme_method_table_names_the_methods_that_take_each_flag():
+    from selfspec_cli.cli.method_options import flag, option_fields
+    from selfspec_cli.methods import METHODS
+
+    owners = {flag(name): set(methods) for name, (_, _, methods) in option_fields().items()}
+    checked = 0
+    for flags, column in _method_table():
+        named = set(re.findall(r"[a-z][a-z0-9-]*", column)) & set(METHODS)
+        for f in flags & set(owners):
+            assert named == owners[f], (f, sorted(named), sorted(owners[f]))
+            checked += 1
+    assert checked > 20
+
+
+def test_every_option_has_help_text():
+    import typer
+
+    from selfspec_cli.cli.app import app
+
+    for name, cmd in typer.main.get_command(app).commands.items():
+        for p in cmd.params:
+            if p.param_type_name == "option" and not p.hidden:
+                assert (p.help or "").strip(), (name, p.opts)

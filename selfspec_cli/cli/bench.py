@@ -200,7 +200,7 @@ def bench(
     sampling_rule: str = typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of sampling and of methods with random search (swift)."),
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
