@@ -108,14 +108,16 @@ def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
-def read_json_artifact(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+def read_json_artifact(path: Path, what: str, create_hint: str, again_hint: str | None = None) -> dict[str, Any]:
     """The JSON object in ``path``; each failure an :class:`ArtifactError` naming ``what`` and
-    the fix (``create_hint``: how to make it)."""
+    the fix (``create_hint``: how to make it; ``again_hint``: how to make it once the broken file
+    is deleted, when that differs)."""
     if not path.exists():
         raise ArtifactError(f"{what} '{path}' does not exist; {create_hint}")
     if path.is_dir():
         raise ArtifactError(f"{what} '{path}' is a directory, not a JSON file; pass the .json file")
-    again = f"delete it and {create_hint[0].lower()}{create_hint[1:]}"
+    again_hint = again_hint or create_hint
+    again = f"delete it and {again_hint[0].lower()}{again_hint[1:]}"
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -286,23 +288,25 @@ class ArtifactSpec:
         """Where the command writes by default (see :func:`user_artifact_path`)."""
         return user_artifact_path(self.folder, model, self.suffix)
 
-    def command(self, model_or_spec: Any, path: Path | None = None) -> str:
+    def command(self, model_or_spec: Any, path: Path | None = None, deleted: bool = False) -> str:
         """The command that (re)creates it for this model, written to where it will be found. It names
         ``--model`` unless the model is the default one; for a loaded model it adds the ``--output``/``--force``
         part, chosen so that it can never replace the shipped artifacts or a file that exists: an explicit
         ``path`` is kept only when nothing is there and it is outside the shipped tree; otherwise the command
-        writes the fingerprint-keyed default (with ``--force`` when that one exists and is unusable)."""
+        writes the fingerprint-keyed default (with ``--force`` when that one exists and is unusable). ``deleted``:
+        the advice follows "delete it", so ``path`` counts as not existing."""
         name = model_name(model_or_spec)
         cmd = self.make + ("" if loading.is_default_model(name) else f" --model {name}") + self.args
         if not isinstance(model_or_spec, torch.nn.Module):
             return cmd
         default = self.default_path(model_or_spec)
-        if path is not None and Path(path) != default and not Path(path).exists() and not is_shipped(path):
+        gone = deleted or (path is not None and not Path(path).exists())
+        if path is not None and Path(path) != default and gone and not is_shipped(path):
             return f"{cmd} --output {path}"
-        return cmd + (" --force" if default.exists() else "")
+        return cmd + (" --force" if default.exists() and not (deleted and Path(path or "") == default) else "")
 
-    def hint(self, model: Any, path: Path | None = None) -> str:
-        return f"create it with `{self.command(model, path)}`"
+    def hint(self, model: Any, path: Path | None = None, deleted: bool = False) -> str:
+        return f"create it with `{self.command(model, path, deleted)}`"
 
     def error(self, path: Path, model: Any, problem: str) -> ArtifactError:
         """A bad field of an artifact of this kind: one line naming the command that remakes it."""
@@ -349,7 +353,7 @@ class ArtifactSpec:
         if not self.is_json:
             tensors, manifest = load_tensors_artifact(p, model, kind=self.kind, create_hint=hint)
             return p, manifest, tensors
-        manifest = read_json_artifact(p, self.what, hint)
+        manifest = read_json_artifact(p, self.what, hint, self.hint(model, p, deleted=True))
         if (kind := manifest.get("kind")) != self.kind:
             found = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
             raise ArtifactError(f"'{p}' is {found}, not a {self.what} (kind {self.kind!r}); pass a file made by "

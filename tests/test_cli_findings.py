@@ -270,3 +270,41 @@ def test_every_option_has_help_text():
         for p in cmd.params:
             if p.param_type_name == "option" and not p.hidden:
                 assert (p.help or "").strip(), (name, p.opts)
+
+
+# ---------------------------------------------------------------- 18. small messages
+
+
+def test_a_malformed_jsonl_line_names_its_column(capsys, tiny_model_dir, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": "torn\n', encoding="utf-8")
+    assert_user_error(capsys, gen_args(tiny_model_dir, bad), "line 2 is not valid JSON", "column 12")
+
+
+def test_bench_messages(capsys, tiny_model_dir, prompt_file, tmp_path):
+    assert_user_error(capsys, ["bench", "--methods", "ar,hf", "-m", str(tiny_model_dir), "-p", str(prompt_file), "-t", "0.8",
+                               "-o", str(tmp_path / "b")], "hf runs greedy only")
+    msg = assert_user_error(capsys, ["bench", "--methods", " , ", "-p", str(prompt_file), "-o", str(tmp_path / "b")],
+                            "--methods names no contender", "choose from")
+    assert "(none)" not in msg
+    assert_user_error(capsys, ["bench", "--methods", "ar", "-p", str(prompt_file), "--top-k", "4", "-o",
+                               str(tmp_path / "b")], "--top-k", "--temperature")
+
+
+def test_advice_for_a_broken_layers_file_recreates_that_file(capsys, tiny_model_dir, prompt_file, tmp_path):
+    junk = tmp_path / "mine.json"
+    junk.write_text("not json", encoding="utf-8")
+    msg = assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--layers", str(junk)),
+                            "is not valid JSON", "delete it")
+    assert f"--output {junk}" in msg and "--force" not in msg
+
+
+def test_help_names_values_not_type_names(capsys):
+    for command in COMMANDS:
+        capsys.readouterr()
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "<str>" not in out and "<list" not in out and "<int>" not in out, command
+    main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "--method ar|self-sd|" in out and "--stop TEXT" in out and "--prompt-format auto|text|jsonl" in out

@@ -209,8 +209,8 @@ def bench(
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
     unknown = [m for m in names if m not in METHODS and m not in VARIANTS and m not in PEERS and m not in TARGET_PEERS]
     if not names or unknown:
-        raise ConfigError(f"unknown --methods {', '.join(unknown) or '(none)'}; "
-                          f"choose from: {', '.join([*METHODS, *VARIANTS, *PEERS, *TARGET_PEERS])}")
+        raise ConfigError((f"unknown --methods {', '.join(unknown)}" if unknown else "--methods names no contender")
+                          + f"; choose from: {', '.join([*METHODS, *VARIANTS, *PEERS, *TARGET_PEERS])}")
     if warmup < 0 or repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     if output_dir.exists() and not output_dir.is_dir():

@@ -213,7 +213,7 @@ def collect(job: Any) -> tuple[OnPolicyData, dict[str, Any]]:
 
     if len(job.prompt_ids) < MIN_PROMPTS:
         raise ConfigError(f"train-heads needs at least {MIN_PROMPTS} prompts (disjoint training, validation and test "
-                          f"prompts), got {len(job.prompt_ids)}; pass --num-prompts {MIN_PROMPTS} or more, or a longer prompt file")
+                          f"prompts), got {len(job.prompt_ids)}; pass more prompts")
     n, new = len(job.prompt_ids), job.gen.max_new_tokens
     job.log(f"[dim]model {job.model.config.model_type} {job.engine.num_layers} layers; {n} prompts x {new} greedy "
             f"tokens (on-policy data, cached)[/dim]")
