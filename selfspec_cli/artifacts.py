@@ -380,16 +380,18 @@ class ArtifactSpec:
 
 
 def check_writable(path: Path, option: str) -> None:
-    """Refuse a file ``path`` that cannot be written (its directory is created); ``option`` names it."""
+    """Refuse a file ``path`` that cannot be written; ``option`` names it. Nothing is created (the
+    write makes missing directories), so a run that fails later leaves no empty directory behind."""
     if path.is_dir():
         raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); "
-                          "choose a writable path") from None
-    if not os.access(path.parent, os.W_OK):
-        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # the nearest directory that exists
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot create the directory of {option} '{path}' ('{parent}' is a file); "
+                          "choose a writable path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {option} '{path}' ('{parent}' is not writable); choose a writable path")
 
 
 def save_layers(spec: ArtifactSpec, path: Path, model: torch.nn.Module, items: Mapping[int, Any],

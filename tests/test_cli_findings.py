@@ -308,3 +308,11 @@ def test_help_names_values_not_type_names(capsys):
     main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "--method ar|self-sd|" in out and "--stop TEXT" in out and "--prompt-format auto|text|jsonl" in out
+
+
+def test_a_failed_train_heads_run_leaves_no_empty_directory(capsys, tiny_model_dir, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", ["a b", "c d", "e f"])
+    out = tmp_path / "th_y"
+    assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "4",
+                               "--layers", "9", "-o", str(out), "--device", "cpu"], "--layers", "0..2")
+    assert not out.exists()

@@ -342,6 +342,11 @@ def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
 
     if search.storage is None:
         check_writable(Path(search.study_path), "--study-path")
+        try:  # SQLite makes the file, not its directory
+            Path(search.study_path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the directory of --study-path '{search.study_path}' ({exc.strerror}); "
+                              "choose a writable path") from None
         spec, option = sqlite_url(Path(search.study_path)), "--study-path"
     else:
         spec, option = search.storage, "--storage"
