@@ -316,3 +316,16 @@ def test_a_failed_train_heads_run_leaves_no_empty_directory(capsys, tiny_model_d
     assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "4",
                                "--layers", "9", "-o", str(out), "--device", "cpu"], "--layers", "0..2")
     assert not out.exists()
+
+
+def test_an_unsupported_gguf_is_refused_from_its_header_before_it_is_hashed(capsys, tmp_path, prompt_file, monkeypatch):
+    """A command-r GGUF was hashed (25 s for a real one) and remembered before its header was read."""
+    from selfspec_cli import loading
+
+    from .gguf_utils import write_non_llama_gguf
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = write_non_llama_gguf(tmp_path / "cmdr.gguf", "command-r")
+    assert_user_error(capsys, gen_args(path, prompt_file), "architecture 'command-r'", "not supported")
+    index = loading.model_cache_dir() / "hashes.json"
+    assert not index.exists() or str(path.resolve()) not in index.read_text(encoding="utf-8")
