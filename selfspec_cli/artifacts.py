@@ -108,14 +108,16 @@ def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
-def read_json_artifact(path: Path, what: str, create_hint: str) -> dict[str, Any]:
+def read_json_artifact(path: Path, what: str, create_hint: str, again_hint: str | None = None) -> dict[str, Any]:
     """The JSON object in ``path``; each failure an :class:`ArtifactError` naming ``what`` and
-    the fix (``create_hint``: how to make it)."""
+    the fix (``create_hint``: how to make it; ``again_hint``: how to make it once the broken file
+    is deleted, when that differs)."""
     if not path.exists():
         raise ArtifactError(f"{what} '{path}' does not exist; {create_hint}")
     if path.is_dir():
         raise ArtifactError(f"{what} '{path}' is a directory, not a JSON file; pass the .json file")
-    again = f"delete it and {create_hint[0].lower()}{create_hint[1:]}"
+    again_hint = again_hint or create_hint
+    again = f"delete it and {again_hint[0].lower()}{again_hint[1:]}"
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -238,6 +240,23 @@ def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module
     return tensors, manifest
 
 
+# ---------------------------------------------------------------- which artifacts a run loaded
+
+_RECORDERS: list[dict[str, str]] = []
+
+
+@contextlib.contextmanager
+def recording_loads() -> Any:
+    """Inside it, every :meth:`ArtifactSpec.load` adds ``kind -> absolute path`` to the dict it
+    gives (so a command can say which artifact files a method loaded)."""
+    used: dict[str, str] = {}
+    _RECORDERS.append(used)
+    try:
+        yield used
+    finally:
+        _RECORDERS.remove(used)
+
+
 # ---------------------------------------------------------------- the artifact spec
 
 
@@ -269,23 +288,25 @@ class ArtifactSpec:
         """Where the command writes by default (see :func:`user_artifact_path`)."""
         return user_artifact_path(self.folder, model, self.suffix)
 
-    def command(self, model_or_spec: Any, path: Path | None = None) -> str:
+    def command(self, model_or_spec: Any, path: Path | None = None, deleted: bool = False) -> str:
         """The command that (re)creates it for this model, written to where it will be found. It names
         ``--model`` unless the model is the default one; for a loaded model it adds the ``--output``/``--force``
         part, chosen so that it can never replace the shipped artifacts or a file that exists: an explicit
         ``path`` is kept only when nothing is there and it is outside the shipped tree; otherwise the command
-        writes the fingerprint-keyed default (with ``--force`` when that one exists and is unusable)."""
+        writes the fingerprint-keyed default (with ``--force`` when that one exists and is unusable). ``deleted``:
+        the advice follows "delete it", so ``path`` counts as not existing."""
         name = model_name(model_or_spec)
         cmd = self.make + ("" if loading.is_default_model(name) else f" --model {name}") + self.args
         if not isinstance(model_or_spec, torch.nn.Module):
             return cmd
         default = self.default_path(model_or_spec)
-        if path is not None and Path(path) != default and not Path(path).exists() and not is_shipped(path):
+        gone = deleted or (path is not None and not Path(path).exists())
+        if path is not None and Path(path) != default and gone and not is_shipped(path):
             return f"{cmd} --output {path}"
-        return cmd + (" --force" if default.exists() else "")
+        return cmd + (" --force" if default.exists() and not (deleted and Path(path or "") == default) else "")
 
-    def hint(self, model: Any, path: Path | None = None) -> str:
-        return f"create it with `{self.command(model, path)}`"
+    def hint(self, model: Any, path: Path | None = None, deleted: bool = False) -> str:
+        return f"create it with `{self.command(model, path, deleted)}`"
 
     def error(self, path: Path, model: Any, problem: str) -> ArtifactError:
         """A bad field of an artifact of this kind: one line naming the command that remakes it."""
@@ -309,14 +330,30 @@ class ArtifactSpec:
                                 f"{self.hint(model)}{self.alternative}")
         return found
 
+    def precheck(self, path: str | os.PathLike, option: str) -> None:
+        """Refuse, before any model loads, an explicit ``path`` that holds no artifact of this kind
+        (missing, or no manifest of this kind); the model's fingerprint is checked when it loads."""
+        mfile = Path(path) if self.is_json else tensors_artifact_paths(path)[1]
+        if not Path(path).exists():
+            raise ArtifactError(f"{option} '{path}' does not exist; pass a {self.what} made by `{self.make}`")
+        try:
+            kind = json.loads(mfile.read_text(encoding="utf-8")).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind != self.kind:
+            raise ArtifactError(f"{option} '{path}' is not a {self.what} (no manifest of kind {self.kind!r} in it); "
+                                f"pass one made by `{self.make}`")
+
     def load(self, path: str | os.PathLike | None, model: torch.nn.Module) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
         """``(path, manifest, tensors)`` of this model's artifact (tensors empty for a JSON one)."""
         p = self.resolve(path, model)
+        for used in _RECORDERS:
+            used[self.kind] = os.path.abspath(p)
         hint = self.hint(model, p)
         if not self.is_json:
             tensors, manifest = load_tensors_artifact(p, model, kind=self.kind, create_hint=hint)
             return p, manifest, tensors
-        manifest = read_json_artifact(p, self.what, hint)
+        manifest = read_json_artifact(p, self.what, hint, self.hint(model, p, deleted=True))
         if (kind := manifest.get("kind")) != self.kind:
             found = f"a {kind!r} artifact" if kind is not None else "not a selfspec artifact (it has no 'kind')"
             raise ArtifactError(f"'{p}' is {found}, not a {self.what} (kind {self.kind!r}); pass a file made by "
@@ -343,16 +380,18 @@ class ArtifactSpec:
 
 
 def check_writable(path: Path, option: str) -> None:
-    """Refuse a file ``path`` that cannot be written (its directory is created); ``option`` names it."""
+    """Refuse a file ``path`` that cannot be written; ``option`` names it. Nothing is created (the
+    write makes missing directories), so a run that fails later leaves no empty directory behind."""
     if path.is_dir():
         raise ConfigError(f"{option} '{path}' is a directory; pass a file path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the directory of {option} '{path}' ({exc.strerror}); "
-                          "choose a writable path") from None
-    if not os.access(path.parent, os.W_OK):
-        raise ConfigError(f"cannot write {option} '{path}' (directory not writable); choose a writable path")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # the nearest directory that exists
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot create the directory of {option} '{path}' ('{parent}' is a file); "
+                          "choose a writable path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {option} '{path}' ('{parent}' is not writable); choose a writable path")
 
 
 def save_layers(spec: ArtifactSpec, path: Path, model: torch.nn.Module, items: Mapping[int, Any],

@@ -123,9 +123,9 @@ def gguf_architecture(path: Path) -> str:
         raise ModelLoadError(f"'{path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); re-download or re-export it") from None
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, cached_only: bool = False) -> str | None:
     """Content hash of a file, remembered per (path, size, mtime) so repeated loads of a
-    multi-gigabyte GGUF do not re-read it."""
+    multi-gigabyte GGUF do not re-read it; ``cached_only``: None when it is not remembered."""
     st = path.stat()
     index_path = model_cache_dir() / "hashes.json"
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
@@ -135,6 +135,8 @@ def file_sha256(path: Path) -> str:
     index = index if isinstance(index, dict) else {}
     if isinstance(index.get(key), str):
         return index[key]
+    if cached_only:
+        return None
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -143,6 +145,14 @@ def file_sha256(path: Path) -> str:
     with contextlib.suppress(ArtifactError):  # the index only saves time
         atomic_write(index_path, lambda f: f.write(json.dumps(index, indent=1).encode("utf-8")))
     return digest
+
+
+def _supported_architecture(path: Path) -> str:
+    arch = gguf_architecture(path)
+    if arch not in SUPPORTED_MODEL_TYPES:  # (gguf_architecture checked the packages)
+        raise UnsupportedModelError(f"GGUF architecture '{arch}' in '{path}' is not supported; "
+                                    f"selfspec runs GGUF files of: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return arch
 
 
 def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
@@ -158,15 +168,16 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
         raise ModelLoadError(f"'{path}' is not a GGUF file (no GGUF header); pass a .gguf model, a Hugging Face directory or a hub id")
     if not model_cache_dir().is_dir():  # nothing converted yet: it will be, so the cache must take it (before hashing)
         check_cache_writable("models")
-    digest = file_sha256(path)
+    digest, arch = file_sha256(path, cached_only=True), None
+    if digest is None:  # a file not seen before: its header is checked first, so a junk or unsupported file is
+        arch = _supported_architecture(path)  # refused in a moment, before hashing it, and never remembered
+        digest = file_sha256(path)
+    assert digest is not None
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name.removesuffix(".gguf"))
     target = model_cache_dir() / f"{stem}-{digest[:12]}"
     if (target / "config.json").is_file() and (target / "selfspec-source.json").is_file():
         return target
-    arch = gguf_architecture(path)
-    if arch not in SUPPORTED_MODEL_TYPES:  # (gguf_architecture checked the packages)
-        raise UnsupportedModelError(f"GGUF architecture '{arch}' in '{path}' is not supported; "
-                                    f"selfspec runs GGUF files of: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    arch = arch or _supported_architecture(path)
     check_cache_writable("models")  # before the conversion, not after it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,6 +243,17 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
         raise ModelLoadError(f"model '{spec}' does not exist; pass --model a .gguf file, a local Hugging Face directory, "
                              f"a hub id, or one of: {', '.join(NAMED_MODELS)}")
     return spec  # a hub id
+
+
+def config_num_layers(spec: str | None, log: Any = None) -> int | None:
+    """The model's layer count from its ``config.json``, read before any weights load (so that
+    options naming layers are checked at once); None where that file is not local (a hub id)."""
+    where = Path(resolve_model_path(spec, log or _stderr_log))
+    try:
+        n = json.loads((where / "config.json").read_text(encoding="utf-8")).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def is_default_model(name: str | os.PathLike) -> bool:

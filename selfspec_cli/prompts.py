@@ -85,7 +85,7 @@ def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None)
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             hint = " (a plain-text prompt file? pass --prompt-format text)" if line_no == 1 else ""
-            raise PromptFileError(f"{name}: line {line_no} is not valid JSON ({exc.msg}){hint}; fix or remove that line") from None
+            raise PromptFileError(f"{name}: line {line_no} is not valid JSON ({exc.msg}: column {exc.colno}){hint}; fix or remove that line") from None
         if not isinstance(obj, dict):
             raise PromptFileError(f"{name}: line {line_no} is not a JSON object; each line needs a 'prompt' or 'turns' field")
         prompts.append(prompt_from_row(obj, f"{name}: line {line_no}", line_no))

@@ -67,8 +67,12 @@ def test_json_out_is_strict():
 
 def test_train_heads_refuses_too_few_prompts_for_a_test_split(capsys, tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello there"}, {"prompt": "a b c"}])
-    assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tiny_model_dir), "-p", str(prompts),
-                               "-n", "4", "-o", str(tmp_path / "h.safetensors")], "at least 3 prompts", "--num-prompts")
+    msg = assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tiny_model_dir), "-p", str(prompts),
+                                     "-n", "4", "-o", str(tmp_path / "h.safetensors")], "at least 3 prompts", "more prompts")
+    assert "--num-prompts" not in msg  # named only when it is what holds the count down (it defaults to 1000)
+    prompts = write_jsonl(tmp_path / "p3.jsonl", [{"prompt": f"prompt {i}"} for i in range(4)])
+    assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tmp_path / "no-model"), "-p", str(prompts),
+                               "--num-prompts", "2"], "at least 3 prompts, got 2", "--num-prompts 3")
 
 
 def test_an_interrupted_bench_writes_what_it_has_and_resumes(capsys, tiny_model_dir, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 import click
 import typer
@@ -72,9 +73,41 @@ def _rank_prefix() -> str:
     return f"rank {rank} of {world}: " if world.isdigit() and int(world) > 1 else ""
 
 
+def _choices() -> dict[Any, tuple[str, ...]]:
+    """Option (parameter name, or (command, name)) -> the values its help shows as its metavar."""
+    from ..config import SAMPLING_RULES
+    from ..engine.target import TARGET_PRECISIONS
+    from ..methods import METHODS
+    from ..methods.base import DRAFT_PRECISIONS
+    from ..methods.self_sd.calibrate import OBJECTIVES, SAMPLERS
+    from ..methods.specee import KV_MODES
+    from ..prompts import PROMPT_FORMATS
+    from .calibrate import CALIBRATE_METHODS
+
+    return {"prompt_format": PROMPT_FORMATS, "sampling_rule": SAMPLING_RULES, "target_precision": TARGET_PRECISIONS,
+            "dtype": ("auto", "float32", "float16", "bfloat16"), "draft_precision": DRAFT_PRECISIONS,
+            "objective": OBJECTIVES, "sampler": SAMPLERS, "specee_kv_mode": KV_MODES, "kind": ("lm-heads", "exit-mlp"),
+            ("generate", "method"): tuple(METHODS), ("calibrate", "method"): tuple(CALIBRATE_METHODS)}
+
+
+def _metavars(group: Any) -> None:
+    """Help names each option's value by its choices where it has a few, else N, X, PATH or TEXT
+    (rather than typer's type names, ``<str>``, ``<list[str]>``)."""
+    choices = _choices()
+    for cname, cmd in group.commands.items():
+        for p in cmd.params:
+            if p.param_type_name != "option" or getattr(p, "is_flag", False) or p.metavar is not None:
+                continue
+            values = choices.get((cname, p.name)) or choices.get(p.name)
+            shown = str(p.display_type(None) or "")  # typer's own: <int>, <float>, <path>, <str>, <list[str]>
+            p.metavar = "|".join(values) if values else next(
+                (m for t, m in (("int", "N"), ("float", "X"), ("path", "PATH")) if t in shown), "TEXT")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (also used by tests)."""
     command = typer.main.get_command(app)
+    _metavars(command)
     set_invocation(sys.argv[1:] if argv is None else argv)
     _signals.clear()
     pop_exit_note()

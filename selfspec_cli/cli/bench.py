@@ -18,9 +18,8 @@ from typing import Any, Optional
 
 import torch
 import typer
-from rich.table import Table
 
-from ..artifacts import environment_info, model_name
+from ..artifacts import environment_info, model_name, recording_loads
 from ..bench import engine_profile as prof, plots, ranks as rk
 from ..bench.metrics import step_log
 from ..bench.peers import PEERS, make_peer
@@ -38,8 +37,8 @@ from ..paths import atomic_write
 from ..prompts import PROMPT_FORMATS, Prompt
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
-                     check_not_input, err_console, invocation, set_exit_note,
-                     log, progress, table, write_record)
+                     check_not_input, check_sampling_options, err_console, invocation, set_exit_note,
+                     FigureTable, log, progress, write_record)
 from .method_options import method_config
 from ..jsonio import dumps
 
@@ -118,10 +117,12 @@ def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt) + suffix
 
 
-def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> Table:
+def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> FigureTable:
     vs = [k for k, shown in (("ar", has_ref), ("hf", has_base)) if shown]  # the speedup columns
-    t = table(title, ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "vs ar, paired [95 %]", "decode tok/s", "M", "alpha", "parity",
-                      "differs (first token)", "optim s", "peak MB"], left=("method", "differs (first token)"))
+    t = FigureTable(title + ("; vs ar/hf: ratio of mean tok/s, paired: geometric mean of per-prompt ratios" if vs else ""),
+                    ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "paired vs ar [95 %]", "decode tok/s", "M",
+                     "alpha", "parity", "differs (first token)", "optim s", "peak MB"],
+                    left=("method", "differs (first token)"), wrap=("differs (first token)",))
     for n, m in summary.items():
         par = m.get("parity")
         differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
@@ -142,12 +143,12 @@ def _paired(p: dict[str, Any] | None) -> str:
     return f"{p['speedup']:.3f}x" + (f" [{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}]" if p["ci95"] else "")
 
 
-def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> Table | None:
+def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> FigureTable | None:
     cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
     if not cats:
         return None
-    t = table("speedup by category: vs ar [paired, 95 % interval]" + (" / vs hf" if has_base else "") + "  (M)",
-              ["method", *cats])
+    t = FigureTable("speedup by category: vs ar [paired, 95 % interval]" + (" / vs hf" if has_base else "") + "  (M)",
+                    ["method", *cats])
     for n, m in summary.items():
         t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
     return t
@@ -162,13 +163,13 @@ def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
     return _f(b["speedup_vs_ar"]) + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "") + hf + m
 
 
-def _cost_table(summary: dict[str, dict[str, Any]]) -> Table | None:
+def _cost_table(summary: dict[str, dict[str, Any]]) -> FigureTable | None:
     rows = {n: m["cost_model"] for n, m in summary.items() if m.get("cost_model")}
     if not rows:
         return None
-    t = table("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup, decode-only",
-              ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted",
-               "end to end vs ar", "skip ratio"))
+    t = FigureTable("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup, decode-only",
+                    ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted",
+                     "end to end vs ar", "skip ratio"))
     for n, cm in rows.items():
         m = summary[n]
         t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),
@@ -199,7 +200,7 @@ def bench(
     sampling_rule: str = typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of sampling and of methods with random search (swift)."),
     threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one (as generate does)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
@@ -208,8 +209,8 @@ def bench(
     names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
     unknown = [m for m in names if m not in METHODS and m not in VARIANTS and m not in PEERS and m not in TARGET_PEERS]
     if not names or unknown:
-        raise ConfigError(f"unknown --methods {', '.join(unknown) or '(none)'}; "
-                          f"choose from: {', '.join([*METHODS, *VARIANTS, *PEERS, *TARGET_PEERS])}")
+        raise ConfigError((f"unknown --methods {', '.join(unknown)}" if unknown else "--methods names no contender")
+                          + f"; choose from: {', '.join([*METHODS, *VARIANTS, *PEERS, *TARGET_PEERS])}")
     if warmup < 0 or repeats < 1:
         raise ConfigError("--warmup must be >= 0 and --repeats >= 1")
     check_seed(seed)
@@ -221,9 +222,10 @@ def bench(
                              ("--assistant-model", assistant_model, "hf-assisted")):
         if value is not None and peer not in names:
             raise ConfigError(f"{opt} is an option of the {peer} peer; drop it or add {peer} to --methods")
-    if temperature > 0 and (greedy_only := [n for n in names if n in PEERS or VARIANTS.get(n, (n,))[0] == "specee"]):
-        raise ConfigError(f"{', '.join(greedy_only)} run greedy only; with --temperature drop them from --methods "
-                          "(e.g. --methods ar,specqd,self-sd,swift,asd,pld,auto,adadecode)")
+    if temperature > 0 and (greedy_only := [n for n in names if n in PEERS or (
+            (base := VARIANTS.get(n, (n,))[0]) in METHODS and METHODS[base].greedy_only)]):
+        raise ConfigError(f"{', '.join(greedy_only)} {'runs' if len(greedy_only) == 1 else 'run'} greedy only; with "
+                          "--temperature drop them from --methods (e.g. --methods ar,specqd,self-sd,swift,asd,pld,auto,adadecode)")
     if "hf-assisted" in names and assistant_model is None:
         raise ConfigError("hf-assisted needs a second model with the same tokenizer; pass --assistant-model DIR")
     apply_threads(threads)
@@ -241,6 +243,7 @@ def bench(
     rk.init(ranks)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg0 = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)  # validates first
+    check_sampling_options(sampling)
     decoding = "greedy" if sampling.greedy else (f"sampling (temperature {temperature}, top-p {top_p}, top-k {top_k}, "
                                                  f"rule {sampling_rule}, seed {seed})")
     prompts, source = load_prompts(prompt_file, suite, prompt_format)
@@ -268,12 +271,14 @@ def bench(
     contenders: list[Contender] = []
     descriptions: dict[str, str] = {}
     offline: dict[str, dict[str, Any] | None] = {}
+    artifacts: dict[str, dict[str, str]] = {}
     built: dict[str, list[Method]] = {}  # the method instances of each pass, for their search histories
     for n in names:
         if n in METHODS or n in VARIANTS:
             base, extra, note = VARIANTS.get(n, (n, {}, ""))
             conf = method_config(base, extra, seed=seed)  # the run's seed where the method has one
-            first = build(base, engine, tok, conf)
+            with recording_loads() as artifacts[n]:  # the artifact files it reads, recorded in results.json
+                first = build(base, engine, tok, conf)
             descriptions[n] = first.description + note
             offline[n] = first.offline_info()  # calibration / training time, from its artifacts
             built[n] = []
@@ -397,6 +402,8 @@ def bench(
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
     summary = summarize(results, ref, base, descriptions, offline, num_layers=engine.num_layers)
+    for n, m in summary.items():
+        m["artifacts"] = artifacts.get(n, {})
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": decoding, "batch_size": 1,
              "chat_template": chat_template, "seed": seed, "command": invocation(), "complete": True,

@@ -7,18 +7,19 @@ import shlex
 import sys
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any, Collection, Iterator
+from typing import IO, Any, Collection, Iterator, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import ConfigError, SelfSpecError
 from ..jsonio import dumps
 from ..paths import atomic_open
 
-# piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default, unless COLUMNS says otherwise
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)
 
 
 _INVOCATION: list[str] | None = None
@@ -46,8 +47,21 @@ def check_choice(value: str, choices: Collection[str], option: str, where: str =
         raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
 
 
+def check_sampling_options(sampling: Any) -> None:
+    """Refuse sampling options given with greedy decoding (``--temperature 0``), which would ignore them."""
+    if not sampling.greedy:
+        return
+    for flag, given in (("--top-k", sampling.top_k != 0), ("--top-p", sampling.top_p != 1.0),
+                        ("--sampling-rule", sampling.rule != "gumbel")):
+        if given:
+            raise ConfigError(f"{flag} shapes sampling, and --temperature 0 decodes greedily, which would ignore it; "
+                              f"pass --temperature > 0 or drop {flag}")
+
+
 def log(msg: str) -> None:
-    err_console.print(msg, highlight=False)
+    """One message line on stderr (rich markup allowed); never broken by rich at the console's width,
+    so a path in it stays whole for copying."""
+    err_console.print(msg, highlight=False, soft_wrap=True)
 
 
 def progress(disable: bool = False) -> Progress:
@@ -62,6 +76,54 @@ def table(title: str, columns: Collection[str], left: Collection[str] = ("method
     for c in columns:
         t.add_column(c, justify="left" if c in left else "right")
     return t
+
+
+class FigureTable:
+    """A table of figures that no width cuts: rendered (it is a rich renderable) as one table when
+    it fits the console, else with its columns split over as many tables as the width needs, each
+    repeating the first column (the row's name). Cells of the ``wrap`` columns (text) wrap at
+    spaces; every other cell is kept whole on one line."""
+
+    def __init__(self, title: str, columns: Sequence[str], left: Collection[str] = ("method",),
+                 wrap: Collection[str] = ()) -> None:
+        self.title, self.columns, self.left, self.wrap = title, list(columns), set(left), set(wrap)
+        self.rows: list[list[str]] = []
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append([str(c) for c in cells])
+
+    def _width(self, i: int) -> int:
+        """The narrowest column ``i`` can be: its longest cell or header, or in a ``wrap`` column its longest word."""
+        cells = [Text.from_markup(c).plain for c in (self.columns[i], *(r[i] for r in self.rows))]
+        if self.columns[i] in self.wrap:
+            return max((len(w) for c in cells for w in c.split()), default=1)
+        return max(len(c) for c in cells)
+
+    def groups(self, width: int) -> list[list[int]]:
+        """The columns of each table printed at ``width``: after the first, as many as fit (at least one)."""
+        edge = self._width(0) + 4  # a column's cells are padded by one space each side, plus a border each side
+        out: list[list[int]] = [[]]
+        used = edge
+        for i in range(1, len(self.columns)):
+            w = self._width(i) + 3
+            if out[-1] and used + w > width:
+                out.append([])
+                used = edge
+            out[-1].append(i)
+            used += w
+        return out
+
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Table]:
+        groups = self.groups(options.max_width)
+        for n, cols in enumerate(groups, 1):
+            part = f" ({n}/{len(groups)})" if len(groups) > 1 else ""
+            t = Table(title=self.title + part, title_justify="left")
+            for i in (0, *cols):
+                c = self.columns[i]
+                t.add_column(c, justify="left" if c in self.left else "right", no_wrap=c not in self.wrap)
+            for row in self.rows:
+                t.add_row(*(row[i] for i in (0, *cols)))
+            yield t
 
 
 # ---------------------------------------------------------------- threads

@@ -8,17 +8,17 @@ from typing import Any, Optional
 import click
 import typer
 
-from ..artifacts import check_new_artifact
+from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, SamplingConfig, check_seed
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
-from ..loading import load_model
+from ..loading import config_num_layers, load_model, resolve_device, resolve_dtype
 from ..methods import METHODS, build
 from ..prompts import PROMPT_FORMATS, prompts_from_texts, read_prompts
 from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
-from .method_options import flag_error, given_options, method_config, with_method_options
-from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, log, output_stream, progress, write_record
+from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
+from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, check_sampling_options, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
@@ -62,6 +62,14 @@ def generate(
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
+    check_sampling_options(sampling)
+    if not sampling.greedy and METHODS[method].greedy_only:
+        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
+    if output is None or str(output) == "-":  # the records go to stdout: nothing to replace or add to
+        for flag, given in (("--append", append), ("--force", force and save_layers is None)):
+            if given:
+                raise ConfigError(f"{flag} applies to --output FILE, and without it the records go to stdout; "
+                                  f"drop {flag} or pass --output FILE")
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
@@ -69,6 +77,8 @@ def generate(
         check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
+    resolve_dtype(dtype, resolve_device(device))  # a bad --dtype or --device before anything is read
+    check_layer_ids(method_cfg, config_num_layers(model))  # from config.json: no weights loaded yet
 
     mdl, tok = load_model(model, dtype=dtype, device=device)
     cfg = dataclasses.replace(cfg, eos_token_ids=eos_token_ids(mdl, tok))
@@ -77,18 +87,23 @@ def generate(
 
     engine = Engine(mdl, target_precision=target_precision)
     try:
-        meth = build(method, engine, tok, method_cfg)
+        with recording_loads() as used:  # the artifact files the method reads, named on stderr and in each record
+            meth = build(method, engine, tok, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
     engine.release_float_weights()  # a block target: the float matrices are no longer needed (docs/engine.md, Memory)
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
         f"target {engine.target_precision}; method {method}; {len(prompts)} prompts[/dim]")
+    for kind, path in used.items():
+        log(f"[dim]using {kind} {path}[/dim]")
     total_tokens, total_time = 0, 0.0
     with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out, progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, engine.device, method, chat_template, meth.lossless)
             rec["threads"] = n_threads
+            if used:
+                rec["artifacts"] = dict(used)
             write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
@@ -102,4 +117,9 @@ def generate(
                      f"{total_tokens / total_time / ar_pace:.2f}x")
         log(f"[dim]{method}, target {engine.target_precision}: {pace}[/dim]")
     if save_layers is not None:
+        if not meth.search_history():  # nothing searched: the file would hold the uniform starting set
+            raise ConfigError(f"--save-layers: SWIFT's search evaluated no candidate in this run (too few tokens for its "
+                              f"--context-window and --optimize-budget), so '{save_layers}' would hold only the unsearched "
+                              "starting set and was not written; decode more (--max-new-tokens, more prompts) or raise "
+                              "--optimize-budget")
         log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")

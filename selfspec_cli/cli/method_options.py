@@ -89,3 +89,14 @@ def method_config(method: str, given: dict[str, Any], **fixed: Any) -> Any:
         return cls(**{k: v for k, v in fixed.items() if k in names}, **given)
     except FieldError as exc:
         raise flag_error(exc) from None
+
+
+def check_layer_ids(config: Any, num_layers: int | None) -> None:
+    """Refuse inline skip-set layer ids (``--skip-attn``, ``--skip-mlp``) out of range for a
+    ``num_layers``-layer model, before the model loads (the method checks them again when built)."""
+    if num_layers is None:
+        return
+    ids = {i for name in ("skip_attn", "skip_mlp") for i in (getattr(config, name, None) or ())}
+    if bad := sorted(i for i in ids if not 0 <= i < num_layers):
+        raise flag_error(FieldError("skip_attn/skip_mlp", f"layer ids {bad} are out of range for a {num_layers}-layer "
+                                                          f"model (valid: 0..{num_layers - 1})"))

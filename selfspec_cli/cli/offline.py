@@ -3,10 +3,10 @@ the methods' offline steps (:mod:`selfspec_cli.methods.offline`).
 
 In order, so that a mistake costs no model load: the step named by ``--method``/``--kind``,
 the options only other steps take refused with one line, ``--seed``'s range checked, the
-step's own options checked (``prepare``), the prompts read, an explicit ``--output`` checked
-(without one: that the user directory the default path lies in can be written); then the
-model loads, the default output path (the artifact spec's, fingerprint-keyed) is checked,
-the prompts are encoded and checked against the context, and the step's ``run`` does the
+step's own options checked (``prepare``), the prompts read and counted (a step's ``min_prompts``),
+an explicit ``--output`` checked (without one: that the user directory the default path lies in can
+be written); then the model loads, the default output path (the artifact spec's, fingerprint-keyed)
+is checked, the prompts are encoded and checked against the context, and the step's ``run`` does the
 work. Its summary is printed as one JSON object on stdout; no manifest is written here.
 """
 from __future__ import annotations
@@ -58,6 +58,11 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
     GenerationConfig(max_new_tokens=new_tokens)  # validates before any loading
     texts = load_calibration_prompts(prompt_file, dataset, dataset_field, step.num_prompts if num_prompts is None
                                      else num_prompts, prompt_format)
+    if len(texts) < step.min_prompts:
+        raise ConfigError(f"{step.command} {'--method' if step.command == 'calibrate' else '--kind'} {step.name} needs at "
+                          f"least {step.min_prompts} prompts, got {len(texts)}; " + (
+                              f"pass --num-prompts {step.min_prompts} or more" if num_prompts is not None and num_prompts < step.min_prompts
+                              else "pass a prompt file or dataset with more prompts"))
     if output is not None and writes:
         step.artifact.check_output(output, force)
     elif writes:  # the default path lies in the user's home: an unwritable one fails now, not after the work

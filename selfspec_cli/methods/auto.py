@@ -27,7 +27,7 @@ from ..decoding.driver import Proposer
 from ..decoding.layer_skip import LayerSkipProposer
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
-from ..errors import ArtifactError
+from ..errors import ArtifactError, FieldError
 from . import fr_spec
 from .asd import ASD
 from .base import DRAFT_PRECISIONS, Method, method_precision, option, require, resolve_precision
@@ -48,6 +48,9 @@ class AutoConfig:
     def __post_init__(self) -> None:
         require(self.draft_precision in DRAFT_PRECISIONS, "draft_precision", f"one of {', '.join(DRAFT_PRECISIONS)}",
                 self.draft_precision)
+        if self.ngram_only and self.draft_precision != "auto":
+            raise FieldError("ngram_only/draft_precision", "conflict: n-gram drafts read no weights, so a draft "
+                                                           "precision would be ignored; drop one of them")
 
 
 class Auto(Method):

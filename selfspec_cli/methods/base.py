@@ -82,6 +82,7 @@ class Method(Proposer):
     name: ClassVar[str]
     description: ClassVar[str] = ""
     Config: ClassVar[type] = NoConfig
+    greedy_only: ClassVar[bool] = False  # refuses --temperature > 0 (the CLI says so before loading the model)
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
         Proposer.__init__(self, engine, tokenizer)

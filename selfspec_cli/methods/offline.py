@@ -39,6 +39,7 @@ class OfflineStep:
     module: str  # absolute module name: its prepare(options) and run(job)
     num_prompts: int = 8  # defaults of --num-prompts and --max-new-tokens for this step
     max_new_tokens: int = 32
+    min_prompts: int = 1  # fewer prompts are refused before the model loads (a trainer's three disjoint splits: 3)
     options: tuple[str, ...] = ()  # the command's options that only this step takes (their parameter names)
 
     def load(self) -> ModuleType:

@@ -62,7 +62,7 @@ from .heads import LowRankHead, head_logits
 HEADS = ArtifactSpec(kind="adadecode-heads", folder="adadecode", what="AdaDecode heads artifact",
                      make="selfspec train-heads --kind lm-heads")
 TRAIN = OfflineStep("train-heads", "lm-heads", HEADS, "selfspec_cli.methods.adadecode.train", num_prompts=1000,
-                    max_new_tokens=256, options=("layers", "rank", "epochs", "lr", "batch_size", "seed", "cache_dir"))
+                    max_new_tokens=256, min_prompts=3, options=("layers", "rank", "epochs", "lr", "batch_size", "seed", "cache_dir"))
 
 
 def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:

@@ -7,8 +7,10 @@ KL(p* || p_i) distillation of each head towards the final layer's distribution (
 as in the paper), Adam with a cosine schedule and warmup, early stopping on the validation
 prompts' KL. Reports KL before (step 0 = logit lens) and after, and early-prediction
 precision (head argmax == full model's token) and coverage (share of rows whose head
-confidence reaches the threshold) at several thresholds. :func:`run` is the offline step
-(docs/design.md, "A method is one package").
+confidence reaches the threshold) at several thresholds. Heads none of which predicts the
+model's token on the test prompts (top-1 0) are of no use: they are never written as the
+model's default (:func:`~selfspec_cli.methods.onpolicy.finish`). :func:`run` is the offline
+step (docs/design.md, "A method is one package").
 """
 from __future__ import annotations
 
@@ -148,6 +150,9 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig,
 
 def prepare(options: dict[str, Any]) -> TrainSetting:
     layers = layer_list(options.get("layers"), "--layers")  # "3,7" -> (3, 7); a bad list is one line naming the flag
+    if layers is not None and (twice := sorted({k for k in layers if layers.count(k) > 1})):
+        raise ConfigError(f"--layers names layer {', '.join(map(str, twice))} more than once (one head per layer); "
+                          "list each layer once")
     return check_options({**options, "layers": layers}, epochs=30, batch_size=128, lr=5e-3)
 
 
@@ -172,5 +177,7 @@ def run(job: OfflineJob) -> dict[str, Any]:
              f"top-1 {r.top1_before:.3f} -> {r.top1_after:.3f}; "
              + ", ".join(f"@{th}: prec {v['precision']:.3f} cov {v['coverage']:.3f}" for th, v in r.precision_coverage.items())
              for r in reports]
-    return finish(job, HEADS, heads, manifest, train_s, lines, kind="lm-heads", rank=s.rank,
+    best = max(r.top1_after for r in reports)  # a head that never predicts the model's token is of no use
+    unusable = None if best > 0 else f"no head predicts the model's next token on the test prompts (top-1 {best:.3f})"
+    return finish(job, HEADS, heads, manifest, train_s, lines, unusable, kind="lm-heads", rank=s.rank,
                   thresholds=list(DEFAULT_THRESHOLDS))

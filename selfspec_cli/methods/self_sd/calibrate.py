@@ -63,7 +63,7 @@ from ..ar import AR
 from ..base import resolve_precision
 from ..offline import OfflineJob
 from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
-from .study import (DEFAULT_HEARTBEAT_S, check_slot, describe, dispose, finished_last, machine_id, open_storage, quiet,
+from .study import (DEFAULT_HEARTBEAT_S, check_slot, check_storage, describe, dispose, finished_last, machine_id, open_storage, quiet,
                     run_workers_share, sqlite_url, worker_id)
 
 STUDY_NAME = "self-sd"
@@ -342,6 +342,11 @@ def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
 
     if search.storage is None:
         check_writable(Path(search.study_path), "--study-path")
+        try:  # SQLite makes the file, not its directory
+            Path(search.study_path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the directory of --study-path '{search.study_path}' ({exc.strerror}); "
+                              "choose a writable path") from None
         spec, option = sqlite_url(Path(search.study_path)), "--study-path"
     else:
         spec, option = search.storage, "--storage"
@@ -629,6 +634,8 @@ def prepare(options: dict[str, Any]) -> Setting:
         raise ConfigError("--storage and --study-path both name the study; pass one of them")
     if o["workers"] < 1:
         raise ConfigError(f"--workers must be >= 1, got {o['workers']}")
+    if o["storage"] is not None:
+        check_storage(o["storage"])  # a bad URL costs no model load
     repeats = o["repeats"] if o["repeats"] is not None else (1 if o["objective"] == "proxy" else 3)
     search = SearchConfig(study_path=o["study_path"], n_trials=o["trials"], seed=o["seed"], sampler=o["sampler"],
                           repeats=repeats, objective=o["objective"], storage=o["storage"], heartbeat_s=o["heartbeat"],

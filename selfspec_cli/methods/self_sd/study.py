@@ -77,6 +77,17 @@ def sqlite_url(path: Path) -> str:
     return f"sqlite:///{path.resolve()}"
 
 
+def check_storage(spec: str) -> tuple[str, str]:
+    """``(database URL, scheme)`` of a --storage that is not a journal file; a spec that is neither
+    a database URL Optuna knows nor a journal file is refused (checked before any model loads)."""
+    url = spec if "://" in spec else sqlite_url(Path(spec))
+    scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
+    if _journal_path(spec) is None and scheme not in RDB_SCHEMES:
+        raise ConfigError(f"--storage '{describe(spec)}' is neither a database URL ({', '.join(RDB_SCHEMES)}) nor a "
+                          f"journal file ({JOURNAL_PREFIX}PATH or *.journal); pass one of those")
+    return url, scheme
+
+
 def open_storage(spec: str, heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> Any:
     import warnings
 
@@ -108,11 +119,7 @@ def _open_storage(spec: str, heartbeat_s: int) -> Any:
             return HeartbeatJournal(JournalFileBackend(str(jpath)), heartbeat_s, retry)
         except OSError as exc:
             raise ConfigError(f"cannot open the journal '{jpath}' ({exc.strerror}); pass a writable --storage path") from None
-    url = spec if "://" in spec else sqlite_url(Path(spec))
-    scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
-    if scheme not in RDB_SCHEMES:
-        raise ConfigError(f"--storage '{describe(spec)}' is neither a database URL ({', '.join(RDB_SCHEMES)}) nor a "
-                          f"journal file ({JOURNAL_PREFIX}PATH or *.journal); pass one of those")
+    url, scheme = check_storage(spec)
     # SQLite: several writers wait for the file lock instead of failing at once
     kwargs = {"connect_args": {"timeout": 120}} if scheme == "sqlite" else {}
     try:

@@ -71,7 +71,7 @@ EXIT_MLPS = ArtifactSpec(kind="specee-exit-mlp", folder="specee", what="SpecEE e
 SCHEDULE = ArtifactSpec(kind="specee-schedule", folder="specee", suffix=".schedule.json", what="SpecEE schedule artifact",
                         make="selfspec calibrate --method specee", args=f" --prompt-file {EXAMPLES_DIR / 'calibration.jsonl'}")
 TRAIN = OfflineStep("train-heads", "exit-mlp", EXIT_MLPS, "selfspec_cli.methods.specee.train", num_prompts=1000,
-                    max_new_tokens=256, options=("heads", "epochs", "lr", "batch_size", "seed", "cache_dir"))
+                    max_new_tokens=256, min_prompts=3, options=("heads", "epochs", "lr", "batch_size", "seed", "cache_dir"))
 CALIBRATE = OfflineStep("calibrate", "specee", SCHEDULE, "selfspec_cli.methods.specee.calibrate")
 
 
@@ -117,6 +117,7 @@ class SpecEEConfig:
 class SpecEE(Method):
     name = "specee"
     lossless = False
+    greedy_only = True
     description = "SpecEE (LOSSY): speculative early exit with per-layer predictors and two-level scheduling"
     Config = SpecEEConfig
 

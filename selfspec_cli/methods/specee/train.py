@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...engine import Engine
-from ..adadecode import LowRankHead, head_logits, load_heads
+from ..adadecode import HEADS, LowRankHead, head_logits, load_heads
 from ..offline import OfflineJob
 from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, collect, finish, frozen_head, optimizer_step,
                         progress_callback, splits)
@@ -201,7 +201,10 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
 
 
 def prepare(options: dict[str, Any]) -> TrainSetting:
-    return check_options(options, epochs=100, batch_size=1024, lr=1e-3)
+    setting = check_options(options, epochs=100, batch_size=1024, lr=1e-3)
+    if setting.heads is not None:  # a wrong path costs no model load
+        HEADS.precheck(setting.heads, "--heads")
+    return setting
 
 
 def run(job: OfflineJob) -> dict[str, Any]:

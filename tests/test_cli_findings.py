@@ -1,0 +1,331 @@
+"""Reproductions from the second new-user session (shared/notes/new-user-findings.md, items 6,
+10, 12, 13, 14, 16 and 18), each with the behaviour a user should get: bench tables readable at
+80 columns, the artifact a method loads named and a useless trained artifact kept off the
+default path, no unsearched SWIFT skip set saved, options that are ignored or conflict refused
+before the model loads, the README's flags equal to the commands' own."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from selfspec_cli.cli.app import main
+
+from .test_cli import assert_user_error, gen_args, prompt_file, run_generate, write_jsonl, write_lines  # noqa: F401 (fixture)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+COMMANDS = ("generate", "calibrate", "train-heads", "bench", "profile")
+
+
+# ---------------------------------------------------------------- 6. bench tables at 80 columns
+
+
+def _figures(summary: dict) -> list[str]:
+    """The figures bench's main table shows, as it formats them."""
+    out = []
+    for m in summary.values():
+        out += [f"{m['tokens_per_s']:.1f}", f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"]
+        out += [f"{m[k]:.2f}x" for k in ("speedup_vs_ar", "speedup_vs_hf") if m.get(k) is not None]
+        if (p := m.get("paired_vs_ar")) and p.get("ci95"):
+            out.append(f"{p['speedup']:.3f}x [{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}]")
+        if m.get("parity"):
+            out.append(f"{m['parity']['parity']:.0%} ({m['parity']['token_parity']:.1%} tok)")
+    return out
+
+
+def test_bench_tables_keep_every_figure_whole_at_80_columns(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    """The main table once squeezed 12 columns into 80 and cut the figures (`1.…`); now its
+    columns are split over as many tables as the width needs, each repeating the method."""
+    from rich.console import Console
+
+    from selfspec_cli.cli import bench as bench_cli
+    from selfspec_cli.cli import common
+
+    monkeypatch.setattr(common.err_console, "width", 80)
+    prompts = write_lines(tmp_path / "p.txt", ["alpha beta gamma", "one two three one two"])
+    capsys.readouterr()
+    assert main(["bench", "--methods", "ar,hf,pld,asd", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "6",
+                 "--warmup", "0", "--repeats", "2", "--no-plots", "--no-costs", "--device", "cpu",
+                 "-o", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "…" not in err
+    table_lines = [line for line in err.splitlines() if set(line) & set("│┃┏┡└━─")]
+    assert table_lines and max(len(line) for line in table_lines) <= 80
+    summary = json.loads((tmp_path / "b" / "results.json").read_text())["methods"]
+    for fig in _figures(summary):
+        assert fig in err, fig
+    for name in summary:
+        assert re.search(rf"│ {re.escape(name)} +│", err), name  # the method names are whole too
+    # one table when the width allows it
+    wide = Console(width=250, record=True, file=io.StringIO())
+    wide.print(bench_cli._table(summary, "t", True, False))
+    assert wide.export_text().count("method") == 1
+
+
+# ---------------------------------------------------------------- 10. which artifact, and no useless default
+
+
+def test_generate_names_the_artifact_it_loads(capsys, tiny_model_dir, prompt_file, tmp_path):
+    from selfspec_cli.artifacts import save_json_artifact
+    from selfspec_cli.loading import load_model
+    from selfspec_cli.methods.self_sd import SKIP_SET
+
+    model, _ = load_model(str(tiny_model_dir), device="cpu")
+    art = tmp_path / "skip.json"
+    save_json_artifact(art, {**SKIP_SET.header(model), "skip_attn": [1], "skip_mlp": [2]})
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, prompt_file, "-n", "4", "--method", "self-sd", "--layers", str(art))) == 0
+    out, err = capsys.readouterr()
+    assert f"using self-sd-layers {art}" in err
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert recs and all(r["artifacts"] == {"self-sd-layers": str(art)} for r in recs)
+    # a method that loads none says nothing of the kind
+    recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "3")
+    assert all("artifacts" not in r for r in recs)
+
+
+def _useless_model_dir(tmp_path, tokenizer) -> Path:
+    """A tiny Llama whose last layer decides the output alone (its MLP scaled up a hundredfold), so
+    no earlier layer's head can predict the model's token."""
+    import torch
+
+    from .conftest import make_tiny_model
+
+    model = make_tiny_model("llama-gqa", seed=3)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.mul_(100.0)
+    d = tmp_path / "last-layer-model"
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_heads_that_predict_nothing_do_not_become_the_default(capsys, tiny_tokenizer, tmp_path, selfspec_home):
+    """A throwaway train-heads run (top-1 0.000) once replaced the heads generate loads, silently."""
+    model_dir = _useless_model_dir(tmp_path, tiny_tokenizer)
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(6)])
+    capsys.readouterr()
+    rc = main(["train-heads", "--kind", "lm-heads", "-m", str(model_dir), "-p", str(prompts), "-n", "8", "--layers", "0",
+               "--epochs", "1", "--rank", "2", "--lr", "1e-9", "--device", "cpu", "--cache-dir", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert summary["report"][0]["top1_after"] == 0.0  # the premise: a head of no use
+    art = Path(summary["artifact"])
+    assert art.name.endswith(".unusable") and summary["usable"] is False
+    assert not (art.parent / art.name.removesuffix(".unusable") / "manifest.json").exists()  # no heads at the default
+    warning = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warning) == 1 and "not made this model's default" in warning[0] and f"rm -r '{art}'" in warning[0]
+    # generate finds no heads of this model: the useless ones are not its default
+    assert_user_error(capsys, gen_args(model_dir, prompts, "-n", "3", "--method", "adadecode"), "no AdaDecode heads")
+
+
+# ---------------------------------------------------------------- 12. swift --save-layers without a search
+
+
+def test_swift_refuses_to_save_a_skip_set_it_never_searched(capsys, tiny_model_dir, prompt_file, tmp_path):
+    saved = tmp_path / "swift.json"
+    capsys.readouterr()
+    rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "4", "--method", "swift", "--save-layers", str(saved),
+                       "-o", str(tmp_path / "out.jsonl")))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "evaluated no candidate" in err and "--optimize-budget" in err
+    assert not saved.exists()
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 4  # the records themselves are kept
+
+
+# ---------------------------------------------------------------- 13, 14. refused up front
+
+
+def test_train_heads_refuses_a_layer_listed_twice_before_loading(capsys, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", ["a", "b", "c"])
+    # a model that does not exist: a refusal that names --layers came before any loading
+    assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tmp_path / "no-model"), "-p", str(prompts),
+                               "--layers", "3,1,3"], "--layers", "layer 3 more than once")
+
+
+@pytest.mark.parametrize("extra,fragments", [
+    (("--append",), ("--append", "--output FILE")),
+    (("--force",), ("--force", "--output FILE")),
+    (("-o", "-", "--append"), ("--append",)),
+    (("--top-k", "5"), ("--top-k", "--temperature")),
+    (("--top-p", "0.9"), ("--top-p", "--temperature")),
+    (("--sampling-rule", "speculative"), ("--sampling-rule", "--temperature")),
+    (("--method", "auto", "--ngram-only", "--draft-precision", "int8"), ("--ngram-only/--draft-precision", "conflict")),
+    (("--method", "specee", "-t", "0.5"), ("--method specee", "greedily", "--temperature 0")),
+])
+def test_ignored_or_conflicting_generate_options_are_refused_up_front(capsys, tmp_path, prompt_file, extra, fragments):
+    """Each was accepted without a word (or refused only after the model loaded); a model path
+    that does not exist shows that the refusal comes before any loading."""
+    assert_user_error(capsys, gen_args(tmp_path / "no-model", prompt_file, *extra), *fragments)
+
+
+def test_skip_layers_out_of_range_are_refused_before_the_weights_load(capsys, tiny_model_dir, prompt_file, monkeypatch):
+    from selfspec_cli.cli import generate as gen_cli
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(gen_cli, "load_model", no_loading)
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--skip-attn", "1,99"),
+                      "--skip-attn/--skip-mlp", "[99]", "4-layer model")
+
+
+def test_offline_steps_refuse_bad_paths_before_loading(capsys, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", ["a", "b", "c"])
+    missing = str(tmp_path / "no-model")
+    (tmp_path / "notamodel").mkdir()
+    assert_user_error(capsys, ["train-heads", "--kind", "exit-mlp", "-m", missing, "-p", str(prompts), "--heads",
+                               str(tmp_path / "notamodel")], "--heads", "not a AdaDecode heads artifact",
+                      "selfspec train-heads --kind lm-heads")
+    assert_user_error(capsys, ["calibrate", "--method", "self-sd", "-m", missing, "-p", str(prompts), "--storage",
+                               "bogus://x"], "--storage", "neither a database URL")
+
+
+# ---------------------------------------------------------------- 16. the README's flags are the commands' own
+
+
+def _section(command: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"### `selfspec {command}`")
+    end = min(i for i in (text.find("\n### ", start + 1), text.find("\n## ", start + 1)) if i > 0)
+    return text[start:end]
+
+
+def _synopsis(command: str) -> str:
+    sec = _section(command)
+    start = sec.index("```bash") + len("```bash")
+    return sec[start:sec.index("```", start)]
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _help_options(command: str) -> list[set[str]]:
+    """The long names of each option ``selfspec <command> --help`` lists (click's own list, hidden
+    ones left out): ``{"--chat-template", "--no-chat-template"}`` is one option."""
+    import typer
+
+    from selfspec_cli.cli.app import app
+
+    cmd = typer.main.get_command(app).commands[command]
+    return [names for p in cmd.params if not getattr(p, "hidden", False)
+            if (names := {o for o in (*p.opts, *p.secondary_opts) if o.startswith("--")} - {"--help"})]
+
+
+def _help_flags(command: str) -> set[str]:
+    return set().union(*_help_options(command))
+
+
+def _method_table() -> list[tuple[set[str], str]]:
+    """(flags, methods column) of each row of the README's method-flag table."""
+    rows = []
+    for line in _section("generate").splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows.append((set(FLAG.findall(cells[0])), cells[1]))
+    return rows
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_flags_exist_in_the_commands_help(command):
+    documented = set(FLAG.findall(_synopsis(command)))
+    if command == "generate":
+        documented |= {f for flags, _ in _method_table() for f in flags}
+    help_flags = _help_flags(command)
+    assert documented - help_flags == set(), f"the README documents flags {command} --help does not list"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_help_flag_is_in_the_readme(command):
+    documented = set(FLAG.findall(_section(command)))
+    missing = sorted(min(names) for names in _help_options(command) if not names & documented)
+    assert missing == [], f"{command} --help lists options its README section never names"
+
+
+def test_readme_method_table_names_the_methods_that_take_each_flag():
+    from selfspec_cli.cli.method_options import flag, option_fields
+    from selfspec_cli.methods import METHODS
+
+    owners = {flag(name): set(methods) for name, (_, _, methods) in option_fields().items()}
+    checked = 0
+    for flags, column in _method_table():
+        named = set(re.findall(r"[a-z][a-z0-9-]*", column)) & set(METHODS)
+        for f in flags & set(owners):
+            assert named == owners[f], (f, sorted(named), sorted(owners[f]))
+            checked += 1
+    assert checked > 20
+
+
+def test_every_option_has_help_text():
+    import typer
+
+    from selfspec_cli.cli.app import app
+
+    for name, cmd in typer.main.get_command(app).commands.items():
+        for p in cmd.params:
+            if p.param_type_name == "option" and not p.hidden:
+                assert (p.help or "").strip(), (name, p.opts)
+
+
+# ---------------------------------------------------------------- 18. small messages
+
+
+def test_a_malformed_jsonl_line_names_its_column(capsys, tiny_model_dir, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": "torn\n', encoding="utf-8")
+    assert_user_error(capsys, gen_args(tiny_model_dir, bad), "line 2 is not valid JSON", "column 12")
+
+
+def test_bench_messages(capsys, tiny_model_dir, prompt_file, tmp_path):
+    assert_user_error(capsys, ["bench", "--methods", "ar,hf", "-m", str(tiny_model_dir), "-p", str(prompt_file), "-t", "0.8",
+                               "-o", str(tmp_path / "b")], "hf runs greedy only")
+    msg = assert_user_error(capsys, ["bench", "--methods", " , ", "-p", str(prompt_file), "-o", str(tmp_path / "b")],
+                            "--methods names no contender", "choose from")
+    assert "(none)" not in msg
+    assert_user_error(capsys, ["bench", "--methods", "ar", "-p", str(prompt_file), "--top-k", "4", "-o",
+                               str(tmp_path / "b")], "--top-k", "--temperature")
+
+
+def test_advice_for_a_broken_layers_file_recreates_that_file(capsys, tiny_model_dir, prompt_file, tmp_path):
+    junk = tmp_path / "mine.json"
+    junk.write_text("not json", encoding="utf-8")
+    msg = assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--layers", str(junk)),
+                            "is not valid JSON", "delete it")
+    assert f"--output {junk}" in msg and "--force" not in msg
+
+
+def test_help_names_values_not_type_names(capsys):
+    for command in COMMANDS:
+        capsys.readouterr()
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "<str>" not in out and "<list" not in out and "<int>" not in out, command
+    main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "--method ar|self-sd|" in out and "--stop TEXT" in out and "--prompt-format auto|text|jsonl" in out
+
+
+def test_a_failed_train_heads_run_leaves_no_empty_directory(capsys, tiny_model_dir, tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", ["a b", "c d", "e f"])
+    out = tmp_path / "th_y"
+    assert_user_error(capsys, ["train-heads", "--kind", "lm-heads", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "4",
+                               "--layers", "9", "-o", str(out), "--device", "cpu"], "--layers", "0..2")
+    assert not out.exists()
+
+
+def test_an_unsupported_gguf_is_refused_from_its_header_before_it_is_hashed(capsys, tmp_path, prompt_file, monkeypatch):
+    """A command-r GGUF was hashed (25 s for a real one) and remembered before its header was read."""
+    from selfspec_cli import loading
+
+    from .gguf_utils import write_non_llama_gguf
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = write_non_llama_gguf(tmp_path / "cmdr.gguf", "command-r")
+    assert_user_error(capsys, gen_args(path, prompt_file), "architecture 'command-r'", "not supported")
+    index = loading.model_cache_dir() / "hashes.json"
+    assert not index.exists() or str(path.resolve()) not in index.read_text(encoding="utf-8")
