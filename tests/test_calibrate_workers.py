@@ -19,7 +19,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from selfspec_cli.methods.self_sd.study import check_slot, finished_last, open_storage
+from selfspec_cli.methods.self_sd.study import CLAIMED, check_slot, finished_last, open_storage
 
 from .test_calibrate import PROMPTS, calib_args
 
@@ -157,13 +157,25 @@ def test_surplus_and_duplicate_trials_are_pruned(tmp_path):
         study.enqueue_trial({"x": x})
         return study.ask({"x": dist})
 
-    a, b = start(1), start(2)
+    def claim(t: optuna.Trial) -> optuna.Trial:  # what the objective does once every parameter is suggested
+        t.set_user_attr(CLAIMED, True)
+        return t
+
+    a, b = claim(start(1)), claim(start(2))
     assert check_slot(study, b, n_trials=2) is None  # a (running, before b) and b make 2
     assert check_slot(study, b, n_trials=1) == "surplus"
     assert check_slot(study, a, n_trials=1) is None  # a is first: b does not count against it
-    c = start(1)  # the parameters of a, which runs and is numbered before c
-    assert check_slot(study, c, n_trials=10) == "duplicate"
-    assert check_slot(study, a, n_trials=10) is None  # c is after a: a runs
+    c = start(1)  # the parameters of a, still arriving (not claimed): a does not give way to it
+    assert check_slot(study, a, n_trials=10) is None
+    claim(c)
+    assert check_slot(study, c, n_trials=10) == "duplicate"  # a claimed them
+    # the race two workers met: f checked while e's parameters were still partial, and runs; e, numbered
+    # before f, claims and checks afterwards and must give way (the old rule let both run)
+    e, f = start(3), claim(start(3))
+    assert check_slot(study, f, n_trials=10) is None
+    assert check_slot(study, claim(e), n_trials=10) == "duplicate"
+    for t in (c, e, f):
+        study.tell(t, state=optuna.trial.TrialState.PRUNED)
     study.tell(a, 1.0)
     assert check_slot(study, b, n_trials=1) == "surplus"  # a complete trial always counts
     study.tell(b, 2.0)

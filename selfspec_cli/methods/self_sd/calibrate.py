@@ -63,7 +63,7 @@ from ..ar import AR
 from ..base import resolve_precision
 from ..offline import OfflineJob
 from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
-from .study import (DEFAULT_HEARTBEAT_S, check_slot, check_storage, describe, dispose, finished_last, machine_id, open_storage, quiet,
+from .study import (CLAIMED, DEFAULT_HEARTBEAT_S, check_slot, check_storage, describe, dispose, finished_last, machine_id, open_storage, quiet,
                     run_workers_share, sqlite_url, worker_id)
 
 STUDY_NAME = "self-sd"
@@ -497,6 +497,7 @@ def calibrate_self_sd(
                 trial.set_user_attr("pid", os.getpid())
                 if search.objective == "throughput":
                     trial.set_user_attr("machine", machine_id())
+                trial.set_user_attr(CLAIMED, True)  # every parameter is in the storage now (study.check_slot)
                 if (why := check_slot(study, trial, search.n_trials)) is not None:
                     trial.set_user_attr("pruned", why)
                     random_next[0] = why == "duplicate"

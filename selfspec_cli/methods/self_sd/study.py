@@ -207,17 +207,26 @@ def dispose(storage: Any) -> None:
 # ---------------------------------------------------------------- one worker's share
 
 
+CLAIMED = "claimed"  # user attribute a trial sets once all its parameters are suggested, before check_slot
+
+
 def check_slot(study: Any, trial: Any, n_trials: int) -> str | None:
-    """Why ``trial`` (just started, parameters suggested) must not run: ``surplus`` when the complete
-    trials and the running ones numbered before it already make ``n_trials``; ``duplicate`` when a
-    complete trial, or a running one numbered before it, has the same parameters. None: run it."""
+    """Why ``trial`` (just started, parameters suggested and ``claimed`` set) must not run: ``surplus``
+    when the complete trials and the running ones numbered before it already make ``n_trials``;
+    ``duplicate`` when a complete trial, or another running trial that has claimed its parameters,
+    has the same ones. Parameters reach the storage one suggestion at a time, so a running trial
+    counts as a duplicate only once it has claimed (all its parameters are there), and whichever
+    number it has: a trial that checked while the other's parameters were still partial, and runs,
+    is seen by the other's later check. Two that claim the same parameters at once may both give
+    way (each is drawn again); two never both run. None: run it."""
     from optuna.trial import TrialState
 
-    before = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
-              if t.state == TrialState.COMPLETE or t.number < trial.number]
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+    before = [t for t in trials if t.state == TrialState.COMPLETE or t.number < trial.number]
     if len(before) >= n_trials:
         return "surplus"
-    if any(t.params == trial.params for t in before):
+    if any(t.params == trial.params for t in trials if t.number != trial.number
+           and (t.state == TrialState.COMPLETE or t.user_attrs.get(CLAIMED))):
         return "duplicate"
     return None
 
