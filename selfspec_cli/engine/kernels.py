@@ -167,10 +167,14 @@ class QuantWeight:
             w = w + self.mins[:, :, None]
         return w.view(n, k)
 
+    def half_scales(self) -> bool:
+        """Whether every scale and minimum is a float16 value (the GGUF's blocks store them so)."""
+        return all(t is None or torch.equal(t.half().float(), t) for t in (self.scales, self.mins))
+
     def nbytes(self) -> int:
         """Bytes a decode step streams: codes at their bit width plus scales and minimums (2 bytes each where
         all are float16 values, as :class:`QLinear` then stores them, else 4)."""
-        per = 2 if all(t is None or torch.equal(t.half().float(), t) for t in (self.scales, self.mins)) else 4
+        per = 2 if self.half_scales() else 4
         return (self.codes.numel() * self.bits) // 8 + per * self.scales.numel() * (2 if self.mins is not None else 1)
 
 
@@ -244,8 +248,7 @@ class QLinear:
             codes = panels(quant.codes).view(torch.uint8)
         # float16 scales (and minimums) where each is a float16 value, as the GGUF's blocks store them: 2 bytes
         # a group less to stream, widened exactly in the kernel
-        half = all(t is None or torch.equal(t.half().float(), t) for t in (quant.scales, quant.mins))
-        sdt = torch.float16 if half else torch.float32
+        sdt = torch.float16 if quant.half_scales() else torch.float32
         empty = torch.empty(0)
         meta = QuantWeight(quant.fmt, empty, empty, None, quant.group, quant.bits)
         return cls(meta, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales.to(sdt)),
@@ -278,9 +281,6 @@ class A8Linear:
     def meta(self) -> QuantWeight:
         return self.base.meta
 
-    def nbytes(self) -> int:
-        return self.base._nbytes
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         b = self.base
         if b.module is None or x.dim() != 2 or b.meta.bits != 4:
@@ -293,10 +293,10 @@ class A8Linear:
 def stream_bytes(lin: Linear | QLinear | A8Linear) -> int:
     """Bytes one call reads of a matrix: its codes, scales and minimums, its packed panels (bf16
     panels: 2 per weight), or the weight tensor itself on the F.linear path."""
+    if isinstance(lin, A8Linear):
+        lin = lin.base  # the same codes
     if isinstance(lin, QLinear):
         return lin._nbytes
-    if isinstance(lin, A8Linear):
-        return lin.nbytes()
     t = lin.packed if lin.packed is not None else lin.weight
     return t.numel() * t.element_size()
 

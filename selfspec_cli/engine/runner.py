@@ -80,8 +80,8 @@ def _trim_heap() -> None:
 
 
 def _block_rows(head: kernels.QLinear) -> Any:
-    """Embedding rows from a head's packed panels, computed as the file format (and
-    :meth:`QuantWeight.dequantize`) defines them: ``s q`` (Q8_0), ``s (q - 8)`` (Q4_0), ``s q + m`` (Q4_1)."""
+    """Embedding rows from a head's packed panels, computed as :meth:`QuantWeight.dequantize` (the file
+    format) defines them: ``s q`` (8-bit codes), ``s (q - 8)`` (Q4_0), ``s q + m`` (with minimums)."""
     meta, group = head.meta, head.meta.group
     if meta.bits == 8:
         codes = head.codes.view(torch.int8)  # (np, K, 64)
@@ -222,8 +222,8 @@ class Engine:
                  if isinstance(self._lin[l][name], kernels.QLinear)]
         if not tied and isinstance(head, kernels.QLinear):
             gone.append(a.lm_head)
-        ptrs = {t.untyped_storage().data_ptr() for t in gone}
-        freed = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in gone}.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gone}  # a tied table counts once
+        ptrs, freed = storages.keys(), sum(st.nbytes() for st in storages.values())
         # drop every reference: the module's parameters (views into the fused matrices, or the loaded
         # tensors, which safetensors may have memory-mapped) and the adapter's own
         for p in self.model.parameters():
