@@ -140,11 +140,17 @@ def test_targets_an_engine_cannot_run_are_refused():
     ("auto", {}),
 ])
 def test_lossless_methods_keep_greedy_parity_on_the_block_target(gguf_models, method, options):
-    eng = Engine(gguf_models["Q4_1x6"], target_precision="gguf")
+    _block_target_parity(gguf_models["Q4_1x6"], method, options, [(0, 40), (1, 13)])
+
+
+def _block_target_parity(model, method: str, options: dict, runs: list[tuple[int, int]]) -> dict:
+    """``method`` on the block target gives ``ar``'s tokens for each (seed, length); with paper
+    drafting it drafts at all. Returns the method's ``describe()``."""
+    eng = Engine(model, target_precision="gguf")
     m = build(method, eng, None, **options)
     ar = AR(eng)
     drafted = 0
-    for seed, n in [(0, 40), (1, 13)]:
+    for seed, n in runs:
         prompt = torch.randint(3, eng.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
         cfg = GenerationConfig(max_new_tokens=n)
         res = m.generate(prompt, cfg)
@@ -152,6 +158,7 @@ def test_lossless_methods_keep_greedy_parity_on_the_block_target(gguf_models, me
         drafted += res.stats.drafted_tokens
     if options.get("paper_drafting"):
         assert drafted > 0
+    return m.describe()
 
 
 @needs_kernel
@@ -189,20 +196,8 @@ def test_w4a8_is_close_batch_invariant_and_the_same_on_both_paths(gguf_models, m
 @pytest.mark.parametrize("method,options", [("specqd", {"paper_drafting": True}), ("auto", {}),
                                             ("self-sd", {"skip_attn": "1", "skip_mlp": "2", "paper_drafting": True})])
 def test_w4a8_drafts_keep_parity_on_the_block_target(gguf_models, method, options):
-    eng = Engine(gguf_models["Q4_1x6"], target_precision="gguf")
-    m = build(method, eng, None, **options)
-    ar = AR(eng)
-    drafted = 0
-    for seed, n in [(0, 40), (3, 17)]:
-        prompt = torch.randint(3, eng.vocab_size, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
-        cfg = GenerationConfig(max_new_tokens=n)
-        res = m.generate(prompt, cfg)
-        assert res.token_ids == ar.generate(prompt, cfg).token_ids, (method, seed)
-        drafted += res.stats.drafted_tokens
-    info = m.describe()
+    info = _block_target_parity(gguf_models["Q4_1x6"], method, options, [(0, 40), (3, 17)])
     assert (info.get("quant") or info.get("layer_skip") or info)["draft_precision"] == "w4a8"
-    if options.get("paper_drafting"):
-        assert drafted > 0
 
 
 @needs_kernel
@@ -275,3 +270,45 @@ def test_every_block_type_reads_as_gguf_py_dequantizes_it(qtype):
     want = quants.dequantize(raw, kind).reshape(rows, cols)
     assert got is not None and got.codes.shape == (rows, cols)
     assert np.array_equal(got.dequantize().numpy(), want.astype(np.float32))
+
+
+# ---- what the methods and profile make of a block target ------------------------------------------
+
+
+@needs_kernel
+def test_a_copy_at_the_targets_precision_is_never_a_draft(gguf_models):
+    from selfspec_cli.bench.engine_profile import quantized_drafts
+    from selfspec_cli.methods.base import method_precision
+
+    eng = Engine(gguf_models["Q4_1"], target_precision="gguf")
+    # a skip set calibrated on the GGUF copy drafts with auto's weights once that copy is the target
+    assert method_precision(eng, "auto", "gguf") == "w4a8"
+    assert method_precision(eng, "auto", "target") is None
+    out = quantized_drafts(eng, list(range(3, 12)), [list(range(3, 9))], 2, rounds=1, precisions=("gguf", "w4a8"))
+    assert out["gguf"] == {"unavailable": "the gguf target itself"} and out["w4a8"]["c"] > 0
+
+
+@needs_kernel
+def test_fr_spec_auto_vocabulary_applies_to_quantized_drafts_only_on_a_block_target(gguf_models, monkeypatch):
+    from selfspec_cli.methods import fr_spec
+
+    asked = []
+    monkeypatch.setattr(fr_spec, "resolve", lambda spec, model, size=None: asked.append(spec))  # records, no artifact
+    block = build("specqd", Engine(gguf_models["Q4_1"], target_precision="gguf"), None)
+    fp32 = build("specqd", Engine(gguf_models["Q4_1"], target_precision="fp32"), None, draft_precision="int8")
+    asked.clear()
+    fr_spec.attach(block, block.engine.model)
+    fr_spec.attach(fp32, fp32.engine.model)
+    assert asked == ["auto", "full"]  # the block target's draft head is the target's own: a subset pays
+
+
+def test_draft_verdict_says_whether_any_full_depth_copy_pays():
+    from selfspec_cli.bench.engine_profile import draft_verdict
+
+    v = {"2": 1.05, "4": 1.35, "8": 2.36}
+    cheap = draft_verdict({"int8": {"c": 0.3, "agreement": 0.95}, "_": {}}, v)
+    assert cheap["summary"].startswith("int8 can pay") and cheap["drafts"]["int8"]["best_gain"] > 1.5
+    # a copy at 0.97 of a step pays nothing even at full agreement: 2 tokens / (0.97 + v(2)) < 1
+    dear = draft_verdict({"w4a8": {"c": 0.97, "agreement": 1.0}}, v)
+    assert dear["drafts"]["w4a8"]["best_gain"] < 1.0 and dear["summary"].startswith("nothing cheaper")
+    assert draft_verdict({}, v)["summary"] == "no quantized copy measured"
