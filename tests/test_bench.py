@@ -355,3 +355,37 @@ def test_bench_bad_input_is_one_line(capsys, tiny_model_dir, tmp_path):
         err = capsys.readouterr().err
         assert rc == 2, (argv, err)
         assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_target_peer_decodes_in_its_own_process_and_the_block_side_frees_its_floats(capsys, tiny_model_dir, tmp_path):
+    """ar-fp32 runs in a child process (bench/peer_process.py): its tokens are those of the fp32 target
+    decoded here, its peak_rss_mb is that process's, the child is gone after the run, and the bench's
+    own process released the float matrices its bf16 target does not read."""
+    import multiprocessing
+
+    from selfspec_cli.loading import load_model
+    from selfspec_cli.runtime import run_prompt
+    from selfspec_cli.prompts import Prompt
+
+    if not Engine(make_tiny_model()).kernel_info["backend"].startswith("small_gemm"):
+        pytest.skip("no CPU kernel on this host: only the loaded weights can be the target, no ar-fp32 row")
+    prompts = tmp_path / "p.jsonl"
+    texts = ["def add(a, b):\n    return", "The capital of France is"]
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    out_dir = tmp_path / "out"
+    rc = main(["bench", "--methods", "ar", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "12", "--warmup", "0",
+               "--target-precision", "bf16", "--no-costs", "--no-plots", "--device", "cpu", "-o", str(out_dir)])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads((out_dir / "results.json").read_text())
+    assert set(doc["methods"]) == {"ar", "ar-fp32"}
+    assert "process of its own" in doc["methods"]["ar-fp32"]["description"]
+    assert multiprocessing.active_children() == []
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, (out_dir / "records" / "ar-fp32.jsonl").read_text().splitlines())}
+    mdl, tok = load_model(str(tiny_model_dir), device="cpu")
+    ar = build("ar", Engine(mdl, target_precision="fp32"), tok)
+    cfg = GenerationConfig(max_new_tokens=12, eos_token_ids=(tok.eos_token_id,))
+    for i, t in enumerate(texts):
+        want = run_prompt(ar.generate, tok, Prompt(id=i, turns=(t,)), cfg, torch.device("cpu"), "ar")["token_ids"]
+        assert got[i] == want
+    assert doc["methods"]["ar"]["peak_rss_mb"] != doc["methods"]["ar-fp32"]["peak_rss_mb"]

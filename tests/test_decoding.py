@@ -195,3 +195,38 @@ def test_registry_holds_every_method_class_under_its_documented_name():
     assert set(found) == set(METHODS.values()), (found, METHODS)
     for key, cls in METHODS.items():
         assert found[cls] == key.replace("-", "_") and cls.name == key
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "mistral-window"])
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_chunked_prefill_gives_the_bits_of_one_forward(monkeypatch, arch, precision):
+    """A prompt longer than PREFILL_CHUNK prefills in chunks (DecodeState.prefill): the same logits and
+    KV cache bits as one forward, on the loaded weights and on a kernel target, with a sliding window
+    shorter than the prompt too; and the chunks did run (the forward count says so)."""
+    from selfspec_cli.decoding import state as st
+
+    model = make_tiny_model(arch)
+    if precision is not None and not Engine(model).kernel_info.get("backend", "").startswith("small_gemm"):
+        pytest.skip("no CPU kernel on this host (SELFSPEC_KERNELS=0 or no AVX2): only the loaded weights run")
+    engine = Engine(model, target_precision=precision)
+    prompt = torch.randint(2, VOCAB, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    sampling = SamplingConfig()
+
+    def prefill(chunk: int):
+        monkeypatch.setattr(st, "PREFILL_CHUNK", chunk)
+        s = st.DecodeState(engine, prompt, max_new_tokens=4, lookahead=1, sampling=sampling, generator=None)
+        calls = []
+        real = engine.forward
+        monkeypatch.setattr(engine, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+        with torch.inference_mode():
+            out = s.prefill()
+        monkeypatch.setattr(engine, "forward", real)
+        return out.logits.clone(), s.cache.k.clone(), s.cache.v.clone(), len(calls)
+
+    one = prefill(512)
+    assert one[3] == 1
+    for chunk in (16, 7, 44, 45):
+        got = prefill(chunk)
+        assert got[3] == -(-len(prompt) // chunk)
+        for a, b in zip(one[:3], got[:3]):
+            assert torch.equal(a, b), chunk

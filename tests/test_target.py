@@ -18,6 +18,7 @@ import torch
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding.cost import weight_bytes
 from selfspec_cli.engine import Engine
+from selfspec_cli.engine.adapter import model_fingerprint
 from selfspec_cli.engine import kernels as K
 from selfspec_cli.errors import ConfigError
 from selfspec_cli.methods import AR, build
@@ -213,7 +214,10 @@ def test_releasing_the_float_weights_keeps_every_token(gguf_models):
     cfg = GenerationConfig(max_new_tokens=24)
     before = ar.generate(prompt, cfg).token_ids
     emb = eng.embed(torch.arange(eng.vocab_size))
+    fp = model_fingerprint(eng.model)
+    eng.model._selfspec_fingerprint = None  # computed afresh by the release, from the weights it is about to free
     freed = eng.release_float_weights()
+    assert model_fingerprint(eng.model) == fp  # artifacts built after the release still know the model
     assert freed >= sum(t.numel() * 4 for t in [eng.adapter.embed]) and eng._embed_rows is not None
     assert eng.adapter.embed.numel() == 0 and all(p.numel() == 0 for p in eng.model.model.layers[0].mlp.parameters())
     assert torch.equal(eng.embed(torch.arange(eng.vocab_size)), emb)

@@ -33,6 +33,7 @@ class Contender:
     make: Callable[[], Generate]  # a fresh instance per timed pass
     lossless: bool = True
     kind: str = "selfspec"  # "selfspec" | "peer"
+    pid: int | None = None  # the process that decodes it (bench/peer_process.py), None: this one
 
 
 @dataclass(slots=True)
@@ -50,9 +51,9 @@ class ContenderResult:
         return self.repeats[-1] if self.repeats else []
 
 
-def _rss_bytes() -> int:
+def _rss_bytes(pid: int | None = None) -> int:
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):  # not Linux
         import resource
@@ -63,26 +64,27 @@ def _rss_bytes() -> int:
 class MemorySampler:
     """Peak resident set size per contender, sampled by one thread every ``interval`` s and
     attributed to whichever contender is running (a read of /proc every 50 ms costs the
-    timed code nothing measurable)."""
+    timed code nothing measurable). The process sampled is the contender's own: this one, or
+    the child a :class:`~selfspec_cli.bench.peer_process.ProcessPeer` decodes in."""
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
-        self.current: str | None = None
+        self.current: tuple[str, int | None] | None = None  # (contender, its process), one attribute: read atomically
         self.peaks: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _note(self) -> None:
-        if (name := self.current) is not None:  # read once: the sampling thread races the timed one
-            self.peaks[name] = max(self.peaks.get(name, 0), _rss_bytes())
+        if (cur := self.current) is not None:  # read once: the sampling thread races the timed one
+            self.peaks[cur[0]] = max(self.peaks.get(cur[0], 0), _rss_bytes(cur[1]))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._note()
 
-    def running(self, name: str | None) -> None:
+    def running(self, name: str | None, pid: int | None = None) -> None:
         self._note()
-        self.current = name
+        self.current = None if name is None else (name, pid)
         self._note()
 
     def __enter__(self) -> MemorySampler:
@@ -138,7 +140,7 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
                         continue
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
-                    mem.running(c.name)
+                    mem.running(c.name, c.pid)
                     rec = run_prompt(gens[c.name], tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
                     mem.running(None)
                     if cuda:

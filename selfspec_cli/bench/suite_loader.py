@@ -1,4 +1,4 @@
-"""Benchmark prompt suites, read with ``datasets`` (local files, no network).
+"""Benchmark prompt suites: the bundled ones, and local JSONL files read with ``datasets`` (no network).
 
 * ``spec-bench``: Spec-Bench's 480 questions (vendored with their license in
   ``selfspec_cli/bench/data/spec_bench/``), multi-turn, in Spec-Bench's six groups;
@@ -15,10 +15,16 @@ its :func:`~selfspec_cli.prompts.prompt_from_row` (a suite also requires ``id`` 
 ``category``). Other fields (``source``) are kept in the file for provenance and ignored
 here. The built-in suites are made by ``scripts/make_suites.py`` from the shipped model's
 held-out files (docs/benchmarks.md, "Suites").
+
+The bundled files are ours and read line by line with ``json``; a user's file goes through
+``datasets`` (its errors and type checks). Importing ``datasets`` alone holds about 100 MB of the
+process's memory for as long as it runs, which a bench of the default suite then need not carry
+(docs/benchmarks.md, "Memory").
 """
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +58,7 @@ def evenly_spaced(n: int, k: int) -> list[int]:
 def load_spec_bench(per_group: int | None = None, path: Path = SPEC_BENCH_FILE) -> list[Prompt]:
     """Spec-Bench questions in ``question_id`` order, ``category`` = group; with
     ``per_group``, that many per group (see :func:`evenly_spaced`), in group order."""
-    _, rows = _read_rows(path, "spec-bench")
+    _, rows = _read_rows(path, "spec-bench", bundled=path == SPEC_BENCH_FILE)
     by_group: dict[str, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["question_id"]):
         if (group := SPEC_BENCH_GROUPS.get(row["category"])) is None:
@@ -102,7 +108,13 @@ def _quiet_datasets() -> Iterator[Any]:
             datasets.enable_progress_bars()
 
 
-def _read_rows(path: Path, label: str) -> tuple[list[str], list[dict]]:
+def _read_rows(path: Path, label: str, bundled: bool = False) -> tuple[list[str], list[dict]]:
+    """(the columns, the rows) of a JSONL file: a bundled file line by line, another through ``datasets``
+    (whose rows then hold every column, None where a line lacks it)."""
+    if bundled:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        return columns, [{c: r.get(c) for c in columns} for r in rows]
     with _quiet_datasets() as datasets:
         try:
             ds = datasets.load_dataset("json", data_files=str(path), split="train")
@@ -118,7 +130,8 @@ def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     label = str(name_or_path)
     if label in SPEC_BENCH_SUITES:
         return load_spec_bench(SPEC_BENCH_SUITES[label])
-    columns, rows = _read_rows(suite_path(label), label)
+    path = suite_path(label)
+    columns, rows = _read_rows(path, label, bundled=path.parent == SUITES_DIR)
     if not rows:
         raise PromptFileError(f"suite '{label}' is empty; give at least one prompt")
     for field in ("id", "category"):

@@ -22,13 +22,14 @@ import typer
 from ..artifacts import environment_info, model_name, recording_loads
 from ..bench import engine_profile as prof, plots, ranks as rk
 from ..bench.metrics import step_log
+from ..bench.peer_process import PeerSpec, ProcessPeer
 from ..bench.peers import PEERS, make_peer
 from ..bench.report import document, headline, spec_bench_answers, summarize
 from ..bench.runner import Contender, ContenderResult, run_bench
 from ..bench.suite_loader import DEFAULT_SUITE, load_prompts
 from ..config import GenerationConfig, SamplingConfig, check_seed
 from ..decoding.cost import VerifyCurve, measure_fresh
-from ..engine import Engine
+from ..engine import Engine, threads as governor
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
@@ -261,11 +262,16 @@ def bench(
     records_dir = output_dir / "records" / (f"rank{ranks.rank}" if ranks.many else "")
     assistant = None if assistant_model is None else load_model(assistant_model, dtype=dtype, device=device)[0]
     engine = Engine(mdl, target_precision=target_precision)
+    # read before the float weights may be released (the model's parameters are then empty)
+    fingerprint, n_params = model_fingerprint(mdl), sum(p.numel() for p in mdl.parameters())
     measure_fresh(engine)  # every run measures its own costs (and pools a new reading per pass), never the store's
     dev = torch.device(engine.device)
     if REFERENCE in names and engine.target_precision != "fp32" and engine.dtype == torch.float32:
         names = list(dict.fromkeys([*names[:names.index(REFERENCE) + 1], "ar-fp32", *names]))  # beside ar
-    other_targets: dict[str, Engine] = {}  # TARGET_PEERS' engines, built once
+    # TARGET_PEERS decode in a process of their own (bench/peer_process.py): their float weights are
+    # never this process's memory, and the block target can release its own (each row's memory is its own)
+    procs = {n: ProcessPeer(PeerSpec(model, dtype, device, TARGET_PEERS[n], torch.get_num_threads(), dict(governor.AUTO)))
+             for n in names if n in TARGET_PEERS}
 
     # build every contender once up front: a missing artifact fails now, not after an hour
     contenders: list[Contender] = []
@@ -289,25 +295,21 @@ def bench(
 
             contenders.append(Contender(n, make, first.lossless))
         elif n in TARGET_PEERS:
-            tp = TARGET_PEERS[n]
-            if tp not in other_targets:
-                other_targets[tp] = Engine(mdl, target_precision=tp)
-            descriptions[n] = (f"plain decoding on the {tp} target (the model's float32 tensors), beside ar on "
-                               f"this run's {engine.target_precision} target")
-
-            def make_ar(e: Engine = other_targets[tp]) -> Any:
-                return build(REFERENCE, e, tok).generate
-
-            contenders.append(Contender(n, make_ar, True, kind="peer"))
+            descriptions[n] = (f"plain decoding on the {TARGET_PEERS[n]} target (the model's float32 tensors, in a "
+                               f"process of its own), beside ar on this run's {engine.target_precision} target")
+            contenders.append(Contender(n, procs[n].make, True, kind="peer", pid=procs[n].pid))
         else:
             peer = make_peer(n, mdl, early_exit_layer=early_exit_layer, assistant=assistant)
             descriptions[n] = PEERS[n]
             contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
 
-    if not any(n in PEERS or n in TARGET_PEERS for n in names):  # no contender runs the float weights
+    if not any(n in PEERS for n in names):  # no contender in this process runs the float weights
         engine.release_float_weights()
+    for n, proc in procs.items():
+        if proc.wait_ready() != TARGET_PEERS[n]:
+            raise ConfigError(f"{n}: the model cannot run on the {TARGET_PEERS[n]} target; drop {n} from --methods")
     run_key = {"methods": names, "prompts": [p.id for p in suite_prompts], "max_new_tokens": max_new_tokens,
-               "decoding": decoding, "model_fingerprint": model_fingerprint(mdl), "dtype": str(engine.dtype), "target_precision": engine.target_precision,
+               "decoding": decoding, "model_fingerprint": fingerprint, "dtype": str(engine.dtype), "target_precision": engine.target_precision,
                "chat_template": chat_template, "warmup": warmup, "seed": seed, "threads": torch.get_num_threads(),
                "early_exit_layer": early_exit_layer, "assistant_model": assistant_model,
                "prompts_sha256": hashlib.sha256(dumps([list(p.turns) for p in suite_prompts]).encode()).hexdigest(),
@@ -387,6 +389,8 @@ def bench(
             set_exit_note(note)
             raise
 
+    for proc in procs.values():
+        proc.close()
     if ranks.many:  # rank 0 gathers every rank's passes and merges them in the suite's order
         parts = rk.gather(ranks, {n: {"repeats": r.repeats, "peak_rss_mb": r.peak_rss_mb, "peak_cuda_mb": r.peak_cuda_mb}
                                   for n, r in results.items()})
@@ -409,7 +413,7 @@ def bench(
              "chat_template": chat_template, "seed": seed, "command": invocation(), "complete": True,
              "early_exit_layer": early_exit_layer, "assistant_model": assistant_model, "ranks": ranks.world}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
-                  "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}
+                  "fingerprint": fingerprint, "parameters": n_params}
     file_map: dict[str, Any] = {"results": str(output_dir / "results.json"),
                                 "records": {n: str(output_dir / "records" / f"{n}.jsonl") for n in names},
                                 "answers": {n: str(output_dir / "answers" / f"{n}.jsonl") for n in results}}

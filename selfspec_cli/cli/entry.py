@@ -37,6 +37,9 @@ def _user_wait_policy() -> bool:
 
 
 def run() -> None:
+    from ..heap import bound_heap
+
+    bound_heap()  # before the first large allocation (selfspec_cli/heap.py)
     _spin_for_auto_threads(sys.argv[1:])
     signal.signal(signal.SIGINT, _on_sigint)
     try:

@@ -43,7 +43,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     """A short, stable id of a model's architecture and weights (artifacts record it,
     and refuse to load on another model). Hashes the config and a strided sample
     of every parameter, so it is cheap even for large models, and does not depend on
-    the dtype the model was loaded in."""
+    the dtype the model was loaded in. Computed once per model object and kept on it, so that a model
+    whose float weights a block target released (Engine.release_float_weights) keeps its id."""
+    if (known := getattr(model, "_selfspec_fingerprint", None)) is not None:
+        return known
     h = hashlib.sha256()
     keep = {k: v for k, v in model.config.to_dict().items() if k in (
         "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -56,7 +59,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
             h.update(name.encode())
             # bfloat16-rounded samples: the same checkpoint loaded as fp32, fp16 or bf16 gives one id
             h.update(flat[::step][:64].to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    model._selfspec_fingerprint = h.hexdigest()[:16]
+    return model._selfspec_fingerprint
 
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)

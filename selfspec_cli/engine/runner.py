@@ -208,6 +208,7 @@ class Engine:
         and draft they need is built (``selfspec generate`` does; docs/engine.md, "Memory")."""
         if self.target_precision not in QUANT_TARGETS:
             return 0
+        model_fingerprint(self.model)  # the model's id, kept on it before its weights go (artifacts check it)
         a, gone = self.adapter, []
         head = self.lm_head
         tied = a.lm_head.untyped_storage().data_ptr() == a.embed.untyped_storage().data_ptr()

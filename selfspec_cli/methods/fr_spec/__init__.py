@@ -98,7 +98,7 @@ class DraftVocab:
     def load(cls, path: str | os.PathLike | None, model: torch.nn.Module) -> DraftVocab:
         p, manifest, tensors = VOCAB.load(path, model)
         ranked = tensors.get("ranked_ids")
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = int(model.config.vocab_size)  # the head's rows (its weights may be released: Engine.release_float_weights)
         if ranked is None or ranked.dim() != 1 or ranked.numel() != vocab:
             raise VOCAB.error(p, model, f"it does not rank this model's {vocab}-token vocabulary")
         return cls(ranked.to(torch.int64), int(manifest.get("n", vocab)), manifest)
