@@ -316,3 +316,23 @@ def test_draft_verdict_says_whether_any_full_depth_copy_pays():
     dear = draft_verdict({"w4a8": {"c": 0.97, "agreement": 1.0}}, v)
     assert dear["drafts"]["w4a8"]["best_gain"] < 1.0 and dear["summary"].startswith("nothing cheaper")
     assert draft_verdict({}, v)["summary"] == "no quantized copy measured"
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_releasing_the_float_matrices_of_a_panel_target(precision):
+    """With ``panels``, a packed-panel target frees the layers' float matrices (its panels are its weights):
+    the same tokens after, the bytes given back, and a draft or plain_linear() that would read the freed
+    matrices is refused rather than computed from empty tensors. Without ``panels`` nothing is freed."""
+    eng = Engine(make_tiny_model("llama-gqa", layers=3), target_precision=precision)
+    ar, prompt, cfg = AR(eng), list(range(5, 25)), GenerationConfig(max_new_tokens=20)
+    before = ar.generate(prompt, cfg).token_ids
+    assert eng.release_float_weights() == 0
+    matrices = sum(getattr(w, f"w_{n}").numel() * 4 for w in eng.adapter.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert eng.release_float_weights(panels=True) == matrices
+    assert all(getattr(w, "w_down").numel() == 0 for w in eng.adapter.layers)
+    assert ar.generate(prompt, cfg).token_ids == before
+    with pytest.raises(RuntimeError, match="release_float_weights"):
+        eng.draft("int8")
+    with pytest.raises(RuntimeError, match="release_float_weights"), eng.plain_linear():
+        pass

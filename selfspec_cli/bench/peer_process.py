@@ -65,6 +65,7 @@ def _serve(conn: Any, spec: PeerSpec) -> None:
         mdl, tok = load_model(spec.model, dtype=spec.dtype, device=spec.device, log=lambda *a, **k: None)
         engine = Engine(mdl, target_precision=spec.target_precision)
         method = build("ar", engine, tok)
+        engine.release_float_weights(panels=True)  # plain decoding reads the packed panels only
         conn.send(("ready", engine.target_precision))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -121,6 +121,7 @@ class Linear:
     packed: torch.Tensor | None
     bias_f32: torch.Tensor | None
     module: Any
+    n: int = 0  # outputs (the weight's rows): kept, since a released engine empties ``weight`` (panels only then)
 
     @classmethod
     def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, module: Any | None,
@@ -132,14 +133,14 @@ class Linear:
         if module is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":
             packed = module.pack(weight.detach() if pack_dtype is None else weight.detach().to(pack_dtype))
             bias_f32 = None if bias is None else bias.detach().float().contiguous()
-        return cls(weight, bias, packed, bias_f32, module)
+        return cls(weight, bias, packed, bias_f32, module, weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if x.dtype == torch.float32:  # the decode path: no float()/to() calls (about 1 % of a SmolLM2 step)
-            return self.module.linear(x, self.packed, self.weight.shape[0], self.bias_f32)
-        return self.module.linear(x.float(), self.packed, self.weight.shape[0], self.bias_f32).to(x.dtype)
+            return self.module.linear(x, self.packed, self.n, self.bias_f32)
+        return self.module.linear(x.float(), self.packed, self.n, self.bias_f32).to(x.dtype)
 
 
 @dataclass(slots=True)

@@ -129,6 +129,7 @@ class Engine:
         self._module, self._kernel_reason = module, reason
         self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
         self._embed_rows: Any = None  # set by release_float_weights()
+        self._float_released = False
         # the target's weights (engine/target.py): the model's own tensors, bf16 panels, or the GGUF's blocks
         self.target_precision, self.target_info = resolve_target(self, target_precision)
         if self.target_precision in QUANT_TARGETS:
@@ -152,6 +153,9 @@ class Engine:
             self.drafts[precision] = DraftWeights(precision, [{n: A8Linear(q) for n, q in d.items()} for d in base.layers],
                                                   A8Linear(base.head), {**base.info, "precision": precision, "shares": "gguf"})
         if precision not in self.drafts:
+            if self._float_released and precision not in QUANT_TARGETS:
+                raise RuntimeError(f"the {precision} draft copy is built from the float matrices, which "
+                                   "release_float_weights() freed: build every draft before releasing")
             where = getattr(self.model, "name_or_path", "") or ""
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)
             gguf_file = (gguf_source(where) or {}).get("gguf_file") if self.dtype == torch.float32 else None
@@ -184,6 +188,8 @@ class Engine:
     @contextlib.contextmanager
     def plain_linear(self) -> Iterator[None]:
         """Run every matrix product with ``F.linear`` inside the block (to compare logits)."""
+        if self._float_released:
+            raise RuntimeError("plain_linear() needs the float matrices, which release_float_weights() freed")
         saved = self._lin, self.lm_head, self._norm_kernel, self._ops
         self._lin, self.lm_head = self._linears(None)
         self._norm_kernel = self._ops = None
@@ -200,14 +206,24 @@ class Engine:
             return self._embed_rows(input_ids)
         return F.embedding(input_ids, self.adapter.embed)
 
-    def release_float_weights(self) -> int:
+    def release_float_weights(self, panels: bool = False) -> int:
         """Free the model's float matrices when the target reads a quantized copy (a block target), and a
         tied embedding too, whose rows are then dequantized from the head's own blocks (the very values:
         checked on a sample first). Returns the bytes freed (0 for other targets). Afterwards the Hugging
         Face module cannot run, and no int8 copy can be built: callers release only once every method
-        and draft they need is built (``selfspec generate`` does; docs/engine.md, "Memory")."""
-        if self.target_precision not in QUANT_TARGETS:
+        and draft they need is built (``selfspec generate`` does; docs/engine.md, "Memory").
+
+        ``panels``: on a target that streams packed float panels (fp32, bf16, fp16 with the CPU kernel),
+        free the layers' float matrices too, the panels being the target's weights (the embedding and
+        LM head stay). For a process that runs plain decoding only (the bench's ``ar-fp32`` process): a
+        draft built from the float matrices afterwards is refused."""
+        if panels and self.target_precision not in QUANT_TARGETS:
+            lins = [self._lin[l][name] for l in range(self.num_layers) for name in LINEARS]
+            if not lins or not all(isinstance(x, kernels.Linear) and x.packed is not None for x in lins):
+                return 0
+        elif self.target_precision not in QUANT_TARGETS:
             return 0
+        self._float_released = True
         model_fingerprint(self.model)  # the model's id, kept on it before its weights go (artifacts check it)
         a, gone = self.adapter, []
         head = self.lm_head
@@ -218,9 +234,10 @@ class Engine:
             if torch.equal(rows(probe), F.embedding(probe, a.embed)):
                 self._embed_rows = rows
                 gone.append(a.embed)
-        # a matrix the target runs as float panels (a GGUF type the kernel does not take) keeps its tensor
+        # a matrix the target runs as its own packed panels (a GGUF type the kernel does not take, or a panel
+        # target's with ``panels``) reads those, not the tensor
         gone += [getattr(w, f"w_{name}") for l, w in enumerate(a.layers) for name in LINEARS
-                 if isinstance(self._lin[l][name], kernels.QLinear)]
+                 if self._own_weights(self._lin[l][name])]
         if not tied and isinstance(head, kernels.QLinear):
             gone.append(a.lm_head)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gone}  # a tied table counts once
@@ -232,8 +249,10 @@ class Engine:
                 p.data = p.data.new_empty(0)
         for l, w in enumerate(a.layers):
             for name in LINEARS:
-                if isinstance(self._lin[l][name], kernels.QLinear):
+                if self._own_weights(lin := self._lin[l][name]):
                     setattr(w, f"w_{name}", getattr(w, f"w_{name}").new_empty(0))
+                    if isinstance(lin, kernels.Linear):
+                        lin.weight = lin.weight.new_empty(0)
         if self._embed_rows is not None:
             a.embed = a.embed.new_empty(0)
             if tied:
@@ -251,11 +270,19 @@ class Engine:
                 t = getattr(w, f.name)
                 if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() in moved:
                     setattr(w, f.name, moved[t.data_ptr()])
-        if a.final_norm.data_ptr() in moved:
-            a.final_norm = moved[a.final_norm.data_ptr()]
+        for name in ("final_norm", "embed", "lm_head"):  # the adapter's own references, then a panel head's
+            if (t := getattr(a, name)).numel() and t.data_ptr() in moved:
+                setattr(a, name, moved[t.data_ptr()])
+        if isinstance(head, kernels.Linear) and head.weight.numel() and head.weight.data_ptr() in moved:
+            head.weight = moved[head.weight.data_ptr()]
         _trim_heap()
         self.kernel_info["float_weights_released_mb"] = round(freed / 2**20, 1)
         return freed
+
+    @staticmethod
+    def _own_weights(lin: Any) -> bool:
+        """Whether a matrix product reads weights of its own (blocks, or packed panels), not the float tensor."""
+        return isinstance(lin, kernels.QLinear) or (isinstance(lin, kernels.Linear) and lin.packed is not None)
 
     def final_logits(self, hidden: torch.Tensor, head: Any = None, weights: str | None = None) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or
