@@ -165,12 +165,12 @@ def test_ignored_or_conflicting_generate_options_are_refused_up_front(capsys, tm
 
 
 def test_skip_layers_out_of_range_are_refused_before_the_weights_load(capsys, tiny_model_dir, prompt_file, monkeypatch):
-    from selfspec_cli.cli import generate as gen_cli
+    from selfspec_cli import session
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(gen_cli, "load_model", no_loading)
+    monkeypatch.setattr(session, "load_model", no_loading)  # every command loads through the session (issue 36)
     assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--skip-attn", "1,99"),
                       "--skip-attn/--skip-mlp", "[99]", "4-layer model")
 

@@ -7,7 +7,8 @@ method with an offline step is one package, ``methods/<name>/`` (its proposer, i
 artifact spec, its calibrate or train module: docs/design.md, "A method is one
 package"), so the offline steps sit on the methods floor and the commands that run them
 (cli/calibrate.py, cli/train_heads.py) dispatch to them. The top-level modules (config,
-errors, paths, artifacts, loading, prompts, runtime) are shared: anything may import
+errors, paths, artifacts, loading, prompts, runtime, jsonio, and session: the setup every
+command shares) are shared: anything may import
 them, but they import none of cli/bench/methods. optuna is imported only in
 methods/self_sd/ (the one search that uses it) and cli/; typer, rich and click only in cli/.
 
@@ -46,7 +47,7 @@ ROOT = "selfspec_cli"
 
 # rank: a package may import packages of strictly lower rank (and itself)
 RANK = {"cli": 4, "bench": 3, "methods": 2, "decoding": 1, "engine": 0}
-SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime", "jsonio"}
+SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime", "jsonio", "session"}
 ENTRY = {"__main__"}  # `python -m selfspec_cli`: the command line's entry point, may import cli
 NOT_FROM_SHARED = {"cli", "bench", "methods"}
 # third-party module -> the packages (or folders) allowed to import it
