@@ -113,7 +113,7 @@ class BenchIO:
 
 
 @dataclass
-class Plan:
+class BenchPlan:
     """What the checks before the model loads settled."""
 
     names: list[str]
@@ -195,7 +195,7 @@ def _stale_files(req: BenchRequest) -> list[Path]:
     return stale
 
 
-def prepare(req: BenchRequest, io: BenchIO) -> Plan:
+def prepare(req: BenchRequest, io: BenchIO) -> BenchPlan:
     """Every check that needs no model, in the command's order; joins torchrun's ranks."""
     names = req.names
     check_names(names)
@@ -217,7 +217,7 @@ def prepare(req: BenchRequest, io: BenchIO) -> Plan:
     if len(prompts) < ranks.world:  # every rank checks the same thing, so all of them stop with this line
         raise ConfigError(f"{len(prompts)} prompts for {ranks.world} torchrun ranks: a rank would have none; "
                           "start fewer ranks (--nproc-per-node) or pass more prompts")
-    return Plan(names, ranks, stale, cfg, sampling, decoding, prompts, source, say)
+    return BenchPlan(names, ranks, stale, cfg, sampling, decoding, prompts, source, say)
 
 
 # ---------------------------------------------------------------- the contenders
@@ -271,7 +271,7 @@ def build_contenders(names: list[str], session: Session, engine: Engine, req: Be
 # ---------------------------------------------------------------- --resume
 
 
-def run_key(req: BenchRequest, plan: Plan, names: list[str], session: Session, engine: Engine) -> dict[str, Any]:
+def run_key(req: BenchRequest, plan: BenchPlan, names: list[str], session: Session, engine: Engine) -> dict[str, Any]:
     """What a resumed run must share with the interrupted one (run.json)."""
     return {"methods": names, "prompts": [p.id for p in plan.prompts], "max_new_tokens": req.max_new_tokens,
             "decoding": plan.decoding, "model_fingerprint": session.fingerprint, "dtype": str(engine.dtype),
@@ -334,7 +334,7 @@ class _Run:
     """The state one run carries from the model load to the results."""
 
     req: BenchRequest
-    plan: Plan
+    plan: BenchPlan
     io: BenchIO
     session: Session
     engine: Engine
@@ -349,7 +349,7 @@ class _Run:
         return torch.device(self.engine.device)
 
 
-def run(req: BenchRequest, plan: Plan, io: BenchIO) -> BenchOutcome | None:
+def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
     """Load the model, build the contenders, time them and write the results (rank 0 under torchrun;
     the other ranks return None)."""
     session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import typer
 
 from ..bench import job
-from ..bench.job import DEFAULT_METHODS, TARGET_PEERS, VARIANTS, bench_files  # noqa: F401 (the command's names)
+from ..bench.job import DEFAULT_METHODS, VARIANTS
 from ..bench.peers import PEERS
 from ..bench.report import headline
 from ..bench.suite_loader import DEFAULT_SUITE
@@ -65,7 +65,7 @@ def bench(
         _report(outcome, plan, output_dir)
 
 
-def _report(outcome: job.BenchOutcome, plan: job.Plan, output_dir: Path) -> None:
+def _report(outcome: job.BenchOutcome, plan: job.BenchPlan, output_dir: Path) -> None:
     """The tables on stderr, the parity warning, and the headline JSON on stdout."""
     summary, has_base = outcome.summary, outcome.baseline is not None
     err_console.print(_table(summary, outcome.title, outcome.reference is not None, has_base))

@@ -12,7 +12,7 @@ import typer
 from ..methods import OFFLINE
 from ..methods.base import DRAFT_PRECISIONS
 from . import options as opt
-from .common import check_choice
+from ..config import check_choice
 from .offline import run_step, step_for, with_step_options
 
 CALIBRATE_METHODS = [name for command, name in OFFLINE if command == "calibrate"]

@@ -17,9 +17,7 @@ from rich.text import Text
 from ..errors import ConfigError, SelfSpecError
 from ..jsonio import dumps
 from ..paths import atomic_open
-from ..config import check_choice, check_sampling_options  # noqa: F401 (the commands' checks)
-from ..paths import check_not_input, cut_to_last_line  # noqa: F401
-from ..session import DEFAULT_THREADS, apply_threads  # noqa: F401 (the commands' --threads)
+from ..paths import check_not_input, cut_to_last_line
 
 # piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default, unless COLUMNS says otherwise
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)

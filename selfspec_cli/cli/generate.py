@@ -18,7 +18,8 @@ from ..runtime import run_prompt
 from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
-from .common import check_choice, check_output, check_sampling_options, log, output_stream, progress, write_record
+from ..config import check_choice, check_sampling_options
+from .common import check_output, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(

@@ -32,7 +32,8 @@ from ..methods.offline import OfflineJob, OfflineStep
 from ..paths import check_home_writable
 from ..prompts import PROMPT_FORMATS, Prompt, load_calibration_prompts, prompts_digest
 from ..session import Session, apply_threads
-from .common import check_choice, invocation_args, log, print_json, progress, set_exit_note
+from ..config import check_choice
+from .common import invocation_args, log, print_json, progress, set_exit_note
 
 
 def step_option_fields(command: str) -> dict[str, tuple[Any, str, bool]]:
