@@ -76,3 +76,11 @@ def top_k() -> Any:
 
 def sampling_rule() -> Any:
     return typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP)
+
+
+def dataset(help: str) -> Any:
+    return typer.Option(None, "--dataset", help=help)
+
+
+def dataset_field() -> Any:
+    return typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text.")
