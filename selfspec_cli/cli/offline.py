@@ -39,17 +39,17 @@ from .common import invocation_args, log, print_json, progress, set_exit_note
 def step_option_fields(command: str) -> dict[str, tuple[Any, str, bool]]:
     """Option name -> (type, help, hidden) over the ``Options`` of ``command``'s steps: a name several
     steps take is one flag, its help naming the steps (one text, or each step's own)."""
-    found: dict[str, tuple[Any, dict[str, str], bool, str]] = {}
+    found: dict[str, tuple[Any, dict[str, str], bool]] = {}
     for (c, name), step in OFFLINE.items():
         if c != command or step.Options is None:
             continue
         hints = typing.get_type_hints(step.Options)
         for f in dataclasses.fields(step.Options):
             kind = next(a for a in typing.get_args(hints[f.name]) if a is not type(None))
-            entry = found.setdefault(f.name, (kind, {}, bool(f.metadata.get("hidden")), f.metadata.get("flag") or f.name))
+            entry = found.setdefault(f.name, (kind, {}, bool(f.metadata.get("hidden"))))
             entry[1][name] = f.metadata["help"]
     out: dict[str, tuple[Any, str, bool]] = {}
-    for field_name, (kind, helps, hidden, _flag) in found.items():
+    for field_name, (kind, helps, hidden) in found.items():
         texts = set(helps.values())
         text = (f"{', '.join(helps)}: {texts.pop()}" if len(texts) == 1
                 else "; ".join(f"{n}: {h}" for n, h in helps.items()))
