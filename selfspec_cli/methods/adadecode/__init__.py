@@ -61,6 +61,8 @@ from .heads import LowRankHead, head_logits
 
 HEADS = ArtifactSpec(kind="adadecode-heads", folder="adadecode", what="AdaDecode heads artifact",
                      make="selfspec train-heads --kind lm-heads")
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """The options only ``selfspec train-heads --kind lm-heads`` takes (None: not given, its default)."""
@@ -71,8 +73,8 @@ class TrainOptions:
     lr: float | None = option(None, "Adam learning rate (default 5e-3)")
     batch_size: int | None = option(None, "rows per step (default 128)")
     seed: int | None = option(None, "seed of initialisation and shuffling (default 0)")
-    cache_dir: Path | None = option(None, "on-disk cache of the on-policy data (default <selfspec cache>/onpolicy; cache: $SELFSPEC_CACHE, "
-                                         "else $SELFSPEC_HOME/cache, else ~/.cache/selfspec)")
+    cache_dir: Path | None = option(None, "on-disk cache of the on-policy data (default <selfspec cache>/onpolicy; "
+                                          "cache: $SELFSPEC_CACHE, else $SELFSPEC_HOME/cache, else ~/.cache/selfspec)")
 
 
 TRAIN = OfflineStep("train-heads", "lm-heads", HEADS, "selfspec_cli.methods.adadecode.train", num_prompts=1000,

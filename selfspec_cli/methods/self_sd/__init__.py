@@ -35,6 +35,8 @@ SKIP_SET = ArtifactSpec(
     kind="self-sd-layers", folder="self-sd", suffix=".json", what="Self-SD skip-set artifact",
     make="selfspec calibrate --method self-sd", args=" --prompt-file <prompts>",
     alternative=", or pass --layers FILE or --skip-attn/--skip-mlp")
+
+
 @dataclass(frozen=True)
 class CalibrateOptions:
     """The options only ``selfspec calibrate --method self-sd`` takes (None: not given, its default)."""
