@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
@@ -16,6 +18,23 @@ def check_seed(seed: int | None, option: str = "--seed") -> None:
     as it is (torch's generators, numpy, optuna), so that no two seeds silently give the same run."""
     if seed is not None and not (0 <= seed <= SEED_MAX):
         raise ConfigError(f"{option} must be in 0..2**32-1 (0..{SEED_MAX}), got {seed}")
+
+
+def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:
+    """Refuse a value of ``option`` that is not one of ``choices``, in one line that lists them."""
+    if value not in choices:
+        raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
+
+
+def check_sampling_options(sampling: Any) -> None:
+    """Refuse sampling options given with greedy decoding (``--temperature 0``), which would ignore them."""
+    if not sampling.greedy:
+        return
+    for flag, given in (("--top-k", sampling.top_k != 0), ("--top-p", sampling.top_p != 1.0),
+                        ("--sampling-rule", sampling.rule != "gumbel")):
+        if given:
+            raise ConfigError(f"{flag} shapes sampling, and --temperature 0 decodes greedily, which would ignore it; "
+                              f"pass --temperature > 0 or drop {flag}")
 
 
 @dataclass(frozen=True, slots=True)

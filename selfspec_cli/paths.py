@@ -206,3 +206,24 @@ def fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def check_not_input(path: Path, inputs: tuple[str | None, ...], option: str = "--output") -> None:
+    """Refuse an output path that is one of the input files (it would be destroyed)."""
+    for src in (s for s in inputs if s not in (None, "-")):
+        try:
+            same = os.path.samefile(src, path)  # hard links too
+        except OSError:  # one of them does not exist
+            same = False
+        if same or Path(src).expanduser().resolve() == path.expanduser().resolve():
+            raise ConfigError(f"{option} '{path}' is the input file '{src}'; writing it would destroy the input; "
+                              f"choose another {option}")
+
+
+def cut_to_last_line(path: Path) -> int:
+    """Drop a torn last line (an interrupted write); returns the number of complete lines."""
+    data = path.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        os.truncate(path, len(keep))
+    return keep.count(b"\n")

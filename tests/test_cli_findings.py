@@ -165,12 +165,12 @@ def test_ignored_or_conflicting_generate_options_are_refused_up_front(capsys, tm
 
 
 def test_skip_layers_out_of_range_are_refused_before_the_weights_load(capsys, tiny_model_dir, prompt_file, monkeypatch):
-    from selfspec_cli.cli import generate as gen_cli
+    from selfspec_cli import session
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(gen_cli, "load_model", no_loading)
+    monkeypatch.setattr(session, "load_model", no_loading)  # every command loads through the session (issue 36)
     assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--skip-attn", "1,99"),
                       "--skip-attn/--skip-mlp", "[99]", "4-layer model")
 
@@ -329,3 +329,26 @@ def test_an_unsupported_gguf_is_refused_from_its_header_before_it_is_hashed(caps
     assert_user_error(capsys, gen_args(path, prompt_file), "architecture 'command-r'", "not supported")
     index = loading.model_cache_dir() / "hashes.json"
     assert not index.exists() or str(path.resolve()) not in index.read_text(encoding="utf-8")
+
+
+def test_offline_step_flags_are_made_from_the_steps_options():
+    """calibrate's and train-heads' step options are flags made from each step's typed Options
+    (issue 36): one flag per field, named after it, hidden where the field says so, its help
+    naming the steps that take it."""
+    import dataclasses
+
+    import typer
+
+    from selfspec_cli.cli.app import app
+    from selfspec_cli.methods import OFFLINE
+
+    group = typer.main.get_command(app)
+    seen = 0
+    for (command, name), step in OFFLINE.items():
+        params = {p.name: p for p in group.commands[command].params}
+        for f in dataclasses.fields(step.Options or type("NoOptions", (), {"__dataclass_fields__": {}})):
+            p = params[f.name]
+            assert p.opts == ["--" + f.name.replace("_", "-")] and p.default is None
+            assert p.hidden == bool(f.metadata.get("hidden")) and name in p.help, (command, f.name)
+            seen += 1
+    assert seen >= 12 + 7 + 6  # self-sd's, lm-heads' and exit-mlp's options

@@ -7,7 +7,8 @@ method with an offline step is one package, ``methods/<name>/`` (its proposer, i
 artifact spec, its calibrate or train module: docs/design.md, "A method is one
 package"), so the offline steps sit on the methods floor and the commands that run them
 (cli/calibrate.py, cli/train_heads.py) dispatch to them. The top-level modules (config,
-errors, paths, artifacts, loading, prompts, runtime) are shared: anything may import
+errors, paths, artifacts, loading, prompts, runtime, jsonio, and session: the setup every
+command shares) are shared: anything may import
 them, but they import none of cli/bench/methods. optuna is imported only in
 methods/self_sd/ (the one search that uses it) and cli/; typer, rich and click only in cli/.
 
@@ -26,6 +27,11 @@ so a top-level module that imports a package which imports it back is a loop too
 No module takes a private name (``_x``) from another selfspec module, neither as
 ``from m import _x`` nor as ``m._x`` on a module or name it imported: what two modules
 share is public (:func:`private_uses`, with its own self-check).
+
+No two files of one package import each other, directly or around a longer loop
+(:func:`file_cycles`; issue 36: cli/app.py and cli/entry.py did). An import under ``if
+TYPE_CHECKING:`` never runs and does not count; ``from . import x`` counts as an import of
+the submodule ``x``, not of the package's ``__init__``.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ ROOT = "selfspec_cli"
 
 # rank: a package may import packages of strictly lower rank (and itself)
 RANK = {"cli": 4, "bench": 3, "methods": 2, "decoding": 1, "engine": 0}
-SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime", "jsonio", "heap"}
+SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime", "jsonio", "heap", "session"}
 ENTRY = {"__main__"}  # `python -m selfspec_cli`: the command line's entry point, may import cli
 NOT_FROM_SHARED = {"cli", "bench", "methods"}
 # third-party module -> the packages (or folders) allowed to import it
@@ -197,7 +203,52 @@ def unit_edges(sources: list[tuple[str, str]]) -> dict[str, dict[str, list[str]]
 def unit_cycles(sources: list[tuple[str, str]]) -> list[str]:
     """Every import loop between units: each strongly connected component of more than one
     unit, with the imports that close it."""
-    edges = unit_edges(sources)
+    return _loops(unit_edges(sources))
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (they never run)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def file_edges(sources: list[tuple[str, str]]) -> dict[str, dict[str, list[str]]]:
+    """module -> imported module of the same unit -> ['file:line', ...]: the import graph between
+    the files of each package (imports under ``if TYPE_CHECKING:`` left out). ``from X import a``
+    is an import of ``X.a`` when that is a file of the package, else of ``X``."""
+    modules = {_module_of(rel): rel for rel, _ in sources}
+
+    def known(name: str) -> str | None:  # the longest prefix of a dotted name that is a file here
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    edges: dict[str, dict[str, list[str]]] = {}
+    for rel, source in sources:
+        me, tree = _module_of(rel), ast.parse(source)
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _from_base(rel, node)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base) for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t is not None and t != me and _unit(modules[t]) == _unit(rel):
+                    edges.setdefault(me, {}).setdefault(t, []).append(f"{rel}:{node.lineno}")
+    return edges
+
+
+def _loops(edges: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Each strongly connected component of more than one node of ``edges``, with the imports that close it."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -228,6 +279,11 @@ def unit_cycles(sources: list[tuple[str, str]]) -> list[str]:
     return [f"import loop {' <-> '.join(comp)}: " + "; ".join(
         f"{a} -> {b} ({', '.join(sorted(set(edges[a][b]))[:3])})" for a in comp for b in comp if b in edges.get(a, {}))
         for comp in found]
+
+
+def file_cycles(sources: list[tuple[str, str]]) -> list[str]:
+    """Every import loop between the files of one package."""
+    return _loops(file_edges(sources))
 
 
 def _sources() -> list[tuple[str, str]]:
@@ -335,6 +391,25 @@ def test_cycle_checker_allows_a_chain_and_imports_inside_a_unit():
                ("decoding/output.py", "from .cost import timed\nfrom . import state\n"), ("decoding/state.py", "from .output import x\n"),
                ("engine/runner.py", "from ..paths import cache_root\nfrom .. import __version__\n")]
     assert unit_cycles(sources) == []
+
+
+@pytest.mark.parametrize("sources", [
+    [("cli/app.py", "from .entry import INTERRUPTED\n"), ("cli/entry.py", "def run():\n    from .app import main\n")],
+    [("cli/a.py", "from . import b\n"), ("cli/b.py", "import selfspec_cli.cli.c\n"), ("cli/c.py", "from .a import x\n")],
+    [("methods/__init__.py", "from .auto import Auto\n"), ("methods/auto.py", "from . import build\n")],
+    [("engine/runner.py", "from .target import x\n"),
+     ("engine/target.py", "if 1:\n    from .runner import Engine\n")],  # not TYPE_CHECKING: it runs
+])
+def test_file_cycle_checker_catches(sources):
+    assert file_cycles(sources), sources
+
+
+def test_file_cycle_checker_allows():
+    sources = [("engine/runner.py", "from .target import x\nfrom . import cache\n"),
+               ("engine/target.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .runner import Engine\n"),
+               ("engine/__init__.py", "from .runner import Engine\n"), ("engine/cache.py", "from ..errors import E\n"),
+               ("cli/app.py", "from ..engine import runner\n"), ("errors.py", "from .engine.cache import x\n")]
+    assert file_cycles(sources) == []  # (a loop between units is unit_cycles' to find)
 
 
 # -- the package -----------------------------------------------------------
@@ -456,4 +531,28 @@ def test_no_private_names_across_modules():
 
 def test_no_import_loop_between_units():
     found = unit_cycles(_sources())
+    assert not found, "\n".join(found)
+
+
+def test_no_import_loop_between_files_of_a_package():
+    found = file_cycles(_sources())
+    assert not found, "\n".join(found)
+
+
+CLI_FUNCTION_LINES = 60  # issue 36: the CLI parses and prints; the work lives in session.py, bench/, methods/
+
+
+def long_functions(rel: str, source: str, limit: int) -> list[str]:
+    """Functions of ``source`` longer than ``limit`` lines (signature, docstring and body)."""
+    return [f"{rel}:{n.lineno} {n.name} is {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_long_function_checker():
+    assert long_functions("x.py", "def f():\n" + "    x = 1\n" * 3, 3) == ["x.py:1 f is 4 lines"]
+    assert long_functions("x.py", "def f():\n" + "    x = 1\n" * 2, 3) == []
+
+
+def test_cli_functions_stay_short():
+    found = [v for rel, src in _sources() if rel.startswith("cli/") for v in long_functions(rel, src, CLI_FUNCTION_LINES)]
     assert not found, "\n".join(found)

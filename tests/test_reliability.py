@@ -279,16 +279,24 @@ def test_threads_are_applied_and_recorded(capsys, tiny_model_dir, prompt_file):
 
 
 def test_omp_wait_policy_is_passive_before_torch_loads():
-    code = ("import os, sys; import selfspec_cli; assert 'torch' not in sys.modules; import torch; "
-            "print(os.environ['OMP_WAIT_POLICY'])")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    """The command line sets PASSIVE before torch loads; importing the package sets nothing (issue 36)."""
+    code = ("import os, sys; import selfspec_cli; assert 'OMP_WAIT_POLICY' not in os.environ; "
+            "from selfspec_cli.cli.entry import set_wait_policy; set_wait_policy(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules; import torch; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "ACTIVE"  # an explicit choice wins
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ACTIVE"
+
+    def policy(*argv: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert policy("generate") == "PASSIVE None"
+    assert policy("generate", "--threads", "auto") == "None 10000"  # auto's waiting threads spin briefly
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # an explicit choice wins (the first assert of the code is then skipped)
+    code = code.replace("assert 'OMP_WAIT_POLICY' not in os.environ; ", "")
+    assert policy("generate", "--threads", "auto") == "ACTIVE None"
 
 
 # ---------------------------------------------------------------- 10. SIGTERM

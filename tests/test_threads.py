@@ -1,7 +1,7 @@
 """The ``--threads auto`` governor (engine/threads.py), driven by injected forward times."""
 from __future__ import annotations
 
-from selfspec_cli.cli.common import apply_threads
+from selfspec_cli.session import apply_threads
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine, threads
 from selfspec_cli.engine.threads import ThreadGovernor

@@ -13,7 +13,8 @@ import typer
 from .. import __version__
 from ..errors import SelfSpecError
 from .bench import bench
-from .common import OutputClosed, OutputWriteError, pop_exit_note, set_invocation
+from .exits import INTERRUPTED, SIGTERM_STATUS, TERMINATED
+from .common import OutputClosed, OutputWriteError, invocation_args, pop_exit_note, set_invocation
 from .calibrate import calibrate
 from .generate import generate
 from .profile import profile
@@ -40,17 +41,10 @@ for _name, _command in (("generate", generate), ("bench", bench), ("calibrate", 
                         ("train-heads", train_heads), ("profile", profile)):
     app.command(_name)(_command)
 
-# typer >= 0.20 ships its own copy of click; catch both families
-try:
-    from typer._click import exceptions as _tclick  # type: ignore[attr-defined]
-
-    _CLICK_ERRORS: tuple[type[BaseException], ...] = (click.ClickException, _tclick.ClickException)
-except ImportError:  # pragma: no cover - older typer
-    _CLICK_ERRORS = (click.ClickException,)
-
-from .entry import INTERRUPTED  # noqa: E402 (one wording for both places)
-TERMINATED = "selfspec: terminated (SIGTERM); everything finished before it was kept"
-SIGTERM_STATUS = 128 + signal.SIGTERM  # 143, as a shell reports a process ended by SIGTERM
+# typer >= 0.20 ships its own copy of click, whose exceptions derive from the public
+# typer.exceptions.TyperException (older typer raises click's own): catch both families
+_CLICK_ERRORS: tuple[type[BaseException], ...] = (click.ClickException,) + tuple(
+    c for c in (getattr(getattr(typer, "exceptions", None), "TyperException", None),) if c is not None)
 
 _signals: list[int] = []
 
@@ -116,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:  # not the main thread: leave SIGTERM alone
         old = None
     try:
+        if not invocation_args():  # bare `selfspec`: the help on stderr, status 2 (as click's no_args_is_help)
+            with command.make_context("selfspec", [], resilient_parsing=True) as ctx:
+                print(ctx.get_help(), file=sys.stderr)
+            return 2
         rv = command.main(args=argv, prog_name="selfspec", standalone_mode=False)
         if rv == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns it silently
             return _interrupted()
@@ -129,9 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):
         return _interrupted()
     except _CLICK_ERRORS as exc:  # usage errors (missing or unknown option, bad type): one line, as every error
-        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `selfspec`: the help, as before
-            print(exc.format_message(), file=sys.stderr)
-            return 2
         ctx = getattr(exc, "ctx", None)
         where = f"'{ctx.command_path} --help'" if ctx is not None else "'selfspec --help'"
         print(f"selfspec: error: {' '.join(exc.format_message().split())} (see {where})", file=sys.stderr)

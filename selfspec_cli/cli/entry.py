@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-INTERRUPTED = "selfspec: interrupted; everything finished before the interrupt was kept"
+from .exits import INTERRUPTED
 
 
 _seen: list[int] = []
@@ -19,28 +19,27 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _spin_for_auto_threads(argv: list[str]) -> None:
-    """``--threads auto`` needs waiting threads that spin briefly (engine/threads.py); the wait
-    policy is read once, when torch loads, so it is set here, before any heavy import, unless
-    the user chose one."""
+def set_wait_policy(argv: list[str]) -> None:
+    """OpenMP threads that wait at a barrier sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``),
+    except with ``--threads auto``, whose waiting threads spin briefly (``GOMP_SPINCOUNT``,
+    engine/threads.py). libgomp reads the policy once, when torch loads, so it is set here, where
+    the command line starts and before any heavy import; a policy already in the environment wins.
+    A program that imports selfspec_cli as a library chooses its own (docs/engine.md, "Threads")."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
     auto = any(a == "--threads=auto" or (a == "--threads" and i + 1 < len(argv) and argv[i + 1] == "auto")
                for i, a in enumerate(argv))
-    if auto and not _user_wait_policy():
-        os.environ.pop("OMP_WAIT_POLICY", None)
+    if auto:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
-
-def _user_wait_policy() -> bool:
-    from .. import WAIT_POLICY_FROM_USER
-
-    return WAIT_POLICY_FROM_USER
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def run() -> None:
     from ..heap import bound_heap
 
     bound_heap()  # before the first large allocation (selfspec_cli/heap.py)
-    _spin_for_auto_threads(sys.argv[1:])
+    set_wait_policy(sys.argv[1:])
     signal.signal(signal.SIGINT, _on_sigint)
     try:
         from .app import main

@@ -1,7 +1,6 @@
 """``selfspec generate``: decode every prompt of a file (or given with ``--prompt``) with one method; JSONL out."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -10,51 +9,47 @@ import typer
 
 from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, SamplingConfig, check_seed
-from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
-from ..loading import config_num_layers, load_model, resolve_device, resolve_dtype
-from ..methods import METHODS, build
-from ..prompts import PROMPT_FORMATS, prompts_from_texts, read_prompts
-from ..runtime import check_prompt_fits, context_length, eos_token_ids, run_prompt
+from ..loading import config_num_layers
+from ..methods import METHODS, Method, build
+from ..prompts import PROMPT_FORMATS, Prompt, prompts_from_texts, read_prompts
+from ..runtime import run_prompt
+from ..session import Session, apply_threads, check_device
+from . import options as opt
 from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
-from .common import MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, THREADS_HELP, apply_threads, check_choice, check_output, check_sampling_options, log, output_stream, progress, write_record
+from ..config import check_choice, check_sampling_options
+from .common import check_output, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
     ctx: typer.Context,
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-p", help="Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin. This or --prompt is required."),
+    prompt_file: Optional[str] = opt.prompt_file("Plain text (one prompt per line) or JSONL with 'prompt' or 'turns'; '-' reads stdin. This or --prompt is required."),
     prompt_texts: list[str] = typer.Option([], "--prompt", "-P", help="A prompt given as text (repeatable; the records' ids are 1, 2, ... in order), instead of --prompt-file."),
-    prompt_format: str = typer.Option("auto", "--prompt-format", help="auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    prompt_format: str = opt.prompt_format("auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
+    model: Optional[str] = opt.model(),
     method: str = typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best draft by measured costs; ar: plain decoding)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    temperature: float = opt.temperature(),
+    top_p: float = opt.top_p(),
+    top_k: int = opt.top_k(),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling (reproducible)."),
-    sampling_rule: str = typer.Option("gumbel", "--sampling-rule", help=SAMPLING_RULE_HELP),
+    sampling_rule: str = opt.sampling_rule(),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); the output keeps it."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap prompts in the tokenizer's chat template when it has one."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
-    target_precision: str = typer.Option("auto", "--target-precision", help=TARGET_HELP),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    chat_template: bool = opt.chat_template(),
+    dtype: str = opt.dtype(),
+    target_precision: str = opt.target_precision(),
+    device: str = opt.device(),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --output (or --save-layers artifact)."),
+    force: bool = opt.force("Replace an existing --output (or --save-layers artifact)."),
     append: bool = typer.Option(False, "--append", help="Add the records to the end of an existing --output instead of refusing."),
-    threads: Optional[str] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[str] = opt.threads(),
     save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
     **method_options: Any,
 ) -> None:
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
     Every method is lossless except specee (LOSSY: its records say lossless false)."""
-    if prompt_file is None and not prompt_texts:  # worded as click words a missing option
-        raise click.UsageError("Missing option '--prompt-file' / '-p' (a file; '-' reads stdin) or '--prompt' / '-P' "
-                               "(text, repeatable)", ctx=ctx)
-    if prompt_file is not None and prompt_texts:
-        raise ConfigError("--prompt-file and --prompt both give the prompts; pass one of them")
-    if prompt_texts and prompt_format != "auto":
-        raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
+    _check_prompt_options(ctx, prompt_file, prompt_texts, prompt_format)
     check_choice(method, METHODS, "--method")
     check_seed(seed)  # before the methods' configs take it
     if save_layers is not None and method != "swift":
@@ -65,11 +60,7 @@ def generate(
     check_sampling_options(sampling)
     if not sampling.greedy and METHODS[method].greedy_only:
         raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
-    if output is None or str(output) == "-":  # the records go to stdout: nothing to replace or add to
-        for flag, given in (("--append", append), ("--force", force and save_layers is None)):
-            if given:
-                raise ConfigError(f"{flag} applies to --output FILE, and without it the records go to stdout; "
-                                  f"drop {flag} or pass --output FILE")
+    _check_output_options(output, force, append, save_layers)
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
@@ -77,30 +68,64 @@ def generate(
         check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
-    resolve_dtype(dtype, resolve_device(device))  # a bad --dtype or --device before anything is read
+    check_device(dtype, device)  # a bad --dtype or --device before anything is read
     check_layer_ids(method_cfg, config_num_layers(model))  # from config.json: no weights loaded yet
 
-    mdl, tok = load_model(model, dtype=dtype, device=device)
-    cfg = dataclasses.replace(cfg, eos_token_ids=eos_token_ids(mdl, tok))
-    for p in prompts:
-        check_prompt_fits(p, tok, cfg, context_length(mdl), chat_template)
+    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template)
+    cfg = session.generation(cfg)
+    session.check_fits(prompts, cfg)
+    engine = session.engine(target_precision)
+    meth, used = _build(method, engine, session, method_cfg, len(prompts))
+    with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
+        total_tokens, total_time = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used)
+    _log_pace(meth, method, engine.target_precision, total_tokens, total_time)
+    if save_layers is not None:
+        _save_layers(meth, save_layers)
 
-    engine = Engine(mdl, target_precision=target_precision)
+
+def _build(method: str, engine: Any, session: Session, method_cfg: Any, n_prompts: int) -> tuple[Method, dict[str, str]]:
+    """The method on the engine, and the artifact files it read (named on stderr and in each record)."""
     try:
-        with recording_loads() as used:  # the artifact files the method reads, named on stderr and in each record
-            meth = build(method, engine, tok, method_cfg)
+        with recording_loads() as used:
+            meth = build(method, engine, session.tokenizer, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
     engine.release_float_weights()  # a block target: the float matrices are no longer needed (docs/engine.md, Memory)
+    mdl = session.model
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
-        f"target {engine.target_precision}; method {method}; {len(prompts)} prompts[/dim]")
+        f"target {engine.target_precision}; method {method}; {n_prompts} prompts[/dim]")
     for kind, path in used.items():
         log(f"[dim]using {kind} {path}[/dim]")
+    return meth, dict(used)
+
+
+def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_texts: list[str], prompt_format: str) -> None:
+    if prompt_file is None and not prompt_texts:  # worded as click words a missing option
+        raise click.UsageError("Missing option '--prompt-file' / '-p' (a file; '-' reads stdin) or '--prompt' / '-P' "
+                               "(text, repeatable)", ctx=ctx)
+    if prompt_file is not None and prompt_texts:
+        raise ConfigError("--prompt-file and --prompt both give the prompts; pass one of them")
+    if prompt_texts and prompt_format != "auto":
+        raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
+
+
+def _check_output_options(output: Path | None, force: bool, append: bool, save_layers: Path | None) -> None:
+    if output is None or str(output) == "-":  # the records go to stdout: nothing to replace or add to
+        for flag, given in (("--append", append), ("--force", force and save_layers is None)):
+            if given:
+                raise ConfigError(f"{flag} applies to --output FILE, and without it the records go to stdout; "
+                                  f"drop {flag} or pass --output FILE")
+
+
+def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
+                device: Any, n_threads: int, used: dict[str, str]) -> tuple[int, float]:
+    """Decode every prompt, one record each into ``out`` (above the bar on a terminal); the totals."""
     total_tokens, total_time = 0, 0.0
-    with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out, progress() as bar:
+    with progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
-            rec = run_prompt(meth.generate, tok, p, cfg, engine.device, method, chat_template, meth.lossless)
+            rec = run_prompt(meth.generate, session.tokenizer, p, cfg, device, method,
+                             session.chat_template, meth.lossless)
             rec["threads"] = n_threads
             if used:
                 rec["artifacts"] = dict(used)
@@ -108,18 +133,25 @@ def generate(
             total_tokens += rec["new_tokens"]
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
+    return total_tokens, total_time
+
+
+def _log_pace(meth: Method, method: str, target: str, total_tokens: int, total_time: float) -> None:
+    if total_time <= 0:
+        return
     curve = getattr(meth, "curve", None)  # the engine's stored costs, when the method plans with them
-    if total_time > 0:
-        pace = f"{total_tokens} tokens in {total_time:.1f} s, {total_tokens / total_time:.1f} tok/s (prefill included)"
-        if curve is not None and method != "ar":
-            ar_pace = 1.0 / curve.t1_s
-            pace += (f"; ar on this target decodes about {ar_pace:.1f} tok/s here (stored T(1) {curve.t1_s * 1e3:.1f} ms): "
-                     f"{total_tokens / total_time / ar_pace:.2f}x")
-        log(f"[dim]{method}, target {engine.target_precision}: {pace}[/dim]")
-    if save_layers is not None:
-        if not meth.search_history():  # nothing searched: the file would hold the uniform starting set
-            raise ConfigError(f"--save-layers: SWIFT's search evaluated no candidate in this run (too few tokens for its "
-                              f"--context-window and --optimize-budget), so '{save_layers}' would hold only the unsearched "
-                              "starting set and was not written; decode more (--max-new-tokens, more prompts) or raise "
-                              "--optimize-budget")
-        log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")
+    pace = f"{total_tokens} tokens in {total_time:.1f} s, {total_tokens / total_time:.1f} tok/s (prefill included)"
+    if curve is not None and method != "ar":
+        ar_pace = 1.0 / curve.t1_s
+        pace += (f"; ar on this target decodes about {ar_pace:.1f} tok/s here (stored T(1) {curve.t1_s * 1e3:.1f} ms): "
+                 f"{total_tokens / total_time / ar_pace:.2f}x")
+    log(f"[dim]{method}, target {target}: {pace}[/dim]")
+
+
+def _save_layers(meth: Method, save_layers: Path) -> None:
+    if not meth.search_history():  # nothing searched: the file would hold the uniform starting set
+        raise ConfigError(f"--save-layers: SWIFT's search evaluated no candidate in this run (too few tokens for its "
+                          f"--context-window and --optimize-budget), so '{save_layers}' would hold only the unsearched "
+                          "starting set and was not written; decode more (--max-new-tokens, more prompts) or raise "
+                          "--optimize-budget")
+    log(f"wrote skip-set artifact {meth.save_layers(save_layers)}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,7 +40,13 @@ class OfflineStep:
     num_prompts: int = 8  # defaults of --num-prompts and --max-new-tokens for this step
     max_new_tokens: int = 32
     min_prompts: int = 1  # fewer prompts are refused before the model loads (a trainer's three disjoint splits: 3)
-    options: tuple[str, ...] = ()  # the command's options that only this step takes (their parameter names)
+    Options: type | None = None  # a frozen dataclass: the options only this step takes, each field an option()
+    #   (help metadata, default None: not given); the command's flags are made from it (cli/offline.py)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The names of the options only this step takes."""
+        return tuple(f.name for f in fields(self.Options)) if self.Options is not None else ()
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)

@@ -61,8 +61,24 @@ from .heads import LowRankHead, head_logits
 
 HEADS = ArtifactSpec(kind="adadecode-heads", folder="adadecode", what="AdaDecode heads artifact",
                      make="selfspec train-heads --kind lm-heads")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The options only ``selfspec train-heads --kind lm-heads`` takes (None: not given, its default)."""
+
+    layers: str | None = option(None, "0-based layers after which heads sit (default: after L/4, L/2, 3L/4 layers)")
+    rank: int | None = option(None, "rank r (default 64) of each head's correction (identity + B A)")
+    epochs: int | None = option(None, "training epochs (default 30)")
+    lr: float | None = option(None, "Adam learning rate (default 5e-3)")
+    batch_size: int | None = option(None, "rows per step (default 128)")
+    seed: int | None = option(None, "seed of initialisation and shuffling (default 0)")
+    cache_dir: Path | None = option(None, "on-disk cache of the on-policy data (default <selfspec cache>/onpolicy; "
+                                          "cache: $SELFSPEC_CACHE, else $SELFSPEC_HOME/cache, else ~/.cache/selfspec)")
+
+
 TRAIN = OfflineStep("train-heads", "lm-heads", HEADS, "selfspec_cli.methods.adadecode.train", num_prompts=1000,
-                    max_new_tokens=256, min_prompts=3, options=("layers", "rank", "epochs", "lr", "batch_size", "seed", "cache_dir"))
+                    max_new_tokens=256, min_prompts=3, Options=TrainOptions)
 
 
 def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:

@@ -28,15 +28,51 @@ from ...engine import Engine
 from ...errors import FieldError
 from ..base import DraftOptions, Method, layer_list, option
 from ..offline import OfflineStep
+from .study import DEFAULT_HEARTBEAT_S
 
 
 SKIP_SET = ArtifactSpec(
     kind="self-sd-layers", folder="self-sd", suffix=".json", what="Self-SD skip-set artifact",
     make="selfspec calibrate --method self-sd", args=" --prompt-file <prompts>",
     alternative=", or pass --layers FILE or --skip-attn/--skip-mlp")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """The options only ``selfspec calibrate --method self-sd`` takes (None: not given, its default)."""
+
+    trials: int | None = option(None, "complete trials wanted in the study (default 100); a resumed study runs only the rest")
+    seed: int | None = option(None, "sampler seed (default 0)")
+    sampler: str | None = option(None, "Optuna sampler (default tpe): tpe, gp, random (see docs/calibrate.md)")
+    objective: str | None = option(None, "proxy (default): the predicted speedup from measured acceptance and draft "
+                                         "lengths, draft cost from weight bytes and the engine's measured verify curve; no "
+                                         "per-trial timing, so machine load cannot reorder candidates (docs/calibrate.md). "
+                                         "throughput: measured tokens/s")
+    repeats: int | None = option(None, "decode the prompts this many times per trial; per prompt the fastest pass counts "
+                                       "(default 3 with --objective throughput, 1 with proxy)")
+    study_path: Path | None = option(None, "Optuna SQLite study (resumable). Default: <output stem>.optuna.db beside "
+                                           "--output")
+    storage: str | None = option(None, "the study in any storage Optuna shares between processes and machines, instead "
+                                       "of --study-path: a database URL (sqlite:///study.db, postgresql://user@host/db, "
+                                       "mysql://...) or a journal file on a disk every worker sees (journal:PATH, or a "
+                                       "path ending in .journal). Another machine joins by running the same command with "
+                                       "the same --storage (docs/calibrate.md)")
+    workers: int | None = option(None, "processes working on the study at once on this machine (default 1; each loads "
+                                       "the model; one thread each unless --threads)")
+    heartbeat: int | None = option(None, f"seconds between a running trial's heartbeats (default {DEFAULT_HEARTBEAT_S}); "
+                                         "a worker silent for 3 of them is taken as dead and its trial is run again")
+    worker_index: int | None = field(default=None, metadata={"help": "set by --workers for the helper processes it "
+                                                                     "starts", "hidden": True})
+    worker_group: str | None = field(default=None, metadata={"help": "set by --workers: the first process's worker name",
+                                                             "hidden": True})
+    draft_precision: str | None = option(None, "draft weights searched together with the skip set: auto (the target's "
+                                               "own and the quantized copy generate would use: the GGUF's own blocks for "
+                                               "a GGUF model, else int8), target (the target's only), int8, int8-g32 or "
+                                               "gguf (that one only)")
+
+
 CALIBRATE = OfflineStep("calibrate", "self-sd", SKIP_SET, "selfspec_cli.methods.self_sd.calibrate",
-                        options=("trials", "seed", "sampler", "objective", "repeats", "study_path", "storage", "workers",
-                                 "heartbeat", "worker_index", "worker_group", "draft_precision"))
+                        Options=CalibrateOptions)
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,12 @@ def _immediate_transactions(engine: Any) -> None:
 
 
 def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None]) -> Any:  # noqa: N802 (a class, built lazily)
-    from optuna.storages import JournalStorage
-    from optuna.storages._heartbeat import BaseHeartbeat  # Optuna's heartbeat protocol (RDBStorage implements it)
+    from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+
+    # Optuna 5.0 (as 4.x) has no public hook for a heartbeat on a storage other than RDBStorage:
+    # fail_stale_trials checks isinstance(storage, BaseHeartbeat), a class exported by no public
+    # module; it is taken as the heartbeat base of RDBStorage, the public class that implements it.
+    BaseHeartbeat = next(b for b in RDBStorage.__bases__ if b is not BaseStorage)  # noqa: N806
 
     class _HeartbeatJournal(JournalStorage, BaseHeartbeat):  # type: ignore[misc]
         """A journal-file storage that keeps Optuna's heartbeat protocol (Optuna implements it
@@ -182,7 +186,7 @@ def HeartbeatJournal(backend: Any, interval: int, callback: Callable[..., None])
                 if beat is None and t.datetime_start is not None:
                     beat = t.datetime_start.timestamp()
                 if beat is not None and now - beat > grace:
-                    stale.append(t._trial_id)
+                    stale.append(self.get_trial_id_from_study_id_trial_number(study_id, t.number))
             return stale
 
         def get_heartbeat_interval(self) -> int:

@@ -70,8 +70,25 @@ EXIT_MLPS = ArtifactSpec(kind="specee-exit-mlp", folder="specee", what="SpecEE e
                          make="selfspec train-heads --kind exit-mlp")
 SCHEDULE = ArtifactSpec(kind="specee-schedule", folder="specee", suffix=".schedule.json", what="SpecEE schedule artifact",
                         make="selfspec calibrate --method specee", args=f" --prompt-file {EXAMPLES_DIR / 'calibration.jsonl'}")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The options only ``selfspec train-heads --kind exit-mlp`` takes (None: not given, its default)."""
+
+    heads: Path | None = option(None, "the lm-heads artifact whose shallowest head drafts (default: this model's, the one "
+                                      "`selfspec train-heads --kind lm-heads` wrote under $SELFSPEC_HOME first, then the "
+                                      "shipped one)")
+    epochs: int | None = option(None, "training epochs (default 100)")
+    lr: float | None = option(None, "Adam learning rate (default 1e-3)")
+    batch_size: int | None = option(None, "rows per step (default 1024)")
+    seed: int | None = option(None, "seed of initialisation and shuffling (default 0)")
+    cache_dir: Path | None = option(None, "on-disk cache of the on-policy data (default <selfspec cache>/onpolicy; "
+                                          "cache: $SELFSPEC_CACHE, else $SELFSPEC_HOME/cache, else ~/.cache/selfspec)")
+
+
 TRAIN = OfflineStep("train-heads", "exit-mlp", EXIT_MLPS, "selfspec_cli.methods.specee.train", num_prompts=1000,
-                    max_new_tokens=256, min_prompts=3, options=("heads", "epochs", "lr", "batch_size", "seed", "cache_dir"))
+                    max_new_tokens=256, min_prompts=3, Options=TrainOptions)
 CALIBRATE = OfflineStep("calibrate", "specee", SCHEDULE, "selfspec_cli.methods.specee.calibrate")
 
 

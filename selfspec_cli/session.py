@@ -1,0 +1,109 @@
+"""The setup every command shares: threads, the model and its tokenizer, the end-of-sequence
+tokens, the context checks, the engine on a target precision (docs/design.md, "Layers").
+
+``selfspec generate``, ``bench``, ``calibrate``, ``train-heads`` and ``profile`` (and any
+program using selfspec as a library) open a model the same way::
+
+    threads = apply_threads(args.threads)              # before anything loads
+    check_device(dtype, device)                        # a bad --dtype or --device before anything is read
+    s = Session.open(model, dtype=dtype, device=device, chat_template=True)
+    cfg = s.generation(GenerationConfig(max_new_tokens=64))   # with the model's eos ids
+    s.check_fits(prompts, cfg)                         # one line per prompt too long for the context
+    engine = s.engine("auto")                          # Engine(model, target_precision)
+
+A shared top-level module: it imports the engine and the loaders, never cli/, bench/ or methods/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import GenerationConfig
+from .engine import Engine
+from .errors import ConfigError
+from .loading import load_model, model_fingerprint, resolve_device, resolve_dtype
+from .prompts import Prompt, encode_turn
+from .runtime import check_prompt_fits, context_length, eos_token_ids
+
+DEFAULT_THREADS = 1  # measured: docs/engine.md, "Threads"
+
+
+def apply_threads(threads: str | int | None) -> int:
+    """Set torch's intra-op thread count (``None``: :data:`DEFAULT_THREADS`; ``auto``: the usable
+    cores under the thread governor of engine/threads.py, for engines made after this call);
+    returns it. A bad value is one line naming ``--threads``."""
+    import torch
+
+    from .engine import threads as governor
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    governor.AUTO.clear()
+    if str(threads).strip().lower() == "auto":
+        governor.AUTO["threads"] = cores
+        torch.set_num_threads(cores)
+        return cores
+    try:
+        n = DEFAULT_THREADS if threads is None else int(threads)
+    except ValueError:
+        raise ConfigError(f"--threads must be a number or auto, got '{threads}'") from None
+    if n < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if n > cores:  # more threads than cores only make them wait on each other
+        raise ConfigError(f"--threads {n} is more than the {cores} CPU cores this process may use; pass at most {cores}")
+    torch.set_num_threads(n)
+    return n
+
+
+def check_device(dtype: str, device: str) -> None:
+    """Refuse a bad ``--dtype`` or ``--device`` before anything is read."""
+    resolve_dtype(dtype, resolve_device(device))
+
+
+@dataclass
+class Session:
+    """A loaded model and its tokenizer, with what every command derives from them."""
+
+    model: Any
+    tokenizer: Any
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+
+    @classmethod
+    def open(cls, model: str | None, *, dtype: str = "auto", device: str = "auto", chat_template: bool = True) -> Session:
+        """Load ``model`` (a name, directory, hub id or .gguf; None: the default) on ``device`` in ``dtype``."""
+        mdl, tok = load_model(model, dtype=dtype, device=device)
+        return cls(mdl, tok, chat_template)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return eos_token_ids(self.model, self.tokenizer)
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.model)
+
+    @property
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.model)
+
+    def generation(self, cfg: GenerationConfig) -> GenerationConfig:
+        """``cfg`` with the model's end-of-sequence tokens."""
+        return dataclasses.replace(cfg, eos_token_ids=self.eos_token_ids)
+
+    def check_fits(self, prompts: Iterable[Prompt], cfg: GenerationConfig) -> None:
+        """Refuse, in one line, a prompt whose turns and new tokens do not fit the model's context."""
+        ctx = self.context_length
+        for p in prompts:
+            check_prompt_fits(p, self.tokenizer, cfg, ctx, self.chat_template)
+
+    def encode_first_turns(self, prompts: Iterable[Prompt]) -> list[list[int]]:
+        """The token ids of each prompt's first turn as a user message (the offline steps' and
+        the profile's inputs)."""
+        return [encode_turn(self.tokenizer, [{"role": "user", "content": p.turns[0]}], self.chat_template)
+                for p in prompts]
+
+    def engine(self, target_precision: str = "auto") -> Engine:
+        """A new engine on ``target_precision`` (engine/target.py) over the model's weights."""
+        return Engine(self.model, target_precision=target_precision)
