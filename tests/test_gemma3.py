@@ -152,3 +152,12 @@ def test_gemma_alias_assembles_once_into_the_model_cache(monkeypatch, tmp_path):
     assert len(calls) == 1 and calls[0] != str(path)  # assembled beside it, then renamed
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
     assert loading.gemma_model_gguf() == path and len(calls) == 1  # found, not assembled again
+
+
+def test_suggested_commands_name_the_alias():
+    from selfspec_cli import loading
+
+    converted = loading.model_cache_dir() / "gemma-3-270m-q4_k_m-a5fd3b62230a"
+    assert loading.model_alias(converted) == "gemma3-270m"
+    assert loading.model_alias("/elsewhere/gemma-3-270m-q4_k_m-a5fd3b62230a") == "/elsewhere/gemma-3-270m-q4_k_m-a5fd3b62230a"
+    assert loading.model_alias("org/model") == "org/model"
