@@ -227,10 +227,12 @@ def test_releasing_the_float_weights_keeps_every_token(gguf_models):
     cfg = GenerationConfig(max_new_tokens=24)
     before = ar.generate(prompt, cfg).token_ids
     emb = eng.embed(torch.arange(eng.vocab_size))
+    head = eng.head_rows(torch.arange(eng.vocab_size))
     freed = eng.release_float_weights()
     assert freed >= sum(t.numel() * 4 for t in [eng.adapter.embed]) and eng._embed_rows is not None
     assert eng.adapter.embed.numel() == 0 and all(p.numel() == 0 for p in eng.model.model.layers[0].mlp.parameters())
     assert torch.equal(eng.embed(torch.arange(eng.vocab_size)), emb)
+    assert torch.equal(eng.head_rows(torch.arange(eng.vocab_size)), head)  # SpecEE's speculative rows
     assert ar.generate(prompt, cfg).token_ids == before == m.generate(prompt, cfg).token_ids
     assert Engine(make_tiny_model("llama-gqa", layers=2), target_precision="fp32").release_float_weights() == 0
 

@@ -207,6 +207,13 @@ class Engine:
         scale = self.adapter.embed_scale  # Gemma: sqrt(hidden), as transformers multiplies it
         return rows if scale is None else rows * scale
 
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's float rows for the tokens ``ids`` (R, H); after :meth:`release_float_weights` freed
+        a tied table, dequantized from the head's own blocks (the very values, as :meth:`embed` reads them)."""
+        if self.adapter.lm_head.numel() == 0 and isinstance(self.lm_head, kernels.QLinear):
+            return _block_rows(self.lm_head)(ids)
+        return self.adapter.lm_head[ids]
+
     def release_float_weights(self) -> int:
         """Free the model's float matrices when the target reads a quantized copy (a block target), and a
         tied embedding too, whose rows are then dequantized from the head's own blocks (the very values:
