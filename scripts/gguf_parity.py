@@ -10,6 +10,9 @@ model's top-2 logit gap at that position (a near-tie in fp32 shows as a small ga
 
     python scripts/gguf_parity.py --methods ar,self-sd,asd,swift,adadecode -n 64 \
         --suite spec-bench-mini [--target-precision auto] --output docs/bench/gguf-parity.json
+
+``--model gemma3-270m`` (or a .gguf path) checks another GGUF model the same way; ``--no-chat-template``
+feeds the questions as raw text (a base model such as Gemma 3 270M has no template: raw text either way).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from selfspec_cli.methods import build
 from selfspec_cli.runtime import encode_turn, eos_token_ids, run_prompt
 
 
-def reference_turns(gguf: Path, prompts, n: int) -> tuple[dict, dict, object]:
+def reference_turns(gguf: Path, prompts, n: int, chat_template: bool = True) -> tuple[dict, dict, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -40,7 +43,7 @@ def reference_turns(gguf: Path, prompts, n: int) -> tuple[dict, dict, object]:
         history, turns, ins = [], [], []
         for turn in p.turns:
             history.append({"role": "user", "content": turn})
-            ids = encode_turn(tok, history, True)
+            ids = encode_turn(tok, history, chat_template)
             ins.append(ids)
             x = torch.tensor([ids])
             with torch.no_grad():
@@ -75,12 +78,16 @@ def main() -> int:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--target-precision", default="auto")
+    ap.add_argument("--model", default=None, help="the default model, gemma3-270m, or a .gguf file")
+    ap.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     args = ap.parse_args()
     prompts = load_suite(args.suite)
     t0 = time.perf_counter()
-    ref, inputs, ref_model = reference_turns(loading.default_model_gguf(), prompts, args.max_new_tokens)
+    gguf = (loading.default_model_gguf() if args.model in (None, "smollm2") else
+            loading.gemma_model_gguf() if args.model == loading.GEMMA_MODEL_NAME else Path(args.model))
+    ref, inputs, ref_model = reference_turns(gguf, prompts, args.max_new_tokens, args.chat_template)
     ref_s = time.perf_counter() - t0
-    model, tok = loading.load_model(None, dtype="float32", device="cpu")
+    model, tok = loading.load_model(args.model, dtype="float32", device="cpu")
     engine = Engine(model, target_precision=args.target_precision)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, tok))
     results = {}
@@ -88,7 +95,7 @@ def main() -> int:
         meth = build(name, engine, tok)
         same, differing, t1 = 0, [], time.perf_counter()
         for p in prompts:
-            rec = run_prompt(meth.generate, tok, p, cfg, torch.device("cpu"), name)
+            rec = run_prompt(meth.generate, tok, p, cfg, torch.device("cpu"), name, args.chat_template)
             got = [t["token_ids"] for t in rec["turns"]] if "turns" in rec else [rec["token_ids"]]
             if got == ref[p.id]:
                 same += 1
@@ -97,7 +104,8 @@ def main() -> int:
         results[name] = {"identical": same, "questions": len(prompts), "differing": differing,
                          "seconds": round(time.perf_counter() - t1, 1)}
         print(f"{name}: {same}/{len(prompts)} questions token-identical to transformers' GGUF model", file=sys.stderr, flush=True)
-    doc = {"suite": args.suite, "max_new_tokens": args.max_new_tokens, "turns": sum(len(p.turns) for p in prompts),
+    doc = {"model": str(gguf.name), "chat_template": bool(args.chat_template and getattr(tok, "chat_template", None)),
+           "suite": args.suite, "max_new_tokens": args.max_new_tokens, "turns": sum(len(p.turns) for p in prompts),
            "target_precision": engine.target_precision,
            "reference": "transformers AutoModelForCausalLM.from_pretrained(gguf_file=...).generate(do_sample=False)",
            "reference_seconds": round(ref_s, 1), "methods": results, "environment": environment_info("cpu", torch.float32)}

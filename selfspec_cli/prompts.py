@@ -171,9 +171,16 @@ def prompts_digest(prompt_ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:16]
 
 
+def uses_chat_template(tokenizer: Any, use_chat_template: bool) -> bool:
+    """Whether prompts are wrapped in the tokenizer's chat template: asked for and the tokenizer has one
+    (a base model's, such as Gemma 3 270M's, has none: its prompts are raw text, as ``--no-chat-template``)."""
+    return bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+
+
 def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template: bool) -> list[int]:
-    """Token ids of a conversation so far (ending with a user turn), ready to continue."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
+    """Token ids of a conversation so far (ending with a user turn), ready to continue; raw text
+    (turns joined by blank lines, the tokenizer's special tokens) where no chat template applies."""
+    if uses_chat_template(tokenizer, use_chat_template):
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

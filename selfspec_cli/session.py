@@ -69,12 +69,16 @@ class Session:
     model: Any
     tokenizer: Any
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+    spec: str | None = None  # the model as the user named it (None: the default), for a process of its own
+    dtype: str = "auto"
+    device: str = "auto"
+    parameters: int = 0  # counted at load: a block target may release the float tensors later
 
     @classmethod
     def open(cls, model: str | None, *, dtype: str = "auto", device: str = "auto", chat_template: bool = True) -> Session:
         """Load ``model`` (a name, directory, hub id or .gguf; None: the default) on ``device`` in ``dtype``."""
         mdl, tok = load_model(model, dtype=dtype, device=device)
-        return cls(mdl, tok, chat_template)
+        return cls(mdl, tok, chat_template, model, dtype, device, sum(p.numel() for p in mdl.parameters()))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

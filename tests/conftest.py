@@ -47,6 +47,13 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": 12}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
     "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": False}),
+    # Gemma 3: sliding layers (window 6, shorter than the tests' prompts) every other layer between full ones,
+    # two rotary tables (the global one scaled), query_pre_attn_scalar != head_dim, GeGLU, (1 + w) norms
+    "gemma3-window": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6, "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}),
 }
 
 
@@ -64,7 +71,12 @@ def make_tiny_model(arch: str = "llama-gqa", seed: int = 0, vocab: int = VOCAB, 
     model = getattr(transformers, model_name)(cfg).eval()
     # random init is nearly uniform; sharpen so greedy decoding has structure and sampling is non-trivial
     with torch.no_grad():
-        if cfg.tie_word_embeddings:
+        if cfg.model_type == "gemma3_text":  # its norms start at w = 0 (weight 1 + w): make each one differ;
+            for name, p in model.named_parameters():  # the post-sublayer norms small, so that the residual
+                if "norm" in name:  # stream changes gradually (early exits and skipped layers can agree)
+                    p.normal_(-0.8 if ".post_" in name else 0.0, 0.1 if ".post_" in name else 0.3)
+            model.model.embed_tokens.weight.mul_(4.0)  # (scaled by sqrt(hidden) = 8 in the forward: the norms undo it)
+        elif cfg.tie_word_embeddings:
             model.model.embed_tokens.weight.mul_(4.0)
         else:
             model.lm_head.weight.mul_(8.0)

@@ -122,8 +122,10 @@ def write_gguf(model, tokenizer, path, chat_template: str | None = CHATML_TEMPLA
     """Write `model` (a LlamaForCausalLM) and `tokenizer` (fast byte-level BPE) as an all-F32 GGUF.
 
     `permute_qk=False` skips llama.cpp's q/k row permutation -- only for tests showing it matters.
-    `qtype` ("Q4_0", "Q4_1", "Q8_0"): every matrix stored in that block format (quantized with the
-    `gguf` package, as llama.cpp's quantizer lays it out); norms stay F32.
+    `qtype` ("Q4_0", "Q4_1", "Q8_0", "Q5_0", ...): every matrix stored in that block format (quantized with the
+    `gguf` package, as llama.cpp's quantizer lays it out); norms stay F32. "Q5_0+Q8_0": Q5_0 matrices with a
+    Q8_0 `attn_v` and embedding, as a Q4_K_M file of a model whose widths the K-quants do not divide
+    (Gemma 3 270M) stores them.
     """
     import gguf
 
@@ -170,7 +172,10 @@ def write_gguf(model, tokenizer, path, chat_template: str | None = CHATML_TEMPLA
         if heads is not None and permute_qk:
             array = _permute_for_gguf(array, heads)
         if qtype is not None and array.ndim == 2:
-            kind = gguf.GGMLQuantizationType[qtype]
+            if qtype == "Q5_0+Q8_0":
+                kind = gguf.GGMLQuantizationType["Q8_0" if name.endswith(("attn_v.weight", "token_embd.weight")) else "Q5_0"]
+            else:
+                kind = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)
             return
         w.add_tensor(name, np.ascontiguousarray(array))  # float32 ndarray -> GGML F32

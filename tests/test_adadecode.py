@@ -8,6 +8,7 @@ import torch
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.decoding.drafts import NoDraft
 from selfspec_cli.engine import Engine
+from selfspec_cli.engine.adapter import GEMMA_TYPES, gemma_norm_weight
 from selfspec_cli.methods.adadecode.heads import LowRankHead, init_head
 from selfspec_cli.methods import AR
 from selfspec_cli.methods import adadecode as ada
@@ -22,6 +23,8 @@ def random_heads(model, layers, rank=8, seed=0) -> dict[int, LowRankHead]:
     """Heads with a non-zero low-rank update, so the whole head path is exercised."""
     g = torch.Generator().manual_seed(seed)
     norm = model.model.norm.weight.detach()
+    if model.config.model_type in GEMMA_TYPES:  # the final norm's weight is 1 + w there, as the engine reads it
+        norm = gemma_norm_weight(norm)
     out = {}
     for k in layers:
         h = init_head(norm, rank, g)

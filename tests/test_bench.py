@@ -308,6 +308,8 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     for key in ("torch", "transformers", "device", "dtype", "threads", "cpu"):
         assert key in doc["environment"]
     assert doc["setup"]["repeats"] == 2 and doc["setup"]["categories"] == {"code": 2, "prose": 2}
+    # the tiny tokenizer has no chat template (a base model's case): asked for, but the prompts are raw text
+    assert doc["setup"]["chat_template"] is False and doc["setup"]["chat_template_asked"] is True
     # the verify curve pooled over a reading per pass, and the figures derived from it restated with it
     costs = doc["engine_costs"]
     assert costs["curve_readings"] == 2

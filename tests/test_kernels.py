@@ -76,7 +76,7 @@ def test_without_the_kernel_it_is_f_linear(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "qwen3-qknorm", "gemma3-window"])
 def test_engine_logits_with_and_without_kernel(arch):
     model = make_tiny_model(arch)
     eng = Engine(model)
@@ -127,7 +127,7 @@ def test_rms_norm_kernel_matches_and_is_row_wise():
 
 
 @needs_kernel
-@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("d", [16, 64, 256])  # 256: Gemma 3's head size
 @pytest.mark.parametrize("t", [1, 5])
 def test_small_ops_match_torch(d, t):
     """attend / rope_ / silu_mul against SDPA and the eager formulas: causal after `past` cached
@@ -160,7 +160,7 @@ def test_small_ops_match_torch(d, t):
 
 
 @needs_kernel
-@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("d", [16, 64, 256])
 def test_attend_window_is_attention_over_sinks_and_recent_keys(d):
     """A draft's (sinks, window) view: bit-identical to attending over the gathered keys (the
     first ``sinks`` and the newest ``window``), and the plain call when the context is short."""

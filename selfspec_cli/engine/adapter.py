@@ -7,10 +7,15 @@ original ``nn.Linear`` parameters become views into the fused tensors, so no
 weight is held twice and the Hugging Face forward keeps working on the same
 storage (the ``hf`` peers in ``selfspec bench`` run on the very same weights).
 
-Supported: Llama, Mistral, Qwen2, Qwen3 (model_type in SUPPORTED_MODEL_TYPES). The
-differences between them are handled by data, not subclasses: optional q/k/v
-biases (Qwen2), per-head q/k RMSNorm (Qwen3), per-layer sliding windows
-(Mistral; Qwen2/Qwen3 ``layer_types``).
+Supported: Llama, Mistral, Qwen2, Qwen3, Gemma 3 text (model_type in SUPPORTED_MODEL_TYPES).
+The differences between them are handled by data, not subclasses: optional q/k/v
+biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), per-layer sliding windows
+(Mistral; Qwen2/Qwen3/Gemma 3 ``layer_types``), and Gemma 3's terms: RMSNorm weights
+applied as ``1 + w`` (stored here already added, in float32 as transformers computes
+them), a norm after each sublayer as well as before it, GeGLU (``gelu`` with the tanh
+approximation), the embedding scale ``sqrt(hidden)``, the attention scale
+``query_pre_attn_scalar ** -0.5`` (folded into the q norm's weights) and one rotary table
+per layer type (a local base for sliding layers, the global base and its scaling for full ones).
 
 :func:`model_fingerprint` is a model's short id (its config and a sample of its weights):
 artifacts record it, and the quantized-draft cache is keyed by it.
@@ -27,7 +32,11 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA_TYPES = ("gemma3_text",)  # Gemma terms: (1 + w) norms, sublayer post-norms, GeGLU, embedding scale
+# a GGUF's ``general.architecture`` -> the model_type transformers gives the converted model
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config value -> the engine's MLP product
 
 
 def check_supported(config: Any) -> str:
@@ -80,6 +89,15 @@ class LayerWeights:
     w_down: torch.Tensor  # (H, I)
     b_down: torch.Tensor | None
     sliding_window: int | None
+    post_attn_norm: torch.Tensor | None = None  # (H,) Gemma: RMSNorm of the attention output before the residual add
+    post_mlp_norm: torch.Tensor | None = None  # (H,) Gemma: RMSNorm of the MLP output before the residual add
+    rope_kind: str | None = None  # which rotary table (ModelAdapter.rope_kinds): None, the model's one table
+
+
+def gemma_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A Gemma RMSNorm's effective weight ``1 + w``, computed in float32 as transformers does
+    (``output * (1.0 + self.weight.float())``), in the weight's dtype."""
+    return (1.0 + weight.detach().float()).to(weight.dtype)
 
 
 def _fuse_into(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,21 +131,38 @@ class ModelAdapter:
         self.vocab_size: int = cfg.vocab_size
         self.max_positions: int = getattr(cfg, "max_position_embeddings", 2048)
         self.rms_eps: float = float(cfg.rms_norm_eps)
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act '{act}' is not supported (only silu)")
+        gemma = model_type in GEMMA_TYPES
+        act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
+        if act not in ACTIVATIONS or (not gemma and act != "silu"):
+            raise UnsupportedModelError(f"hidden activation '{act}' is not supported (silu; gelu_pytorch_tanh for Gemma)")
+        self.activation: str = ACTIVATIONS[act]
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, name, None) is not None:
+                raise UnsupportedModelError(f"{name} = {getattr(cfg, name)} is not supported (Gemma 3 has none)")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("use_bidirectional_attention is not supported (a causal LM is)")
 
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type in ("dynamic", "longrope"):
-            raise UnsupportedModelError(f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
-                                        "supported: default, linear, llama3, yarn")
+        ropes = list(rope.values()) if gemma and isinstance(rope, dict) else [rope]  # Gemma: one per layer type
+        for r in ropes:
+            rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
+            if rope_type in ("dynamic", "longrope"):
+                raise UnsupportedModelError(f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
+                                            "supported: default, linear, llama3, yarn")
         self.embed: torch.Tensor = inner.embed_tokens.weight
-        self.final_norm: torch.Tensor = inner.norm.weight
+        self.final_norm: torch.Tensor = gemma_norm_weight(inner.norm.weight) if gemma else inner.norm.weight
         self.lm_head: torch.Tensor = model.lm_head.weight
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        # Gemma: embeddings times sqrt(hidden), a float32 scalar cast to the weights' dtype (as transformers does)
+        scale = getattr(inner.embed_tokens, "embed_scale", None) if gemma else None
+        self.embed_scale: torch.Tensor | None = None if scale is None else scale.detach().to(self.dtype).to(self.device)
+        # the attention's score scale: 1/sqrt(D) in the kernel and SDPA; Gemma's query_pre_attn_scalar ** -0.5
+        # is folded into the q heads' norm weights as the factor q_scale (exactly 1.0 when the two agree)
+        q_scale = 1.0
+        if gemma and cfg.query_pre_attn_scalar != self.head_dim:
+            q_scale = float(cfg.query_pre_attn_scalar) ** -0.5 * self.head_dim ** 0.5
 
         layer_types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None)
@@ -138,20 +173,34 @@ class ModelAdapter:
             w_gu, b_gu = _fuse_into([mlp.gate_proj, mlp.up_proj])
             qk_norm = None
             if hasattr(attn, "q_norm"):
-                qk_norm = torch.cat([attn.q_norm.weight.data.expand(self.num_heads, -1),
-                                     attn.k_norm.weight.data.expand(self.num_kv_heads, -1)]).contiguous()
+                qn, kn = attn.q_norm.weight, attn.k_norm.weight
+                if gemma:
+                    qn, kn = gemma_norm_weight(qn), gemma_norm_weight(kn)
+                    if q_scale != 1.0:
+                        qn = qn * q_scale
+                qk_norm = torch.cat([qn.data.expand(self.num_heads, -1),
+                                     kn.data.expand(self.num_kv_heads, -1)]).contiguous()
             sliding = model_type == "mistral" or (layer_types is not None and layer_types[idx] == "sliding_attention")
+            if gemma:
+                norms = {"attn_norm": gemma_norm_weight(layer.input_layernorm.weight),
+                         "post_attn_norm": gemma_norm_weight(layer.post_attention_layernorm.weight),
+                         "mlp_norm": gemma_norm_weight(layer.pre_feedforward_layernorm.weight),
+                         "post_mlp_norm": gemma_norm_weight(layer.post_feedforward_layernorm.weight)}
+            else:
+                norms = {"attn_norm": layer.input_layernorm.weight, "mlp_norm": layer.post_attention_layernorm.weight}
             self.layers.append(LayerWeights(
-                attn_norm=layer.input_layernorm.weight, w_qkv=w_qkv, b_qkv=b_qkv,
-                w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, qk_norm=qk_norm,
-                mlp_norm=layer.post_attention_layernorm.weight, w_gate_up=w_gu, b_gate_up=b_gu,
-                w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias, sliding_window=window if sliding else None))
+                w_qkv=w_qkv, b_qkv=b_qkv, w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, qk_norm=qk_norm,
+                w_gate_up=w_gu, b_gate_up=b_gu, w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias,
+                sliding_window=window if sliding else None,
+                rope_kind=layer_types[idx] if gemma else None, **norms))
+        self.rope_kinds: list[str | None] = sorted({w.rope_kind for w in self.layers}, key=str)
 
     @torch.no_grad()
-    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_table(self, length: int, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (length, D) exactly as the model's rotary module computes
         them (rope scaling types with a fixed inverse frequency: default, linear,
-        llama3, yarn, ...)."""
+        llama3, yarn, ...); ``kind``: the layer type whose table (Gemma 3: local and global)."""
         pos = torch.arange(length, device=self.device)[None]
-        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), pos)  # x: only its dtype and device are read
+        x = torch.empty(0, dtype=self.dtype, device=self.device)  # only its dtype and device are read
+        cos, sin = self.rotary(x, pos) if kind is None else self.rotary(x, pos, kind)
         return cos[0], sin[0]

@@ -163,10 +163,18 @@ def _take_rows(q: QuantWeight, order: torch.Tensor) -> QuantWeight:
                        None if q.mins is None else q.mins[order].contiguous(), q.group, q.bits)
 
 
+def _layout(q: QuantWeight) -> tuple[int, int, bool]:
+    """What the kernel's arithmetic depends on: code width, group size, and whether minimums are added. Two
+    GGUF types of one layout are one matrix to ``qlinear`` (Q5_0 and Q8_0: byte codes, a scale per 32)."""
+    return q.bits, q.group, q.mins is None
+
+
 def _cat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """Row-concatenate blocks of one format (q/k/v or gate/up, fused as the engine fuses them)."""
+    """Row-concatenate blocks of one layout (q/k/v or gate/up, fused as the engine fuses them); parts of
+    several GGUF types (a Q4_K_M file's Q5_0 q/k with a Q8_0 v) are named together, ``q5_0+q8_0``."""
     first = parts[0]
-    return QuantWeight(first.fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+    fmt = "+".join(dict.fromkeys(p.fmt for p in parts))
+    return QuantWeight(fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                        None if first.mins is None else torch.cat([p.mins for p in parts]), first.group, first.bits)
 
 
@@ -214,9 +222,9 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
             got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
             if len(got) == 1:
                 row[name] = got[0]
-            elif len({g.fmt for g in got}) == 1:
+            elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
                 row[name] = _cat_rows(got)
-            else:  # parts of different types cannot share one fused matrix's kernel call
+            else:  # parts of different layouts cannot share one fused matrix's kernel call
                 fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
                 exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
                 row[name] = quantize_int8(target)
@@ -248,7 +256,8 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-CACHE_FORMAT = 1  # bump when the quantizers or the file layout change: older files are not read
+CACHE_FORMAT = 2  # bump when the quantizers or the file layout change: older files are not read
+# (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks)
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:

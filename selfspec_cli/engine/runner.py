@@ -63,7 +63,7 @@ class ForwardOutput:
 
 
 ALL_ROWS = slice(None)
-KERNEL_HEAD_SIZES = (16, 32, 64, 128)  # what csrc's attend() and rope_() take
+KERNEL_HEAD_SIZES = (16, 32, 64, 128, 256)  # what csrc's attend() and rope_() take
 ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
 
@@ -119,6 +119,7 @@ class Engine:
         self._qk_width = (self._hq + self._hkv) * self._d
         self._neg = torch.finfo(self.dtype).min
         self._unit_d = torch.ones(self._d, dtype=self.dtype, device=self.device)  # per-head norms' own weight
+        self._gelu = a.activation == "gelu_tanh"
         self._grow_rope(max(256, min(a.max_positions, 4096)))
         # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
         t0 = time.perf_counter()
@@ -173,10 +174,13 @@ class Engine:
                  for w in a.layers], make(a.lm_head, None, module, pack_dtype))
 
     def _grow_rope(self, length: int) -> None:
-        self._cos, sin = self.adapter.rope_table(length)  # (length, D): rows 0..length-1
         half = self._d // 2
-        # rotate_half(x) * sin == flip_halves(x) * sin_signed, with sin_signed = [-sin1, sin2]
-        self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self._rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> cos, sin_signed (length, D)
+        for kind in self.adapter.rope_kinds:  # one table, or one per layer type (Gemma 3)
+            cos, sin = self.adapter.rope_table(length, kind)  # (length, D): rows 0..length-1
+            # rotate_half(x) * sin == flip_halves(x) * sin_signed, with sin_signed = [-sin1, sin2]
+            self._rope[kind] = cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self._rope_length = length
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim: the kernel's one-call version for float32 rows, else
@@ -203,8 +207,18 @@ class Engine:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._embed_rows is not None:  # the float table was released: rows from the head's own blocks
-            return self._embed_rows(input_ids)
-        return F.embedding(input_ids, self.adapter.embed)
+            rows = self._embed_rows(input_ids)
+        else:
+            rows = F.embedding(input_ids, self.adapter.embed)
+        scale = self.adapter.embed_scale  # Gemma: sqrt(hidden), as transformers multiplies it
+        return rows if scale is None else rows * scale
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's float rows for the tokens ``ids`` (R, H); after :meth:`release_float_weights` freed
+        a tied table, dequantized from the head's own blocks (the very values, as :meth:`embed` reads them)."""
+        if self.adapter.lm_head.numel() == 0 and isinstance(self.lm_head, kernels.QLinear):
+            return _block_rows(self.lm_head)(ids)
+        return self.adapter.lm_head[ids]
 
     def release_float_weights(self, panels: bool = False) -> int:
         """Free the model's float matrices when the target reads a quantized copy (a block target), and a
@@ -353,12 +367,11 @@ class Engine:
             q_pos, rows, q_list = None, slice(positions, positions + t), list(range(positions, positions + t))
         else:
             q_pos, rows, q_list = positions, positions, positions.tolist()
-        if max(q_list, default=-1) >= len(self._cos):
-            self._grow_rope(max(2 * len(self._cos), max(q_list) + 1))
+        if max(q_list, default=-1) >= self._rope_length:
+            self._grow_rope(max(2 * self._rope_length, max(q_list) + 1))
         ops = self._ops if h.dtype == torch.float32 else None
         few_rows = ops is not None and t <= ATTEND_MAX_ROWS  # the kernel's attention; SDPA for long prefills
-        cos2, sin2 = self._cos[rows], self._sin_signed[rows]  # (T, D)
-        cos, sin = cos2[:, None, :], sin2[:, None, :]  # (T, 1, D)
+        rope_rows = {kind: (c[rows], s[rows]) for kind, (c, s) in self._rope.items()}  # kind -> (T, D) each
 
         hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
         hidden_at: dict[int, torch.Tensor] = {}
@@ -379,10 +392,12 @@ class Engine:
                 if w.qk_norm is not None:  # Qwen3: RMSNorm per head before the rotary
                     normed = self._norm(qkv[:, :qkw].reshape(t * (hq + hkv), d), self._unit_d)  # row-wise
                     q_rows = (normed.view(t, hq + hkv, d) * w.qk_norm).view(t, qkw)
+                cos2, sin2 = rope_rows[w.rope_kind]  # (T, D)
                 if ops is not None:
                     ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
                 qk = q_rows[:, :qkw].view(t, hq + hkv, d)
                 if ops is None:
+                    cos, sin = cos2[:, None, :], sin2[:, None, :]  # (T, 1, D)
                     qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
                 past = cache.length(l)
                 # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
@@ -405,7 +420,10 @@ class Engine:
                                                        enable_gqa=hq != hkv)
                     o = o[0].transpose(0, 1).reshape(t, hq * d)
                 h_in = h
-                h = h + lin["o"](o)
+                o = lin["o"](o)
+                if w.post_attn_norm is not None:  # Gemma: the sublayer's output is normed before the add
+                    o = self._norm(o, w.post_attn_norm)
+                h = h + o
                 if attn_cosine:  # ASD: how much this attention sublayer turns the residual stream
                     cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1).mean())
             elif attn_cosine:
@@ -413,11 +431,17 @@ class Engine:
             if l not in skip_mlp:
                 # 2) MLP sublayer
                 x = self._norm(h, w.mlp_norm)
-                if ops is not None:
-                    h = h + lin["down"](ops.silu_mul(lin["gate_up"](x)))
+                if self._gelu:  # GeGLU (Gemma): gelu with the tanh approximation, row-wise
+                    gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+                    m = lin["down"](F.gelu(gate, approximate="tanh") * up)
+                elif ops is not None:
+                    m = lin["down"](ops.silu_mul(lin["gate_up"](x)))
                 else:
                     gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-                    h = h + lin["down"](F.silu(gate) * up)
+                    m = lin["down"](F.silu(gate) * up)
+                if w.post_mlp_norm is not None:
+                    m = self._norm(m, w.post_mlp_norm)
+                h = h + m
             if l in output_hidden:
                 hidden_at[l] = h
 

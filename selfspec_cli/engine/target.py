@@ -118,7 +118,7 @@ def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]]
     def pick(q: Any, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         if q.meta.fmt != "int8":
             return q
-        # a GGUF type the kernel does not take as blocks (F16, BF16, ...) or a fused matrix of mixed types:
+        # a GGUF type the kernel does not take as blocks (F16, BF16, ...) or a fused matrix of mixed layouts:
         # float panels, 16-bit where every weight is such a value (an F16/BF16 tensor's are), else fp32
         exact = next((dt for dt in PANEL_DTYPES.values() if _exact(w, dt)), None)
         return Linear.make(w, b, engine._module, exact)

@@ -319,7 +319,7 @@ inline void attend_one(const float* q, const float* kb, int64_t ks1, const float
   for (int i = 0; i < DV; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
-// Attention of T query rows over a layer's cached keys/values, float32, GQA, head size 16, 32, 64 or 128.
+// Attention of T query rows over a layer's cached keys/values, float32, GQA, head size 16, 32, 64, 128 or 256.
 // sinks, window (window 0: off): a row whose allowed keys number more than sinks + window attends only to
 // the first `sinks` of them and the newest `window` (a draft's cheap view of a long context, as in
 // StreamingLLM / MagicDec; the target never uses it).
@@ -336,7 +336,8 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
               "attend: k/v must be (Hkv, S, D) float32");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.size(1) >= n_keys && v.size(1) >= n_keys, "attend: bad k/v");
   const int64_t t_n = qkv.size(0), hkv = k.size(0), d = k.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "attend: head size ", d, " (16, 32, 64 or 128 supported)");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "attend: head size ", d,
+              " (16, 32, 64, 128 or 256 supported)");
   TORCH_CHECK(hq % hkv == 0 && qkv.size(1) >= hq * d, "attend: bad head counts");
   torch::Tensor mc;
   const float* mp = nullptr;
@@ -375,7 +376,8 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
         case 16: attend_one<2>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
         case 32: attend_one<4>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
         case 64: attend_one<8>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
-        default: attend_one<16>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
+        case 128: attend_one<16>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
+        default: attend_one<32>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
       }
     }
   });

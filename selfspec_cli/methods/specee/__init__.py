@@ -233,7 +233,7 @@ class SpecEE(Method):
                 break
             if l == k0:  # 2) the drafter: the shallowest head's top-4 are the speculative tokens
                 spec = head_logits(prev_last, self.drafter, eng.lm_head, a.rms_eps)[0].topk(NUM_SPEC_TOKENS).indices
-                spec_rows = a.lm_head[spec]  # (4, d)
+                spec_rows = eng.head_rows(spec)  # (4, d) (also after a block target released the float table)
             if not can_exit or l not in active:
                 continue
             # 3) predictor on [s, q, dq] at this layer; the change is against layer l - 1
