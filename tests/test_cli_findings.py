@@ -352,3 +352,59 @@ def test_offline_step_flags_are_made_from_the_steps_options():
             assert p.hidden == bool(f.metadata.get("hidden")) and name in p.help, (command, f.name)
             seen += 1
     assert seen >= 12 + 7 + 6  # self-sd's, lm-heads' and exit-mlp's options
+
+
+# ---------------------------------------------------------------- streaming to a terminal
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_stream_prints_each_records_text_as_it_comes(capsys, tiny_model_dir, tmp_path, method):
+    """--stream (the default when stdout is a terminal) prints the texts the JSONL records hold, a header per
+    prompt when there are several and a blank line between a conversation's turns, and nothing else; the
+    text arrives in pieces (one write per kept round), not at the end."""
+    from selfspec_cli.cli import generate as g
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f(x):"},
+                                                 {"id": "b", "turns": ["Hello there", "And then"]}])
+    records = run_generate(capsys, tiny_model_dir, prompts, "--method", method, "-n", "10")
+    writes: list[str] = []
+    real = g._say
+    g._say = lambda text: (writes.append(text), real(text))
+    try:
+        capsys.readouterr()
+        rc = main(gen_args(tiny_model_dir, prompts, "--method", method, "-n", "10", "--stream"))
+    finally:
+        g._say = real
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    turns_b = records[1]["turns"]
+    want = (f"--- a\n{records[0]['text']}\n" + f"\n--- b\n{turns_b[0]['text']}\n\n{turns_b[1]['text']}\n")
+    assert out == want
+    assert len([w for w in writes if w.strip()]) > 4  # pieces as they come
+
+
+def test_stream_with_an_output_file_is_one_line(capsys, tiny_model_dir, prompt_file, tmp_path):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--stream", "-o", str(tmp_path / "o.jsonl")),
+                      "--stream", "--output")
+
+
+def test_text_streamer_holds_a_torn_character_back():
+    class Bytes:  # a byte-level tokenizer: token i is byte i
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    said: list[str] = []
+    from selfspec_cli.cli.generate import TextStreamer
+
+    s = TextStreamer(Bytes(), said.append)
+    euro = list("€".encode())  # three bytes
+    s.push([ord("a")])
+    s.push(euro[:2])  # a torn character: nothing printed
+    assert said == ["a"]
+    s.push(euro[2:] + [ord("b")])
+    s.push(euro[:1])
+    s.end(torn=True)  # cut by the length limit: the torn tail is left out, as the record's text leaves it
+    assert "".join(said) == "a€b" and said[1] == "€b"
+    s.push([0xFF])  # an invalid byte that ends a turn stopped otherwise is kept, as in the record
+    s.end(torn=False)
+    assert said[-1] == "\ufffd"

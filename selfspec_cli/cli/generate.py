@@ -1,6 +1,7 @@
 """``selfspec generate``: decode every prompt of a file (or given with ``--prompt``) with one method; JSONL out."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,7 +20,7 @@ from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
 from ..config import check_choice, check_sampling_options
-from .common import check_output, log, output_stream, progress, write_record
+from .common import OutputClosed, check_output, log, output_stream, progress, write_record
 
 @with_method_options
 def generate(
@@ -45,6 +46,7 @@ def generate(
     append: bool = typer.Option(False, "--append", help="Add the records to the end of an existing --output instead of refusing."),
     threads: Optional[str] = opt.threads(),
     save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
+    stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help="Print each prompt's text as its tokens come (default: when stdout is a terminal and no --output) instead of JSONL records; --no-stream keeps JSONL on a terminal too."),
     **method_options: Any,
 ) -> None:
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
@@ -52,20 +54,17 @@ def generate(
     _check_prompt_options(ctx, prompt_file, prompt_texts, prompt_format)
     check_choice(method, METHODS, "--method")
     check_seed(seed)  # before the methods' configs take it
-    if save_layers is not None and method != "swift":
-        raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
     check_sampling_options(sampling)
     if not sampling.greedy and METHODS[method].greedy_only:
         raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
-    _check_output_options(output, force, append, save_layers)
+    _check_output_options(output, force, append, save_layers, method)
+    _streaming(stream, output)  # a conflict is refused before any loading
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
-    if save_layers is not None:
-        check_new_artifact(save_layers, force, "--save-layers")
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
     check_device(dtype, device)  # a bad --dtype or --device before anything is read
@@ -76,8 +75,11 @@ def generate(
     session.check_fits(prompts, cfg)
     engine = session.engine(target_precision)
     meth, used = _build(method, engine, session, method_cfg, len(prompts))
-    with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
-        total_tokens, total_time = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used)
+    if _streaming(stream, output):
+        total_tokens, total_time = _stream_all(session, meth, method, prompts, cfg, engine.device)
+    else:
+        with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
+            total_tokens, total_time = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used)
     _log_pace(meth, method, engine.target_precision, total_tokens, total_time)
     if save_layers is not None:
         _save_layers(meth, save_layers)
@@ -109,7 +111,11 @@ def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_te
         raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
 
 
-def _check_output_options(output: Path | None, force: bool, append: bool, save_layers: Path | None) -> None:
+def _check_output_options(output: Path | None, force: bool, append: bool, save_layers: Path | None, method: str) -> None:
+    if save_layers is not None:
+        if method != "swift":
+            raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
+        check_new_artifact(save_layers, force, "--save-layers")
     if output is None or str(output) == "-":  # the records go to stdout: nothing to replace or add to
         for flag, given in (("--append", append), ("--force", force and save_layers is None)):
             if given:
@@ -134,6 +140,77 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
             total_time += rec["wall_time_s"]
             bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
     return total_tokens, total_time
+
+
+def _streaming(stream: bool | None, output: Path | None) -> bool:
+    """Whether the text is printed as it comes (see --stream) rather than as JSONL records."""
+    to_stdout = output is None or str(output) == "-"
+    if stream and not to_stdout:
+        raise ConfigError("--stream prints text to the terminal and --output writes JSONL records; drop one of them")
+    return to_stdout and sys.stdout.isatty() if stream is None else stream
+
+
+def _stream_all(session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
+                device: Any) -> tuple[int, float]:
+    """Print each prompt's text to stdout as its tokens come (a header per prompt when there are several;
+    turns apart by a blank line); no progress bar, the text is the progress. The totals."""
+    total_tokens, total_time = 0, 0.0
+    tok = session.tokenizer
+    for i, p in enumerate(prompts):
+        if len(prompts) > 1:
+            _say(("\n" if i else "") + f"--- {p.id}\n")
+        printer = TextStreamer(tok, _say)
+
+        def generate(ids: list[int], c: GenerationConfig, pr: TextStreamer = printer) -> Any:
+            if pr.turns:  # a later turn of the conversation
+                _say("\n\n")
+            res = meth.generate(ids, c, on_tokens=pr.push)
+            pr.end(torn=res.finish_reason == "length")
+            return res
+
+        rec = run_prompt(generate, tok, p, cfg, device, method, session.chat_template, meth.lossless)
+        _say("\n")
+        total_tokens += rec["new_tokens"]
+        total_time += rec["wall_time_s"]
+    return total_tokens, total_time
+
+
+def _say(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise OutputClosed from None
+
+
+class TextStreamer:
+    """A turn's text, printed as its tokens come: the decoded text grows by whole characters (a token that
+    ends inside a multi-byte character waits for the next), so what is printed is exactly the record's text."""
+
+    def __init__(self, tokenizer: Any, say: Any) -> None:
+        self.tokenizer, self.say = tokenizer, say
+        self.ids: list[int] = []
+        self.shown = 0
+        self.turns = 0  # turns ended
+
+    def push(self, tokens: list[int]) -> None:
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character still being spelled out
+            return
+        if len(text) > self.shown:
+            self.say(text[self.shown:])
+        self.shown = len(text)
+
+    def end(self, torn: bool) -> None:
+        """The turn is over: what is left, without the torn last character of a turn cut by the length
+        limit (as run_prompt leaves it out of the record's text)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if torn:
+            text = text.rstrip("\ufffd")
+        if len(text) > self.shown:
+            self.say(text[self.shown:])
+        self.ids, self.shown, self.turns = [], 0, self.turns + 1
 
 
 def _log_pace(meth: Method, method: str, target: str, total_tokens: int, total_time: float) -> None:
