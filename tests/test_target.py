@@ -179,7 +179,7 @@ def test_w4a8_is_close_batch_invariant_and_the_same_on_both_paths(gguf_models, m
     for isa in ISAS:
         monkeypatch.setenv("SELFSPEC_ISA", isa)
         eng = Engine(gguf_models[qtype], target_precision="gguf")
-        lin = eng.draft("w4a8").layers[0]["gate_up"]
+        lin = eng.quantized("w4a8").layers[0]["gate_up"]
         x = torch.randn(9, lin.quant.codes.shape[1], generator=torch.Generator().manual_seed(1))
         many = lin(x)
         assert torch.equal(many, torch.cat([lin(x[i:i + 1]) for i in range(9)]))  # batch-invariant
@@ -188,7 +188,7 @@ def test_w4a8_is_close_batch_invariant_and_the_same_on_both_paths(gguf_models, m
         err = float((many.double() - want).abs().max() / want.abs().max())
         assert 1e-7 < err < 0.03, err  # not the target's arithmetic, but close to it
         logits[isa] = many
-        assert eng.draft("w4a8").layers[0]["qkv"].base is eng._lin[0]["qkv"]  # the target's own codes: no copy
+        assert eng.quantized("w4a8").layers[0]["qkv"].base is eng._lin[0]["qkv"]  # the target's own codes: no copy
     assert all(torch.equal(v, logits["avx2"]) for v in logits.values())
 
 
@@ -297,8 +297,8 @@ def test_fr_spec_auto_vocabulary_applies_to_quantized_drafts_only_on_a_block_tar
     block = build("specqd", Engine(gguf_models["Q4_1"], target_precision="gguf"), None)
     fp32 = build("specqd", Engine(gguf_models["Q4_1"], target_precision="fp32"), None, draft_precision="int8")
     asked.clear()
-    fr_spec.attach(block, block.engine.model)
-    fr_spec.attach(fp32, fp32.engine.model)
+    fr_spec.draft_vocab(block.engine, block.weights)
+    fr_spec.draft_vocab(fp32.engine, fp32.weights)
     assert asked == ["auto", "full"]  # the block target's draft head is the target's own: a subset pays
 
 
