@@ -8,7 +8,7 @@ import torch
 from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
-from selfspec_cli.decoding.cost import Planner, VerifyCurve
+from selfspec_cli.decoding.cost import Planner, VerifyCurve, prior_draft_cost
 from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.hybrid import Hybrid, merge_branch, merged_plan
 from selfspec_cli.decoding.layer_skip import DraftSettings
@@ -161,8 +161,9 @@ def test_merged_plan_by_hand():
     ls = [11 / 12, 11 / 12 * 71 / 72]
     ng = [2 / 3, 2 / 3 * 7 / 9, 2 / 3 * 7 / 9 * 23 / 27]
     assert e == pytest.approx(1 + ls[0] + ls[1] + ng[2])  # layer skip is the likelier at depths 1-2, only n-gram reaches 3
-    # c = 8 of 12 sublayers run = 2/3 (no draft timed yet); v(6) = 1.15 + 2 * (1.5 - 1.15) / 4
-    assert cost == pytest.approx(2 * 2 / 3 + 1.325 + 0.1)
+    # c: the weight bytes the skip set reads over a step's (no draft timed yet); v(6) = 1.15 + 2 * (1.5 - 1.15) / 4
+    c = prior_draft_cost(drafter.engine, frozenset({1, 3}), frozenset({2, 4}))
+    assert 0.5 < c < 0.9 and cost == pytest.approx(2 * c + 1.325 + 0.1)
 
 
 def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
@@ -178,7 +179,8 @@ def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
         if isinstance(kw["positions"], int) and kw["positions"] == 0:  # prefill (a tree's positions are a tensor)
             return 0.0
         skipped = len(kw.get("skip_attn") or ()) + len(kw.get("skip_mlp") or ())
-        return 1 - skipped / (2 * L) if skipped else VH[rows]
+        return prior_draft_cost(engine, kw.get("skip_attn") or frozenset(), kw.get("skip_mlp") or frozenset()) \
+            if skipped else VH[rows]
 
     charge_forwards(monkeypatch, virtual_clock, cost)
     sd = _self_sd_on_curve(curve, ngram=_Lookup())
@@ -203,7 +205,8 @@ def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
     sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
     merged = [r for r in rounds if r[2] and r[3]]
     assert merged, "no merged round was drafted"
-    assert drafter.draft_cost() == pytest.approx(2 / 3)  # the draft step as timed: 8 of 12 sublayers
+    # the draft step as timed: the share of the weight bytes it reads, as the prior said
+    assert drafter.draft_cost() == pytest.approx(prior_draft_cost(drafter.engine, *drafter.skip_sets()))
     for (e, planned), measured, k, _, ls, ng in rounds:
         assert measured == pytest.approx(planned, abs=1e-9), rounds  # the plan is what the round cost
     for (e, _), _, k, _, ls, ng in merged:

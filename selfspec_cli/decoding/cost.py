@@ -340,12 +340,12 @@ def prior_draft_cost(engine: Engine, skip_attn: frozenset[int] = frozenset(), sk
                      full_depth_c: float = 1.0) -> float:
     """c of a draft step before any is timed: the weight bytes it reads over a full step's
     (:func:`weight_bytes`; batch-1 decoding is memory-bound), times ``full_depth_c``, the cost of a
-    full-depth step on the draft's weights (1 for the target's own). Calibration's proxy uses it;
-    the layer-skip drafter's first rounds on the target's weights still price a skip set by the
-    share of sublayers it keeps (``LayerSkipDrafter.draft_cost``), to be replaced by this one:
-    an MLP sublayer reads about three times an attention sublayer's bytes and the LM head, never
-    skipped, a fifth of SmolLM2's, so the share prices skipping too cheap, and the proxy built on
-    bytes ranks skip sets as idle measured throughput does (docs/calibrate.md)."""
+    full-depth step on the draft's weights (1 for the target's own). The one prior for c:
+    calibration's proxy and the layer-skip drafter's rounds before its first timed draft step on
+    the target's weights. Bytes, not the share of sublayers skipped (the drafter's prior until
+    issue 36): an MLP sublayer reads about three times an attention sublayer's bytes and the LM
+    head, never skipped, a fifth of SmolLM2's, so the share prices skipping too cheap; the proxy
+    built on bytes ranks skip sets as idle measured throughput does (docs/calibrate.md)."""
     return full_depth_c * weight_bytes(engine, skip_attn, skip_mlp) / weight_bytes(engine)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..engine import Engine
 from ..prompts import encode_turn
-from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step
+from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step, prior_draft_cost
 from .choose import Choose, Option
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Proposer
@@ -187,6 +187,7 @@ class LayerSkipDrafter(Proposer):
         self.planner: Planner | None = None
         self.step_c: float | None = None  # EMA of one draft forward over the plain step at its context
         self.c0: float | None = None  # c before any draft (draft_cost_for: stored, or timed)
+        self._prior: tuple[SkipPair, float] | None = None  # the target-weight prior for the current skip set
         self.drafting_rounds = 0
         if settings.cost_aware:
             VerifyCurve.for_engine(engine)  # measured now (once per engine), not inside a timed decode
@@ -206,13 +207,16 @@ class LayerSkipDrafter(Proposer):
         return self.skips.sets()
 
     def draft_cost(self) -> float:
-        """c: one draft forward over one plain step, measured (before any draft: the share
-        of sublayers the skip set keeps, or a quantized draft's timed step)."""
+        """c: one draft forward over one plain step, measured (before any draft: the share of the
+        weight bytes the skip set reads, :func:`~.cost.prior_draft_cost`, or a quantized draft's
+        timed step)."""
         if self.step_c is not None and self.planner is not None:
             return self.step_c
         attn, mlp = self.skip_sets()
-        if self.weights is None:
-            return 1.0 - (len(attn) + len(mlp)) / (2 * self.engine.num_layers)
+        if self.weights is None:  # the one prior for c: the weight bytes the draft step reads (memory-bound)
+            if self._prior is None or self._prior[0] != (attn, mlp):
+                self._prior = ((attn, mlp), prior_draft_cost(self.engine, attn, mlp))
+            return self._prior[1]
         if self.c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
             self.c0 = draft_cost_for(self.engine, self.weights, attn, mlp)
         return self.c0
