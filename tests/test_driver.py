@@ -89,8 +89,10 @@ class Round:
 
 
 def record_rounds(proposer: Proposer) -> list[Round]:
-    """Wrap ``update`` (the driver calls it after every round, with the draft and the verdict)."""
+    """Wrap ``update`` (the driver calls it after every round, with the draft and the verdict) of
+    ``proposer``, or of a method's proposer."""
     rounds: list[Round] = []
+    proposer = getattr(proposer, "proposer", proposer)
     inner = proposer.update
 
     def update(state, rnd):
@@ -143,7 +145,7 @@ def run(proposer, prompt, cfg, lossless=True, budget_respected=True):
     try:
         res = proposer.generate(prompt, cfg)
     finally:
-        del proposer.update
+        del getattr(proposer, "proposer", proposer).update
     cut = check_stats(res, rounds, lossless, budget_respected)
     return res, cut
 

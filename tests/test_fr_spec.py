@@ -12,7 +12,7 @@ from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.methods.fr_spec.calibrate import calibrate_draft_vocab, held_out_coverage
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding.drafts import Chain, Tree
-from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer
+from selfspec_cli.decoding.layer_skip import DraftSettings, LayerSkipDrafter
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ArtifactError, FieldError
 from selfspec_cli.loading import model_fingerprint
@@ -42,29 +42,29 @@ def test_subset_head_columns_are_the_full_heads():
 
 def test_drafts_come_only_from_the_draft_vocabulary(monkeypatch):
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
-    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.0))
     ids = _subset(VOCAB, 20, seed=3)
-    sd.use_draft_vocab(ids)
+    settings = DraftSettings(cost_aware=False, max_draft=6, threshold=0.0)
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=settings, vocab=ids)
     seen: list[int] = []
-    real = LayerSkipProposer.propose
+    real = LayerSkipDrafter.propose
 
     def spy(self, state, budget):
         d = real(self, state, budget)
         seen.extend(d.tokens if isinstance(d, (Chain, Tree)) else [])
         return d
 
-    monkeypatch.setattr(LayerSkipProposer, "propose", spy)
+    monkeypatch.setattr(LayerSkipDrafter, "propose", spy)
     sd.generate(_prompt(6, 0), GenerationConfig(max_new_tokens=30))
     assert seen and set(seen) <= set(ids.tolist())
-    sd.use_draft_vocab(None)  # back to the whole vocabulary
-    assert sd.vocab_ids is None and sd.describe()["draft_vocab"] == "full"
+    assert sd.describe()["draft_vocab"] == 20
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=settings)  # the whole vocabulary
+    assert sd.proposer.vocab_ids is None and sd.describe()["draft_vocab"] == "full"
 
 
 # False-positive rate per test: ALPHA = 1e-3.
 def _restricted(model) -> SelfSD:
-    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
-    sd.use_draft_vocab(_subset(SMALL_VOCAB, SMALL_VOCAB // 2, seed=5))
-    return sd
+    return SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0),
+                  vocab=_subset(SMALL_VOCAB, SMALL_VOCAB // 2, seed=5))
 
 
 @pytest.mark.slow  # 2,500 decodes; fast: the law handed to the verifier, and test_verify_exact
@@ -79,7 +79,7 @@ def test_sampling_test_catches_a_misplaced_restricted_law(small_vocab_setup, mon
     """Control: the subset's probabilities written at columns 0..N-1 instead of at their
     token ids (an indexing bug) must fail the same test."""
     model, prompt, law = small_vocab_setup
-    monkeypatch.setattr(LayerSkipProposer, "_full_law",
+    monkeypatch.setattr(LayerSkipDrafter, "_full_law",
                         lambda self, p: torch.cat([p, p.new_zeros(self.engine.vocab_size - p.numel())]))
     samples = _pair_samples(_restricted(model), prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
@@ -96,7 +96,7 @@ def test_sampled_drafts_hand_the_verifier_their_law_at_the_subset_token_ids(smal
     model, prompt, _ = small_vocab_setup
     sd = _restricted(model)
     subset = torch.zeros(SMALL_VOCAB, dtype=torch.bool)
-    subset[sd.vocab_ids] = True
+    subset[sd.proposer.vocab_ids] = True
     assert not subset[: subset.sum()].all()  # not the first N ids: a misplaced law would show
     laws = []
     real = driver.verify_chain_sampling

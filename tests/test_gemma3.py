@@ -184,7 +184,7 @@ def test_real_gemma_block_target_is_its_files_blocks_and_decodes_as_the_fp32_tar
     model, tok = load_model("gemma3-270m", dtype="float32", device="cpu", log=None)
     blocks = Engine(model, target_precision="gguf")
     assert blocks.target_info["fp32_fallback"] == []
-    d = blocks.draft("gguf")
+    d = blocks.quantized("gguf")
     assert d.info["exact_matrices"] == 127 and d.info["int8_fallback"] == []
     for l, w in enumerate(blocks.adapter.layers):
         for n in ("qkv", "o", "gate_up", "down"):

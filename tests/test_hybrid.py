@@ -1,4 +1,4 @@
-"""Hybrid drafts (decoding/layer_skip.py): the n-gram continuation of the context merged into
+"""Hybrid drafts (decoding/hybrid.py): the n-gram continuation of the context merged into
 the layer-skip draft as one candidate tree, verified in one forward by the exact tree rule."""
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
-from selfspec_cli.decoding.cost import Planner, VerifyCurve
+from selfspec_cli.decoding.cost import Planner, VerifyCurve, prior_draft_cost
 from selfspec_cli.decoding.drafts import Chain, Tree
-from selfspec_cli.decoding.layer_skip import DraftConfig, LayerSkipProposer, merge_branch
+from selfspec_cli.decoding.hybrid import Hybrid, merge_branch, merged_plan
+from selfspec_cli.decoding.layer_skip import DraftSettings
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import AR, build
@@ -37,10 +38,24 @@ def _repetitive(n: int, period: int, seed: int, vocab: int) -> list[int]:
     return (base * (n // period + 1))[:n]
 
 
+class _Lookup:
+    """An n-gram source: prompt lookup of 3- down to 1-grams, at most 6 tokens."""
+
+    def candidate(self, state, budget):
+        return lookup(state.committed, 3, 1, min(6, budget))
+
+    def begin(self, state, prefill):
+        pass
+
+
 def _hybrid(eng, tree: bool = False, skip: SkipSet = SkipSet([1, 3], [2, 4])) -> SelfSD:
-    sd = SelfSD(eng, skip=skip, draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0, tree=tree))
-    sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
-    return sd
+    return SelfSD(eng, skip=skip, draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0, tree=tree),
+                  ngram=_Lookup())
+
+
+def _is_hybrid(proposer) -> bool:
+    """The stack merges an n-gram branch (outside it at most the adapting skip source's wrapper)."""
+    return isinstance(proposer, Hybrid) or isinstance(getattr(proposer, "inner", None), Hybrid)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -49,7 +64,7 @@ def test_hybrid_greedy_equals_ar(arch, tree, monkeypatch):
     eng = Engine(make_tiny_model(arch, layers=6))
     ar, sd = AR(eng), _hybrid(eng, tree)
     offered = merged = 0
-    real = LayerSkipProposer.propose
+    real = Hybrid.propose
 
     def spy(self, state, budget):
         nonlocal offered, merged
@@ -59,7 +74,7 @@ def test_hybrid_greedy_equals_ar(arch, tree, monkeypatch):
         merged += isinstance(d, Tree) and path is not None and d.forwards > 0
         return d
 
-    monkeypatch.setattr(LayerSkipProposer, "propose", spy)
+    monkeypatch.setattr(Hybrid, "propose", spy)
     for seed, n in [(0, 40), (1, 17), (2, 2)]:
         prompt = _repetitive(24, 5, seed, 300)
         cfg = GenerationConfig(max_new_tokens=n)
@@ -75,11 +90,11 @@ def test_hybrid_through_the_registry_and_auto():
     cfg = GenerationConfig(max_new_tokens=30)
     want = AR(eng).generate(prompt, cfg).token_ids
     m = build("self-sd", eng, None, skip_attn=(1, 3), skip_mlp=(2, 4), hybrid=True, draft_vocab="full")
-    assert m.ngram is not None and m.generate(prompt, cfg).token_ids == want
+    assert _is_hybrid(m.proposer) and m.generate(prompt, cfg).token_ids == want
     auto = build("auto", eng)
-    assert auto.layer_skip is None or auto.layer_skip.ngram is not None
+    assert auto.layer_skip is None or _is_hybrid(auto.layer_skip.proposer)
     assert auto.generate(prompt, cfg).token_ids == want
-    assert build("auto", eng, None, hybrid=False).layer_skip.ngram is None
+    assert not _is_hybrid(build("auto", eng, None, hybrid=False).layer_skip.proposer)
 
 
 @pytest.fixture(scope="module")
@@ -121,32 +136,34 @@ def test_hybrid_sampling_test_catches_a_broken_tree_rule(repetitive_setup, monke
 VH = {m: 1.0 + 0.05 * (m - 1) for m in range(1, 17)}
 
 
-def _self_sd_on_curve(curve: VerifyCurve) -> SelfSD:
+def _self_sd_on_curve(curve: VerifyCurve, **parts) -> SelfSD:
     """Self-SD on a 6-layer tiny model skipping 4 of its 12 sublayers, planning with ``curve``."""
     from selfspec_cli.decoding import cost as cost_mod
 
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
     cost_mod._CURVES[eng] = curve  # the engine's curve: the planners and the driver's unit read it
-    return SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(max_draft=4, threshold=0.0))
+    return SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(max_draft=4, threshold=0.0), **parts)
 
 
 def test_merged_plan_by_hand():
-    """A hybrid round's plan (``_merged_plan``): depth j is reached with the larger of the two
+    """A hybrid round's plan (``merged_plan``): depth j is reached with the larger of the two
     branches' chances, each branch counted up to its own length; the cost is k draft steps, one
     verification of every node and the learned overhead. Here with acceptances set by hand."""
     curve = VerifyCurve(1.0, {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.5, 16: 2.5})
-    sd = _self_sd_on_curve(curve)
-    sd._ngram_planner = Planner(curve, sd.lookahead)
+    drafter = _self_sd_on_curve(curve).proposer
+    ngram = Planner(curve, drafter.lookahead)
     for _ in range(10):
-        sd.planner.acceptance.observe(2, 2)  # layer skip: depths 1-2 accepted 10 of 10 -> 11/12, then 71/72
-    sd._ngram_planner.acceptance.observe(3, 3)  # n-gram: depths 1-3 accepted 1 of 1 -> 2/3, 7/9, 23/27
-    sd.planner.overhead.value = 0.1
-    e, cost = sd._merged_plan(2, 3, 5)  # a 2-token layer-skip chain, a 3-token n-gram branch, 5 nodes in all
+        drafter.planner.acceptance.observe(2, 2)  # layer skip: depths 1-2 accepted 10 of 10 -> 11/12, then 71/72
+    ngram.acceptance.observe(3, 3)  # n-gram: depths 1-3 accepted 1 of 1 -> 2/3, 7/9, 23/27
+    drafter.planner.overhead.value = 0.1
+    # a 2-token layer-skip chain, a 3-token n-gram branch, 5 nodes in all
+    e, cost = merged_plan(drafter.planner, ngram, 2, 3, 5, drafter.draft_cost())
     ls = [11 / 12, 11 / 12 * 71 / 72]
     ng = [2 / 3, 2 / 3 * 7 / 9, 2 / 3 * 7 / 9 * 23 / 27]
     assert e == pytest.approx(1 + ls[0] + ls[1] + ng[2])  # layer skip is the likelier at depths 1-2, only n-gram reaches 3
-    # c = 8 of 12 sublayers run = 2/3 (no draft timed yet); v(6) = 1.15 + 2 * (1.5 - 1.15) / 4
-    assert cost == pytest.approx(2 * 2 / 3 + 1.325 + 0.1)
+    # c: the weight bytes the skip set reads over a step's (no draft timed yet); v(6) = 1.15 + 2 * (1.5 - 1.15) / 4
+    c = prior_draft_cost(drafter.engine, frozenset({1, 3}), frozenset({2, 4}))
+    assert 0.5 < c < 0.9 and cost == pytest.approx(2 * c + 1.325 + 0.1)
 
 
 def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
@@ -162,36 +179,39 @@ def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
         if isinstance(kw["positions"], int) and kw["positions"] == 0:  # prefill (a tree's positions are a tensor)
             return 0.0
         skipped = len(kw.get("skip_attn") or ()) + len(kw.get("skip_mlp") or ())
-        return 1 - skipped / (2 * L) if skipped else VH[rows]
+        return prior_draft_cost(engine, kw.get("skip_attn") or frozenset(), kw.get("skip_mlp") or frozenset()) \
+            if skipped else VH[rows]
 
     charge_forwards(monkeypatch, virtual_clock, cost)
-    sd = _self_sd_on_curve(curve)
-    sd.ngram = lambda state, budget: lookup(state.committed, 3, 1, min(6, budget))
-    sd._ngram_planner = Planner(curve, sd.lookahead)
+    sd = _self_sd_on_curve(curve, ngram=_Lookup())
+    hybrid = sd.proposer
+    drafter = hybrid.chain
+    hybrid.ngram_planner = Planner(curve, drafter.lookahead)
     for _ in range(100):  # both branches look worth drafting
-        sd.planner.acceptance.observe(4, 4)
-        sd._ngram_planner.acceptance.observe(6, 6)
+        drafter.planner.acceptance.observe(4, 4)
+        hybrid.ngram_planner.acceptance.observe(6, 6)
     rounds = []
-    real = LayerSkipProposer.update
+    real = hybrid.update
 
-    def spy(self, state, rnd):
+    def spy(state, rnd):
         d = rnd.draft
         if isinstance(d, (Chain, Tree)) and d.tokens:
             path = d.note.ngram_path or []
-            ls, ng = self.planner.reach(d.forwards), self._ngram_planner.reach(len(path))
+            ls, ng = drafter.planner.reach(d.forwards), hybrid.ngram_planner.reach(len(path))
             rounds.append((d.plan, rnd.steps, d.forwards, bool(path), ls, ng))
-        real(self, state, rnd)
+        real(state, rnd)
 
-    sd.update = spy.__get__(sd)
+    hybrid.update = spy
     sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
     merged = [r for r in rounds if r[2] and r[3]]
     assert merged, "no merged round was drafted"
-    assert sd.draft_cost() == pytest.approx(2 / 3)  # the draft step as timed: 8 of 12 sublayers
+    # the draft step as timed: the share of the weight bytes it reads, as the prior said
+    assert drafter.draft_cost() == pytest.approx(prior_draft_cost(drafter.engine, *drafter.skip_sets()))
     for (e, planned), measured, k, _, ls, ng in rounds:
         assert measured == pytest.approx(planned, abs=1e-9), rounds  # the plan is what the round cost
     for (e, _), _, k, _, ls, ng in merged:
         assert 1 + max(sum(ls), sum(ng)) - 1e-9 <= e <= 1 + sum(ls) + sum(ng) + 1e-9
-    assert sd.planner.overhead.value == pytest.approx(0.0, abs=1e-9)
-    assert sd._ngram_planner.overhead.value == pytest.approx(0.0, abs=1e-9)
-    assert sd.planner.overhead.rounds == sum(1 for r in rounds if r[2])
-    assert sd._ngram_planner.overhead.rounds == sum(1 for r in rounds if not r[2])
+    assert drafter.planner.overhead.value == pytest.approx(0.0, abs=1e-9)
+    assert hybrid.ngram_planner.overhead.value == pytest.approx(0.0, abs=1e-9)
+    assert drafter.planner.overhead.rounds == sum(1 for r in rounds if r[2])
+    assert hybrid.ngram_planner.overhead.rounds == sum(1 for r in rounds if not r[2])

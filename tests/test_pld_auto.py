@@ -6,7 +6,7 @@ import torch
 
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver
-from selfspec_cli.decoding.drafts import NoDraft, depth as draft_depth
+from selfspec_cli.decoding.drafts import NoDraft, Plan, depth as draft_depth
 from selfspec_cli.decoding.state import DecodeState
 from selfspec_cli.decoding.cost import Planner, RoundClock, VerifyCurve
 from selfspec_cli.engine import Engine
@@ -177,14 +177,14 @@ def test_planner_probes_within_its_budget():
         assert len(probes) * loss >= 0.01 * rounds - 2 * loss  # and the budget is used
         assert all(last == (pytest.approx(1 + a1), pytest.approx(c + 1.05)) for last in probes)  # a probe's plan, not an idle round's
         assert all(last == (1.0, 1.0) for k, last in plans if not k)  # a round that drafts nothing: one plain step
-        p._savings = 100.0  # savings for many probes, and a round that may emit no draft token: none is drafted
-        assert p.plan(c, 0) == 0 and p._savings == 100.0 and p.plan(c, 1) == 1
+        p.probes.savings = 100.0  # savings for many probes, and a round that may emit no draft token: none is drafted
+        assert p.plan(c, 0) == 0 and p.probes.savings == 100.0 and p.plan(c, 1) == 1
     cheap, dear = _trained(0.0), _trained(0.0)
     n_cheap = sum(bool(cheap.plan(0.05, 8)) for _ in range(500))
     n_dear = sum(bool(dear.plan(0.6, 8)) for _ in range(500))
     assert n_cheap > 5 * n_dear >= 5
     good = _trained(0.9)
-    assert good.plan(0.0, 8) >= 4 and good._savings == 0.0  # drafting rounds earn no probe budget
+    assert good.plan(0.0, 8) >= 4 and good.probes.savings == 0.0  # drafting rounds earn no probe budget
     assert good.plan(0.0, 1) == 1 and good.plan(0.0, 0) == 0  # never beyond the budget
     # with no round seen, every depth is accepted with probability 1/2: E(k) = 2 - 2**-k, and the best
     # of E(k) / (k c + v(k + 1)) is k = 3 when drafts are free (1.875 / 1.15), k = 2 at c = 0.1 (1.75 / 1.3)
@@ -202,7 +202,7 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     plan_cost = p.cost(k, 0.0)
     first = None
     for i in range(60):  # every round measured at plan + 0.9 plain steps
-        p.observe_round(plan_cost + 0.9, (p.expected_tokens(k), p.cost(k, 0.0)))
+        p.observe_round(plan_cost + 0.9, Plan(p.expected_tokens(k), p.cost(k, 0.0)))
         first = p.overhead.value if i == 0 else first
     assert first == pytest.approx(0.9 / 4)  # one round against a prior of 0 worth 3 rounds
     assert p.overhead.value == pytest.approx(0.9, abs=2e-3)
@@ -212,9 +212,9 @@ def test_planner_learns_round_overhead_and_declines_drafts_it_makes_unprofitable
     assert p.probe_loss(0.0) == pytest.approx(1.05 + o - p.expected_tokens(1))  # a probe pays it too
     free = _trained(0.5)
     for _ in range(30):  # rounds that cost what they were planned to: no overhead
-        free.observe_round(free.cost(k, 0.0), (1.0, free.cost(k, 0.0)))
+        free.observe_round(free.cost(k, 0.0), Plan(1.0, free.cost(k, 0.0)))
     assert free.overhead.value == pytest.approx(0.0, abs=1e-9) and free.best(0.0, 8) == (k, g)
-    free.observe_round(None, (1.0, 1.0))  # the driver measures no steps for a round that drafted nothing
+    free.observe_round(None, Plan(1.0, 1.0))  # the driver measures no steps for a round that drafted nothing
     assert free.overhead.rounds == 30
 
 
@@ -376,12 +376,13 @@ def test_proxy_objective_is_the_rounds_cost_model():
 class _NeverPays:
     """A layer-skip stand-in whose drafts never pay; records when it is asked to propose."""
 
-    name, needs_attn_cosine, lookahead = "stub", False, 0
+    name, needs_attn_cosine, lookahead, curve = "stub", False, 0, None
 
     def __init__(self) -> None:
         self.proposed = 0
+        self.proposer = self  # the method's stack: itself
 
-    def expected_gain(self, budget: int) -> float:
+    def expected_gain(self, state, budget: int) -> float:
         return 0.9
 
     def propose(self, state, budget):
@@ -438,7 +439,7 @@ def test_auto_learns_ngram_acceptance_from_the_ngram_branch_of_hybrid_rounds(tin
     known_costs(monkeypatch, virtual_clock, draft=0.05)
     eng = Engine(make_tiny_model("llama-gqa"))
     auto = build("auto", eng, tiny_tokenizer, draft_precision="int8")
-    assert auto.quant.draft_cost() == pytest.approx(0.05) and VerifyCurve.for_engine(eng).ratios[4] == pytest.approx(V[4])
+    assert auto.quant.drafter.draft_cost() == pytest.approx(0.05) and VerifyCurve.for_engine(eng).ratios[4] == pytest.approx(V[4])
     prompt = [5, 6, 7, 8, 9, 10, 11] * 4  # lookups match from the first round
     auto.generate(prompt, GenerationConfig(max_new_tokens=40))
     own = auto.rounds["ngram"]

@@ -128,7 +128,7 @@ def test_gguf_block_draft_is_the_targets_weights(tmp_path, monkeypatch, qtype, f
     path, _, _ = make_tiny_gguf(tmp_path, qtype=qtype, name=f"tiny-{qtype}.gguf")
     model, _ = load_model(str(path), dtype="float32", device="cpu", log=None)
     eng = Engine(model)
-    draft = eng.draft("gguf")
+    draft = eng.quantized("gguf")
     assert set(draft.info["formats"]) == formats and draft.info["int8_fallback"] == []
     a = eng.adapter
     for l, w in enumerate(a.layers):
@@ -143,7 +143,7 @@ def test_gguf_block_draft_is_the_targets_weights(tmp_path, monkeypatch, qtype, f
     assert torch.equal(want.argmax(-1), got.argmax(-1))
     assert float((want - got).abs().max()) < 1e-3
     # a second engine on the same model reads the cache (beside the converted model)
-    again = Engine(model).draft("gguf")
+    again = Engine(model).quantized("gguf")
     assert again.info["cache"] == "hit" and "drafts" in again.info["path"]
     for l in range(len(a.layers)):
         assert torch.equal(again.layers[l]["qkv"].quant.codes, draft.layers[l]["qkv"].quant.codes)
@@ -155,15 +155,15 @@ def test_gguf_draft_refuses_a_model_that_is_not_the_files():
 
     eng = Engine(make_tiny_model("llama-gqa"))
     with pytest.raises(GGUFDraftError, match="GGUF"):
-        eng.draft("gguf")
+        eng.quantized("gguf")
 
 
 @needs_kernel
 def test_int8_draft_cache_round_trip(draft_cache):
     model = make_tiny_model("qwen2-bias")
-    first = Engine(model).draft("int8")
+    first = Engine(model).quantized("int8")
     assert first.info["cache"] == "miss" and first.info["bytes"] > 0
-    second = Engine(model).draft("int8")
+    second = Engine(model).quantized("int8")
     assert second.info["cache"] == "hit" and str(draft_cache) in second.info["path"]
     for a, b in zip(first.layers, second.layers):
         for name in quant.LINEARS:
@@ -312,7 +312,7 @@ def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
     weights give at the same position (what a draft that forgot its precision would report)."""
     model, prompt, law = small_setup
     m = _specqd(model)
-    orig_propose = layer_skip_mod.LayerSkipProposer.propose
+    orig_propose = layer_skip_mod.LayerSkipDrafter.propose
 
     def propose(self, state, budget):
         draft = orig_propose(self, state, budget)
@@ -329,7 +329,7 @@ def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
             draft = dataclasses.replace(draft, q=torch.stack(rows))
         return draft
 
-    monkeypatch.setattr(layer_skip_mod.LayerSkipProposer, "propose", propose)
+    monkeypatch.setattr(layer_skip_mod.LayerSkipDrafter, "propose", propose)
     samples = _pairs(m, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
 
@@ -338,7 +338,7 @@ def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
 @pytest.mark.parametrize("method,options", [("self-sd", {"skip_attn": "1,3", "skip_mlp": "2,4"}), ("asd", {})])
 def test_skip_set_and_full_depth_variants_keep_parity(method, options):
     """Cost-aware drafting over a quantized copy weighs the method's skip set against full depth
-    each round (decoding/layer_skip.py, CostSlot and _swap): both variants are planned and the
+    each round (decoding/layer_skip.py, SkipOrFullDepth): both configurations are planned and the
     output stays the target's."""
     model = make_tiny_model("llama-gqa", layers=6)
     eng = Engine(model)
@@ -351,7 +351,7 @@ def test_skip_set_and_full_depth_variants_keep_parity(method, options):
     info = m.describe()
     assert any(info["skip_attn"] + info["skip_mlp"]) and "full_depth" in info  # both variants have planners
     assert info["cost_model"]["c"] > 0 and info["full_depth"]["cost_model"]["c"] > 0
-    assert not m._full  # describe() leaves the method's own skip set active
+    assert m.describe() == info  # describing changes nothing
 
 
 def test_artifact_precision_falls_back_when_this_engine_cannot_have_it(tmp_path):
@@ -377,10 +377,10 @@ def test_draft_window_reaches_the_draft_forward():
     from selfspec_cli.methods.base import DRAFT_SINKS
 
     eng = Engine(make_tiny_model("llama-gqa", layers=2))
-    assert build("specqd", eng, None, draft_precision="int8", draft_window=8).draft_cfg.kv_window == (DRAFT_SINKS, 8)
-    assert build("specqd", eng, None, draft_precision="int8").draft_cfg.kv_window is None  # off by default
+    assert build("specqd", eng, None, draft_precision="int8", draft_window=8).parts.settings.kv_window == (DRAFT_SINKS, 8)
+    assert build("specqd", eng, None, draft_precision="int8").parts.settings.kv_window is None  # off by default
     assert build("specqd", eng, None, draft_precision="int8", draft_window=8,
-                 paper_drafting=True).draft_cfg.kv_window is None
+                 paper_drafting=True).parts.settings.kv_window is None
     ids = torch.arange(2, 42)
 
     def last_logits(n: int, window) -> torch.Tensor:
@@ -408,14 +408,14 @@ def test_a_draft_ends_at_an_end_of_sequence_token(method, options):
     cfg = GenerationConfig(max_new_tokens=24, eos_token_ids=(stop,))
     m = build(method, eng, None, **options)
     drafts = []
-    propose = m.propose
+    propose = m.proposer.propose
 
     def spy(state, budget):
         d = propose(state, budget)
         drafts.append(list(d.tokens) if isinstance(d, Chain) else [])
         return d
 
-    m.propose = spy
+    m.proposer.propose = spy
     res = m.generate(prompt, cfg)
     assert res.token_ids == AR(eng).generate(prompt, cfg).token_ids
     assert res.token_ids[-1] == stop
@@ -430,7 +430,7 @@ def test_a_draft_ends_at_an_end_of_sequence_token(method, options):
 def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draft_cache):
     model = make_tiny_model("llama-gqa")
     eng = Engine(model)
-    eng.draft("int8")
+    eng.quantized("int8")
     _coarse_draft(eng, levels=8)  # a draft that disagrees now and then (22 of 24 here), so the count is not trivially all or none
     eng.drafts["int8"].info = {"path": str(draft_cache / "drafts" / "copy.safetensors")}
     ctx = _prompt(6, 0, model.config.vocab_size)
@@ -454,12 +454,11 @@ def test_full_depth_quantized_planners_start_from_the_measured_agreement(tiny_to
     q = (hits + 1) / (n + 2)
     assert q != 0.5
     specqd = build("specqd", eng, tiny_tokenizer, draft_precision="int8")
-    assert specqd.planner.prior == q and specqd.planner.acceptance.rate(1) == pytest.approx(q)
-    # a skip set on top: its own planner knows nothing yet; its full-depth variant starts from q
+    assert specqd.proposer.planner.prior == q and specqd.proposer.planner.acceptance.rate(1) == pytest.approx(q)
+    # a skip set on top: its own planner knows nothing yet; full depth on the same weights starts from q
     ssd = build("self-sd", eng, tiny_tokenizer, draft_precision="int8", skip_attn="1", skip_mlp="2")
-    assert ssd.planner.prior == 0.5
-    ssd._gains(8)
-    assert ssd._other.planner.prior == q
+    assert ssd.proposer.skip.planner.prior == 0.5
+    assert ssd.proposer.full.planner.prior == q
     # target-precision drafts and drafts without a tokenizer keep the flat prior
-    assert build("self-sd", eng, tiny_tokenizer, draft_precision="target", skip_attn="1").planner.prior == 0.5
-    assert build("specqd", eng, None, draft_precision="int8").planner.prior == 0.5
+    assert build("self-sd", eng, tiny_tokenizer, draft_precision="target", skip_attn="1").proposer.planner.prior == 0.5
+    assert build("specqd", eng, None, draft_precision="int8").proposer.planner.prior == 0.5

@@ -14,7 +14,7 @@ from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.sampling import processed_probs
-from selfspec_cli.decoding.layer_skip import AdaptiveThreshold, DraftConfig
+from selfspec_cli.decoding.layer_skip import AdaptiveThreshold, DraftSettings
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError
 from selfspec_cli.methods import AR
@@ -36,9 +36,10 @@ def test_self_sd_greedy_equals_ar(arch, tree, vocab):
     model = make_tiny_model(arch, layers=6)
     eng = Engine(model)
     ar = AR(eng)
-    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.3, tree=tree))
+    ids = None if vocab is None else torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:vocab]
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(cost_aware=False, max_draft=6, threshold=0.3, tree=tree),
+                vocab=ids)
     if vocab is not None:
-        sd.use_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:vocab])
         assert sd.describe()["draft_vocab"] == vocab
     drafted = 0
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2)]:
@@ -63,18 +64,18 @@ def test_tree_node_cap_bounds_every_tree_and_keeps_parity(cap, monkeypatch):
     prompt = _prompt(6, 7)
     want = AR(eng).generate(prompt, want_cfg).token_ids
     # low threshold and wide top-k: without the cap these trees hold up to 6 x 4 nodes
-    dc = DraftConfig(cost_aware=False, max_draft=6, threshold=0.0, adaptive=False, tree=True,
+    dc = DraftSettings(cost_aware=False, max_draft=6, threshold=0.0, adaptive=False, tree=True,
                      tree_topk=((1.0, 4),), tree_max_nodes=cap)
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=dc)
     sizes: list[int] = []
-    orig = SelfSD.propose
+    orig = sd.proposer.propose
 
-    def spy(self, ctx, budget):
-        d = orig(self, ctx, budget)
+    def spy(ctx, budget):
+        d = orig(ctx, budget)
         sizes.append(len(d.tokens) if isinstance(d, (Chain, Tree)) else 0)
         return d
 
-    monkeypatch.setattr(SelfSD, "propose", spy)
+    monkeypatch.setattr(sd.proposer, "propose", spy)
     res = sd.generate(prompt, want_cfg)
     assert res.token_ids == want
     assert sizes and max(sizes) <= cap
@@ -88,7 +89,7 @@ def test_self_sd_respects_eos_inside_an_accepted_burst():
     free = AR(eng).generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
     eos = free[9]
     cfg = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,))
-    sd = SelfSD(eng, skip=SkipSet([3], []), draft=DraftConfig(cost_aware=False, max_draft=8, threshold=0.0))
+    sd = SelfSD(eng, skip=SkipSet([3], []), draft=DraftSettings(cost_aware=False, max_draft=8, threshold=0.0))
     res = sd.generate(prompt, cfg)
     assert res.token_ids == free[: free.index(eos) + 1] and res.finish_reason == "eos"
 
@@ -197,7 +198,7 @@ def small_vocab_setup():
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_self_sd_sampling_is_exact(small_vocab_setup, tree):
     model, prompt, law = small_vocab_setup
-    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0, tree=tree))
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0, tree=tree))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) > ALPHA
 
@@ -212,7 +213,7 @@ def test_sampling_test_catches_a_broken_acceptance_rule(small_vocab_setup, monke
     """Control: accepting every sampled draft (ignoring p/q) must fail the same test."""
     model, prompt, law = small_vocab_setup
     monkeypatch.setattr(driver, "verify_chain_sampling", accept_all)
-    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
+    sd = SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0))
     samples = _pair_samples(sd, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
 
@@ -269,7 +270,7 @@ def test_asd_sampling_is_exact(small_vocab_setup):
     from selfspec_cli.methods.asd import ASD
 
     model, prompt, law = small_vocab_setup
-    asd = ASD(Engine(model), config=ASDConfig(asd_alpha=0.3, asd_m=2, asd_n=1), draft=DraftConfig(cost_aware=False, max_draft=4, threshold=0.0))
+    asd = ASD(Engine(model), config=ASDConfig(asd_alpha=0.3, asd_m=2, asd_n=1), draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0))
     samples = _pair_samples(asd, prompt, 2500)
     assert asd.skip_sets()[0] or asd.skip_sets()[1]
     assert distribution_test(samples, law) > ALPHA
@@ -297,7 +298,7 @@ def test_swift_greedy_equals_ar_and_carries_state(arch):
         assert res.token_ids == ar.generate(prompt, cfg).token_ids
         steps.append(res.stats.extra["swift"]["step"])
     assert steps[0] > 0 and steps == sorted(steps)  # optimization state carried across prompts
-    assert all(len(h["skip"][0]) + len(h["skip"][1]) >= 1 for h in sw.history)
+    assert all(len(h["skip"][0]) + len(h["skip"][1]) >= 1 for h in sw.search.history)
 
 
 def test_swift_scoring_leaves_the_cache_intact():
@@ -319,7 +320,7 @@ def test_swift_lowers_skip_ratio_when_acceptance_stays_low():
     sw = _swift(eng, skip_ratio=0.6, acceptance_tolerance=0.99, acceptance_window=4, max_steps=3)
     for seed in range(2):
         sw.generate(_prompt(7, seed), GenerationConfig(max_new_tokens=40))
-    assert sw.ratio < 0.6
+    assert sw.search.ratio < 0.6
 
 
 def test_swift_sampling_is_exact(small_vocab_setup):
@@ -347,11 +348,11 @@ def test_swift_save_layers_loads_into_self_sd(tmp_path):
 
 def test_swift_search_keeps_to_its_budget(monkeypatch):
     """optimize_budget 0: no skip set is ever scored; a full budget: the search runs."""
-    from selfspec_cli.methods.swift import Swift
+    from selfspec_cli.methods.swift import SwiftSearch
 
     scored = []
-    real = Swift._score
-    monkeypatch.setattr(Swift, "_score", lambda self, *a: scored.append(1) or real(self, *a))
+    real = SwiftSearch._score
+    monkeypatch.setattr(SwiftSearch, "_score", lambda self, *a: scored.append(1) or real(self, *a))
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
     prompt, cfg = _prompt(6, 0), GenerationConfig(max_new_tokens=40)
     _swift(eng, optimize_budget=0.0).generate(prompt, cfg)

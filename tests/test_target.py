@@ -89,7 +89,7 @@ def test_fused_parts_of_two_types_of_one_layout_stay_blocks(gguf_models):
     """A Q4_K_M file stores q/k as Q5_0 and v as Q8_0 in some layers (Gemma 3 270M): both are byte codes with a
     scale per 32, so the fused q/k/v is one block matrix (named ``q5_0+q8_0``), exactly the target's weights."""
     eng = Engine(gguf_models["Q5_0+Q8_0"], target_precision="gguf")
-    d = eng.draft("gguf")
+    d = eng.quantized("gguf")
     assert eng.target_info["fp32_fallback"] == [] and d.info["int8_fallback"] == []
     assert {eng._lin[0][n].meta.fmt for n in ("qkv", "o")} == {"q5_0+q8_0", "q5_0"}
     for l, w in enumerate(eng.adapter.layers):
@@ -203,7 +203,7 @@ def test_w4a8_is_close_batch_invariant_and_the_same_on_both_paths(gguf_models, m
     for isa in ISAS:
         monkeypatch.setenv("SELFSPEC_ISA", isa)
         eng = Engine(gguf_models[qtype], target_precision="gguf")
-        lin = eng.draft("w4a8").layers[0]["gate_up"]
+        lin = eng.quantized("w4a8").layers[0]["gate_up"]
         x = torch.randn(9, lin.quant.codes.shape[1], generator=torch.Generator().manual_seed(1))
         many = lin(x)
         assert torch.equal(many, torch.cat([lin(x[i:i + 1]) for i in range(9)]))  # batch-invariant
@@ -212,7 +212,7 @@ def test_w4a8_is_close_batch_invariant_and_the_same_on_both_paths(gguf_models, m
         err = float((many.double() - want).abs().max() / want.abs().max())
         assert 1e-7 < err < 0.03, err  # not the target's arithmetic, but close to it
         logits[isa] = many
-        assert eng.draft("w4a8").layers[0]["qkv"].base is eng._lin[0]["qkv"]  # the target's own codes: no copy
+        assert eng.quantized("w4a8").layers[0]["qkv"].base is eng._lin[0]["qkv"]  # the target's own codes: no copy
     assert all(torch.equal(v, logits["avx2"]) for v in logits.values())
 
 
@@ -326,8 +326,8 @@ def test_fr_spec_auto_vocabulary_applies_to_quantized_drafts_only_on_a_block_tar
     block = build("specqd", Engine(gguf_models["Q4_1"], target_precision="gguf"), None)
     fp32 = build("specqd", Engine(gguf_models["Q4_1"], target_precision="fp32"), None, draft_precision="int8")
     asked.clear()
-    fr_spec.attach(block, block.engine.model)
-    fr_spec.attach(fp32, fp32.engine.model)
+    fr_spec.draft_vocab(block.engine, block.weights)
+    fr_spec.draft_vocab(fp32.engine, fp32.weights)
     assert asked == ["auto", "full"]  # the block target's draft head is the target's own: a subset pays
 
 
@@ -358,6 +358,6 @@ def test_releasing_the_float_matrices_of_a_panel_target(precision):
     assert all(getattr(w, "w_down").numel() == 0 for w in eng.adapter.layers)
     assert ar.generate(prompt, cfg).token_ids == before
     with pytest.raises(RuntimeError, match="release_float_weights"):
-        eng.draft("int8")
+        eng.quantized("int8")
     with pytest.raises(RuntimeError, match="release_float_weights"), eng.plain_linear():
         pass

@@ -252,7 +252,7 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
             out[p] = {"unavailable": f"the {p} target itself"}
             continue
         try:
-            d = engine.draft(p)
+            d = engine.quantized(p)
         except GGUFDraftError as exc:
             out[p] = {"unavailable": str(exc).split(";")[0]}
             continue

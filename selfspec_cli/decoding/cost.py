@@ -79,6 +79,7 @@ from ..engine.kernels import stream_bytes
 from ..errors import ArtifactError
 from ..paths import atomic_write
 from . import cost_store
+from .drafts import Plan
 
 T = TypeVar("T")
 
@@ -335,6 +336,19 @@ def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_m
     return mat(engine.lm_head) + size(a.final_norm) + sum(attn) + sum(mlp)
 
 
+def prior_draft_cost(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset(),
+                     full_depth_c: float = 1.0) -> float:
+    """c of a draft step before any is timed: the weight bytes it reads over a full step's
+    (:func:`weight_bytes`; batch-1 decoding is memory-bound), times ``full_depth_c``, the cost of a
+    full-depth step on the draft's weights (1 for the target's own). The one prior for c:
+    calibration's proxy and the layer-skip drafter's rounds before its first timed draft step on
+    the target's weights. Bytes, not the share of sublayers skipped (the drafter's prior until
+    issue 36): an MLP sublayer reads about three times an attention sublayer's bytes and the LM
+    head, never skipped, a fifth of SmolLM2's, so the share prices skipping too cheap; the proxy
+    built on bytes ranks skip sets as idle measured throughput does (docs/calibrate.md)."""
+    return full_depth_c * weight_bytes(engine, skip_attn, skip_mlp) / weight_bytes(engine)
+
+
 def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
                     skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
     """c before the first drafting round: one one-row draft forward with these weights and skip
@@ -381,7 +395,7 @@ def draft_agreement(engine: Engine, weights: str, context: list[int], tokens: in
     memo = _AGREEMENT.setdefault(engine, {})
     if key in memo:
         return memo[key]
-    path = engine.draft(weights).info.get("path")
+    path = engine.quantized(weights).info.get("path")
     digest = hashlib.sha256(json.dumps([list(context), tokens]).encode()).hexdigest()[:16]
     side = Path(f"{path}.agreement-{digest}.json") if path else None
     if side is not None and side.is_file():
@@ -463,18 +477,46 @@ class Overhead:
 
 
 @dataclass
+class ProbeBudget:
+    """The probes of a source that chose not to draft (see the module docstring): each such round
+    earns ``share`` of a plain step; a probe runs once the savings cover its expected loss, and
+    is paid from them. A round that pays on its own spends nothing and resets the savings."""
+
+    share: float = PROBE_BUDGET
+    savings: float = 0.0  # earned and not yet spent, in plain steps
+
+    def paying(self) -> None:
+        self.savings = 0.0
+
+    def probe(self, loss: float) -> bool:
+        """After a round that does not pay: whether to probe now, at an expected ``loss`` in plain steps."""
+        self.savings += self.share
+        if self.savings >= loss:
+            self.savings -= loss
+            return True
+        return False
+
+
+def round_cost(curve: VerifyCurve, k: int, c: float, nodes: int, overhead: float) -> float:
+    """A round's expected cost in plain steps, k·c + v(n+1) + o: ``k`` draft forwards of cost ``c``
+    each, one verify forward of the pending token and ``nodes`` drafted nodes, and the learned
+    overhead ``o`` of a drafting round (none for a plain step, ``k = 0``). The one formula every
+    planner, the hybrid merge and calibration's proxy use."""
+    return k * c + curve.v(nodes + 1) + (overhead if k else 0.0)
+
+
+@dataclass
 class Planner:
     """Chooses the draft length of each round (see the module docstring)."""
 
     curve: VerifyCurve
     max_len: int
     acceptance: Acceptance = None  # type: ignore[assignment]
-    probe_budget: float = PROBE_BUDGET  # probes may cost this share of a plain step per round that does not draft
+    probes: ProbeBudget = field(default_factory=ProbeBudget)  # one-token probes when drafting does not pay
     width: int = 1  # verified rows per draft depth (2 for a tree of at most 2k nodes)
     prior: float = 0.5  # depth 1's prior acceptance (Acceptance)
     overhead: Overhead = field(default_factory=Overhead)  # shared by planners whose rounds cost alike
-    _savings: float = 0.0  # probe budget earned and not yet spent, in plain steps
-    last: tuple[float, float] = (1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
+    last: Plan = Plan(1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.max_len, prior=self.prior)
@@ -488,7 +530,7 @@ class Planner:
 
     def cost(self, k: int, c: float) -> float:
         """A round with ``k`` drafts, in plain steps (``k = 0``: a plain step)."""
-        return k * c + self.curve.v(self.width * k + 1) + (self.overhead.value if k else 0.0)
+        return round_cost(self.curve, k, c, self.width * k, self.overhead.value)
 
     def gain(self, k: int, c: float) -> float:
         """Expected tokens per T(1) of a round with ``k`` drafts, relative to plain decoding."""
@@ -509,13 +551,10 @@ class Planner:
         """The draft length for this round (0: do not draft), probing now and then."""
         best_k = self.best(c, budget)[0]
         if best_k == 0 and min(self.max_len, budget) > 0:
-            self._savings += self.probe_budget
-            loss = self.probe_loss(c)
-            if self._savings >= loss:  # probe: one draft token, paid from the savings
-                self._savings, best_k = self._savings - loss, 1
+            best_k = int(self.probes.probe(self.probe_loss(c)))  # probe: one draft token, paid from the savings
         elif best_k:
-            self._savings = 0.0
-        self.last = (self.expected_tokens(best_k), self.cost(best_k, c))
+            self.probes.paying()
+        self.last = Plan(self.expected_tokens(best_k), self.cost(best_k, c))
         return best_k
 
     def drafted(self, k: int, nodes: int, c: float) -> tuple[float, float]:
@@ -524,7 +563,7 @@ class Planner:
         ``nodes`` verified draft nodes. The prediction and ``o`` then rest on what ran,
         not on what was planned (a round cut short is cheaper than its plan, and would
         otherwise read as a negative overhead)."""
-        return self.expected_tokens(k), k * c + self.curve.v(nodes + 1) + (self.overhead.value if k else 0.0)
+        return Plan(self.expected_tokens(k), round_cost(self.curve, k, c, nodes, self.overhead.value))
 
     def probe_loss(self, c: float) -> float:
         """Expected loss of a one-token probe, in plain steps: its cost less the tokens it yields."""
@@ -533,13 +572,13 @@ class Planner:
     def observe(self, drafted: int, accepted: int) -> None:
         self.acceptance.observe(drafted, accepted)  # no draft: no depth reached
 
-    def observe_round(self, steps: float | None, plan: tuple[float, float] | None) -> None:
+    def observe_round(self, steps: float | None, plan: Plan | None) -> None:
         """Learn ``o`` from a drafting round this planner planned: ``steps`` is its measured
         cost in plain steps (:class:`RoundClock`); its ``plan``'s cost less ``o`` is what the
         forwards were expected to cost."""
         if steps is None or plan is None:
             return
-        self.overhead.observe(steps - (plan[1] - self.overhead.value))
+        self.overhead.observe(steps - (plan.cost - self.overhead.value))
 
     def report(self) -> dict[str, Any]:
         return {"prior": round(self.prior, 3), "acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],

@@ -12,15 +12,15 @@ The driver (:mod:`.driver`) matches on the draft's type, never on flags:
 * :class:`Decided`: a lossy proposer's final tokens (SpecEE), committed unverified.
 
 ``plan`` (drafting kinds): the planner's prediction for the round, expected tokens and cost in
-plain steps (:mod:`.cost`); ``note``: the proposer's own record of how it drafted, which the
-driver never reads and hands back in :class:`Round`. After the round the proposer's ``update``
+plain steps (:mod:`.cost`, a :class:`Plan`); ``note``: the proposer's own typed record of how it
+drafted (one class per kind of draft), which the driver never reads and hands back in :class:`Round`. After the round the proposer's ``update``
 receives a :class:`Round`: the draft, the verdict, the verification forward and the round's
 measured cost in plain steps. Nothing the driver learns is written into a proposer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -28,7 +28,41 @@ from ..engine import ForwardOutput
 from ..engine.tree import tree_depths
 from .verify import Verdict
 
-Plan = tuple[float, float]  # expected tokens, cost in plain steps
+class Plan(NamedTuple):
+    """A planner's prediction for one round (:mod:`.cost`)."""
+
+    expected_tokens: float
+    cost: float  # in plain steps
+
+
+@dataclass(slots=True)
+class LayerSkipNote:
+    """How a layer-skip round drafted (:mod:`.layer_skip`): whether the chain ran to its length
+    limit (no confidence exit), how many nodes the layer-skip draft made, which drafter made
+    them (``by``: the configuration whose statistics the round updates), and which nodes are
+    the merged n-gram branch's path (hybrid rounds, :mod:`.hybrid`)."""
+
+    hit_limit: bool
+    chain_nodes: int
+    by: Any = None
+    ngram_path: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NgramNote:
+    """An n-gram draft's lookup: the order ``n`` of the suffix that matched (prompt lookup)."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsNote:
+    """A deferred chain's early tokens: the layer whose head made each (AdaDecode)."""
+
+    layers: list[int]
+
+
+Note = Union[LayerSkipNote, NgramNote, HeadsNote, None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +76,7 @@ class Chain:
     q: torch.Tensor | None = None  # (k, V): the laws the tokens were sampled from; None: deterministic
     forwards: int = 0  # draft forwards the proposer made
     plan: Plan | None = None
-    note: Any = None
+    note: Note = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +85,7 @@ class Tree:
     parents: list[int]  # parent node of each node (-1: child of the pending token)
     forwards: int = 0
     plan: Plan | None = None
-    note: Any = None
+    note: Note = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +93,7 @@ class Deferred:
     tokens: list[int]
     logits: torch.Tensor  # target logits of [pending, *tokens], already computed at full depth
     q: torch.Tensor | None = None
-    note: Any = None
+    note: Note = None
     plan: Plan | None = None
 
 

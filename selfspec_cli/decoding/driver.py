@@ -54,20 +54,17 @@ class Proposer:
     """A drafting source bound to one engine. Subclasses override the hooks; the
     base class never drafts, which is plain autoregressive decoding.
 
-    ``lookahead``: most cache slots a round writes past the pending token (for the
-    cache's capacity). ``needs_attn_cosine``: the prefill reports per-layer attention
-    cosines (ASD). ``lossless``: the proposer's output is exactly the target's.
+    What the driver asks of every proposer, and nothing else: ``lookahead``, the most cache
+    slots a round writes past the pending token (for the cache's capacity);
+    ``needs_attn_cosine``, whether the prefill must report per-layer attention cosines (ASD's
+    skip source asks; a stack passes its parts' answer up); ``curve``, the engine's verify
+    curve when the proposer plans with measured costs (the driver's unit of a round's cost,
+    :class:`~.cost.RoundClock`, and its realized gain need it); None otherwise.
     """
 
-    lossless: bool = True
     lookahead: int = 0
     needs_attn_cosine: bool = False
-    curve: Any = None  # the engine's verify curve, when the proposer plans with measured costs (decoding/cost.py)
-
-    @property
-    def t1_s(self) -> float | None:
-        """A plain step's seconds (after the curve's context), when the proposer plans with measured costs."""
-        return self.curve.t1_s if self.curve is not None else None
+    curve: Any = None
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
         self.engine = engine
@@ -155,7 +152,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             timings["update_s"] += time.perf_counter() - t4
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
     decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a proposer's own work counts
-    if proposer.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain the plans realized
+    curve = proposer.curve
+    if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
         stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
             stats.extra["predicted_gain"] = round(expected / cost, 4)

@@ -25,7 +25,7 @@ range of layers ``[start, end)``:
   the newest ``window`` (kernel attention only; None, the target's exact attention);
 * ``weights`` picks the matrices: None, the target's own (``target_precision``: the weights as
   loaded, fp32, bf16/fp16 panels, or the GGUF's own blocks; engine/target.py); a precision name
-  (``int8``, ``int8-g32``, ``gguf``, ``w4a8``), the quantized draft copy :meth:`Engine.draft`
+  (``int8``, ``int8-g32``, ``gguf``, ``w4a8``), the quantized draft copy :meth:`Engine.quantized`
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
 * :meth:`Engine.release_float_weights` frees the float matrices a block target no longer
   reads (the embedding rows then come from the head's own blocks, exactly);
@@ -146,11 +146,12 @@ class Engine:
                             # every op row-wise: a k-row forward equals k one-row steps bit for bit
                             "batch_invariant": self._ops is not None, "target": self.target_precision}
 
-    def draft(self, precision: str) -> DraftWeights:
-        """The draft copy of the matrices at ``precision`` (engine/quant.py), built on first use
-        (or read from the disk cache) and kept; ``forward(..., weights=precision)`` runs on it."""
+    def quantized(self, precision: str) -> DraftWeights:
+        """The quantized copy of the matrices at ``precision`` (engine/quant.py) that drafts read,
+        built on first use (or read from the disk cache) and kept; ``forward(..., weights=precision)``
+        runs on it."""
         if precision == "w4a8" and precision not in self.drafts:  # the gguf copy's own codes, int8 activations
-            base = self.draft("gguf")
+            base = self.quantized("gguf")
             self.drafts[precision] = DraftWeights(precision, [{n: A8Linear(q) for n, q in d.items()} for d in base.layers],
                                                   A8Linear(base.head), {**base.info, "precision": precision, "shares": "gguf"})
         if precision not in self.drafts:
@@ -313,7 +314,7 @@ class Engine:
         if weights is None and self.target_precision in QUANT_TARGETS:
             weights = self.target_precision  # the target's head is that copy's
         if weights is not None:
-            return subset(self.draft(weights).head, ids, self._module)
+            return subset(self.quantized(weights).head, ids, self._module)
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module,
                                    PANEL_DTYPES.get(self.target_precision))
 
@@ -378,7 +379,7 @@ class Engine:
         masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
         cache.ensure_capacity(max((cache.length(l) for l in range(start, end)), default=0) + t)
         cosines: list[torch.Tensor] = []
-        lins = self._lin if weights is None else self.draft(weights).layers
+        lins = self._lin if weights is None else self.quantized(weights).layers
 
         for l in range(start, end):
             w = self.adapter.layers[l]

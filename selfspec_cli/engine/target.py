@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 TARGET_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "gguf")
 PANEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # targets packed as 16-bit float panels
-QUANT_TARGETS = ("gguf",)  # targets read from a quantized copy (engine.draft(...))
+QUANT_TARGETS = ("gguf",)  # targets read from a quantized copy (engine.quantized(...))
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16-model", torch.float16: "fp16-model"}
 
 
@@ -60,7 +60,7 @@ def _exact(w: torch.Tensor, dtype: torch.dtype) -> bool:
 def _blocks(engine: Engine) -> tuple[str | None, dict[str, Any]]:
     """``gguf`` when the model's GGUF blocks are its weights (fallback matrices named), else None and why."""
     try:
-        d = engine.draft("gguf")
+        d = engine.quantized("gguf")
     except GGUFDraftError as exc:
         return None, {"gguf": str(exc)}
     if not d.info.get("exact_matrices", 1):  # an F32/F16 file: no block the kernel takes
@@ -112,7 +112,7 @@ def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]]
     int8 stand-ins for those, which are not the model's weights)."""
     from .kernels import Linear
 
-    d = engine.draft(precision)
+    d = engine.quantized(precision)
     a = engine.adapter
 
     def pick(q: Any, w: torch.Tensor, b: torch.Tensor | None) -> Any:

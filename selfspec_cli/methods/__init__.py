@@ -4,7 +4,8 @@ Adding a method is one new file (or, with an offline step, one folder: docs/desi
 method is one package") plus one entry here.
 
 :func:`build` makes a method from its config, loading the typed artifacts the config
-names; :func:`config_for` makes a config from field values, refusing fields the
+names (a layer-skip method's stack comes from the one assembly,
+:func:`~selfspec_cli.decoding.stack.assemble`); :func:`config_for` makes a config from field values, refusing fields the
 method does not have.
 """
 from __future__ import annotations
@@ -13,18 +14,16 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..decoding.layer_skip import LayerSkipProposer
 from ..engine import Engine
-from ..engine.target import QUANT_TARGETS
 from ..errors import ConfigError
 from . import adadecode, fr_spec, self_sd, specee
 from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
-from .base import DraftOptions, Method, method_precision
+from .base import Method
 from .offline import OfflineStep
-from .pld import PLDConfig, PromptLookup, lookup
+from .pld import PromptLookup
 from .self_sd import SelfSD
 from .specee import SpecEE
 from .specqd import SpecQD
@@ -56,23 +55,7 @@ def build(name: str, engine: Engine, tokenizer: Any = None, config: Any = None, 
     if config is not None and values:
         raise ConfigError("pass a config or field values, not both")
     config = config if config is not None else config_for(name, values)
-    method = method_class(name).build(engine, tokenizer, config)
-    if isinstance(method, LayerSkipProposer) and isinstance(config, DraftOptions):
-        precision = method_precision(engine, config.draft_precision, getattr(method, "artifact_precision", None))
-        if precision is None and isinstance(method, SpecQD) and engine.target_precision in QUANT_TARGETS:
-            raise ConfigError(f"specqd has no draft on the {engine.target_precision} target: no quantized copy is cheaper "
-                              "than the file's own blocks the target reads; use --method auto, self-sd or pld, or "
-                              "--target-precision fp32")
-        if precision is None and isinstance(method, SpecQD):
-            raise ConfigError("specqd drafts with quantized weights, which need the CPU kernel "
-                              f"({engine.kernel_info.get('reason') or 'unavailable'}); use --method ar or pld here")
-        method.use_precision(precision)  # before the draft vocabulary's head
-        fr_spec.attach(method, engine.model, config.draft_vocab, config.draft_vocab_size)
-        if config.hybrid:  # the n-gram source of hybrid trees: prompt lookup's defaults
-            pld = PLDConfig()
-            method.ngram = lambda state, budget: lookup(state.committed, pld.pld_max_ngram, pld.pld_min_ngram,
-                                                        min(pld.max_draft, budget))
-    return method
+    return method_class(name).build(engine, tokenizer, config)
 
 
 __all__ = ["METHODS", "OFFLINE", "Method", "AR", "SelfSD", "ASD", "Swift", "AdaDecode", "SpecEE", "PromptLookup", "SpecQD", "Auto", "build", "config_for", "method_class"]

@@ -6,10 +6,10 @@ sample of the processed distribution).
 """
 from __future__ import annotations
 
-from .base import Method
+from .base import SelfProposing
 
 
-class AR(Method):
+class AR(SelfProposing):
     name = "ar"
     lossless = True
     description = "plain autoregressive decoding (the baseline)"

@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..decoding.layer_skip import DraftConfig, LayerSkipProposer
+from ..decoding.drafts import Round
+from ..decoding.layer_skip import NO_SKIPS, SkipPair, SkipSource
 from ..decoding.state import DecodeState
-from ..engine import Engine, ForwardOutput
-from .base import DraftOptions, Method, option, require
+from ..engine import ForwardOutput
+from .base import LayerSkipMethod, LayerSkipOptions, option, require
 
 
 def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -33,41 +34,49 @@ def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[
 
 
 @dataclass(frozen=True)
-class ASDConfig(DraftOptions):
+class ASDConfig(LayerSkipOptions):
     asd_alpha: float = option(0.985, "cosine-similarity threshold")
     asd_m: int = option(3, "skip every m-th layer's MLP and attention")
     asd_n: int = option(2, "never skip the last n layers")
 
     def __post_init__(self) -> None:
-        DraftOptions.__post_init__(self)
+        LayerSkipOptions.__post_init__(self)
         require(0 < self.asd_alpha < 1, "asd_alpha", "in (0, 1)", self.asd_alpha)
         require(self.asd_m >= 1, "asd_m", ">= 1", self.asd_m)
         require(self.asd_n >= 0, "asd_n", ">= 0", self.asd_n)
 
 
-class ASD(LayerSkipProposer, Method):
-    name = "asd"
-    lossless = True
-    description = "ASD: per-prompt skip set from attention cosine similarity (no search, no training)"
+class PromptSkips(SkipSource):
+    """ASD's skip set, chosen per prompt from the prefill's attention cosines (Algorithm 1)."""
+
+    adapts = True
     needs_attn_cosine = True
-    Config = ASDConfig
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, config: ASDConfig | None = None,
-                 draft: DraftConfig | None = None) -> None:
-        """``draft`` overrides the config's draft options."""
-        config = config or ASDConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
-        self.bind_config(config)
-        self._skip: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
-        self._cosines: list[float] = []
+    def __init__(self, config: ASDConfig) -> None:
+        self.config = config
+        self.skip: SkipPair = NO_SKIPS
+        self.cosines: list[float] = []
 
-    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
-        return self._skip
+    def sets(self) -> SkipPair:
+        return self.skip
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         c = self.config
-        self._cosines = prefill.attn_cosine.tolist()
-        self._skip = admg(self._cosines, c.asd_alpha, c.asd_m, c.asd_n)
+        self.cosines = prefill.attn_cosine.tolist()
+        self.skip = admg(self.cosines, c.asd_alpha, c.asd_m, c.asd_n)
+
+    def update(self, state: DecodeState, rnd: Round, own: bool) -> None:
+        pass
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "attn_cosine": [round(c, 5) for c in self._cosines]}
+        return {"attn_cosine": [round(c, 5) for c in self.cosines]}
+
+
+class ASD(LayerSkipMethod):
+    name = "asd"
+    lossless = True
+    description = "ASD: per-prompt skip set from attention cosine similarity (no search, no training)"
+    Config = ASDConfig
+
+    def skip_source(self) -> SkipSource:
+        return PromptSkips(self.config)

@@ -22,15 +22,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ..decoding.drafts import Chain, Draft, NoDraft, Round, Tree, depth
-from ..decoding.driver import Proposer
-from ..decoding.layer_skip import LayerSkipProposer
+from ..decoding.choose import Choose, Option
+from ..decoding.drafts import Chain, Draft, LayerSkipNote, NoDraft, Round, Tree, depth
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError, FieldError
 from . import fr_spec
 from .asd import ASD
-from .base import DRAFT_PRECISIONS, Method, method_precision, option, require, resolve_precision
+from .base import DRAFT_PRECISIONS, LayerSkipMethod, SelfProposing, method_precision, option, require, resolve_precision
 from .pld import PLDConfig, PromptLookup
 from .self_sd import SelfSD, SkipSet
 from .specqd import SpecQD
@@ -53,7 +52,7 @@ class AutoConfig:
                                                            "precision would be ignored; drop one of them")
 
 
-class Auto(Method):
+class Auto(SelfProposing):
     name = "auto"
     lossless = True
     description = ("auto: per round the best of n-gram drafts, quantized chains, layer-skip drafts and none, by "
@@ -61,81 +60,65 @@ class Auto(Method):
     Config = AutoConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None,
-                 layer_skip: LayerSkipProposer | None = None, quant: LayerSkipProposer | None = None) -> None:
+                 layer_skip: LayerSkipMethod | None = None, quant: LayerSkipMethod | None = None,
+                 pld: PromptLookup | None = None) -> None:
         super().__init__(engine, tokenizer, config)
-        self.pld = PromptLookup(engine, tokenizer, PLDConfig())
+        self.pld = pld or PromptLookup(engine, tokenizer, PLDConfig())
         self.layer_skip = layer_skip
         self.quant = quant
-        for source in (layer_skip, quant):
-            if source is not None and self.config.hybrid:
-                source.ngram = self.pld.candidate  # hybrid trees (decoding/layer_skip.py)
-        self.needs_attn_cosine = bool(layer_skip and layer_skip.needs_attn_cosine)
-        self.lookahead = max(source.lookahead for source in (self.pld, layer_skip, quant) if source is not None)
+        options = [Option("ngram", self.pld)]
+        options += [Option(name, m.proposer) for name, m in (("layer_skip", layer_skip), ("quant", quant)) if m is not None]
+        self.choice = Choose(options)
+        self.needs_attn_cosine = self.choice.needs_attn_cosine
+        self.lookahead = self.choice.lookahead
         self.rounds: Counter[str] = Counter()
-        self._last: Proposer | None = None
-        self._turn = 0
         self._ngram_n = 0  # the order of this round's n-gram lookup (0: none)
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: AutoConfig | None = None) -> Auto:
         config = config or AutoConfig()
-        layer_skip: LayerSkipProposer | None = None
-        quant: LayerSkipProposer | None = None
-        if not config.ngram_only:
-            precision = resolve_precision(engine, config.draft_precision)
-            if precision is not None:
-                quant = SpecQD(engine, tokenizer)
-                quant.use_precision(precision)
-                fr_spec.attach(quant, engine.model)
-            try:
-                layer_skip = SelfSD(engine, tokenizer, skip=SkipSet.load(None, engine.model))
-            except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
-                layer_skip = ASD(engine, tokenizer)
-            ls_precision = method_precision(engine, config.draft_precision, getattr(layer_skip, "artifact_precision", None))
-            if isinstance(layer_skip, SelfSD) and not any(layer_skip.skip_sets()) and ls_precision == precision:
-                layer_skip = None  # a calibrated empty skip set is the quantized chain itself: one source
-            else:
-                layer_skip.full_depth_variant = False  # the quantized full-depth chain is a source of its own here
-                layer_skip.use_precision(ls_precision)
-                fr_spec.attach(layer_skip, engine.model)  # FR-Spec's draft vocabulary when calibrated
-        return cls(engine, tokenizer, config, layer_skip, quant)
+        pld = PromptLookup(engine, tokenizer, PLDConfig())
+        if config.ngram_only:
+            return cls(engine, tokenizer, config, pld=pld)
+        ngram = pld if config.hybrid else None  # hybrid trees (decoding/hybrid.py)
+        layer_skip: LayerSkipMethod | None = None
+        quant: LayerSkipMethod | None = None
+        precision = resolve_precision(engine, config.draft_precision)
+        if precision is not None:
+            quant = SpecQD(engine, tokenizer, weights=precision, vocab=fr_spec.draft_vocab(engine, precision), ngram=ngram)
+        try:
+            skip = SkipSet.load(None, engine.model)
+        except ArtifactError:  # no calibrated set for this model: ASD's per-prompt set
+            skip = None
+        ls_precision = method_precision(engine, config.draft_precision, skip.draft_precision if skip else None)
+        # a calibrated empty skip set is the quantized chain itself: one source
+        if skip is None or skip.attn or skip.mlp or ls_precision != precision:
+            # the quantized full-depth chain is a source of its own here: no full-depth choice inside this one
+            parts = {"weights": ls_precision, "ngram": ngram, "weigh_full_depth": False,
+                     "vocab": fr_spec.draft_vocab(engine, ls_precision)}  # FR-Spec's draft vocabulary when calibrated
+            layer_skip = ASD(engine, tokenizer, **parts) if skip is None else SelfSD(engine, tokenizer, skip=skip, **parts)
+        return cls(engine, tokenizer, config, layer_skip, quant, pld)
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.rounds = Counter()
-        for source in (self.pld, self.layer_skip, self.quant):
-            if source is not None:
-                source.begin(state, prefill)
+        self.choice.begin(state, prefill)
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
-        options: list[tuple[float, str, Proposer]] = []
-        cont, n = self.pld.candidate(state, budget)
-        self._ngram_n = n
-        if cont:
-            options.append((self.pld.planner(n).best(0.0, len(cont))[1], "ngram", self.pld))
-        for source, drafts in (("layer_skip", self.layer_skip), ("quant", self.quant)):
-            if drafts is not None and budget > 0:
-                options.append((drafts.expected_gain(budget), source, drafts))
-        if not options:
-            self._last = None
+        self._ngram_n = self.pld.candidate(state, budget)[1]
+        source = self.choice.pick(state, budget)
+        if source is None:
             self.rounds["none"] += 1
             return NoDraft()
-        if max(g for g, _, _ in options) <= 1.0 and len(options) > 1:
-            # no source pays: let them take turns, so that each one's own probes can still run
-            self._turn = (self._turn + 1) % len(options)
-            _, source, proposer = options[self._turn]
-        else:
-            _, source, proposer = max(options, key=lambda o: o[0])
-        self._last = proposer
-        draft = proposer.propose(state, budget)
-        self.rounds[source if depth(draft) else "none"] += 1
-        self.curve = self.pld.curve or getattr(self.layer_skip, "curve", None) or getattr(self.quant, "curve", None)
+        draft = source.propose(state, budget)
+        self.rounds[self.choice.last_name if depth(draft) else "none"] += 1
+        self.curve = self.pld.curve
         return draft
 
     def update(self, state: DecodeState, rnd: Round) -> None:
-        if self._last is not None:
-            self._last.update(state, rnd)
-        path = getattr(rnd.draft.note, "ngram_path", None) if isinstance(rnd.draft, (Chain, Tree)) else None
-        if self._last is not self.pld and path and self._ngram_n:
+        self.choice.update(state, rnd)
+        note = rnd.draft.note if isinstance(rnd.draft, (Chain, Tree)) else None
+        path = note.ngram_path if isinstance(note, LayerSkipNote) else None
+        if self.choice.last is not self.pld and path and self._ngram_n:
             # the n-gram branch of a hybrid round is a verified n-gram draft: its planner learns from it too
             self.pld.planner(self._ngram_n).observe(len(path), len(set(path) & set(rnd.verdict.accepted)))
 

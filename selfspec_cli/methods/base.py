@@ -1,17 +1,24 @@
-"""What every decoding method provides: a proposer with a name, a frozen config and typed artifacts.
+"""What every decoding method provides: a name, a frozen config, typed artifacts and a proposer.
 
-A method is a :class:`~selfspec_cli.decoding.driver.Proposer` (``generate`` runs
-the shared driver) built by :meth:`Method.build` from its ``Config`` dataclass and
-the artifacts that config names. Config fields carry ``help`` metadata, from which
-the CLI makes its options; validation errors name fields (:class:`FieldError`).
+A method has a :class:`~selfspec_cli.decoding.driver.Proposer` (``proposer``; ``generate`` runs
+the shared driver on it), built by :meth:`Method.build` from its ``Config`` dataclass and the
+artifacts that config names. A layer-skip method (:class:`LayerSkipMethod`) declares its parts,
+a skip source, draft weights and vocabulary, and :func:`~selfspec_cli.decoding.stack.assemble`
+builds its stack. Config fields carry ``help`` metadata, from which the CLI makes its options;
+validation errors name fields (:class:`FieldError`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..decoding.driver import Proposer
-from ..decoding.layer_skip import DraftConfig
+from collections.abc import Callable
+
+from ..config import GenerationConfig
+from ..decoding.driver import Proposer, decode
+from ..decoding.layer_skip import FixedSkips, SkipPair, SkipSource, DraftSettings
+from ..decoding.output import DecodeResult
+from ..decoding.stack import DraftParts, NgramSource, assemble
 from ..engine import Engine
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..engine.target import QUANT_TARGETS
@@ -40,12 +47,12 @@ def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) ->
         if engine.target_precision in QUANT_TARGETS:  # the file's own blocks with int8 activations (W4A8)
             return "w4a8"
         try:
-            engine.draft("gguf")
+            engine.quantized("gguf")
             return "gguf"
         except GGUFDraftError:
             return "int8"
     try:
-        engine.draft(precision)
+        engine.quantized(precision)
     except GGUFDraftError as exc:
         if not strict:
             return resolve_precision(engine, "auto")
@@ -74,26 +81,27 @@ class NoConfig:
     """A method without options."""
 
 
-class Method(Proposer):
-    """A decoding method bound to one engine. ``lossless`` methods return exactly what
-    plain decoding returns (greedy) or sample exactly the target's processed
-    distribution (sampling)."""
+class Method:
+    """A decoding method bound to one engine: its config, its artifacts' offline cost and the
+    proposer the driver runs (``proposer``). ``lossless`` methods return exactly what plain
+    decoding returns (greedy) or sample exactly the target's processed distribution (sampling)."""
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
     Config: ClassVar[type] = NoConfig
+    lossless: ClassVar[bool] = True
     greedy_only: ClassVar[bool] = False  # refuses --temperature > 0 (the CLI says so before loading the model)
+    proposer: Proposer
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
-        Proposer.__init__(self, engine, tokenizer)
-        self.bind_config(config)
-
-    def bind_config(self, config: Any = None) -> None:
-        """The method's own state: its config and what its artifacts cost offline. A method that is
-        also a decoding/ proposer (the layer-skip methods) initializes that proposer itself and then
-        calls this, so no decoding/ class's initializer reaches into this module."""
+        self.engine = engine
+        self.tokenizer = tokenizer
         self.config = config or self.Config()
         self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
+        return decode(self.proposer, prompt_ids, cfg, on_tokens)
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: Any = None) -> Method:
@@ -110,6 +118,18 @@ class Method(Proposer):
         parts = [p for p in self.offline_parts if p.get("seconds") is not None]
         return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
                 "parts": parts} if parts else None
+
+
+class SelfProposing(Method, Proposer):
+    """A method whose one class is also its proposer (plain decoding, prompt lookup, AdaDecode,
+    SpecEE, auto): ``proposer`` is the method object itself."""
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
+        Method.__init__(self, engine, tokenizer, config)
+
+    @property
+    def proposer(self) -> Proposer:  # type: ignore[override]
+        return self
 
 
 def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +156,7 @@ def layer_list(text: str | tuple[int, ...] | None, name: str) -> tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class DraftOptions:
+class LayerSkipOptions:
     """Options every layer-skipping method shares."""
 
     max_draft: int = option(12, "most draft tokens per round")
@@ -165,7 +185,58 @@ class DraftOptions:
         require(self.draft_precision in DRAFT_PRECISIONS, "draft_precision", f"one of {', '.join(DRAFT_PRECISIONS)}",
                 self.draft_precision)
 
-    def draft(self, **kw: Any) -> DraftConfig:
+    def settings(self, **kw: Any) -> DraftSettings:
+        """How this method's drafts are made and verified (``kw``: the method's own, e.g. SWIFT's tree)."""
         window = None if self.paper_drafting or not self.draft_window else (DRAFT_SINKS, self.draft_window)
-        return DraftConfig(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting,
-                           kv_window=window, **kw)
+        return DraftSettings(max_draft=self.max_draft, threshold=self.draft_threshold, cost_aware=not self.paper_drafting,
+                             kv_window=window, **kw)
+
+
+class LayerSkipMethod(Method):
+    """A method that drafts with the target's own layers: it declares a skip source
+    (:meth:`skip_source`) and draft settings (:meth:`draft_settings`); its weights, vocabulary
+    and n-gram branch come from :meth:`build` (the config's ``draft_precision``, ``draft_vocab``
+    and ``hybrid``) or are given; :func:`~selfspec_cli.decoding.stack.assemble` builds the
+    stack. ``draft`` overrides the config's draft settings (e.g. tree verification)."""
+
+    Config: ClassVar[type] = LayerSkipOptions
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None, draft: DraftSettings | None = None, *,
+                 weights: str | None = None, vocab: Any = None, ngram: NgramSource | None = None,
+                 weigh_full_depth: bool = True) -> None:
+        super().__init__(engine, tokenizer, config)
+        self.weights = weights
+        self.skips = self.skip_source()
+        self.parts = DraftParts(draft or self.draft_settings(), self.skips, weights, vocab, ngram, weigh_full_depth)
+        self.proposer, self.drafter = assemble(engine, tokenizer, self.parts)
+
+    def skip_source(self) -> SkipSource:
+        """What chooses this method's skip set (none: all layers)."""
+        return FixedSkips()
+
+    def draft_settings(self) -> DraftSettings:
+        return self.config.settings()
+
+    def skip_sets(self) -> SkipPair:
+        return self.skips.sets()
+
+    def describe(self) -> dict[str, Any]:
+        return self.proposer.describe()
+
+    @classmethod
+    def draft_parts(cls, engine: Engine, tokenizer: Any, config: Any, calibrated: str | None = None) -> dict[str, Any]:
+        """The config's draft weights (``calibrated``: the precision a skip set was calibrated with),
+        vocabulary and n-gram branch, as keyword arguments of the method."""
+        from . import fr_spec
+        from .pld import PLDConfig, PromptLookup
+
+        weights = method_precision(engine, config.draft_precision, calibrated)
+        vocab = fr_spec.draft_vocab(engine, weights, config.draft_vocab, config.draft_vocab_size)
+        # the n-gram source of hybrid trees: prompt lookup's defaults
+        ngram = PromptLookup(engine, tokenizer, PLDConfig()) if config.hybrid else None
+        return {"weights": weights, "vocab": vocab, "ngram": ngram}
+
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: Any = None) -> Method:
+        config = config or cls.Config()
+        return cls(engine, tokenizer, config, **cls.draft_parts(engine, tokenizer, config))

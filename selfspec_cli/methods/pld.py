@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from ..decoding.cost import Overhead, Planner, VerifyCurve
-from ..decoding.drafts import Chain, Draft, NoDraft, Round
+from ..decoding.drafts import Chain, Draft, NgramNote, NoDraft, Round
 from ..decoding.state import DecodeState
 from ..engine import Engine
 from ..errors import FieldError
-from .base import Method, option, require
+from .base import SelfProposing, option, require
 
 
 def lookup(context: list[int], max_ngram: int, min_ngram: int, max_len: int) -> tuple[list[int], int]:
@@ -62,7 +62,7 @@ class PLDConfig:
         require(self.max_draft >= 1, "max_draft", ">= 1", self.max_draft)
 
 
-class PromptLookup(Method):
+class PromptLookup(SelfProposing):
     name = "pld"
     lossless = True
     description = "prompt lookup: n-gram drafts from the prompt and the output so far, cost-aware"
@@ -94,20 +94,26 @@ class PromptLookup(Method):
             self._last_lookup = (key, lookup(state.committed, c.pld_max_ngram, c.pld_min_ngram, min(c.max_draft, budget)))
         return self._last_lookup[1]
 
+    def expected_gain(self, state: DecodeState, budget: int) -> float | None:
+        """The best expected gain of this round's lookup (None: nothing looked up)."""
+        cont, n = self.candidate(state, budget)
+        return self.planner(n).best(0.0, len(cont))[1] if cont else None
+
     def propose(self, state: DecodeState, budget: int) -> Draft:
         cont, n = self.candidate(state, budget)
         if not cont:
             return NoDraft()
         if self.config.paper_drafting:
-            return Chain(cont, note=n)
+            return Chain(cont, note=NgramNote(n))
         cont = state.through_stop(cont)
         planner = self.planner(n)
         k = planner.plan(0.0, len(cont))
-        return Chain(cont[:k], note=n, plan=planner.last) if k else NoDraft(plan=planner.last)
+        return Chain(cont[:k], note=NgramNote(n), plan=planner.last) if k else NoDraft(plan=planner.last)
 
     def update(self, state: DecodeState, rnd: Round) -> None:
         draft = rnd.draft
-        n = draft.note if isinstance(draft, Chain) else None  # the n-gram order the chain was looked up with
+        # the n-gram order the chain was looked up with
+        n = draft.note.n if isinstance(draft, Chain) and isinstance(draft.note, NgramNote) else None
         if n and n in self.planners:
             self.planners[n].observe(len(draft.tokens), len(rnd.verdict.accepted))
             if draft.tokens:

@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..decoding.layer_skip import DraftConfig, LayerSkipProposer
 from ..engine import Engine
-from .base import DraftOptions, Method, option, require
+from ..engine.target import QUANT_TARGETS
+from ..errors import ConfigError
+from .base import LayerSkipMethod, LayerSkipOptions, Method, option, require
 
 
 @dataclass(frozen=True)
-class SpecQDConfig(DraftOptions):
+class SpecQDConfig(LayerSkipOptions):
     # no confidence exit by default: the chain's length is planned from the measured per-depth acceptance
     # (a draft that agrees with the target 0.97 of the time is often right when unsure; docs/engine.md, "Quantized drafts")
     draft_threshold: float = option(0.0, "draft-exit confidence threshold (initial value when adaptive)")
@@ -32,23 +33,28 @@ class SpecQDConfig(DraftOptions):
     max_draft: int = option(25, "most draft tokens per round")
 
     def __post_init__(self) -> None:
-        DraftOptions.__post_init__(self)
+        LayerSkipOptions.__post_init__(self)
         require(self.draft_precision != "target", "draft_precision", "a quantized precision (auto, int8, int8-g32 or "
                 "gguf): a full-depth draft at the target's own precision is the target", self.draft_precision)
 
 
-class SpecQD(LayerSkipProposer, Method):
+class SpecQD(LayerSkipMethod):
+    """All layers (the default skip source skips none), quantized weights."""
+
     name = "specqd"
     lossless = True
     description = "SpecQD: the model's own weights quantized (int8, or the GGUF's own blocks) as a full-depth draft"
     Config = SpecQDConfig
-    never_skips = True
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, config: SpecQDConfig | None = None,
-                 draft: DraftConfig | None = None) -> None:
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: SpecQDConfig | None = None) -> Method:
         config = config or SpecQDConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
-        self.bind_config(config)
-
-    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
-        return frozenset(), frozenset()
+        parts = cls.draft_parts(engine, tokenizer, config)
+        if parts["weights"] is None and engine.target_precision in QUANT_TARGETS:
+            raise ConfigError(f"specqd has no draft on the {engine.target_precision} target: no quantized copy is cheaper "
+                              "than the file's own blocks the target reads; use --method auto, self-sd or pld, or "
+                              "--target-precision fp32")
+        if parts["weights"] is None:
+            raise ConfigError("specqd drafts with quantized weights, which need the CPU kernel "
+                              f"({engine.kernel_info.get('reason') or 'unavailable'}); use --method ar or pld here")
+        return cls(engine, tokenizer, config, **parts)

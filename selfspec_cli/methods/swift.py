@@ -38,17 +38,17 @@ from typing import Any
 import numpy as np
 
 from ..artifacts import environment_info
-from ..decoding.drafts import Chain, Round, Tree
-from ..decoding.layer_skip import LayerSkipProposer
+from ..decoding.drafts import Round
+from ..decoding.layer_skip import DraftSettings, SkipPair, SkipSource
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
-from .base import DraftOptions, Method, option, require
+from .base import LayerSkipMethod, LayerSkipOptions, option, require
 from .self_sd import SKIP_SET, SkipSet
 
 
 @dataclass(frozen=True)
-class SwiftConfig(DraftOptions):
+class SwiftConfig(LayerSkipOptions):
     max_draft: int = option(25, "most draft tokens per round")
     draft_threshold: float = option(0.8, "draft-exit confidence threshold epsilon")
     skip_ratio: float = option(0.45, "share of sublayers skipped (lowered automatically when acceptance stays low)")
@@ -69,26 +69,23 @@ class SwiftConfig(DraftOptions):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        DraftOptions.__post_init__(self)
+        LayerSkipOptions.__post_init__(self)
         require(0 < self.skip_ratio < 1, "skip_ratio", "in (0, 1)", self.skip_ratio)
         require(self.context_window >= 2, "context_window", ">= 2", self.context_window)
         require(0 <= self.optimize_budget <= 1, "optimize_budget", "in [0, 1]", self.optimize_budget)
         require(self.tree_nodes is None or self.tree_nodes >= 1, "tree_nodes", ">= 1", self.tree_nodes)
 
 
-class Swift(LayerSkipProposer, Method):
-    name = "swift"
-    lossless = True
-    description = "SWIFT: skip set optimized on the fly during decoding (random search + interval BO)"
-    Config = SwiftConfig
+class SwiftSearch(SkipSource):
+    """SWIFT's skip set, searched while decoding (see the module docstring), scored over the
+    draft's own ``weights`` (None: the target's)."""
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, config: SwiftConfig | None = None) -> None:
-        config = config or SwiftConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, config.draft(
-            adaptive=False, tree=True, tree_max_nodes=config.tree_nodes))  # the paper's top-k per confidence bin
-        self.bind_config(config)
+    adapts = True
+
+    def __init__(self, engine: Engine, config: SwiftConfig, weights: str | None) -> None:
         import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
 
+        self.config, self.weights = config, weights
         L = engine.num_layers
         if L < 4:
             raise ConfigError(f"SWIFT needs at least 4 layers (it never skips the first or last), got {L}")
@@ -117,7 +114,7 @@ class Swift(LayerSkipProposer, Method):
     def _as_sets(self, idx: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
         return tuple(frozenset(self.pool[i][1] for i in idx if self.pool[i][0] == kind) for kind in ("attn", "mlp"))
 
-    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
+    def sets(self) -> SkipPair:
         return self._as_sets(self.best)
 
     # -- optimization ------------------------------------------------------
@@ -128,7 +125,7 @@ class Swift(LayerSkipProposer, Method):
         n = self.config.context_window + 1
         # over the weights the draft runs on: the skip set is searched on top of a quantized copy when there is one
         logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1),
-                              weights=self.precision).logits
+                              weights=self.weights).logits
         return float((logits.argmax(-1) == state.ids(state.output[1:n])).float().mean())
 
     def _random_candidate(self) -> tuple[int, ...]:
@@ -207,11 +204,9 @@ class Swift(LayerSkipProposer, Method):
         self.optimize_s = 0.0
         self._last = time.perf_counter()
 
-    def update(self, state: DecodeState, rnd: Round) -> None:
-        LayerSkipProposer.update(self, state, rnd)
-        draft = rnd.draft
-        if isinstance(draft, (Chain, Tree)) and draft.forwards and not self._full:  # the skip set's own rounds
-            self._acceptance.append((len(rnd.verdict.accepted), draft.forwards))
+    def update(self, state: DecodeState, rnd: Round, own: bool) -> None:
+        if own:  # the skip set's own rounds
+            self._acceptance.append((len(rnd.verdict.accepted), rnd.draft.forwards))
         t0 = time.perf_counter()
         self._decoded_s += t0 - self._last
         # the search counts its own cost: it runs only while it stays within its share of decoding
@@ -233,21 +228,36 @@ class Swift(LayerSkipProposer, Method):
         self._spent_s += self._last - t0
 
     def describe(self) -> dict[str, Any]:
-        return {**LayerSkipProposer.describe(self), "optimize_s": round(self.optimize_s, 6),
+        return {"optimize_s": round(self.optimize_s, 6),
                 "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
                           "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio}}
 
+
+class Swift(LayerSkipMethod):
+    name = "swift"
+    lossless = True
+    description = "SWIFT: skip set optimized on the fly during decoding (random search + interval BO)"
+    Config = SwiftConfig
+
+    def skip_source(self) -> SkipSource:
+        self.search = SwiftSearch(self.engine, self.config, self.weights)
+        return self.search
+
+    def draft_settings(self) -> DraftSettings:  # the paper's top-k per confidence bin, no adaptive threshold
+        return self.config.settings(adaptive=False, tree=True, tree_max_nodes=self.config.tree_nodes)
+
     def search_history(self) -> list[dict[str, Any]]:
-        return self.history
+        return self.search.history
 
     def save_layers(self, path: str | Path) -> Path:
         """Write the best skip set found as a Self-SD artifact (``--method self-sd --layers``)."""
+        search = self.search
         manifest = SkipSet(*self.skip_sets()).to_manifest(
             self.engine.model,
-            objective={"name": "swift_matchness", "value": round(self.best_score, 4), "unit": "share of window tokens"},
-            trials=self.step,
-            search={"method": "swift", "skip_ratio": self.ratio, "context_window": self.config.context_window,
+            objective={"name": "swift_matchness", "value": round(search.best_score, 4), "unit": "share of window tokens"},
+            trials=search.step,
+            search={"method": "swift", "skip_ratio": search.ratio, "context_window": self.config.context_window,
                     "bo_interval": self.config.bo_interval, "seed": self.config.seed,
-                    "phase": "optimization" if self.optimizing else "acceleration"},
+                    "phase": "optimization" if search.optimizing else "acceleration"},
             environment=environment_info(self.engine.device, self.engine.dtype))
         return SKIP_SET.save(Path(path), self.engine.model, manifest)

@@ -48,14 +48,14 @@ from typing import Any
 import torch
 
 from ...artifacts import ArtifactSpec, load_layers
-from ...decoding.cost import PROBE_BUDGET, VerifyCurve, timed
-from ...decoding.drafts import Deferred, Draft, NoDraft, Round
+from ...decoding.cost import ProbeBudget, VerifyCurve, timed
+from ...decoding.drafts import Deferred, Draft, HeadsNote, NoDraft, Round
 from ...decoding.sampling import processed_probs
 from ...decoding.state import DecodeState
 from ...engine import Engine, ForwardOutput
 from ...engine.runner import ALL_ROWS
 from ...errors import FieldError
-from ..base import Method, layer_list, option, require, training_cost
+from ..base import SelfProposing, layer_list, option, require, training_cost
 from ..offline import OfflineStep
 from .heads import LowRankHead, head_logits
 
@@ -113,7 +113,7 @@ def proposal_law(head_probs: torch.Tensor, token: int) -> torch.Tensor:
     return q
 
 
-class AdaDecode(Method):
+class AdaDecode(SelfProposing):
     name = "adadecode"
     lossless = True
     description = "AdaDecode: early predictions at trained intermediate heads, deferred deep layers, verification"
@@ -137,7 +137,7 @@ class AdaDecode(Method):
         self.exits: dict[int, int] = {}
         # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
         self.head_stats = {k: [2.0, 1.0, 0.5] for k in self.heads}
-        self._savings = {k: 0.0 for k in self.heads}  # probe budget per head, in plain steps (decoding/cost.py)
+        self.probes = {k: ProbeBudget() for k in self.heads}  # probes per head (decoding/cost.py)
         self.head_cost = 0.0 if config.paper_drafting else self._measure_head_cost()
 
     def _measure_head_cost(self) -> float:
@@ -146,7 +146,7 @@ class AdaDecode(Method):
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         self._head(k, row)  # warm-up: the first call allocates
-        return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / self.t1_s
+        return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / self.curve.t1_s
 
     def _worth_checking(self, k: int) -> bool:
         """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
@@ -159,13 +159,9 @@ class AdaDecode(Method):
         L = self.engine.num_layers
         value = accepted / checks * (L - k - 1) / L - (exits - accepted) / checks * (k + 1) / L - self.head_cost
         if value > 0:
-            self._savings[k] = 0.0
+            self.probes[k].paying()
             return True
-        self._savings[k] += PROBE_BUDGET
-        if self._savings[k] >= -value:
-            self._savings[k] += value
-            return True
-        return False
+        return self.probes[k].probe(-value)
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None) -> AdaDecode:
@@ -226,10 +222,12 @@ class AdaDecode(Method):
             else:  # no early prediction: this token reached the last layer
                 break
         assert out.logits.shape[0] == len(early) + 1 and not waiting, (out.logits.shape, len(early), list(waiting))
-        return Deferred(early, out.logits, q=torch.stack(early_q) if early_q else None, note=made_by)
+        return Deferred(early, out.logits, q=torch.stack(early_q) if early_q else None,
+                        note=HeadsNote(made_by))
 
     def update(self, state: DecodeState, rnd: Round) -> None:
-        made_by = rnd.draft.note if isinstance(rnd.draft, Deferred) else []  # the head layer of each early token
+        note = rnd.draft.note if isinstance(rnd.draft, Deferred) else None
+        made_by = note.layers if isinstance(note, HeadsNote) else []  # the head layer of each early token
         for k in made_by[: len(rnd.verdict.accepted)]:
             self.head_stats[k][2] += 1
 

@@ -119,19 +119,19 @@ def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -
     return DraftVocab.load(spec, model).with_size(size)
 
 
-def attach(proposer: Any, model: torch.nn.Module, spec: str | None = "auto", size: int | None = None) -> None:
-    """Give a layer-skip proposer the draft vocabulary ``spec`` names (see :func:`resolve`).
-    ``auto`` keeps the full vocabulary for a proposer that drafts over quantized weights: its
-    head is cheap there, and a subset caps the acceptance of a draft that otherwise agrees
-    with the target (measured on SmolLM2 with the GGUF-block draft: M 4.7 -> 9.0, decode-only
-    2.00x -> 2.07x `ar`; docs/engine.md, "Quantized drafts"). Not on a block target: the draft's
-    head is then the target's own blocks, as costly as the target's head (docs/engine.md, "The target's weights")."""
-    engine = getattr(proposer, "engine", None)
-    block_target = engine is not None and engine.target_precision in QUANT_TARGETS
-    if spec == "auto" and size is None and getattr(proposer, "precision", None) is not None and not block_target:
+def draft_vocab(engine: Any, weights: str | None, spec: str | None = "auto", size: int | None = None) -> torch.Tensor | None:
+    """The token ids of the draft vocabulary ``spec`` names (see :func:`resolve`) for a layer-skip
+    draft over ``weights`` (None: the whole vocabulary). ``auto`` keeps the full vocabulary for a
+    draft over quantized weights: its head is cheap there, and a subset caps the acceptance of a
+    draft that otherwise agrees with the target (measured on SmolLM2 with the GGUF-block draft:
+    M 4.7 -> 9.0, decode-only 2.00x -> 2.07x `ar`; docs/engine.md, "Quantized drafts"). Not on a
+    block target: the draft's head is then the target's own blocks, as costly as the target's head
+    (docs/engine.md, "The target's weights")."""
+    block_target = engine.target_precision in QUANT_TARGETS
+    if spec == "auto" and size is None and weights is not None and not block_target:
         spec = "full"
-    vocab = resolve(spec, model, size)
-    proposer.use_draft_vocab(None if vocab is None else vocab.ids)
+    vocab = resolve(spec, engine.model, size)
+    return None if vocab is None else vocab.ids
 
 
 def ranked_from_outputs(outputs: Iterable[list[int]], vocab_size: int,

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from ...artifacts import ArtifactSpec, now_iso
-from ...decoding.layer_skip import DraftConfig, LayerSkipProposer
+from ...decoding.layer_skip import DraftSettings, FixedSkips, SkipSource
 from ...engine import Engine
 from ...errors import FieldError
-from ..base import DraftOptions, Method, layer_list, option
+from ..base import LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
 from ..offline import OfflineStep
 from .study import DEFAULT_HEARTBEAT_S
 
@@ -136,7 +136,7 @@ def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
 
 
 @dataclass(frozen=True)
-class SelfSDConfig(DraftOptions):
+class SelfSDConfig(LayerSkipOptions):
     layers: Path | None = option(None, "skip-set artifact (default: this model's calibrated one, the user's under "
                                        "$SELFSPEC_HOME first, then the shipped one)")
     skip_attn: tuple[int, ...] | None = option(None, "inline attention sublayers to skip, e.g. 1,3,5 (0-based; "
@@ -144,39 +144,40 @@ class SelfSDConfig(DraftOptions):
     skip_mlp: tuple[int, ...] | None = option(None, "inline MLP sublayers to skip, e.g. 2,4 (0-based)")
 
     def __post_init__(self) -> None:
-        DraftOptions.__post_init__(self)
+        LayerSkipOptions.__post_init__(self)
         object.__setattr__(self, "skip_attn", layer_list(self.skip_attn, "skip_attn"))
         object.__setattr__(self, "skip_mlp", layer_list(self.skip_mlp, "skip_mlp"))
 
 
-class SelfSD(LayerSkipProposer, Method):
+class SelfSD(LayerSkipMethod):
     name = "self-sd"
     lossless = True
     description = "Self-SD / Draft & Verify: offline-calibrated skip set, adaptive draft exit"
     Config = SelfSDConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None,
-                 skip: SkipSet = SkipSet(), draft: DraftConfig | None = None) -> None:
-        """``draft`` overrides the config's draft options (e.g. tree verification)."""
-        config = config or SelfSDConfig()
-        LayerSkipProposer.__init__(self, engine, tokenizer, draft or config.draft())
-        self.bind_config(config)
+                 skip: SkipSet = SkipSet(), draft: DraftSettings | None = None, **parts: Any) -> None:
+        """``draft`` overrides the config's draft settings (e.g. tree verification); ``parts``: the
+        draft's weights, vocabulary and n-gram branch (:meth:`LayerSkipMethod.draft_parts`)."""
         n = engine.num_layers
         if bad := sorted(i for i in skip.attn | skip.mlp if not 0 <= i < n):
             raise FieldError("skip_attn/skip_mlp",
                              f"layer ids {bad} are out of range for a {n}-layer model (valid: 0..{n - 1})")
-        self._skip = (skip.attn, skip.mlp)
+        self.skip = skip
+        super().__init__(engine, tokenizer, config or SelfSDConfig(), draft, **parts)
         self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
         if m := skip.manifest:
             self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
                                        "trials": m.get("trials"), "created": m.get("created")})
 
+    def skip_source(self) -> SkipSource:
+        return FixedSkips(self.skip.attn, self.skip.mlp)
+
     @classmethod
-    def build(cls, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None) -> SelfSD:
+    def build(cls, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None) -> Method:
         config = config or SelfSDConfig()
         if config.skip_attn is None and config.skip_mlp is None:
-            return cls(engine, tokenizer, config, SkipSet.load(config.layers, engine.model))
-        return cls(engine, tokenizer, config, SkipSet(config.skip_attn or (), config.skip_mlp or ()))
-
-    def skip_sets(self) -> tuple[frozenset[int], frozenset[int]]:
-        return self._skip
+            skip = SkipSet.load(config.layers, engine.model)
+        else:
+            skip = SkipSet(config.skip_attn or (), config.skip_mlp or ())
+        return cls(engine, tokenizer, config, skip, **cls.draft_parts(engine, tokenizer, config, skip.draft_precision))

@@ -54,8 +54,8 @@ import torch
 from ...artifacts import check_writable
 from ...loading import model_fingerprint
 from ...config import GenerationConfig
-from ...decoding.cost import VerifyCurve, draft_step_cost, timed, weight_bytes
-from ...decoding.layer_skip import DraftConfig
+from ...decoding.cost import VerifyCurve, draft_step_cost, prior_draft_cost, round_cost, timed
+from ...decoding.layer_skip import DraftSettings
 from ...decoding.output import DecodeResult
 from ...engine import Engine
 from ...errors import ConfigError, first_line
@@ -69,7 +69,7 @@ from .study import (CLAIMED, DEFAULT_HEARTBEAT_S, check_slot, check_storage, des
 STUDY_NAME = "self-sd"
 SAMPLERS = ("tpe", "gp", "random")
 SEED_RATIOS = (0.3, 0.45)
-DEFAULT_DRAFT = DraftConfig(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
+DEFAULT_DRAFT = DraftSettings(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
 OBJECTIVES = ("proxy", "throughput")
 
 
@@ -133,11 +133,10 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
 
 def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int],
                           full_depth_c: float = 1.0) -> float:
-    """c(S) without a per-trial timer: the weight bytes a draft step reads over those of a full
-    step (batch-1 decoding is memory-bound: docs/engine.md), times ``full_depth_c``, the cost of
-    a full-depth step with the draft's weights (1 for the target's own; for a quantized copy
-    measured once per study, :func:`full_depth_costs`)."""
-    return full_depth_c * weight_bytes(engine, skip_attn, skip_mlp) / weight_bytes(engine)
+    """c(S) without a per-trial timer: the one prior for c (:func:`prior_draft_cost`), times
+    ``full_depth_c``, the cost of a full-depth step with the draft's weights (1 for the target's
+    own; for a quantized copy measured once per study, :func:`full_depth_costs`)."""
+    return prior_draft_cost(engine, skip_attn, skip_mlp, full_depth_c)
 
 
 def full_depth_costs(engine: Engine, precisions: Sequence[str]) -> dict[str, float]:
@@ -152,21 +151,20 @@ def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) ->
     ``k c + v(k + 1)``; plain decoding costs 1 a token). ``c`` from weight bytes and ``v``
     from the engine's verify curve (measured once): no per-trial timing, so machine load
     cannot reorder the candidates; the acceptance behind it is measured, by decoding."""
-    cost = sum(k * c + curve.v(k + 1) for k in m.draft_lengths)
+    cost = sum(round_cost(curve, k, c, k, 0.0) for k in m.draft_lengths)
     return (m.tokens - prompts) / cost if cost > 0 else 1.0
 
 
 def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftConfig = DEFAULT_DRAFT,
+                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftSettings = DEFAULT_DRAFT,
                     repeats: int = 1, precision: str = "target", full_depth_c: float = 1.0,
                     curve: VerifyCurve | None = None) -> Measurement:
     """Throughput of Self-SD with this skip set over the draft weights ``precision``. A fresh
     method per pass, so the adaptive draft threshold starts from the same value for every
     candidate. ``curve``: the verify curve the proxy uses (default: the engine's own)."""
     def make() -> Any:
-        method = SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft)
-        method.use_precision(None if precision == "target" else precision)
-        return method.generate
+        return SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft,
+                      weights=None if precision == "target" else precision).generate
 
     m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
     c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c)
@@ -240,7 +238,7 @@ class SearchConfig:
     sampler: str = "tpe"
     repeats: int = 1  # passes per measurement; per prompt the fastest counts
     objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
-    draft: DraftConfig = DEFAULT_DRAFT
+    draft: DraftSettings = DEFAULT_DRAFT
     precisions: tuple[str, ...] = ("target",)  # draft weights searched with the skip set (engine/quant.py)
     storage: str | None = None  # an Optuna storage (.study); None: the SQLite file study_path
     heartbeat_s: int = DEFAULT_HEARTBEAT_S  # seconds between a running trial's heartbeats

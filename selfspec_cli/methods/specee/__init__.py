@@ -62,7 +62,7 @@ from ...engine.runner import LAST_ROW
 from ...errors import ArtifactError, ConfigError, FieldError
 from ...loading import EXAMPLES_DIR
 from ..adadecode import LowRankHead, head_logits, load_heads
-from ..base import Method, option, require, training_cost
+from ..base import SelfProposing, option, require, training_cost
 from ..offline import OfflineStep
 from .predictor import NUM_SPEC_TOKENS, ExitPredictor, exit_probability, spec_local, specee_features
 
@@ -131,7 +131,7 @@ class SpecEEConfig:
         require(t is None or 0.0 <= t <= 1.0, "specee_threshold", "in [0, 1]", t)
 
 
-class SpecEE(Method):
+class SpecEE(SelfProposing):
     name = "specee"
     lossless = False
     greedy_only = True
