@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.decoding.layer_skip import DraftConfig
+from selfspec_cli.decoding.layer_skip import DraftSettings
 from selfspec_cli.engine import Engine
 from selfspec_cli.engine.adapter import ModelAdapter
 from selfspec_cli.errors import UnsupportedModelError
@@ -80,8 +80,8 @@ def test_lossless_methods_equal_ar(model):
     ar = AR(eng)
     methods = {
         "pld": build("pld", eng, None, paper_drafting=True),
-        "self-sd": SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftConfig(cost_aware=False, max_draft=6, threshold=0.3)),
-        "self-sd-tree": SelfSD(eng, skip=SkipSet([2], [1, 3]), draft=DraftConfig(cost_aware=False, max_draft=5, threshold=0.2,
+        "self-sd": SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(cost_aware=False, max_draft=6, threshold=0.3)),
+        "self-sd-tree": SelfSD(eng, skip=SkipSet([2], [1, 3]), draft=DraftSettings(cost_aware=False, max_draft=5, threshold=0.2,
                                                                                  tree=True)),
         "specqd": build("specqd", eng, None, draft_precision="int8", paper_drafting=True, max_draft=4),
     }

@@ -166,7 +166,7 @@ def test_records_never_share_a_line_with_the_progress_bar(tiny_model_dir, prompt
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TERM="xterm-256color", COLUMNS="120")
-    proc = subprocess.Popen([sys.executable, "-m", "selfspec_cli", *gen_args(tiny_model_dir, prompt_file, "-n", "4")],
+    proc = subprocess.Popen([sys.executable, "-m", "selfspec_cli", *gen_args(tiny_model_dir, prompt_file, "-n", "4", "--no-stream")],
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
     os.close(slave)
     raw, deadline = b"", time.monotonic() + 300

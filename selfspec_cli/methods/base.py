@@ -200,6 +200,8 @@ class LayerSkipMethod(Method):
     stack. ``draft`` overrides the config's draft settings (e.g. tree verification)."""
 
     Config: ClassVar[type] = LayerSkipOptions
+    # (engine, tokenizer) -> the n-gram branch of hybrid drafts; each method sets pld.hybrid_branch
+    ngram_source: ClassVar[Callable[[Engine, Any], NgramSource] | None] = None
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None, draft: DraftSettings | None = None, *,
                  weights: str | None = None, vocab: Any = None, ngram: NgramSource | None = None,
@@ -228,12 +230,14 @@ class LayerSkipMethod(Method):
         """The config's draft weights (``calibrated``: the precision a skip set was calibrated with),
         vocabulary and n-gram branch, as keyword arguments of the method."""
         from . import fr_spec
-        from .pld import PLDConfig, PromptLookup
 
         weights = method_precision(engine, config.draft_precision, calibrated)
         vocab = fr_spec.draft_vocab(engine, weights, config.draft_vocab, config.draft_vocab_size)
-        # the n-gram source of hybrid trees: prompt lookup's defaults
-        ngram = PromptLookup(engine, tokenizer, PLDConfig()) if config.hybrid else None
+        # the n-gram source of hybrid trees (prompt lookup's defaults: methods/pld.py, hybrid_branch), named by
+        # the subclass so that this module does not import pld, which imports it
+        if config.hybrid and cls.ngram_source is None:
+            raise FieldError("hybrid", f"{cls.name} has no n-gram source for hybrid drafts")
+        ngram = cls.ngram_source(engine, tokenizer) if config.hybrid else None
         return {"weights": weights, "vocab": vocab, "ngram": ngram}
 
     @classmethod

@@ -121,3 +121,9 @@ class PromptLookup(SelfProposing):
 
     def describe(self) -> dict[str, Any]:
         return {"cost_model": {str(n): p.report() for n, p in sorted(self.planners.items())}} if self.planners else {}
+
+
+def hybrid_branch(engine: Engine, tokenizer: Any) -> PromptLookup:
+    """The n-gram branch that a layer-skip method merges into its hybrid drafts: prompt lookup's defaults
+    (``LayerSkipMethod.ngram_source``)."""
+    return PromptLookup(engine, tokenizer, PLDConfig())
