@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .config import GenerationConfig
 from .engine import Engine
@@ -62,6 +65,13 @@ def check_device(dtype: str, device: str) -> None:
     resolve_dtype(dtype, resolve_device(device))
 
 
+# README, "Precision on CPU" bullet (new-user finding 11): 16-bit arithmetic on CPU is not transformers' own
+CPU_HALF_NOTE = ("selfspec: note: --dtype {dtype} on CPU computes in 16 bits, which rounds differently from "
+                 "transformers' CPU kernels: greedy tokens can differ from its generate at near-ties; the default "
+                 "(float32 weights as loaded, --target-precision auto) streams a bf16 or fp16 checkpoint's own "
+                 "values with float32 arithmetic, exact to it")
+
+
 @dataclass
 class Session:
     """A loaded model and its tokenizer, with what every command derives from them."""
@@ -77,6 +87,9 @@ class Session:
     @classmethod
     def open(cls, model: str | None, *, dtype: str = "auto", device: str = "auto", chat_template: bool = True) -> Session:
         """Load ``model`` (a name, directory, hub id or .gguf; None: the default) on ``device`` in ``dtype``."""
+        dev = resolve_device(device)
+        if dev.type == "cpu" and resolve_dtype(dtype, dev) != torch.float32:
+            print(CPU_HALF_NOTE.format(dtype=dtype), file=sys.stderr)
         mdl, tok = load_model(model, dtype=dtype, device=device)
         return cls(mdl, tok, chat_template, model, dtype, device, sum(p.numel() for p in mdl.parameters()))
 

@@ -408,3 +408,17 @@ def test_text_streamer_holds_a_torn_character_back():
     s.push([0xFF])  # an invalid byte that ends a turn stopped otherwise is kept, as in the record
     s.end(torn=False)
     assert said[-1] == "\ufffd"
+
+
+@pytest.mark.parametrize("dtype,noted", [("bfloat16", True), ("float16", True), ("float32", False), ("auto", False)])
+def test_16_bit_dtype_on_cpu_says_it_is_not_transformers_arithmetic(capsys, tiny_model_dir, prompt_file, dtype, noted):
+    """Finding 11: 16-bit arithmetic on CPU can differ from transformers' generate at near-ties; one stderr
+    line says so (and names the exact default), float32 says nothing."""
+    capsys.readouterr()
+    rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "2", "--dtype", dtype))
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if "computes in 16 bits" in ln]
+    assert len(lines) == (1 if noted else 0), err
+    if noted:
+        assert f"--dtype {dtype} on CPU" in lines[0] and "float32" in lines[0]
