@@ -534,6 +534,10 @@ def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir
     assert not default.exists()
     assert Path(summary["artifact"]) == default.with_name(default.stem + ".below-ar.json")
     assert Path(summary["artifact"]).is_file()
+    # the same command again resumes the study and replaces its own below-ar result (finding 7: it stopped
+    # with "already exists; pass --force", an --output the user never gave)
+    again = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "1", "--seed", "3"))
+    assert again["artifact"] == summary["artifact"] and again["below_ar"] is True
     # asked for by name, it is written where asked (and still reported as below ar)
     named = run_ok(calib_args(tiny_model_dir, "--prompt-file", str(prompt_file), "--trials", "1", "--seed", "3",
                               "--output", str(tmp_path / "mine.json")))

@@ -696,7 +696,9 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     vs_ar = result.best_value if search.objective == "proxy" else obj.get("speedup_vs_ar")
     below_ar = vs_ar is not None and vs_ar < 1.0
     if below_ar and not job.explicit_output:  # never install, as this model's default, a set slower than plain decoding
-        out = SKIP_SET.check_output(out.with_name(out.stem + ".below-ar.json"), job.force)
+        # the study's own latest result, not a file the user named: the same command run again (the study
+        # resumes, as the message below says) replaces it instead of stopping at "already exists"
+        out = SKIP_SET.check_output(out.with_name(out.stem + ".below-ar.json"), True)
     SKIP_SET.save(out, job.model, manifest)
     base, conf = result.baseline, result.confirm  # baseline None: the model has no uniform starting set
     job.log(f"[bold]best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
