@@ -150,10 +150,15 @@ def test_calibrate_writes_the_user_directory_and_never_replaces_silently(tiny_mo
            "--layers", str(art)]
     rc, out, err = run_cli(gen)
     assert rc == 0, err
-    # ... and is not replaced without --force
-    first = art.read_text()
-    user_error(args, "already exists", "--force")
-    assert art.read_text() == first
+    # ... and the same command again resumes the study and replaces that result, its own (new-user finding 7),
+    # while a file the user named is never replaced without --force
+    again = run_ok(args)
+    assert again["artifact"] == str(art) and again["trials"] == summary["trials"] and again["new_trials"] == 0
+    mine = selfspec_home / "mine.json"
+    run_ok([*args, "--output", str(mine)])
+    first = mine.read_text()
+    user_error([*args, "--output", str(mine)], "already exists", "--force")
+    assert mine.read_text() == first
     # the shipped tree is never a write target without --force
     user_error([*args, "--output", str(shipped / "self-sd" / "mine.json")], "shipped artifacts", "read-only")
     assert _tree(shipped) == before
