@@ -9,7 +9,7 @@ import torch
 
 from selfspec_cli.artifacts import save_tensors_artifact
 from selfspec_cli.methods.self_sd import SkipSet
-from selfspec_cli.methods.fr_spec.calibrate import calibrate_draft_vocab, held_out_coverage
+from selfspec_cli.methods.fr_spec.calibrate import artifact_tensors, calibrate_draft_vocab, held_out_coverage
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.layer_skip import DraftSettings, LayerSkipDrafter
@@ -139,7 +139,10 @@ def test_calibrated_artifact_round_trip(tmp_path):
     assert res.n in [r["n"] for r in res.candidates] and res.candidates[-1]["n"] == VOCAB
     assert res.candidates[-1]["held_out_coverage"] == 1.0
     path = tmp_path / "vocab"
-    save_tensors_artifact(path, {"ranked_ids": res.ranked_ids, "counts": res.counts},
+    tensors = artifact_tensors(res)  # the format `selfspec calibrate --method fr-spec` writes
+    assert torch.equal(tensors["counts"].sum(), torch.tensor(4 * 12, dtype=torch.int32))
+    assert torch.equal(res.counts[tensors["counted_ids"].long()], tensors["counts"].long())
+    save_tensors_artifact(path, tensors,
                           {"kind": fr_spec.VOCAB.kind, "model_fingerprint": model_fingerprint(model),
                            **res.summary()})
     vocab = fr_spec.resolve(str(path), model, size=50)

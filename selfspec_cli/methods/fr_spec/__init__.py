@@ -35,10 +35,10 @@ Exactness (what the layer-skip proposer relies on, :mod:`selfspec_cli.decoding.l
   verifier the unrestricted law fails there).
 
 The package is the whole method: this module holds the vocabulary and its artifact
-(:data:`VOCAB`), :mod:`.calibrate` the offline step that makes it. The artifact: ``ranked_ids`` (the whole vocabulary, most frequent first), ``counts``
-(per token id, in the calibration outputs), ``expected`` (the model's expected
-counts) and a manifest with the chosen size ``n``
-and the measurements behind it.
+(:data:`VOCAB`), :mod:`.calibrate` the offline step that makes it. The artifact: ``ranked_ids`` (the whole vocabulary, most frequent first), ``counted_ids`` and
+``counts`` (each token the calibration outputs held, and how often; an older artifact holds
+dense ``counts`` and ``expected`` instead) and a manifest with the chosen size ``n`` and the
+measurements behind it. Only ``ranked_ids`` is read to draft.
 """
 from __future__ import annotations
 
