@@ -4,9 +4,9 @@ glibc's malloc serves a block above its mmap threshold with a mapping of its own
 system on free; below it, from the heap, whose freed memory stays resident while anything above it
 lives. The threshold starts at 128 KiB but rises (up to 32 MiB) each time such a mapping is freed,
 so after loading a model every activation, logits buffer and scratch tensor of a decode comes from
-the heap, which fragments and grows prompt after prompt: a bench of the default model held 40 MB
-more after its twelve prompts than after its first, and 80 MB more than the same run with the
-threshold pinned (docs/benchmarks.md, "Memory"). Pinning it costs one mapping per block over 1 MiB
+the heap, which fragments and grows prompt after prompt: over the default suite a bench of the
+default model grew from 507 to 547 MB of anonymous memory, against 432-443 MB with the threshold
+pinned (docs/benchmarks.md, "Memory"). Pinning it costs one mapping per block over 1 MiB
 (a k-row logits buffer, a prefill's activations), microseconds against a step of milliseconds.
 
 Called once by the command line at start-up and by the bench's peer process; a library user's

@@ -391,3 +391,27 @@ def test_target_peer_decodes_in_its_own_process_and_the_block_side_frees_its_flo
         want = run_prompt(ar.generate, tok, Prompt(id=i, turns=(t,)), cfg, torch.device("cpu"), "ar")["token_ids"]
         assert got[i] == want
     assert doc["methods"]["ar"]["peak_rss_mb"] != doc["methods"]["ar-fp32"]["peak_rss_mb"]
+
+
+def test_a_peer_process_that_fails_says_why_in_the_parent(tmp_path):
+    """A child that cannot open the model ends its row with its own message, raised in the bench's process."""
+    from selfspec_cli.bench.peer_process import PeerProcessError, PeerSpec, ProcessPeer
+
+    peer = ProcessPeer(PeerSpec(str(tmp_path / "no-such-model"), "auto", "cpu", "fp32", 1, {}))
+    try:
+        with pytest.raises(PeerProcessError, match="fp32 peer's process failed: .*no-such-model"):
+            peer.wait_ready()
+    finally:
+        peer.close()
+    assert not peer._proc.is_alive()
+
+
+def test_bound_heap_pins_the_threshold_where_the_c_library_is_glibc():
+    import ctypes.util
+    import platform
+
+    from selfspec_cli.heap import bound_heap
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt's M_MMAP_THRESHOLD is glibc's")
+    assert ctypes.util.find_library("c") and bound_heap() is True  # mallopt accepted the parameter and value

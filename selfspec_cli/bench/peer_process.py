@@ -48,8 +48,13 @@ class PeerProcessError(RuntimeError):
 
 
 def _serve(conn: Any, spec: PeerSpec) -> None:
+    import signal
+
     from ..heap import bound_heap
 
+    # a Ctrl-C reaches the whole process group: the parent handles it (keeps its records, stops this
+    # process), so the child neither prints a traceback nor dies between a call and its answer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     bound_heap()  # as the command line does (selfspec_cli/heap.py)
     import torch
 
@@ -62,7 +67,7 @@ def _serve(conn: Any, spec: PeerSpec) -> None:
         torch.set_num_threads(spec.threads)
         governor.AUTO.clear()
         governor.AUTO.update(spec.governor)
-        mdl, tok = load_model(spec.model, dtype=spec.dtype, device=spec.device, log=lambda *a, **k: None)
+        mdl, tok = load_model(spec.model, dtype=spec.dtype, device=spec.device, log=None)
         engine = Engine(mdl, target_precision=spec.target_precision)
         method = build("ar", engine, tok)
         engine.release_float_weights(panels=True)  # plain decoding reads the packed panels only
@@ -90,8 +95,8 @@ def _serve(conn: Any, spec: PeerSpec) -> None:
 class ProcessPeer:
     """Plain decoding of the model on ``spec.target_precision``, in a child process (see the module docstring).
 
-    Start it early (:meth:`start`: the child loads the model while the parent builds its methods),
-    then :meth:`wait_ready` before the first timed call."""
+    The child starts loading the model when this object is made (while the parent builds its methods);
+    :meth:`wait_ready` waits for it, before the first timed call."""
 
     def __init__(self, spec: PeerSpec) -> None:
         self.spec = spec
@@ -107,11 +112,15 @@ class ProcessPeer:
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def _call(self, *msg: Any) -> Any:
+    def _answer(self, *msg: Any) -> Any:
+        """Send ``msg`` (none: only wait for the ready message) and return the child's answer; a failure there
+        is raised here, with its message."""
         try:
-            self._conn.send(msg)
+            if msg:
+                self._conn.send(msg)
             kind, value = self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
+            self._proc.join(timeout=5)
             raise PeerProcessError(f"the {self.spec.target_precision} peer's process ended "
                                    f"(exit code {self._proc.exitcode})") from None
         if kind == "error":
@@ -119,24 +128,18 @@ class ProcessPeer:
         return value
 
     def wait_ready(self) -> str:
+        """The target the child runs, once it has loaded the model."""
         if self.target_precision is None:
-            try:
-                kind, value = self._conn.recv()
-            except EOFError:
-                raise PeerProcessError(f"the {self.spec.target_precision} peer's process ended before loading "
-                                       f"the model (exit code {self._proc.exitcode})") from None
-            if kind == "error":
-                raise PeerProcessError(f"the {self.spec.target_precision} peer's process failed: {value}")
-            self.target_precision = value
+            self.target_precision = self._answer()
         return self.target_precision
 
     def generate(self, ids: list[int], cfg: GenerationConfig) -> DecodeResult:
-        return self._call("generate", ids, cfg)
+        return self._answer("generate", ids, cfg)
 
     def make(self) -> Any:
         """A fresh plain-decoding method in the child (one per timed pass); its ``generate``."""
         self.wait_ready()
-        self._call("fresh")
+        self._answer("fresh")
         return self.generate
 
     def close(self) -> None:

@@ -103,10 +103,9 @@ class DecodeState:
         n = ids.shape[0]
         if n > PREFILL_CHUNK and not kw.get("attn_cosine") and not kw.get("output_hidden"):
             last = (n - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # the final chunk's first row: it has 1..CHUNK rows
-            for s in range(0, last, PREFILL_CHUNK):
-                self.engine.forward(self.cache, ids[s:s + PREFILL_CHUNK], positions=s, logits_rows=None)
-            s = last
-            return self.engine.forward(self.cache, ids[s:], positions=s, **kw)
+            for s in range(0, last, PREFILL_CHUNK):  # the same options, no logits
+                self.engine.forward(self.cache, ids[s:s + PREFILL_CHUNK], positions=s, **{**kw, "logits_rows": None})
+            return self.engine.forward(self.cache, ids[last:], positions=last, **kw)
         return self.engine.forward(self.cache, ids, positions=0, **kw)
 
     def feed(self, token: int) -> None:

@@ -21,14 +21,15 @@ from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
-from .base import Method
+from .base import LayerSkipMethod, Method
 from .offline import OfflineStep
-from .pld import PromptLookup
+from .pld import PromptLookup, hybrid_branch
 from .self_sd import SelfSD
 from .specee import SpecEE
 from .specqd import SpecQD
 from .swift import Swift
 
+LayerSkipMethod.ngram_source = staticmethod(hybrid_branch)  # every layer-skip method's --hybrid n-gram branch
 METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, SpecQD, AdaDecode, SpecEE, PromptLookup,
                                                          Auto)}
 OFFLINE: dict[tuple[str, str], OfflineStep] = {(s.command, s.name): s for s in (

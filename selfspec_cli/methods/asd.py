@@ -22,7 +22,6 @@ from ..decoding.layer_skip import NO_SKIPS, SkipPair, SkipSource
 from ..decoding.state import DecodeState
 from ..engine import ForwardOutput
 from .base import LayerSkipMethod, LayerSkipOptions, option, require
-from .pld import hybrid_branch
 
 
 def admg(cosines: list[float], alpha: float, m: int, n: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -74,7 +73,6 @@ class PromptSkips(SkipSource):
 
 
 class ASD(LayerSkipMethod):
-    ngram_source = staticmethod(hybrid_branch)  # the n-gram branch of --hybrid drafts
     name = "asd"
     lossless = True
     description = "ASD: per-prompt skip set from attention cosine similarity (no search, no training)"

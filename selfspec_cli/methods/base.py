@@ -200,8 +200,9 @@ class LayerSkipMethod(Method):
     stack. ``draft`` overrides the config's draft settings (e.g. tree verification)."""
 
     Config: ClassVar[type] = LayerSkipOptions
-    # (engine, tokenizer) -> the n-gram branch of hybrid drafts; each method sets pld.hybrid_branch
-    ngram_source: ClassVar[Callable[[Engine, Any], NgramSource] | None] = None
+    # (engine, tokenizer) -> the n-gram branch of hybrid drafts: pld.hybrid_branch, set where the registry is
+    # assembled (methods/__init__.py), since pld imports this module
+    ngram_source: ClassVar[Callable[[Engine, Any], NgramSource]]
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None, draft: DraftSettings | None = None, *,
                  weights: str | None = None, vocab: Any = None, ngram: NgramSource | None = None,
@@ -233,11 +234,7 @@ class LayerSkipMethod(Method):
 
         weights = method_precision(engine, config.draft_precision, calibrated)
         vocab = fr_spec.draft_vocab(engine, weights, config.draft_vocab, config.draft_vocab_size)
-        # the n-gram source of hybrid trees (prompt lookup's defaults: methods/pld.py, hybrid_branch), named by
-        # the subclass so that this module does not import pld, which imports it
-        if config.hybrid and cls.ngram_source is None:
-            raise FieldError("hybrid", f"{cls.name} has no n-gram source for hybrid drafts")
-        ngram = cls.ngram_source(engine, tokenizer) if config.hybrid else None
+        ngram = cls.ngram_source(engine, tokenizer) if config.hybrid else None  # the n-gram source of hybrid trees
         return {"weights": weights, "vocab": vocab, "ngram": ngram}
 
     @classmethod

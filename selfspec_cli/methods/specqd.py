@@ -22,7 +22,6 @@ from ..engine import Engine
 from ..engine.target import QUANT_TARGETS
 from ..errors import ConfigError
 from .base import LayerSkipMethod, LayerSkipOptions, Method, option, require
-from .pld import hybrid_branch
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,6 @@ class SpecQDConfig(LayerSkipOptions):
 
 class SpecQD(LayerSkipMethod):
     """All layers (the default skip source skips none), quantized weights."""
-    ngram_source = staticmethod(hybrid_branch)  # the n-gram branch of --hybrid drafts
 
     name = "specqd"
     lossless = True

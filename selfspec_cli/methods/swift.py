@@ -45,7 +45,6 @@ from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
 from .base import LayerSkipMethod, LayerSkipOptions, option, require
 from .self_sd import SKIP_SET, SkipSet
-from .pld import hybrid_branch
 
 
 @dataclass(frozen=True)
@@ -235,7 +234,6 @@ class SwiftSearch(SkipSource):
 
 
 class Swift(LayerSkipMethod):
-    ngram_source = staticmethod(hybrid_branch)  # the n-gram branch of --hybrid drafts
     name = "swift"
     lossless = True
     description = "SWIFT: skip set optimized on the fly during decoding (random search + interval BO)"

@@ -29,7 +29,6 @@ from ...errors import FieldError
 from ..base import LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
 from ..offline import OfflineStep
 from .study import DEFAULT_HEARTBEAT_S
-from ..pld import hybrid_branch
 
 
 SKIP_SET = ArtifactSpec(
@@ -151,7 +150,6 @@ class SelfSDConfig(LayerSkipOptions):
 
 
 class SelfSD(LayerSkipMethod):
-    ngram_source = staticmethod(hybrid_branch)  # the n-gram branch of --hybrid drafts
     name = "self-sd"
     lossless = True
     description = "Self-SD / Draft & Verify: offline-calibrated skip set, adaptive draft exit"
