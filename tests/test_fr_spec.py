@@ -4,6 +4,8 @@ draft vocabulary on every tiny architecture is in test_speculative.py; the verif
 with a restricted law is enumerated exactly in test_verify_exact.py.)"""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -156,3 +158,43 @@ def test_calibrated_artifact_round_trip(tmp_path):
     with pytest.raises(ArtifactError):  # another model's artifact
         fr_spec.resolve(str(path), make_tiny_model("llama-gqa", seed=1, layers=6))
     assert fr_spec.resolve("full", model) is None
+
+
+def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
+    """A draft that scores only the draft vocabulary reads only those rows of the LM head: the
+    prior for c (bytes) counts them, the layer-skip drafter plans with that c, the cost store keeps
+    it apart, and Self-SD's search decodes with the vocabulary the method drafts with and scores
+    its trials with the same c (on Gemma 3 the head is over half a step: a search over the whole
+    vocabulary found nothing that pays)."""
+    from selfspec_cli.decoding.cost import draft_variant, prior_draft_cost, weight_bytes
+    from selfspec_cli.engine.kernels import stream_bytes
+    from selfspec_cli.methods.self_sd import calibrate as sd_calibrate
+
+    eng = Engine(make_tiny_model("llama-gqa", layers=6))
+    ids = _subset(VOCAB, 20, seed=3)
+    attn, mlp = frozenset({1, 3}), frozenset({2, 4})
+    full, sub = prior_draft_cost(eng, attn, mlp), prior_draft_cost(eng, attn, mlp, vocab_rows=20)
+    saved = stream_bytes(eng.lm_head) * (1 - 20 / VOCAB) / weight_bytes(eng)
+    assert sub < full and sub == pytest.approx(full - saved, rel=1e-3)
+    assert prior_draft_cost(eng, vocab_rows=VOCAB) == pytest.approx(1.0)
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(max_draft=4), vocab=ids)
+    assert sd.proposer.draft_cost() == pytest.approx(sub)
+    assert draft_variant("int8", attn, mlp, 20) != draft_variant("int8", attn, mlp)
+
+    monkeypatch.setattr(fr_spec, "draft_vocab", lambda engine, weights, spec="auto", size=None: ids)
+    vocabs = sd_calibrate.draft_vocabs(eng, ["target"])
+    assert torch.equal(vocabs["target"], ids)
+    assert sd_calibrate.full_depth_costs(eng, ["target"], vocabs)["target"] == pytest.approx(
+        prior_draft_cost(eng, vocab_rows=20), abs=1e-4)
+    assert sd_calibrate.draft_cost_from_bytes(eng, attn, mlp, None, ids) == pytest.approx(sub)
+    made: list = []
+    real = LayerSkipDrafter.__init__
+
+    def spy(self, *args, **kw):
+        made.append(inspect.signature(real).bind(self, *args, **kw).arguments.get("vocab"))
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(LayerSkipDrafter, "__init__", spy)
+    sd_calibrate.measure_self_sd(eng, None, [_prompt(6, 0)], GenerationConfig(max_new_tokens=8), attn, mlp,
+                                 vocab=vocabs["target"])
+    assert made and all(v is not None and torch.equal(v, ids) for v in made)

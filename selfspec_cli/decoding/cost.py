@@ -285,18 +285,21 @@ def observe_forward(engine: Engine, rows: int, seconds: float, context: int) -> 
         online.observe_forward(rows, seconds * curve.t1_s / curve.t1_at(context), context - curve.context, seconds)
 
 
-def draft_variant(weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> str:
-    """A draft variant's name in the store: its weights and skip sets."""
-    return f"{weights or 'target'}/attn{sorted(skip_attn)}/mlp{sorted(skip_mlp)}".replace(" ", "")
+def draft_variant(weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+                  vocab_rows: int | None = None) -> str:
+    """A draft variant's name in the store: its weights, skip sets and, for a draft that scores a
+    draft vocabulary (FR-Spec), the number of tokens its head scores."""
+    name = f"{weights or 'target'}/attn{sorted(skip_attn)}/mlp{sorted(skip_mlp)}".replace(" ", "")
+    return name if vocab_rows is None else f"{name}/vocab{vocab_rows}"
 
 
 def observe_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int],
-                       seconds: float, context: int) -> None:
+                       seconds: float, context: int, vocab_rows: int | None = None) -> None:
     """One draft step of this variant took ``seconds`` after ``context`` tokens (a round's draft time
     over its steps), for the store's online refresh of its c (as :func:`observe_forward`)."""
     online, curve = _ONLINE.get(engine), _CURVES.get(engine)
     if online is not None and curve is not None and engine.device.type == "cpu":
-        online.observe_draft(draft_variant(weights, skip_attn, skip_mlp), seconds * curve.t1_s / curve.t1_at(context))
+        online.observe_draft(draft_variant(weights, skip_attn, skip_mlp, vocab_rows), seconds * curve.t1_s / curve.t1_at(context))
 
 
 @torch.inference_mode()
@@ -319,9 +322,11 @@ def _median_forward_s(engine: Engine, context: int, runs: dict[T, tuple[int, dic
     return {key: statistics.median(v) for key, v in samples.items()}
 
 
-def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset()) -> int:
+def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset(),
+                 vocab_rows: int | None = None) -> int:
     """Bytes of target weights one decode step reads with these sublayers skipped: the kept layers'
-    matrices, biases and norms, the final norm and the LM head (one embedding row is negligible).
+    matrices, biases and norms, the final norm and the LM head (one embedding row is negligible;
+    ``vocab_rows``: a head that scores only that many tokens, an FR-Spec draft vocabulary).
     Batch-1 decoding is memory-bound (docs/engine.md), so a skip set's draft cost is about its
     share of these bytes."""
     a, lins, mat = engine.adapter, engine._lin, stream_bytes  # the target's matrices as it streams them
@@ -333,39 +338,50 @@ def weight_bytes(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_m
             for l, w in enumerate(a.layers) if l not in skip_attn]
     mlp = [size(w.mlp_norm, w.b_gate_up, w.b_down, w.post_mlp_norm) + mat(lins[l]["gate_up"]) + mat(lins[l]["down"])
            for l, w in enumerate(a.layers) if l not in skip_mlp]
-    return mat(engine.lm_head) + size(a.final_norm) + sum(attn) + sum(mlp)
+    head = mat(engine.lm_head)
+    if vocab_rows is not None:
+        head = head * min(vocab_rows, engine.vocab_size) // engine.vocab_size
+    return head + size(a.final_norm) + sum(attn) + sum(mlp)
 
 
 def prior_draft_cost(engine: Engine, skip_attn: frozenset[int] = frozenset(), skip_mlp: frozenset[int] = frozenset(),
-                     full_depth_c: float = 1.0) -> float:
+                     full_depth_c: float | None = None, vocab_rows: int | None = None) -> float:
     """c of a draft step before any is timed: the weight bytes it reads over a full step's
-    (:func:`weight_bytes`; batch-1 decoding is memory-bound), times ``full_depth_c``, the cost of a
-    full-depth step on the draft's weights (1 for the target's own). The one prior for c:
-    calibration's proxy and the layer-skip drafter's rounds before its first timed draft step on
-    the target's weights. Bytes, not the share of sublayers skipped (the drafter's prior until
-    issue 36): an MLP sublayer reads about three times an attention sublayer's bytes and the LM
-    head, never skipped, a fifth of SmolLM2's, so the share prices skipping too cheap; the proxy
-    built on bytes ranks skip sets as idle measured throughput does (docs/calibrate.md)."""
-    return full_depth_c * weight_bytes(engine, skip_attn, skip_mlp) / weight_bytes(engine)
+    (:func:`weight_bytes`; batch-1 decoding is memory-bound). ``vocab_rows``: the draft's head
+    scores only that many tokens (FR-Spec). ``full_depth_c``: the cost of a full-depth step on the
+    draft's weights and vocabulary, measured (a quantized copy); None: its bytes too (the target's
+    own weights). The one prior for c: calibration's proxy and the layer-skip drafter's rounds
+    before its first timed draft step on the target's weights. Bytes, not the share of sublayers
+    skipped (the drafter's prior until issue 36): an MLP sublayer reads about three times an
+    attention sublayer's bytes and the LM head, never skipped, a fifth of SmolLM2's (more than half
+    of Gemma 3's), so the share prices skipping too cheap; the proxy built on bytes ranks skip sets
+    as idle measured throughput does (docs/calibrate.md)."""
+    full = weight_bytes(engine, vocab_rows=vocab_rows)
+    depth = full / weight_bytes(engine) if full_depth_c is None else full_depth_c
+    return depth * weight_bytes(engine, skip_attn, skip_mlp, vocab_rows) / full
 
 
 def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
-                    skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5) -> float:
+                    skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5,
+                    vocab: torch.Tensor | None = None) -> float:
     """c before the first drafting round: one one-row draft forward with these weights and skip
-    sets over one one-row target forward, both after a ``context``-token prefix, timed in
-    interleaved passes (the median of ``rounds`` each), so that the ratio does not depend on how
-    fast the host was when T(1) was read."""
-    med = _median_forward_s(engine, context, {"draft": (1, {"skip_attn": skip_attn, "skip_mlp": skip_mlp, "weights": weights}),
+    sets (``vocab``: its head scores only these token ids, FR-Spec) over one one-row target forward,
+    both after a ``context``-token prefix, timed in interleaved passes (the median of ``rounds``
+    each), so that the ratio does not depend on how fast the host was when T(1) was read."""
+    head = None if vocab is None else engine.subset_head(vocab, weights)
+    med = _median_forward_s(engine, context, {"draft": (1, {"skip_attn": skip_attn, "skip_mlp": skip_mlp, "weights": weights,
+                                                            "head": head}),
                                               "target": (1, {})}, rounds)
     return med["draft"] / med["target"]
 
 
 def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
-                   skip_mlp: frozenset[int] = frozenset()) -> float:
+                   skip_mlp: frozenset[int] = frozenset(), vocab: torch.Tensor | None = None) -> float:
     """c of this draft variant on this machine: the stored one (decoding/cost_store.py), else timed
     now (:func:`draft_step_cost`) and stored. An engine in :func:`measure_fresh` mode times it at
     every call, as before there was a store."""
-    variant, key = draft_variant(weights, skip_attn, skip_mlp), engine_key(engine)
+    rows = None if vocab is None else int(vocab.numel())
+    variant, key = draft_variant(weights, skip_attn, skip_mlp, rows), engine_key(engine)
     if engine not in _FRESH:
         got = ((cost_store.read(key) or {}).get("draft_costs") or {}).get(variant)
         try:
@@ -374,7 +390,7 @@ def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int
                 return c
         except (KeyError, TypeError, ValueError):
             pass  # none stored, or unusable: time it
-    c = draft_step_cost(engine, weights, skip_attn, skip_mlp)
+    c = draft_step_cost(engine, weights, skip_attn, skip_mlp, vocab=vocab)
     cost_store.update(key, draft_costs={variant: {"c": round(c, 5), "readings": 1}})
     return c
 

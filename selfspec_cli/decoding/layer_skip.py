@@ -199,7 +199,7 @@ class LayerSkipDrafter(Proposer):
             self.vocab_ids, self._vocab_index = ids.tolist(), ids.to(engine.device)
             self._vocab_head = engine.subset_head(ids, weights)
         if weights is not None and settings.cost_aware:  # a quantized draft's cost is timed now, not in a decode
-            self.c0 = draft_cost_for(engine, weights, *self.skip_sets())
+            self.c0 = draft_cost_for(engine, weights, *self.skip_sets(), vocab=self._vocab_cpu())
         if settings.cost_aware:
             self._planner()
 
@@ -215,11 +215,19 @@ class LayerSkipDrafter(Proposer):
         attn, mlp = self.skip_sets()
         if self.weights is None:  # the one prior for c: the weight bytes the draft step reads (memory-bound)
             if self._prior is None or self._prior[0] != (attn, mlp):
-                self._prior = ((attn, mlp), prior_draft_cost(self.engine, attn, mlp))
+                self._prior = ((attn, mlp), prior_draft_cost(self.engine, attn, mlp, vocab_rows=self.vocab_rows))
             return self._prior[1]
         if self.c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
-            self.c0 = draft_cost_for(self.engine, self.weights, attn, mlp)
+            self.c0 = draft_cost_for(self.engine, self.weights, attn, mlp, vocab=self._vocab_cpu())
         return self.c0
+
+    @property
+    def vocab_rows(self) -> int | None:
+        """The tokens the draft's head scores (None: the whole vocabulary)."""
+        return None if self.vocab_ids is None else len(self.vocab_ids)
+
+    def _vocab_cpu(self) -> torch.Tensor | None:
+        return None if self.vocab_ids is None else torch.tensor(self.vocab_ids, dtype=torch.int64)
 
     def _planner(self) -> Planner:
         if self.planner is None:
@@ -344,7 +352,7 @@ class LayerSkipDrafter(Proposer):
             return
         self.step_c = ema(self.step_c, step_s / self.planner.curve.t1_at(at))
         if self.weights is not None:  # a timed (quantized) draft's c: the store's online refresh
-            observe_draft_step(self.engine, self.weights, *self.skip_sets(), step_s, at)
+            observe_draft_step(self.engine, self.weights, *self.skip_sets(), step_s, at, self.vocab_rows)
 
     def update(self, state: DecodeState, rnd: Round) -> None:
         draft = rnd.draft
@@ -367,7 +375,7 @@ class LayerSkipDrafter(Proposer):
         attn, mlp = self.skip_sets()
         out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.weights or "target",
                "draft_threshold": round(self.threshold.value, 4),
-               "draft_vocab": len(self.vocab_ids) if self.vocab_ids is not None else "full"}
+               "draft_vocab": self.vocab_rows or "full"}
         if (model := self.cost_model()) is not None:
             out["cost_model"] = model
         return out

@@ -132,17 +132,32 @@ def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], 
 
 
 def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int],
-                          full_depth_c: float = 1.0) -> float:
-    """c(S) without a per-trial timer: the one prior for c (:func:`prior_draft_cost`), times
-    ``full_depth_c``, the cost of a full-depth step with the draft's weights (1 for the target's
-    own; for a quantized copy measured once per study, :func:`full_depth_costs`)."""
-    return prior_draft_cost(engine, skip_attn, skip_mlp, full_depth_c)
+                          full_depth_c: float | None = None, vocab: torch.Tensor | None = None) -> float:
+    """c(S) without a per-trial timer: the one prior for c (:func:`prior_draft_cost`): the skip
+    set's share of the bytes of a full-depth draft step over the draft's vocabulary (``vocab``
+    token ids, FR-Spec; None: all), times ``full_depth_c``, that full-depth step's cost (None: its
+    bytes, the target's own weights; for a quantized copy measured once per study,
+    :func:`full_depth_costs`)."""
+    return prior_draft_cost(engine, skip_attn, skip_mlp, full_depth_c, None if vocab is None else int(vocab.numel()))
 
 
-def full_depth_costs(engine: Engine, precisions: Sequence[str]) -> dict[str, float]:
-    """c of a full-depth draft step per precision: a draft forward over a target forward timed
-    beside it (:func:`draft_step_cost`; ``target``: 1 by definition)."""
-    return {p: 1.0 if p == "target" else round(draft_step_cost(engine, p), 4) for p in precisions}
+def full_depth_costs(engine: Engine, precisions: Sequence[str],
+                     vocabs: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:
+    """c of a full-depth draft step per precision, over its draft vocabulary (``vocabs``: per
+    precision, the token ids its head scores; None: all): a draft forward over a target forward
+    timed beside it (:func:`draft_step_cost`); ``target``: its bytes (1 with the whole vocabulary)."""
+    vocabs = vocabs or {}
+    return {p: round(draft_cost_from_bytes(engine, frozenset(), frozenset(), vocab=vocabs.get(p)), 4) if p == "target"
+            else round(draft_step_cost(engine, p, vocab=vocabs.get(p)), 4) for p in precisions}
+
+
+def draft_vocabs(engine: Engine, precisions: Sequence[str]) -> dict[str, torch.Tensor | None]:
+    """Per precision, the draft vocabulary Self-SD drafts with at run time (its default
+    ``draft_vocab auto``: methods/fr_spec/), so that the search weighs the drafts the method runs:
+    on Gemma 3's 262k vocabulary the LM head is over half a step."""
+    from .. import fr_spec
+
+    return {p: fr_spec.draft_vocab(engine, None if p == "target" else p, "auto") for p in precisions}
 
 
 def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) -> float:
@@ -157,17 +172,18 @@ def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) ->
 
 def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
                     skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftSettings = DEFAULT_DRAFT,
-                    repeats: int = 1, precision: str = "target", full_depth_c: float = 1.0,
-                    curve: VerifyCurve | None = None) -> Measurement:
-    """Throughput of Self-SD with this skip set over the draft weights ``precision``. A fresh
-    method per pass, so the adaptive draft threshold starts from the same value for every
-    candidate. ``curve``: the verify curve the proxy uses (default: the engine's own)."""
+                    repeats: int = 1, precision: str = "target", full_depth_c: float | None = None,
+                    curve: VerifyCurve | None = None, vocab: torch.Tensor | None = None) -> Measurement:
+    """Throughput of Self-SD with this skip set over the draft weights ``precision`` and the
+    draft vocabulary ``vocab`` (None: all). A fresh method per pass, so the adaptive draft
+    threshold starts from the same value for every candidate. ``curve``: the verify curve the
+    proxy uses (default: the engine's own)."""
     def make() -> Any:
         return SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft,
-                      weights=None if precision == "target" else precision).generate
+                      weights=None if precision == "target" else precision, vocab=vocab).generate
 
     m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
-    c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c)
+    c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c, vocab)
     return dataclasses.replace(m, proxy=proxy_speedup(m, c, curve or VerifyCurve.for_engine(engine), len(prompt_ids)))
 
 
@@ -286,6 +302,7 @@ class SelfSDCalibration:
     seed_points: list[dict[str, Any]] = field(default_factory=list)
     search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
     writer: bool = True  # False: another worker finished the study last and writes the artifact
+    draft_vocab: dict[str, int | str] = field(default_factory=dict)  # precision -> tokens its drafts score ("full": all)
 
 
 class _DeferredInterrupt:
@@ -426,13 +443,16 @@ def calibrate_self_sd(
              "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
     if precisions != ("target",):
         setup["precisions"] = list(precisions)
+    vocabs = draft_vocabs(engine, precisions)
+    if any(v is not None for v in vocabs.values()):  # drafts over an FR-Spec vocabulary: their sizes
+        setup["draft_vocab"] = {p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()}
     full_c: dict[str, float] = {}
 
     curve: list[VerifyCurve] = []  # the study's, once read
 
     def run(attn: frozenset[int], mlp: frozenset[int], precision: str) -> Measurement:
         return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats,
-                               precision, full_c.get(precision, 1.0), curve[0] if curve else None)
+                               precision, full_c.get(precision), curve[0] if curve else None, vocabs[precision])
 
     import optuna
     from datetime import datetime
@@ -448,7 +468,7 @@ def calibrate_self_sd(
             # every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)
             full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
             if missing := [p for p in precisions if p not in full_c]:
-                full_c.update(full_depth_costs(engine, missing))
+                full_c.update(full_depth_costs(engine, missing, vocabs))
                 study.set_user_attr("full_depth_c", full_c)
             if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
                 if (saved := study.user_attrs.get("verify_curve")) is None:
@@ -480,7 +500,7 @@ def calibrate_self_sd(
                 with guard.interruptible():
                     for p in precisions:
                         measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp,
-                                        search.draft, precision=p)
+                                        search.draft, precision=p, vocab=vocabs[p])
             random_next = [False]  # after a duplicate, one trial drawn at random
             with guard.interruptible():
                 on_ready()
@@ -532,7 +552,8 @@ def calibrate_self_sd(
             dispose(storage)
 
     # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
-    common = dict(num_layers=L, best_trial=best_t.number, best_value=float(best_t.value),
+    common = dict(num_layers=L, draft_vocab={p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()},
+                  best_trial=best_t.number, best_value=float(best_t.value),
                   best_attrs=dict(best_t.user_attrs), trials=len(finished),
                   new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
                   study_path=search.storage if search.storage is not None else search.study_path)
@@ -600,7 +621,7 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
             "n_trials": search.n_trials, "new_trials": result.new_trials,
             "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>"
                      + (f", precision in {list(search.precisions)}" if len(search.precisions) > 1 else ""),
-            "precisions": list(search.precisions),
+            "precisions": list(search.precisions), "draft_vocab": result.draft_vocab,
             "seed_points": result.seed_points, "study_path": describe(str(result.study_path)), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
