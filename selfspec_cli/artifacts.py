@@ -30,7 +30,7 @@ import re
 import sys
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -396,9 +396,20 @@ def check_writable(path: Path, option: str) -> None:
 
 def save_layers(spec: ArtifactSpec, path: Path, model: torch.nn.Module, items: Mapping[int, Any],
                 manifest: Mapping[str, Any]) -> Path:
-    """A per-layer tensors artifact: tensors ``layer<k>.<field>`` of each layer's dataclass (float32)."""
-    tensors = {f"layer{k}.{f.name}": getattr(v, f.name).float() for k, v in items.items() for f in fields(v)}
+    """A per-layer tensors artifact: tensors ``layer<k>.<field>`` of each layer's dataclass (float32;
+    integer tensors, token ids, as int32; a field that is None is not written)."""
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.int32) if not t.is_floating_point() else t.float()
+
+    tensors = {f"layer{k}.{f.name}": stored(getattr(v, f.name)) for k, v in items.items() for f in fields(v)
+               if getattr(v, f.name) is not None}
     return spec.save(path, model, {**manifest, "layers": sorted(items)}, tensors)
+
+
+def _stored_field(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A saved field: float32 as written, token ids back to int64."""
+    t = tensors[name]
+    return t if t.is_floating_point() else t.to(torch.int64)
 
 
 def load_layers(spec: ArtifactSpec, path: Path | None, model: torch.nn.Module, build: Any,
@@ -410,8 +421,9 @@ def load_layers(spec: ArtifactSpec, path: Path | None, model: torch.nn.Module, b
     for k in manifest.get("layers", []):
         if not 0 <= int(k) < L - 1:
             raise spec.error(p, model, f"{what} layer {k} is out of range for a {L}-layer model")
-        try:
-            out[int(k)] = build(*(tensors[f"layer{k}.{f.name}"] for f in fields(build)))
+        try:  # a field with a default (an optional tensor) may be absent
+            out[int(k)] = build(**{f.name: _stored_field(tensors, f"layer{k}.{f.name}")
+                                   for f in fields(build) if f"layer{k}.{f.name}" in tensors or f.default is MISSING})
         except KeyError:
             raise spec.error(p, model, f"it lacks the tensors of {what} layer {k}") from None
     if not out:

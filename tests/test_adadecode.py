@@ -183,3 +183,41 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
     res = m.generate(_prompt(10, 5), GenerationConfig(max_new_tokens=40))
     assert res.token_ids == ar.generate(_prompt(10, 5), GenerationConfig(max_new_tokens=40)).token_ids
     assert plain >= 20, plain
+
+
+def vocab_heads(model, layers, vocab, rank=8, seed=0) -> dict[int, LowRankHead]:
+    """:func:`random_heads` over a draft vocabulary ``vocab`` (token ids)."""
+    return {k: LowRankHead(h.a, h.b, h.g, vocab) for k, h in random_heads(model, layers, rank, seed).items()}
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-window"])
+def test_heads_over_a_draft_vocabulary_keep_greedy_output_and_propose_only_its_tokens(arch):
+    model = make_tiny_model(arch, layers=6)
+    eng = Engine(model)
+    vocab = torch.randperm(eng.vocab_size, generator=torch.Generator().manual_seed(1))[: eng.vocab_size // 3]
+    method = AdaDecode(eng, heads=vocab_heads(model, [0, 2, 3], vocab),
+                       config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.02))
+    assert method.describe()["head_vocab"] == vocab.numel()
+    rounds = _record_rounds(method)
+    ar = AR(eng)
+    for seed, n in [(0, 40), (1, 17), (4, 33)]:
+        cfg = GenerationConfig(max_new_tokens=n)
+        assert method.generate(_prompt(6, seed), cfg).token_ids == ar.generate(_prompt(6, seed), cfg).token_ids
+    drafted = [t for _, ts in rounds for t in ts]
+    assert len(drafted) > 10 and set(drafted) <= set(vocab.tolist())
+
+
+# False-positive rate per test: ALPHA = 1e-3.
+@pytest.mark.slow  # 2 x 2,500 decodes; fast: the greedy test above and test_verify_exact's AdaDecode enumeration
+@pytest.mark.parametrize("rule", ["speculative", "gumbel"])
+def test_adadecode_sampling_with_vocabulary_heads_is_exact(small_vocab_setup, rule):  # noqa: F811
+    """The early token of a head over a draft vocabulary is a token id outside the head's columns'
+    numbering, and under ``speculative`` its point-mass law is handed over at that id (a law over
+    the head's columns would be scored against the wrong tokens)."""
+    model, prompt, law = small_vocab_setup
+    eng = Engine(model)
+    vocab = torch.randperm(eng.vocab_size, generator=torch.Generator().manual_seed(2))[: eng.vocab_size // 2]
+    m = AdaDecode(eng, heads=vocab_heads(model, [0, 1, 2], vocab, seed=3),
+                  config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.0))
+    samples = _pair_samples(m, prompt, 2500, rule=rule)
+    assert distribution_test(samples, law) > ALPHA

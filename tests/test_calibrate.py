@@ -440,6 +440,11 @@ def test_uniform_starting_points():
     assert uniform_layers(12, 0.45) == frozenset({1, 3, 5, 7, 9})
     assert [sorted(p.skip_attn) for p in seed_points(4)] == [[1], [1, 2]]
     assert seed_points(2) == []  # no interior layer
+    # full depth on the target's own weights pays only when its draft scores a draft vocabulary (FR-Spec)
+    assert "full-depth-target" not in [p.name for p in seed_points(4, precisions=("target", "int8"))]
+    cheap = seed_points(4, precisions=("target", "int8"), cheap_head=("target",))
+    assert [(p.name, p.precision) for p in cheap if not p.skip_attn and not p.skip_mlp] == [
+        ("full-depth-target", "target"), ("full-depth-int8", "int8")]
     for p in seed_points(32):
         assert p.skip_attn == p.skip_mlp and 0 not in p.skip_attn and 31 not in p.skip_attn
 

@@ -133,3 +133,26 @@ def test_features_match_between_first_and_later_layers():
     assert torch.allclose(f0[:, 4:8], f0[:, 8:]) and f0.shape == (1, 12)
     f1 = specee_features(s, s)
     assert torch.allclose(f1[:, 8:], torch.zeros(1, 4))
+
+
+def test_a_drafter_over_a_draft_vocabulary_speculates_token_ids():
+    """A drafter head over a draft vocabulary (FR-Spec) speculates the token ids of its top
+    columns: with a never-exiting predictor SpecEE still equals ar, and the speculative tokens
+    checked by a firing one all lie in the vocabulary."""
+    from .test_adadecode import vocab_heads
+
+    model = make_tiny_model("llama-gqa", layers=6)
+    eng = Engine(model)
+    vocab = torch.randperm(eng.vocab_size, generator=torch.Generator().manual_seed(4))[:60]
+    drafter = vocab_heads(model, [1], vocab)[1]
+    prompt, cfg = _prompt(6, 0), GenerationConfig(max_new_tokens=20)
+    never = SpecEE(eng, drafter_layer=1, drafter=drafter, predictors={l: constant_predictor(-30.0) for l in range(1, 5)},
+                   offline_layers=[2, 3])
+    assert never.generate(prompt, cfg).token_ids == AR(eng).generate(prompt, cfg).token_ids
+    seen: list[int] = []
+    real = eng.head_rows
+    eng.head_rows = lambda ids: seen.extend(ids.tolist()) or real(ids)
+    always = SpecEE(eng, drafter_layer=1, drafter=drafter, predictors={l: constant_predictor(30.0) for l in range(1, 5)},
+                    offline_layers=[2, 3])
+    always.generate(prompt, cfg)
+    assert seen and set(seen) <= set(vocab.tolist())

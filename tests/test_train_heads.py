@@ -219,3 +219,34 @@ def test_exit_threshold_bound_counts_prompts_not_just_rows():
     assert choose_threshold(prob, verified, spread, 0.93, groups=groups) == 0.5
     one = torch.tensor([3.0]), torch.tensor([4.0])
     assert cluster_bootstrap_lower(*one, 1.645) == 0.75  # a single prompt: the point estimate
+
+
+def test_heads_over_a_draft_vocabulary_train_save_and_load(tmp_path):
+    """Heads that score a draft vocabulary (FR-Spec): the teacher is the final law renormalised
+    over those tokens, every head keeps the token ids, its predictions are token ids, training
+    lowers the KL, and the artifact round trip keeps the ids (int) beside the float factors."""
+    model = make_tiny_model("llama-gqa", layers=4)
+    eng = Engine(model)
+    prompts = [torch.randint(2, 300, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(6)]
+    data = collect_on_policy(eng, prompts, 24, "fp", cache_dir=tmp_path)
+    # the vocabulary holds most of the model's own tokens and some others, in no particular order
+    seen = data.target.unique()
+    unseen = torch.tensor([t for t in range(eng.vocab_size) if t not in set(seen.tolist())][:20])
+    vocab = torch.cat([seen[: max(1, len(seen) * 3 // 4)], unseen])
+    vocab = vocab[torch.randperm(len(vocab), generator=torch.Generator().manual_seed(0))]
+    heads, reports = train_lm_heads(eng, data, HeadTrainConfig(layers=(1, 2), rank=8, epochs=15, lr=1e-2), vocab=vocab)
+    for k, r in zip((1, 2), reports):
+        assert torch.equal(heads[k].vocab, vocab) and r.best_epoch > 0  # training beat the logit lens on validation
+        assert 0.0 < r.in_vocab < 1.0 and r.top1_after <= r.in_vocab + 1e-9  # a token outside is never predicted
+    h = torch.randn(3, 64)
+    logits = head_logits(h, heads[1], heads[1].rows(eng.adapter.lm_head), eng.adapter.rms_eps)
+    assert logits.shape == (3, vocab.numel())
+    assert set(heads[1].tokens(logits.argmax(-1)).tolist()) <= set(vocab.tolist())
+    path = tmp_path / "heads"
+    save_layers(HEADS, path, model, heads, {"rank": 8})
+    back, _ = load_heads(path, model)
+    assert back[1].vocab.dtype == torch.int64 and torch.equal(back[1].vocab, vocab)
+    assert torch.equal(back[2].a, heads[2].a.float())
+    full = {1: LowRankHead(heads[1].a, heads[1].b, heads[1].g)}  # a head over the whole vocabulary writes no ids
+    save_layers(HEADS, tmp_path / "full", model, full, {"rank": 8})
+    assert load_heads(tmp_path / "full", model)[0][1].vocab is None

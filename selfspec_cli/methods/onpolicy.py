@@ -151,8 +151,13 @@ def cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
 
 
 @torch.no_grad()
-def teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    return torch.cat([torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype))
+def teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 1024,
+                     vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """The final layer's log-probabilities (R, V) of residual rows; over ``vocab`` (token ids, a
+    draft vocabulary) only: (R, N), renormalised over those tokens (the distribution a head over
+    that vocabulary can match; R x 262k floats would be 8.6 GB for Gemma 3's 8k rows)."""
+    head = None if vocab is None else engine.subset_head(vocab)
+    return torch.cat([torch.log_softmax(engine.final_logits(final_hidden[i:i + chunk].to(engine.device, engine.dtype), head)
                                         .float().cpu(), dim=-1) for i in range(0, final_hidden.shape[0], chunk)])
 
 
@@ -191,6 +196,7 @@ class TrainSetting:
     layers: tuple[int, ...] | None = None
     rank: int = 64
     heads: Path | None = None
+    draft_vocab: str | None = None  # lm-heads: the vocabulary the heads score (auto, full, or an FR-Spec artifact path)
 
 
 def check_options(options: dict[str, Any], epochs: int, batch_size: int, lr: float) -> TrainSetting:

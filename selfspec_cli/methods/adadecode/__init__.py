@@ -27,6 +27,12 @@ rows verify them in order:
   the target's (decoding/sampling.py).
 * if all are accepted the last row's final distribution gives one more token.
 
+A head may score a draft vocabulary only (FR-Spec's, methods/fr_spec/: on Gemma 3's 262k
+tokens a check over the whole vocabulary is over half a step): its early token is then a
+token id of that vocabulary, its point-mass law is placed at that id in the whole vocabulary
+and the Gumbel noise is read at the vocabulary's ids, so both arguments above hold unchanged
+(a token outside the vocabulary is never proposed and comes only from the target).
+
 As a proposer of the shared driver, one round is the run of the pending token (and
 the early tokens it triggers) until a token reaches the last layer; the round's
 draft is the early tokens with the final logits of all their rows (deferred rows),
@@ -36,7 +42,8 @@ a contiguous suffix of the sequence.
 
 The package is the whole method: this module holds the proposer and its artifact
 (:data:`HEADS`: per head layer ``k``, tensors ``layer{k}.a``, ``layer{k}.b``, ``layer{k}.g``,
-``k`` the 0-based layer after which the head reads); :mod:`.heads` is the head's computation
+``k`` the 0-based layer after which the head reads, and ``layer{k}.vocab`` for a head over a
+draft vocabulary: the token ids it scores); :mod:`.heads` is the head's computation
 and :mod:`.train` the offline step that trains them (``selfspec train-heads --kind lm-heads``).
 """
 from __future__ import annotations
@@ -73,6 +80,8 @@ class TrainOptions:
     lr: float | None = option(None, "Adam learning rate (default 5e-3)")
     batch_size: int | None = option(None, "rows per step (default 128)")
     seed: int | None = option(None, "seed of initialisation and shuffling (default 0)")
+    draft_vocab: str | None = option(None, "the tokens the heads score: auto (default: this model's FR-Spec draft "
+                                           "vocabulary when it has one, else all), full, or an FR-Spec artifact path")
     cache_dir: Path | None = option(None, "on-disk cache of the on-policy data (default <selfspec cache>/onpolicy; "
                                           "cache: $SELFSPEC_CACHE, else $SELFSPEC_HOME/cache, else ~/.cache/selfspec)")
 
@@ -131,6 +140,7 @@ class AdaDecode(SelfProposing):
             raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
         self.lookahead = config.adadecode_max_pending
         self.heads = {k: heads[k].to(engine.device, engine.dtype) for k in use}
+        self.head_lm = self._head_lms()  # per head, the LM head over its vocabulary (FR-Spec heads: their rows)
         # segments [s, e): each ends after a head layer (e - 1) or at the last layer
         bounds = [0, *[k + 1 for k in use], L]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
@@ -147,6 +157,22 @@ class AdaDecode(SelfProposing):
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         self._head(k, row)  # warm-up: the first call allocates
         return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / self.curve.t1_s
+
+    def _head_lms(self) -> dict[int, Any]:
+        """The engine's LM head for heads over the whole vocabulary; for a head over a draft
+        vocabulary, the prepacked rows of those tokens (built once per distinct vocabulary)."""
+        built: list[tuple[torch.Tensor, Any]] = []
+        out: dict[int, Any] = {}
+        for k, h in self.heads.items():
+            if h.vocab is None:
+                out[k] = self.engine.lm_head
+                continue
+            lm = next((m for v, m in built if v.shape == h.vocab.shape and torch.equal(v, h.vocab)), None)
+            if lm is None:
+                lm = self.engine.subset_head(h.vocab)
+                built.append((h.vocab, lm))
+            out[k] = lm
+        return out
 
     def _worth_checking(self, k: int) -> bool:
         """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
@@ -172,7 +198,8 @@ class AdaDecode(SelfProposing):
         return method
 
     def _head(self, layer: int, row: torch.Tensor) -> torch.Tensor:
-        return head_logits(row, self.heads[layer], self.engine.lm_head, self.engine.adapter.rms_eps)[0].float()  # (V,)
+        """The head's logits (N,) over its vocabulary (column i: token ``heads[layer].tokens(i)``)."""
+        return head_logits(row, self.heads[layer], self.head_lm[layer], self.engine.adapter.rms_eps)[0].float()
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.exits = {k: 0 for k in self.heads}
@@ -203,17 +230,20 @@ class AdaDecode(SelfProposing):
                 if e == L or e - 1 not in check:
                     continue
                 self.head_stats[e - 1][0] += 1
-                head = self._head(e - 1, h[-1:])  # early prediction at head layer e - 1
+                hd = self.heads[e - 1]
+                head = self._head(e - 1, h[-1:])  # early prediction at head layer e - 1, over the head's vocabulary
                 q = head.softmax(-1) if sampling.greedy else processed_probs(head, sampling)
                 conf, guess = q.max(-1)
                 if float(conf) > c.adadecode_threshold:
                     if state.noise is not None:  # rule gumbel: the position's perturbed pick, which the target's may equal
-                        guess = (q.log() + state.noise(state.next_position)).argmax()
-                    token = int(guess)
+                        noise = state.noise(state.next_position)
+                        guess = (q.log() + (noise if hd.vocab is None else noise[hd.vocab])).argmax()
+                    token = int(hd.tokens(guess))
                     waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
                     early.append(token)
                     if not sampling.greedy and state.noise is None:
-                        early_q.append(proposal_law(q, token))
+                        full = q if hd.vocab is None else q.new_zeros(self.engine.vocab_size).index_copy_(0, hd.vocab, q)
+                        early_q.append(proposal_law(full, token))
                     state.feed(token)
                     self.exits[e - 1] += 1
                     self.head_stats[e - 1][1] += 1
@@ -232,6 +262,7 @@ class AdaDecode(SelfProposing):
             self.head_stats[k][2] += 1
 
     def describe(self) -> dict[str, Any]:
-        return {"early_exits": {str(k): v for k, v in self.exits.items()},
+        vocab = {h.vocab.numel() if h.vocab is not None else "full" for h in self.heads.values()}
+        return {"early_exits": {str(k): v for k, v in self.exits.items()}, "head_vocab": vocab.pop() if len(vocab) == 1 else sorted(map(str, vocab)),
                 "head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()}, "head_cost": round(self.head_cost, 4),
                 "adadecode_threshold": self.config.adadecode_threshold, "head_layers": sorted(self.heads)}

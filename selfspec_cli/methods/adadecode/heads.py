@@ -21,27 +21,45 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True)
 class LowRankHead:
-    """One intermediate head: ``a`` (r, d), ``b`` (d, r), ``g`` (d,)."""
+    """One intermediate head: ``a`` (r, d), ``b`` (d, r), ``g`` (d,), and ``vocab``: the token ids
+    its logits score (column ``i`` is token ``vocab[i]``), a draft vocabulary (FR-Spec,
+    methods/fr_spec/); None: the whole vocabulary. On a 262k vocabulary (Gemma 3) a head over
+    the whole vocabulary is 67 MB at rank 64 and its check costs over half a step; one over
+    16k tokens is 4 MB. Greedy output never depends on it (the full model verifies every
+    early token); sampling stays exact because an early token is a point-mass proposal."""
 
     a: torch.Tensor
     b: torch.Tensor
     g: torch.Tensor
+    vocab: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LowRankHead:
-        return LowRankHead(self.a.to(device, dtype), self.b.to(device, dtype), self.g.to(device, dtype))
+        vocab = None if self.vocab is None else self.vocab.to(device, torch.int64)
+        return LowRankHead(self.a.to(device, dtype), self.b.to(device, dtype), self.g.to(device, dtype), vocab)
+
+    def tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of logits columns (the identity for a head over the whole vocabulary)."""
+        return columns if self.vocab is None else self.vocab.to(columns.device)[columns]
+
+    def rows(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The rows of the (V, d) LM head matrix this head scores."""
+        return lm_head if self.vocab is None else lm_head[self.vocab.to(lm_head.device)]
 
 
 def head_logits(h: torch.Tensor, head: LowRankHead, lm_head: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
                 eps: float) -> torch.Tensor:
-    """(R, d) residual rows after the head's layer -> (R, V) logits of the head. ``lm_head`` is
-    the (V, d) matrix, or the engine's prepacked LM head (``engine.lm_head``, same product)."""
+    """(R, d) residual rows after the head's layer -> (R, N) logits of the head over its
+    vocabulary (N = V for a head over the whole vocabulary). ``lm_head`` is the (N, d) matrix
+    of those rows (:meth:`LowRankHead.rows`), or a prepacked head over them (``engine.lm_head``,
+    or ``engine.subset_head(head.vocab)``: the same product)."""
     u = F.rms_norm(h, (h.shape[-1],), head.g, eps)
     u = u + F.linear(F.linear(u, head.a), head.b)  # the corrected normalised state u + B A u, before E*
     return lm_head(u) if callable(lm_head) else F.linear(u, lm_head)
 
 
-def init_head(final_norm: torch.Tensor, rank: int, generator: torch.Generator | None = None) -> LowRankHead:
+def init_head(final_norm: torch.Tensor, rank: int, generator: torch.Generator | None = None,
+              vocab: torch.Tensor | None = None) -> LowRankHead:
     """Logit-lens initialisation: ``B = 0``, ``A ~ N(0, 1/d)``, ``g`` = final norm weight."""
     d = final_norm.shape[0]
     a = torch.randn(rank, d, generator=generator) / d**0.5
-    return LowRankHead(a, torch.zeros(d, rank), final_norm.detach().float().clone())
+    return LowRankHead(a, torch.zeros(d, rank), final_norm.detach().float().clone(), vocab)

@@ -23,7 +23,8 @@ calibration prompts. Here:
   see ``docs/calibrate.md`` for the measurements behind that choice;
 * starting points: uniform SWIFT-style sets (interior layers at even spacing, both
   sublayers) at skip ratios 0.3 and 0.45 at every searched precision, and the empty set
-  (full depth) at every quantized one, are enqueued first;
+  (full depth) at every quantized one (and at the target's own weights when its drafts
+  score a draft vocabulary), are enqueued first;
 * storage: an Optuna study in an SQLite file by default, or any storage Optuna shares
   between processes and machines (a database URL, a journal file: :mod:`.study`),
   worked on by one or many workers at once. Optuna commits each trial when it finishes,
@@ -219,9 +220,11 @@ class SeedPoint:
 
 
 def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
-                precisions: Sequence[str] = ("target",)) -> list[SeedPoint]:
+                precisions: Sequence[str] = ("target",), cheap_head: Sequence[str] = ()) -> list[SeedPoint]:
     """Distinct uniform starting sets, one per ratio (small models may merge them), at every
-    precision; and full depth (no skips) at every quantized precision."""
+    precision; and full depth (no skips) at every quantized precision, and at the target's own
+    weights too when it is in ``cheap_head`` (its drafts score a draft vocabulary: the full-depth
+    draft is then cheaper than a step)."""
     out: list[SeedPoint] = []
     tag = len(precisions) > 1
     for p in precisions:
@@ -229,7 +232,7 @@ def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
             layers = uniform_layers(num_layers, r)
             if layers and all((q.skip_attn, q.precision) != (layers, p) for q in out):
                 out.append(SeedPoint(f"uniform-{r:g}" + (f"-{p}" if tag else ""), layers, layers, p))
-        if p != "target":
+        if p != "target" or p in cheap_head:
             out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
     return out
 
@@ -435,7 +438,6 @@ def calibrate_self_sd(
     L = engine.num_layers
     precisions = search.precisions
     searched = len(precisions) > 1  # precision is a search dimension
-    points = seed_points(L, precisions=precisions)
     # what must not change between runs that share a study (values would not compare)
     setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
              "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
@@ -444,6 +446,7 @@ def calibrate_self_sd(
     if precisions != ("target",):
         setup["precisions"] = list(precisions)
     vocabs = draft_vocabs(engine, precisions)
+    points = seed_points(L, precisions=precisions, cheap_head=[p for p, v in vocabs.items() if v is not None])
     if any(v is not None for v in vocabs.values()):  # drafts over an FR-Spec vocabulary: their sizes
         setup["draft_vocab"] = {p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()}
     full_c: dict[str, float] = {}

@@ -148,6 +148,8 @@ class SpecEE(SelfProposing):
         self.lookahead = self.config.max_pending
         self.k0 = drafter_layer
         self.drafter = drafter.to(engine.device, engine.dtype)
+        # the drafter head's LM head: the engine's, or the prepacked rows of its draft vocabulary (FR-Spec)
+        self.drafter_lm = engine.lm_head if drafter.vocab is None else engine.subset_head(drafter.vocab)
         self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
         self.offline = frozenset(l for l in offline_layers if l in self.predictors)
         t = self.config.specee_threshold
@@ -232,7 +234,8 @@ class SpecEE(SelfProposing):
             if e == L:
                 break
             if l == k0:  # 2) the drafter: the shallowest head's top-4 are the speculative tokens
-                spec = head_logits(prev_last, self.drafter, eng.lm_head, a.rms_eps)[0].topk(NUM_SPEC_TOKENS).indices
+                spec = self.drafter.tokens(head_logits(prev_last, self.drafter, self.drafter_lm, a.rms_eps)[0]
+                                           .topk(NUM_SPEC_TOKENS).indices)
                 spec_rows = eng.head_rows(spec)  # (4, d) (also after a block target released the float table)
             if not can_exit or l not in active:
                 continue

@@ -138,7 +138,8 @@ def build_exit_dataset(engine: Engine, data: OnPolicyData, drafter_layer: int, d
     for i in range(0, data.num_rows, chunk):
         h = data.hidden[i:i + chunk]
         target = data.target[i:i + chunk]
-        spec = head_logits(h[:, drafter_layer], drafter, lm_head, eps).topk(NUM_SPEC_TOKENS, dim=-1).indices  # (R, 4)
+        spec = drafter.tokens(head_logits(h[:, drafter_layer], drafter, drafter.rows(lm_head), eps)
+                              .topk(NUM_SPEC_TOKENS, dim=-1).indices)  # (R, 4) token ids
         spec_rows = lm_head[spec]  # (R, 4, d)
         s_prev = None
         for l in layers:
