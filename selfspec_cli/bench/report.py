@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..decoding.output import TurnStats
 from . import metrics
 from .runner import ContenderResult
 
@@ -52,15 +53,15 @@ def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] 
     """What the drafting plans predicted (decoding/cost.py: expected tokens over cost in plain
     steps, summed over every round of every prompt), the skip ratio of layer-skipping
     methods; None for methods that do not plan."""
-    turn_stats = [t.get("stats", {}) for r in res.records for t in (r.get("turns") or [r])]
-    plans = [st["plan"] for st in turn_stats if st.get("plan")]
+    turn_stats = [TurnStats.from_dict(t.get("stats", {})) for r in res.records for t in (r.get("turns") or [r])]
+    plans = [st.plan for st in turn_stats if st.plan]
     if not plans:
         return None
-    out: dict[str, Any] = {"predicted_speedup": _r(sum(p["expected_tokens"] for p in plans) / sum(p["cost_steps"] for p in plans))}
-    st = res.records[-1]["stats"]
-    if num_layers and "skip_attn" in st:
-        out["skip_ratio"] = _r((len(st["skip_attn"]) + len(st.get("skip_mlp", []))) / (2 * num_layers))
-    out["draft_round_share"] = _r(statistics.fmean(st.get("draft_round_share") or 0.0 for st in turn_stats))
+    out: dict[str, Any] = {"predicted_speedup": _r(sum(p.expected_tokens for p in plans) / sum(p.cost_steps for p in plans))}
+    last = TurnStats.from_dict(res.records[-1]["stats"])
+    if num_layers and last.skip_attn is not None:
+        out["skip_ratio"] = _r((len(last.skip_attn) + len(last.skip_mlp or [])) / (2 * num_layers))
+    out["draft_round_share"] = _r(statistics.fmean(st.draft_round_share or 0.0 for st in turn_stats))
     return out
 
 
@@ -118,7 +119,7 @@ def spec_bench_answers(records: Sequence[Mapping[str, Any]], model_id: str) -> l
     out = []
     for r in records:
         turns = r.get("turns") or [r]
-        lengths = [t["stats"].get("accept_lengths", []) for t in turns]
+        lengths = [TurnStats.from_dict(t["stats"]).accept_lengths for t in turns]
         choice = {"index": 0, "turns": [t["text"] for t in turns], "decoding_steps": [len(a) for a in lengths],
                   "new_tokens": [t["new_tokens"] for t in turns], "wall_time": [t["wall_time_s"] for t in turns],
                   "accept_lengths": [x for a in lengths for x in a]}

@@ -1,5 +1,10 @@
 """What a decode outputs: the tokens kept under the stopping rules, and the statistics.
 
+A decode's statistics are counted in :class:`DecodeStats` and kept, in every output record,
+as :class:`TurnStats` serialized flat (:meth:`TurnStats.to_dict`: the same keys as ever, what
+the driver and the proposer add beside the counters); readers parse a record's ``stats`` back
+with :meth:`TurnStats.from_dict`, which takes older records that lack newer fields.
+
 Methods produce tokens in bursts (one per step for plain decoding, several per
 verification for speculative methods). :class:`TokenSink` takes each burst and
 keeps exactly the tokens up to the first stopping event, so ``max_new_tokens`` is
@@ -8,7 +13,8 @@ produced the burst.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +43,8 @@ class DecodeStats:
     draft_lengths: list[int] = field(default_factory=list)  # per round after the prefill: draft depth (0: none)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
+    def summary(self) -> TurnStats:
+        """The counters and their derived figures, with what the driver and the proposer added (``extra``)."""
         n = len(self.accept_lengths)
         out: dict[str, Any] = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
                                "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
@@ -46,7 +53,52 @@ class DecodeStats:
             out.update(drafted_tokens=self.drafted_tokens, accepted_draft_tokens=self.accepted_draft_tokens,
                        acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens)
         out.update(self.extra)
-        return out
+        return TurnStats.from_dict(out)
+
+    def as_dict(self) -> dict[str, Any]:
+        """:meth:`summary` as a record keeps it."""
+        return self.summary().to_dict()
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a decode's drafting plans predicted, summed over its rounds (decoding/cost.py)."""
+
+    expected_tokens: float
+    cost_steps: float  # in plain steps
+
+
+@dataclass(slots=True)
+class TurnStats:
+    """One decode's statistics as an output record keeps them (a turn's ``stats``). A field that is
+    None is absent from the record (older records, a method that does not draft or plan, a
+    multi-turn record's totals); ``extra`` holds the other keys (timings, the proposer's
+    description), kept flat beside the fields on disk."""
+
+    target_forwards: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    mean_accepted_length: float = 0.0
+    draft_round_share: float | None = None  # rounds after the prefill that drafted
+    drafted_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
+    acceptance_rate: float | None = None
+    plan: Plan | None = None
+    skip_attn: list[int] | None = None  # a layer-skipping proposer's skip set
+    skip_mlp: list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        extra = out.pop("extra")
+        return {**{k: v for k, v in out.items() if v is not None}, **extra}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TurnStats:
+        typed = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kw = {k: v for k, v in d.items() if k in typed}
+        if isinstance(kw.get("plan"), Mapping):
+            kw["plan"] = Plan(**kw["plan"])
+        return cls(**kw, extra={k: v for k, v in d.items() if k not in typed})
 
 
 @dataclass(slots=True)
