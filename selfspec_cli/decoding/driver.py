@@ -92,6 +92,23 @@ class Proposer:
         return decode(self, prompt_ids, cfg, on_tokens)
 
 
+
+class Delegating(Proposer):
+    """A proposer around another (``inner``) that drafts for it: the same engine, tokenizer,
+    lookahead, verify curve and expected gain; a subclass adds what it does around the rounds."""
+
+    def __init__(self, inner: Proposer) -> None:
+        super().__init__(inner.engine, inner.tokenizer)
+        self.inner = inner
+        self.lookahead = inner.lookahead
+
+    @property
+    def curve(self) -> Any:  # type: ignore[override]
+        return self.inner.curve
+
+    def expected_gain(self, state: DecodeState | None, budget: int) -> float | None:
+        return self.inner.expected_gain(state, budget)
+
 def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
            on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Decode one prompt with ``proposer``; ``on_tokens`` streams each round's kept tokens."""

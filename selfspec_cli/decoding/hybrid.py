@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from .cost import Planner, round_cost
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
-from .driver import Proposer
+from .driver import Delegating
 from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter
 from .state import DecodeState
 from .verify import tree_children
@@ -55,22 +55,14 @@ def merged_plan(chain: Planner, ngram: Planner, k: int, n: int, nodes: int, c: f
     return Plan(1.0 + sum(reach), round_cost(chain.curve, k, c, nodes, chain.overhead.value))
 
 
-class Hybrid(Proposer):
-    """A layer-skip chain source (``chain``) with an n-gram branch (``ngram``) merged into its drafts."""
+class Hybrid(Delegating):
+    """A layer-skip chain source (``chain``, the delegate) with an n-gram branch (``ngram``) merged into its drafts."""
 
     def __init__(self, chain: Any, ngram: NgramSource, settings: DraftSettings) -> None:
-        super().__init__(chain.engine, chain.tokenizer)
+        super().__init__(chain)
         self.chain, self.ngram, self.settings = chain, ngram, settings
-        self.lookahead = chain.lookahead
         self.needs_attn_cosine = chain.needs_attn_cosine
         self.ngram_planner: Planner | None = None
-
-    @property
-    def curve(self) -> Any:  # type: ignore[override]
-        return self.chain.curve
-
-    def expected_gain(self, state: DecodeState | None, budget: int) -> float | None:
-        return self.chain.expected_gain(state, budget)
 
     def begin(self, state: DecodeState, prefill: Any) -> None:
         self.chain.begin(state, prefill)

@@ -34,7 +34,7 @@ from ..prompts import encode_turn
 from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step, prior_draft_cost
 from .choose import Choose, Option
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
-from .driver import Proposer
+from .driver import Delegating, Proposer
 from .sampling import processed_scores, sample_from
 from .state import DecodeState
 
@@ -426,22 +426,14 @@ class SkipOrFullDepth(Choose):
         return out
 
 
-class Adapting(Proposer):
+class Adapting(Delegating):
     """A stack whose skip source adapts (ASD's per-prompt set, SWIFT's search): the source sees
     the prefill and every round, whichever configuration drafted it."""
 
     def __init__(self, inner: Proposer, source: SkipSource, drafter: LayerSkipDrafter) -> None:
-        super().__init__(inner.engine, inner.tokenizer)
-        self.inner, self.source, self.drafter = inner, source, drafter
-        self.lookahead = inner.lookahead
+        super().__init__(inner)
+        self.source, self.drafter = source, drafter
         self.needs_attn_cosine = source.needs_attn_cosine
-
-    @property
-    def curve(self) -> Any:  # type: ignore[override]
-        return self.inner.curve
-
-    def expected_gain(self, state: DecodeState | None, budget: int) -> float | None:
-        return self.inner.expected_gain(state, budget)
 
     def begin(self, state: DecodeState, prefill: Any) -> None:
         self.inner.begin(state, prefill)
