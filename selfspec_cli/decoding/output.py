@@ -61,7 +61,7 @@ class DecodeStats:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class PlanTotals:
     """What a decode's drafting plans predicted, summed over its rounds (decoding/cost.py)."""
 
     expected_tokens: float
@@ -82,7 +82,7 @@ class TurnStats:
     drafted_tokens: int | None = None
     accepted_draft_tokens: int | None = None
     acceptance_rate: float | None = None
-    plan: Plan | None = None
+    plan: PlanTotals | None = None
     skip_attn: list[int] | None = None  # a layer-skipping proposer's skip set
     skip_mlp: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -97,7 +97,7 @@ class TurnStats:
         typed = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kw = {k: v for k, v in d.items() if k in typed}
         if isinstance(kw.get("plan"), Mapping):
-            kw["plan"] = Plan(**kw["plan"])
+            kw["plan"] = PlanTotals(**kw["plan"])
         return cls(**kw, extra={k: v for k, v in d.items() if k not in typed})
 
 
