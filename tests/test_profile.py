@@ -65,6 +65,9 @@ def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
     assert all(a < 1.0 for i, a in enumerate(red["attn"]) if i != 2), red
     assert all(a < 1.0 for i, a in enumerate(red["mlp"]) if i != 1), red
     assert (out / "verify_cost.png").stat().st_size > 1000 and (out / "redundancy.png").stat().st_size > 1000
+    from PIL import Image
+    with Image.open(out / "verify_cost.png") as im:  # plots are stored with a palette (bench/plots.py)
+        assert im.format == "PNG" and im.mode == "P"
     pred = doc["predicted_speedup"]
     assert set(pred) == {"pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecode"}
     for name in ("pld", "auto", "asd", "swift"):  # no artifacts needed: each decoded and planned

@@ -20,11 +20,28 @@ def pyplot():
 
 
 def save_figure(fig: Any, path: Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` atomically, and close it."""
+    """Write ``fig`` as a PNG at ``path`` atomically, and close it. Stored with a 256-colour
+    palette (:func:`palette_png`): a plot's few flat colours survive it, at about 40 % of the
+    bytes of matplotlib's RGBA file (the bench runs the docs cite are kept in the repository)."""
+    import io
+
     try:
-        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+        return atomic_write(path, lambda f: palette_png(buf.getvalue(), f))
     finally:
         pyplot().close(fig)
+
+
+def palette_png(png: bytes, out: Any) -> None:
+    """Re-encode the PNG bytes ``png`` with a 256-colour palette (Pillow, matplotlib's own
+    dependency), optimized, into the binary file ``out``."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as im:
+        im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
 
 
 def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, reference: str = "ar",
