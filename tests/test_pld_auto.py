@@ -376,7 +376,7 @@ def test_proxy_objective_is_the_rounds_cost_model():
 class _NeverPays:
     """A layer-skip stand-in whose drafts never pay; records when it is asked to propose."""
 
-    name, needs_attn_cosine, lookahead, curve = "stub", False, 0, None
+    name, lookahead, curve = "stub", 0, None
 
     def __init__(self) -> None:
         self.proposed = 0
@@ -390,6 +390,9 @@ class _NeverPays:
         return NoDraft()
 
     def begin(self, state, prefill) -> None: ...
+
+    def prefill_options(self) -> dict:
+        return {}
 
     def update(self, *a) -> None: ...
 

@@ -37,7 +37,6 @@ class Choose(Proposer):
         super().__init__(first.engine, first.tokenizer)
         self.options = list(options)
         self.lookahead = max(o.source.lookahead for o in self.options)
-        self.needs_attn_cosine = any(o.source.needs_attn_cosine for o in self.options)
         self.last: Any = None  # the source chosen this round (None: none could draft)
         self.last_name: str | None = None
         self._turn = 0
@@ -45,6 +44,10 @@ class Choose(Proposer):
     @property
     def curve(self) -> Any:  # type: ignore[override]
         return next((o.source.curve for o in self.options if o.source.curve is not None), None)
+
+    def prefill_options(self) -> dict[str, Any]:
+        """What any source's prefill needs (a layer-skip source's attention cosines)."""
+        return {k: v for o in self.options for k, v in o.source.prefill_options().items()}
 
     def gains(self, state: DecodeState | None, budget: int) -> list[tuple[float, Option]]:
         """The expected gain of every source that can draft this round, in the options' order."""

@@ -55,15 +55,14 @@ class Proposer:
     base class never drafts, which is plain autoregressive decoding.
 
     What the driver asks of every proposer, and nothing else: ``lookahead``, the most cache
-    slots a round writes past the pending token (for the cache's capacity);
-    ``needs_attn_cosine``, whether the prefill must report per-layer attention cosines (ASD's
-    skip source asks; a stack passes its parts' answer up); ``curve``, the engine's verify
-    curve when the proposer plans with measured costs (the driver's unit of a round's cost,
-    :class:`~.cost.RoundClock`, and its realized gain need it); None otherwise.
+    slots a round writes past the pending token (for the cache's capacity); the hooks below
+    (:meth:`prefill_options`: what the prefill must report, such as the per-layer attention
+    cosines ASD's skip source reads, a stack passing its parts' answer up); ``curve``, the
+    engine's verify curve when the proposer plans with measured costs (the driver's unit of a
+    round's cost, :class:`~.cost.RoundClock`, and its realized gain need it); None otherwise.
     """
 
     lookahead: int = 0
-    needs_attn_cosine: bool = False
     curve: Any = None
 
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
@@ -78,6 +77,10 @@ class Proposer:
 
     def verify_options(self) -> dict[str, Any]:
         """Extra engine options for verification forwards (e.g. ``output_hidden``)."""
+        return {}
+
+    def prefill_options(self) -> dict[str, Any]:
+        """Extra options of the prefill only (e.g. ``attn_cosine``), beside :meth:`verify_options`."""
         return {}
 
     def update(self, state: DecodeState, rnd: Round) -> None:
@@ -109,6 +112,10 @@ class Delegating(Proposer):
     def expected_gain(self, state: DecodeState | None, budget: int) -> float | None:
         return self.inner.expected_gain(state, budget)
 
+    def prefill_options(self) -> dict[str, Any]:
+        return self.inner.prefill_options()
+
+
 def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
            on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Decode one prompt with ``proposer``; ``on_tokens`` streams each round's kept tokens."""
@@ -128,7 +135,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = state.prefill(attn_cosine=proposer.needs_attn_cosine, **proposer.verify_options())
+        out = state.prefill(**{**proposer.verify_options(), **proposer.prefill_options()})
         first = select_token(out.logits[-1], cfg.sampling, gen, noise(state.pos + 1) if noise is not None else None)
         state.commit_decided([first])
         _record(stats, sink, [first], 0, on_tokens)

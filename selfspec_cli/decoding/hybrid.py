@@ -61,7 +61,6 @@ class Hybrid(Delegating):
     def __init__(self, chain: Any, ngram: NgramSource, settings: DraftSettings) -> None:
         super().__init__(chain)
         self.chain, self.ngram, self.settings = chain, ngram, settings
-        self.needs_attn_cosine = chain.needs_attn_cosine
         self.ngram_planner: Planner | None = None
 
     def begin(self, state: DecodeState, prefill: Any) -> None:

@@ -433,7 +433,10 @@ class Adapting(Delegating):
     def __init__(self, inner: Proposer, source: SkipSource, drafter: LayerSkipDrafter) -> None:
         super().__init__(inner)
         self.source, self.drafter = source, drafter
-        self.needs_attn_cosine = source.needs_attn_cosine
+
+    def prefill_options(self) -> dict[str, Any]:
+        """ASD's skip source reads the prefill's per-layer attention cosines."""
+        return {**self.inner.prefill_options(), **({"attn_cosine": True} if self.source.needs_attn_cosine else {})}
 
     def begin(self, state: DecodeState, prefill: Any) -> None:
         self.inner.begin(state, prefill)

@@ -69,7 +69,6 @@ class Auto(SelfProposing):
         options = [Option("ngram", self.pld)]
         options += [Option(name, m.proposer) for name, m in (("layer_skip", layer_skip), ("quant", quant)) if m is not None]
         self.choice = Choose(options)
-        self.needs_attn_cosine = self.choice.needs_attn_cosine
         self.lookahead = self.choice.lookahead
         self.rounds: Counter[str] = Counter()
         self._ngram_n = 0  # the order of this round's n-gram lookup (0: none)
@@ -98,6 +97,9 @@ class Auto(SelfProposing):
                      "vocab": fr_spec.draft_vocab(engine, ls_precision)}  # FR-Spec's draft vocabulary when calibrated
             layer_skip = ASD(engine, tokenizer, **parts) if skip is None else SelfSD(engine, tokenizer, skip=skip, **parts)
         return cls(engine, tokenizer, config, layer_skip, quant, pld)
+
+    def prefill_options(self) -> dict[str, Any]:
+        return self.choice.prefill_options()
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.rounds = Counter()
