@@ -422,3 +422,39 @@ def test_16_bit_dtype_on_cpu_says_it_is_not_transformers_arithmetic(capsys, tiny
     assert len(lines) == (1 if noted else 0), err
     if noted:
         assert f"--dtype {dtype} on CPU" in lines[0] and "float32" in lines[0]
+
+
+# ---------------------------------------------------------------- 15. generate --resume
+
+
+def test_generate_resume_carries_on_an_interrupted_output(capsys, tiny_model_dir, tmp_path):
+    """An interrupted run keeps its finished records in ``<output>.<random>.partial``; ``--resume``
+    moves them into --output, decodes only the prompts still missing and adds theirs: every
+    prompt once, each record as a fresh run makes it; a finished file is left alone, before any
+    model loads; a file of another run (method, prompt text) is refused in one line."""
+    prompts = [{"id": f"q{i}", "prompt": f"question number {i} is"} for i in range(4)]
+    pf = write_jsonl(tmp_path / "p.jsonl", prompts)
+    fresh = run_generate(capsys, tiny_model_dir, pf, "-n", "5")
+    out = tmp_path / "out.jsonl"
+    # a finished run over the first prompt, and a kept partial holding the first two (one already in out)
+    write_jsonl(out, fresh[:1])
+    write_jsonl(tmp_path / "out.jsonl.x1y2.partial", fresh[:2])
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, pf, "-n", "5", "-o", str(out), "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "holds 2 of 4" in err and "decoding the other 2" in err
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in got] == ["q0", "q1", "q2", "q3"]
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in fresh]
+    assert not list(tmp_path.glob("out.jsonl.*.partial"))
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, pf, "-n", "5", "-o", str(out), "--resume")) == 0
+    assert "nothing to decode" in capsys.readouterr().err and len(out.read_text().splitlines()) == 4
+    # refusals, each one line before any work
+    assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-o", str(out), "--resume", "--method", "pld"),
+                      "--resume", "--method ar", "--force")
+    edited = write_jsonl(tmp_path / "p2.jsonl", [{**p, "prompt": p["prompt"] + "!"} if p["id"] == "q1" else p
+                                                 for p in prompts])
+    assert_user_error(capsys, gen_args(tiny_model_dir, edited, "-o", str(out), "--resume"), "another text", "q1")
+    assert_user_error(capsys, gen_args(tiny_model_dir, pf, "--resume"), "--resume", "--output FILE")
+    assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-o", str(out), "--resume", "--force"), "drop --force")

@@ -20,6 +20,7 @@ from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
 from ..config import check_choice, check_sampling_options
+from .resume import prompt_sha, resume as resume_output
 from .common import OutputClosed, check_output, log, output_stream, progress, write_record
 
 @with_method_options
@@ -44,6 +45,7 @@ def generate(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
     force: bool = opt.force("Replace an existing --output (or --save-layers artifact)."),
     append: bool = typer.Option(False, "--append", help="Add the records to the end of an existing --output instead of refusing."),
+    resume: bool = typer.Option(False, "--resume", help="Carry on --output: decode only the prompts whose records it (or the .partial file an interrupted run kept beside it) does not hold yet, and add theirs."),
     threads: Optional[str] = opt.threads(),
     save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
     stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help="Print each prompt's text as its tokens come (default: when stdout is a terminal and no --output) instead of JSONL records; --no-stream keeps JSONL on a terminal too."),
@@ -55,18 +57,17 @@ def generate(
     check_choice(method, METHODS, "--method")
     check_seed(seed)  # before the methods' configs take it
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
-    check_sampling_options(sampling)
-    if not sampling.greedy and METHODS[method].greedy_only:
-        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
-    _check_output_options(output, force, append, save_layers, method)
+    cfg = _generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule, stop)
+    _check_output_options(output, force, append, save_layers, method, resume)
     _streaming(stream, output)  # a conflict is refused before any loading
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
+    append = append or resume
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
+    if resume and not (prompts := _resumed(output, prompts, method)):
+        return
     check_device(dtype, device)  # a bad --dtype or --device before anything is read
     check_layer_ids(method_cfg, config_num_layers(model))  # from config.json: no weights loaded yet
 
@@ -111,7 +112,31 @@ def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_te
         raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
 
 
-def _check_output_options(output: Path | None, force: bool, append: bool, save_layers: Path | None, method: str) -> None:
+def _generation_config(method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+                       rule: str, stop: list[str]) -> GenerationConfig:
+    """The flags' generation config, checked (a greedy-only method refuses sampling) before any loading."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=rule)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
+    check_sampling_options(sampling)
+    if not sampling.greedy and METHODS[method].greedy_only:
+        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
+    return cfg
+
+
+def _resumed(output: Path, prompts: list[Prompt], method: str) -> list[Prompt]:
+    """--resume: the prompts still to decode (an interrupted run's kept records moved into --output first)."""
+    todo, held = resume_output(output, prompts, method)
+    log(f"[dim]--resume: '{output}' holds {held} of {len(prompts)} prompts' records"
+        + (f"; decoding the other {len(todo)}[/dim]" if todo else "; nothing to decode[/dim]"))
+    return todo
+
+
+def _check_output_options(output: Path | None, force: bool, append: bool, save_layers: Path | None, method: str,
+                          resume: bool = False) -> None:
+    if resume and (output is None or str(output) == "-"):
+        raise ConfigError("--resume carries on an --output FILE, and without it the records go to stdout; pass --output FILE")
+    if resume and (force or append):
+        raise ConfigError(f"--resume adds to --output; drop {'--force' if force else '--append'}")
     if save_layers is not None:
         if method != "swift":
             raise ConfigError(f"--save-layers is an option of --method swift, not of '{method}'; drop it or choose swift")
@@ -130,9 +155,18 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
     with progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
-            rec = run_prompt(meth.generate, session.tokenizer, p, cfg, device, method,
-                             session.chat_template, meth.lossless)
+            made = [0]  # this prompt's tokens so far: the bar moves per round, not only per prompt
+
+            def generate(ids: list[int], c: GenerationConfig) -> Any:
+                def kept(tokens: list[int]) -> None:
+                    made[0] += len(tokens)
+                    bar.update(task, info=f"{p.id}: {made[0]} tokens")
+
+                return meth.generate(ids, c, kept)
+
+            rec = run_prompt(generate, session.tokenizer, p, cfg, device, method, session.chat_template, meth.lossless)
             rec["threads"] = n_threads
+            rec["prompt_sha256"] = prompt_sha(p)  # what --resume matches a record by, beside its id
             if used:
                 rec["artifacts"] = dict(used)
             write_record(out, rec, bar)  # on a terminal: above the bar, never on its line

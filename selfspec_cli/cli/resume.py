@@ -1,0 +1,78 @@
+"""``selfspec generate --resume``: carry on an output file instead of starting over.
+
+The records an earlier run finished are in ``--output`` (a finished run, or one run with
+``--append``) and in the ``<output>.<random>.partial`` file an interrupted run keeps beside
+it (whole lines only: :func:`~selfspec_cli.cli.common.output_stream`). :func:`resume` moves the
+newest kept partial's records into the output (the records the output does not hold yet, in
+their order; the partial is then removed) and returns the prompts still to decode; the
+caller appends their records. Invariants: no finished record is lost or written twice (a
+record is matched by its prompt ``id``), and a record made for another prompt text or by
+another method is refused with one line before any model is loaded, since the file would
+then mix two runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..prompts import Prompt
+
+
+def prompt_sha(prompt: Prompt) -> str:
+    """A short digest of a prompt's turns, kept in each record (``prompt_sha256``) to match it on resume."""
+    return hashlib.sha256("\x1e".join(prompt.turns).encode("utf-8")).hexdigest()[:16]
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The whole-line JSON records of ``path`` (a torn or unreadable last line is left out)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "id" in rec:
+            out.append(rec)
+    return out
+
+
+def kept_partials(path: Path) -> list[Path]:
+    """The ``.partial`` files interrupted runs kept beside ``path``, newest last."""
+    return sorted(path.parent.glob(f"{path.name}.*.partial"), key=lambda p: p.stat().st_mtime)
+
+
+def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt], int]:
+    """Move the newest kept partial's new records into ``path`` and return the prompts whose
+    records ``path`` does not hold yet, with the number of records it holds."""
+    by_id = {str(p.id): p for p in prompts}
+    done = _records(path) if path.exists() else []
+    partials = kept_partials(path)
+    carried = [r for r in _records(partials[-1])] if partials else []
+    have = {str(r["id"]) for r in done}
+    carried = [r for r in carried if str(r["id"]) not in have]
+    for rec in done + carried:
+        _check(rec, by_id, method, partials[-1] if rec in carried else path)
+    if carried:
+        with path.open("a", encoding="utf-8") as f:
+            if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+                f.write("\n")
+            for rec in carried:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+        partials[-1].unlink()
+    have |= {str(r["id"]) for r in carried}
+    return [p for p in prompts if str(p.id) not in have], len(have)
+
+
+def _check(rec: dict[str, Any], by_id: dict[str, Prompt], method: str, where: Path) -> None:
+    p = by_id.get(str(rec["id"]))
+    fix = "pass --force to start over, or another --output"
+    if p is None:
+        raise ConfigError(f"--resume: '{where}' holds a record for prompt id {rec['id']}, which the prompts do not have; {fix}")
+    if rec.get("method") != method:
+        raise ConfigError(f"--resume: '{where}' holds records of --method {rec.get('method')}, not {method}; {fix}")
+    if "prompt_sha256" in rec and rec["prompt_sha256"] != prompt_sha(p):
+        raise ConfigError(f"--resume: '{where}' holds a record for another text of prompt id {rec['id']}; {fix}")
