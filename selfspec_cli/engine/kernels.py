@@ -96,6 +96,9 @@ def load_extension() -> Any | None:
 
                 build = cache_dir() / build_id()
                 build.mkdir(parents=True, exist_ok=True)
+                if not any(build.glob("*.so")):  # a fresh cache compiles it: a silent wait of 30-60 s otherwise
+                    print(f"selfspec: building the C++ kernel for this machine into {build} (once per cache; "
+                          "30-60 s)", file=sys.stderr, flush=True)
                 module = load(name=f"selfspec_small_gemm_{source_tag()}", sources=[str(_SOURCE)], build_directory=str(build),
                               extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
