@@ -17,7 +17,7 @@ from selfspec_cli.cli.app import main
 from .test_cli import assert_user_error, gen_args, prompt_file, run_generate, write_jsonl, write_lines  # noqa: F401 (fixture)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-COMMANDS = ("generate", "calibrate", "train-heads", "bench", "profile")
+COMMANDS = ("generate", "calibrate", "train-heads", "bench", "profile", "chat")
 
 
 # ---------------------------------------------------------------- 6. bench tables at 80 columns
@@ -368,13 +368,13 @@ def test_stream_prints_each_records_text_as_it_comes(capsys, tiny_model_dir, tmp
                                                  {"id": "b", "turns": ["Hello there", "And then"]}])
     records = run_generate(capsys, tiny_model_dir, prompts, "--method", method, "-n", "10")
     writes: list[str] = []
-    real = g._say
-    g._say = lambda text: (writes.append(text), real(text))
+    real = g.write_out
+    g.write_out = lambda text: (writes.append(text), real(text))
     try:
         capsys.readouterr()
         rc = main(gen_args(tiny_model_dir, prompts, "--method", method, "-n", "10", "--stream"))
     finally:
-        g._say = real
+        g.write_out = real
     out, err = capsys.readouterr()
     assert rc == 0, err
     turns_b = records[1]["turns"]
@@ -394,7 +394,7 @@ def test_text_streamer_holds_a_torn_character_back():
             return bytes(ids).decode("utf-8", errors="replace")
 
     said: list[str] = []
-    from selfspec_cli.cli.generate import TextStreamer
+    from selfspec_cli.cli.streaming import TextStreamer
 
     s = TextStreamer(Bytes(), said.append)
     euro = list("€".encode())  # three bytes
@@ -458,3 +458,22 @@ def test_generate_resume_carries_on_an_interrupted_output(capsys, tiny_model_dir
     assert_user_error(capsys, gen_args(tiny_model_dir, edited, "-o", str(out), "--resume"), "another text", "q1")
     assert_user_error(capsys, gen_args(tiny_model_dir, pf, "--resume"), "--resume", "--output FILE")
     assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-o", str(out), "--resume", "--force"), "drop --force")
+
+
+# ---------------------------------------------------------------- 15. an interactive chat
+
+
+def test_chat_answers_each_turn_as_generate_does(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    """``selfspec chat`` answers each stdin line from the conversation so far: its answers are the
+    turns of ``generate``'s record for a prompt with the same turns; /reset starts over (the next
+    answer is a first turn's), and the end of input ends it with status 0."""
+    pf = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "turns": ["hello there", "and then"]}, {"id": 2, "prompt": "again"}])
+    recs = run_generate(capsys, tiny_model_dir, pf, "-n", "6", "--method", "pld")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nand then\n/reset\nagain\n"))
+    capsys.readouterr()
+    rc = main(["chat", "-m", str(tiny_model_dir), "--device", "cpu", "-n", "6", "--method", "pld"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out == "".join(t["text"] + "\n" for t in recs[0]["turns"]) + recs[1]["text"] + "\n"
+    assert "a new conversation" in err and "Traceback" not in err
+    assert_user_error(capsys, ["chat", "-m", str(tiny_model_dir), "--method", "nope"], "--method")

@@ -16,6 +16,7 @@ from .bench import bench
 from .exits import INTERRUPTED, SIGTERM_STATUS, TERMINATED
 from .common import OutputClosed, OutputWriteError, invocation_args, pop_exit_note, set_invocation
 from .calibrate import calibrate
+from .chat import chat
 from .generate import generate
 from .profile import profile
 from .train_heads import train_heads
@@ -38,7 +39,7 @@ def _root(version: bool = typer.Option(False, "--version", "-V", is_eager=True, 
                                        help="Print the version and exit.")) -> None:
     """Lossless self-speculative decoding for Hugging Face causal LMs (no draft model, no weight changes)."""
 for _name, _command in (("generate", generate), ("bench", bench), ("calibrate", calibrate),
-                        ("train-heads", train_heads), ("profile", profile)):
+                        ("train-heads", train_heads), ("profile", profile), ("chat", chat)):
     app.command(_name)(_command)
 
 # typer >= 0.20 ships its own copy of click, whose exceptions derive from the public

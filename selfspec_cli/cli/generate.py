@@ -21,6 +21,7 @@ from . import options as opt
 from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
 from ..config import check_choice, check_sampling_options
 from .resume import prompt_sha, resume as resume_output
+from .streaming import TextStreamer, write_out
 from .common import OutputClosed, check_output, log, output_stream, progress, write_record
 
 @with_method_options
@@ -192,59 +193,21 @@ def _stream_all(session: Session, meth: Method, method: str, prompts: list[Promp
     tok = session.tokenizer
     for i, p in enumerate(prompts):
         if len(prompts) > 1:
-            _say(("\n" if i else "") + f"--- {p.id}\n")
-        printer = TextStreamer(tok, _say)
+            write_out(("\n" if i else "") + f"--- {p.id}\n")
+        printer = TextStreamer(tok, write_out)
 
         def generate(ids: list[int], c: GenerationConfig, pr: TextStreamer = printer) -> Any:
             if pr.turns:  # a later turn of the conversation
-                _say("\n\n")
+                write_out("\n\n")
             res = meth.generate(ids, c, on_tokens=pr.push)
             pr.end(torn=res.finish_reason == "length")
             return res
 
         rec = run_prompt(generate, tok, p, cfg, device, method, session.chat_template, meth.lossless)
-        _say("\n")
+        write_out("\n")
         total_tokens += rec["new_tokens"]
         total_time += rec["wall_time_s"]
     return total_tokens, total_time
-
-
-def _say(text: str) -> None:
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise OutputClosed from None
-
-
-class TextStreamer:
-    """A turn's text, printed as its tokens come: the decoded text grows by whole characters (a token that
-    ends inside a multi-byte character waits for the next), so what is printed is exactly the record's text."""
-
-    def __init__(self, tokenizer: Any, say: Any) -> None:
-        self.tokenizer, self.say = tokenizer, say
-        self.ids: list[int] = []
-        self.shown = 0
-        self.turns = 0  # turns ended
-
-    def push(self, tokens: list[int]) -> None:
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a character still being spelled out
-            return
-        if len(text) > self.shown:
-            self.say(text[self.shown:])
-        self.shown = len(text)
-
-    def end(self, torn: bool) -> None:
-        """The turn is over: what is left, without the torn last character of a turn cut by the length
-        limit (as run_prompt leaves it out of the record's text)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if torn:
-            text = text.rstrip("\ufffd")
-        if len(text) > self.shown:
-            self.say(text[self.shown:])
-        self.ids, self.shown, self.turns = [], 0, self.turns + 1
 
 
 def _log_pace(meth: Method, method: str, target: str, total_tokens: int, total_time: float) -> None:
