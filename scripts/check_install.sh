@@ -89,4 +89,10 @@ for step in "calibrate --method fr-spec" "train-heads --kind lm-heads --epochs 1
   "$VENV/bin/python" -c 'import json, sys; a = json.load(open("step.json"))["artifact"]; sys.exit(0 if a.startswith(sys.argv[1]) else f"artifact {a}")' "$SELFSPEC_HOME"
   echo "check_install: selfspec $step ok" >&2
 done
-echo "check_install: non-editable install ok: generate with every method ($methods), a calibration and a training from $WORK, $((SECONDS - t0)) s" >&2
+# chat from the installed package: two turns in, two answers out (one line each, at most N tokens)
+if ! printf 'def parse(line):\nimport os\n' | "$VENV/bin/selfspec" chat --model pystdlib -n "$N" > chat.txt 2> chat.err; then
+  echo "check_install: FAILED: selfspec chat" >&2; tail -3 chat.err >&2; exit 1
+fi
+[ "$(grep -c 'tokens in' chat.err)" = 2 ] || { echo "check_install: FAILED: selfspec chat answered $(grep -c 'tokens in' chat.err) of 2 turns" >&2; exit 1; }
+echo "check_install: selfspec chat ok" >&2
+echo "check_install: non-editable install ok: generate with every method ($methods), a calibration, a training and a chat from $WORK, $((SECONDS - t0)) s" >&2
