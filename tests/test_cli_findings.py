@@ -436,8 +436,11 @@ def test_generate_resume_carries_on_an_interrupted_output(capsys, tiny_model_dir
     pf = write_jsonl(tmp_path / "p.jsonl", prompts)
     fresh = run_generate(capsys, tiny_model_dir, pf, "-n", "5")
     out = tmp_path / "out.jsonl"
-    # a finished run over the first prompt, and a kept partial holding the first two (one already in out)
+    # a run over the first prompt whose second record was torn by an interrupt (an --append run),
+    # and a kept partial holding the first two (one already in out)
     write_jsonl(out, fresh[:1])
+    with out.open("a") as f:
+        f.write(json.dumps(fresh[1])[:40])
     write_jsonl(tmp_path / "out.jsonl.x1y2.partial", fresh[:2])
     capsys.readouterr()
     assert main(gen_args(tiny_model_dir, pf, "-n", "5", "-o", str(out), "--resume")) == 0

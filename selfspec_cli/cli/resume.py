@@ -6,7 +6,8 @@ it (whole lines only: :func:`~selfspec_cli.cli.common.output_stream`). :func:`re
 newest kept partial's records into the output (the records the output does not hold yet, in
 their order; the partial is then removed) and returns the prompts still to decode; the
 caller appends their records. Invariants: no finished record is lost or written twice (a
-record is matched by its prompt ``id``), and a record made for another prompt text or by
+record is matched by its prompt ``id``; a torn last line of the output, a record an interrupted
+``--append`` run was writing, is dropped and its prompt decoded again), and a record made for another prompt text or by
 another method is refused with one line before any model is loaded, since the file would
 then mix two runs.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..paths import cut_to_last_line
 from ..prompts import Prompt
 
 
@@ -48,6 +50,8 @@ def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt]
     """Move the newest kept partial's new records into ``path`` and return the prompts whose
     records ``path`` does not hold yet, with the number of records it holds."""
     by_id = {str(p.id): p for p in prompts}
+    if path.exists():
+        cut_to_last_line(path)  # a record torn by an interrupted --append run: decoded again, not kept half
     done = _records(path) if path.exists() else []
     partials = kept_partials(path)
     carried = [r for r in _records(partials[-1])] if partials else []
@@ -57,8 +61,6 @@ def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt]
         _check(rec, by_id, method, partials[-1] if rec in carried else path)
     if carried:
         with path.open("a", encoding="utf-8") as f:
-            if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-                f.write("\n")
             for rec in carried:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
