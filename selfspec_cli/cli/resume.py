@@ -28,8 +28,9 @@ def prompt_sha(prompt: Prompt) -> str:
     return hashlib.sha256("\x1e".join(prompt.turns).encode("utf-8")).hexdigest()[:16]
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    """The whole-line JSON records of ``path`` (a torn or unreadable last line is left out)."""
+def _records(path: Path) -> list[tuple[dict[str, Any], str]]:
+    """The whole-line JSON records of ``path`` with their lines as written (an unreadable line is
+    left out)."""
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
@@ -37,7 +38,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
         if isinstance(rec, dict) and "id" in rec:
-            out.append(rec)
+            out.append((rec, line))
     return out
 
 
@@ -52,20 +53,21 @@ def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt]
     by_id = {str(p.id): p for p in prompts}
     if path.exists():
         cut_to_last_line(path)  # a record torn by an interrupted --append run: decoded again, not kept half
-    done = _records(path) if path.exists() else []
+    done = [rec for rec, _ in _records(path)] if path.exists() else []
     partials = kept_partials(path)
-    carried = [r for r in _records(partials[-1])] if partials else []
     have = {str(r["id"]) for r in done}
-    carried = [r for r in carried if str(r["id"]) not in have]
-    for rec in done + carried:
-        _check(rec, by_id, method, partials[-1] if rec in carried else path)
-    if carried:
+    carried = [(rec, line) for rec, line in (_records(partials[-1]) if partials else []) if str(rec["id"]) not in have]
+    for rec in done:
+        _check(rec, by_id, method, path)
+    for rec, _ in carried:
+        _check(rec, by_id, method, partials[-1])
+    if partials:  # its records, as written, move into the output; then it has nothing the output lacks
         with path.open("a", encoding="utf-8") as f:
-            for rec in carried:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            for _, line in carried:
+                f.write(line + "\n")
             f.flush()
         partials[-1].unlink()
-    have |= {str(r["id"]) for r in carried}
+    have |= {str(rec["id"]) for rec, _ in carried}
     return [p for p in prompts if str(p.id) not in have], len(have)
 
 
