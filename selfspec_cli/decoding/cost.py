@@ -363,12 +363,14 @@ def prior_draft_cost(engine: Engine, skip_attn: frozenset[int] = frozenset(), sk
 
 def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
                     skip_mlp: frozenset[int] = frozenset(), context: int = 64, rounds: int = 5,
-                    vocab: torch.Tensor | None = None) -> float:
+                    vocab: torch.Tensor | None = None, head: Any = None) -> float:
     """c before the first drafting round: one one-row draft forward with these weights and skip
-    sets (``vocab``: its head scores only these token ids, FR-Spec) over one one-row target forward,
-    both after a ``context``-token prefix, timed in interleaved passes (the median of ``rounds``
-    each), so that the ratio does not depend on how fast the host was when T(1) was read."""
-    head = None if vocab is None else engine.subset_head(vocab, weights)
+    sets (``vocab``: its head scores only these token ids, FR-Spec; ``head``: that subset head when
+    the caller holds it already) over one one-row target forward, both after a ``context``-token
+    prefix, timed in interleaved passes (the median of ``rounds`` each), so that the ratio does not
+    depend on how fast the host was when T(1) was read."""
+    if head is None and vocab is not None:
+        head = engine.subset_head(vocab, weights)
     med = _median_forward_s(engine, context, {"draft": (1, {"skip_attn": skip_attn, "skip_mlp": skip_mlp, "weights": weights,
                                                             "head": head}),
                                               "target": (1, {})}, rounds)
@@ -376,7 +378,7 @@ def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[in
 
 
 def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
-                   skip_mlp: frozenset[int] = frozenset(), vocab: torch.Tensor | None = None) -> float:
+                   skip_mlp: frozenset[int] = frozenset(), vocab: torch.Tensor | None = None, head: Any = None) -> float:
     """c of this draft variant on this machine: the stored one (decoding/cost_store.py), else timed
     now (:func:`draft_step_cost`) and stored. An engine in :func:`measure_fresh` mode times it at
     every call, as before there was a store."""
@@ -390,7 +392,7 @@ def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int
                 return c
         except (KeyError, TypeError, ValueError):
             pass  # none stored, or unusable: time it
-    c = draft_step_cost(engine, weights, skip_attn, skip_mlp, vocab=vocab)
+    c = draft_step_cost(engine, weights, skip_attn, skip_mlp, vocab=vocab, head=head)
     cost_store.update(key, draft_costs={variant: {"c": round(c, 5), "readings": 1}})
     return c
 

@@ -199,7 +199,7 @@ class LayerSkipDrafter(Proposer):
             self.vocab_ids, self._vocab_index = ids.tolist(), ids.to(engine.device)
             self._vocab_head = engine.subset_head(ids, weights)
         if weights is not None and settings.cost_aware:  # a quantized draft's cost is timed now, not in a decode
-            self.c0 = draft_cost_for(engine, weights, *self.skip_sets(), vocab=self._vocab_cpu())
+            self.c0 = draft_cost_for(engine, weights, *self.skip_sets(), vocab=self._vocab_index, head=self._vocab_head)
         if settings.cost_aware:
             self._planner()
 
@@ -218,16 +218,13 @@ class LayerSkipDrafter(Proposer):
                 self._prior = ((attn, mlp), prior_draft_cost(self.engine, attn, mlp, vocab_rows=self.vocab_rows))
             return self._prior[1]
         if self.c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
-            self.c0 = draft_cost_for(self.engine, self.weights, attn, mlp, vocab=self._vocab_cpu())
+            self.c0 = draft_cost_for(self.engine, self.weights, attn, mlp, vocab=self._vocab_index, head=self._vocab_head)
         return self.c0
 
     @property
     def vocab_rows(self) -> int | None:
         """The tokens the draft's head scores (None: the whole vocabulary)."""
         return None if self.vocab_ids is None else len(self.vocab_ids)
-
-    def _vocab_cpu(self) -> torch.Tensor | None:
-        return None if self.vocab_ids is None else torch.tensor(self.vocab_ids, dtype=torch.int64)
 
     def _planner(self) -> Planner:
         if self.planner is None:

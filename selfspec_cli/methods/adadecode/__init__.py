@@ -262,7 +262,8 @@ class AdaDecode(SelfProposing):
             self.head_stats[k][2] += 1
 
     def describe(self) -> dict[str, Any]:
-        vocab = {h.vocab.numel() if h.vocab is not None else "full" for h in self.heads.values()}
-        return {"early_exits": {str(k): v for k, v in self.exits.items()}, "head_vocab": vocab.pop() if len(vocab) == 1 else sorted(map(str, vocab)),
+        sizes = sorted({"full" if h.vocab is None else h.vocab.numel() for h in self.heads.values()}, key=str)
+        return {"early_exits": {str(k): v for k, v in self.exits.items()},
+                "head_vocab": sizes[0] if len(sizes) == 1 else sizes,  # the tokens the heads score
                 "head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()}, "head_cost": round(self.head_cost, 4),
                 "adadecode_threshold": self.config.adadecode_threshold, "head_layers": sorted(self.heads)}

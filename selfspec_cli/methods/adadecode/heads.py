@@ -23,9 +23,10 @@ import torch.nn.functional as F
 class LowRankHead:
     """One intermediate head: ``a`` (r, d), ``b`` (d, r), ``g`` (d,), and ``vocab``: the token ids
     its logits score (column ``i`` is token ``vocab[i]``), a draft vocabulary (FR-Spec,
-    methods/fr_spec/); None: the whole vocabulary. On a 262k vocabulary (Gemma 3) a head over
-    the whole vocabulary is 67 MB at rank 64 and its check costs over half a step; one over
-    16k tokens is 4 MB. Greedy output never depends on it (the full model verifies every
+    methods/fr_spec/); None: the whole vocabulary. The head's own parameters do not depend on
+    it (the LM head is the frozen model's); what does is the cost of a check and of training: on
+    Gemma 3's 262k tokens a check over the whole vocabulary is over half a step, one over 16k
+    tokens a sixteenth of that. Greedy output never depends on it (the full model verifies every
     early token); sampling stays exact because an early token is a point-mass proposal."""
 
     a: torch.Tensor

@@ -446,9 +446,10 @@ def calibrate_self_sd(
     if precisions != ("target",):
         setup["precisions"] = list(precisions)
     vocabs = draft_vocabs(engine, precisions)
+    vocab_sizes = {p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()}
     points = seed_points(L, precisions=precisions, cheap_head=[p for p, v in vocabs.items() if v is not None])
     if any(v is not None for v in vocabs.values()):  # drafts over an FR-Spec vocabulary: their sizes
-        setup["draft_vocab"] = {p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()}
+        setup["draft_vocab"] = vocab_sizes
     full_c: dict[str, float] = {}
 
     curve: list[VerifyCurve] = []  # the study's, once read
@@ -555,8 +556,7 @@ def calibrate_self_sd(
             dispose(storage)
 
     # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
-    common = dict(num_layers=L, draft_vocab={p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()},
-                  best_trial=best_t.number, best_value=float(best_t.value),
+    common = dict(num_layers=L, draft_vocab=vocab_sizes, best_trial=best_t.number, best_value=float(best_t.value),
                   best_attrs=dict(best_t.user_attrs), trials=len(finished),
                   new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
                   study_path=search.storage if search.storage is not None else search.study_path)
