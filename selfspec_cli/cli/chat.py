@@ -16,20 +16,20 @@ from typing import Any, Optional
 
 import typer
 
-from ..config import GenerationConfig, SamplingConfig, check_choice, check_sampling_options, check_seed
+from ..config import GenerationConfig, check_choice, check_seed
 from ..engine.target import TARGET_PRECISIONS
-from ..errors import ConfigError
 from ..methods import METHODS, build
 from ..prompts import encode_turn
 from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .common import log
+from .method_options import generation_config
 from .streaming import TextStreamer, write_out
 
 
 def chat(
     model: Optional[str] = opt.model(),
-    method: str = typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best draft by measured costs)."),
+    method: str = opt.method(),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Exact upper bound on the tokens of each answer."),
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
@@ -45,11 +45,7 @@ def chat(
     """Talk with the model: each stdin line is a turn, the answer streams to stdout (/reset starts over, /exit ends)."""
     check_choice(method, METHODS, "--method")
     check_seed(seed)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
-    check_sampling_options(sampling)
-    if not sampling.greedy and METHODS[method].greedy_only:
-        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
+    cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule)
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     apply_threads(threads)
     check_device(dtype, device)
@@ -66,7 +62,7 @@ def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> 
     """Answer every turn read from ``lines``; the number of answers."""
     history: list[dict[str, str]] = []
     answers = 0
-    tty = sys.stdin.isatty()
+    tty = lines.isatty()
     while True:
         if tty:
             sys.stderr.write("> ")

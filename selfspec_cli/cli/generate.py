@@ -9,7 +9,7 @@ import click
 import typer
 
 from ..artifacts import check_new_artifact, recording_loads
-from ..config import GenerationConfig, SamplingConfig, check_seed
+from ..config import GenerationConfig, check_seed
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
 from ..loading import config_num_layers
@@ -18,8 +18,8 @@ from ..prompts import PROMPT_FORMATS, Prompt, prompts_from_texts, read_prompts
 from ..runtime import run_prompt
 from ..session import Session, apply_threads, check_device
 from . import options as opt
-from .method_options import check_layer_ids, flag_error, given_options, method_config, with_method_options
-from ..config import check_choice, check_sampling_options
+from .method_options import check_layer_ids, flag_error, generation_config, given_options, method_config, with_method_options
+from ..config import check_choice
 from .resume import prompt_sha, resume as resume_output
 from .streaming import TextStreamer, write_out
 from .common import OutputClosed, check_output, log, output_stream, progress, write_record
@@ -31,7 +31,7 @@ def generate(
     prompt_texts: list[str] = typer.Option([], "--prompt", "-P", help="A prompt given as text (repeatable; the records' ids are 1, 2, ... in order), instead of --prompt-file."),
     prompt_format: str = opt.prompt_format("auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
     model: Optional[str] = opt.model(),
-    method: str = typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best draft by measured costs; ar: plain decoding)."),
+    method: str = opt.method(),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
@@ -58,7 +58,7 @@ def generate(
     check_choice(method, METHODS, "--method")
     check_seed(seed)  # before the methods' configs take it
     method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
-    cfg = _generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule, stop)
+    cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule, stop)
     _check_output_options(output, force, append, save_layers, method, resume)
     _streaming(stream, output)  # a conflict is refused before any loading
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
@@ -111,17 +111,6 @@ def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_te
         raise ConfigError("--prompt-file and --prompt both give the prompts; pass one of them")
     if prompt_texts and prompt_format != "auto":
         raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
-
-
-def _generation_config(method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-                       rule: str, stop: list[str]) -> GenerationConfig:
-    """The flags' generation config, checked (a greedy-only method refuses sampling) before any loading."""
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=rule)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
-    check_sampling_options(sampling)
-    if not sampling.greedy and METHODS[method].greedy_only:
-        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
-    return cfg
 
 
 def _resumed(output: Path, prompts: list[Prompt], method: str) -> list[Prompt]:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import typer
 
+from ..config import GenerationConfig, SamplingConfig, check_sampling_options
 from ..errors import ConfigError, FieldError
 from ..methods import METHODS
 
@@ -100,3 +101,15 @@ def check_layer_ids(config: Any, num_layers: int | None) -> None:
     if bad := sorted(i for i in ids if not 0 <= i < num_layers):
         raise flag_error(FieldError("skip_attn/skip_mlp", f"layer ids {bad} are out of range for a {num_layers}-layer "
                                                           f"model (valid: 0..{num_layers - 1})"))
+
+
+def generation_config(method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+                       rule: str, stop: Sequence[str] = ()) -> GenerationConfig:
+    """The flags' generation config, checked (a greedy-only method refuses sampling) before any loading
+    (generate, chat)."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=rule)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))  # validates now
+    check_sampling_options(sampling)
+    if not sampling.greedy and METHODS[method].greedy_only:
+        raise ConfigError(f"--method {method} decodes greedily only; pass --temperature 0 or choose another method")
+    return cfg

@@ -85,3 +85,11 @@ def dataset(help: str) -> Any:
 
 def dataset_field() -> Any:
     return typer.Option("prompt", "--dataset-field", help="Column of --dataset holding the prompt text.")
+
+
+def method() -> Any:
+    """``--method`` of the commands that decode with one method (generate, chat); the names are the registry's."""
+    from ..methods import METHODS
+
+    return typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best "
+                                                 "draft by measured costs; ar: plain decoding).")
