@@ -480,3 +480,13 @@ def test_chat_answers_each_turn_as_generate_does(capsys, tiny_model_dir, tmp_pat
     assert out == "".join(t["text"] + "\n" for t in recs[0]["turns"]) + recs[1]["text"] + "\n"
     assert "a new conversation" in err and "Traceback" not in err
     assert_user_error(capsys, ["chat", "-m", str(tiny_model_dir), "--method", "nope"], "--method")
+
+
+def test_resume_finds_the_partial_of_an_output_whose_name_has_glob_characters(tmp_path):
+    from selfspec_cli.cli.resume import kept_partials
+
+    out = tmp_path / "run[1]*.jsonl"
+    kept = tmp_path / "run[1]*.jsonl.ab12.partial"
+    kept.write_text("")
+    (tmp_path / "run1x.jsonl.cd34.partial").write_text("")  # what the unescaped pattern would also match
+    assert kept_partials(out) == [kept]

@@ -13,6 +13,7 @@ then mix two runs.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from pathlib import Path
@@ -44,7 +45,7 @@ def _records(path: Path) -> list[tuple[dict[str, Any], str]]:
 
 def kept_partials(path: Path) -> list[Path]:
     """The ``.partial`` files interrupted runs kept beside ``path``, newest last."""
-    return sorted(path.parent.glob(f"{path.name}.*.partial"), key=lambda p: p.stat().st_mtime)
+    return sorted(path.parent.glob(f"{glob.escape(path.name)}.*.partial"), key=lambda p: p.stat().st_mtime)
 
 
 def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt], int]:
