@@ -1,22 +1,64 @@
 #!/usr/bin/env bash
-# GPU figures (docs/benchmarks.md, "On a GPU"): the code model, which the repository carries, on
-# one CUDA device, fp32 and bf16, every method that runs there and the Hugging Face peers.
-# Usage: bash scripts/gpu_bench.sh OUT_DIR   (writes OUT_DIR/gpu-<dtype>.tgz and the logs)
+# GPU figures (docs/benchmarks.md, "GPU"), in one prepared call on a CUDA machine.
+#
+#   bash scripts/gpu_bench.sh OUT_DIR [code|default]
+#
+# code (the default): the shipped code model (pystdlib-llama-12x256), which the repository carries:
+#   1. tests/test_gpu.py: k-row forwards equal one-row steps bit for bit, and every lossless method
+#      gives ar's tokens, in float32 and bfloat16, on CUDA graphs;
+#   2. the bench in float32 and bfloat16: ar, HF generate, HF prompt lookup, pld, self-sd, swift, asd, auto;
+#   3. HF generate with its static cache (compiled by transformers) beside ar, in a run of its own
+#      (its compilation must not cost the others their time limit);
+#   4. ar with the CUDA graphs off (SELFSPEC_CUDA_GRAPHS=0: the eager loop), beside ar with them, to
+#      show what the fixed-shape forwards change on the same machine.
+# default: the default model (SmolLM2-135M-Instruct's GGUF, which the machine cannot download and a call
+#   cannot carry whole: brought in parts by successive calls, each copying its .gpu/smollm2.gguf.part-*
+#   to /tmp/gguf-parts, checked against .gpu/smollm2.gguf.sha256), converted once, then the bench in
+#   bfloat16 and float32 on spec-bench-mini.
+# Writes OUT_DIR/log.txt and one .tgz per bench run.
 set -uo pipefail
-out=${1:?usage: gpu_bench.sh OUT_DIR}
+out=${1:?usage: gpu_bench.sh OUT_DIR [code|default]}
+mode=${2:-code}
 mkdir -p "$out"
-if [ -d .whl ]; then  # packages the device's image lacks (datasets), carried as wheels
+log="$out/log.txt"
+if [ -d .whl ]; then  # packages the device's image lacks (datasets, gguf), carried as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HOME=${HOME:-/tmp}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-python3 -c "import torch, transformers, datasets, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" | tee -a "$out/device.txt"
-M=ar,hf,hf-pld,pld,self-sd,swift,asd,auto
-for dt in float32 bfloat16; do
-  d=$(mktemp -d)
-  timeout 200 python3 -m selfspec_cli bench -m pystdlib --suite pystdlib-mini --device cuda --dtype $dt \
-    --methods $M --repeats 3 -o "$d/gpu-$dt" >"$out/gpu-$dt.jsonl" 2>"$out/gpu-$dt.log"
-  echo "$dt exit $?"; tail -n 25 "$out/gpu-$dt.log"
-  tar czf "$out/gpu-$dt.tgz" -C "$d" "gpu-$dt"
-done
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HOME=${HOME:-/tmp} HF_HUB_OFFLINE=1
+export SELFSPEC_HOME=${SELFSPEC_HOME:-/tmp/selfspec-home}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  git rev-parse --short HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; } 2>&1 | tee -a "$log"
+
+bench() {  # bench NAME SECONDS ARGS...: one bench run into $out/NAME.tgz, its stderr into the log
+  local name=$1 limit=$2; shift 2
+  local d; d=$(mktemp -d)
+  echo "== $name: selfspec bench $*" | tee -a "$log"
+  timeout "$limit" python3 -m selfspec_cli bench "$@" -o "$d/$name" >"$d/$name.jsonl" 2>"$d/$name.err"
+  echo "$name exit $? after ${SECONDS}s" | tee -a "$log"
+  grep -v '^\s*$' "$d/$name.err" | tail -n 40 >>"$log"
+  mv "$d/$name.jsonl" "$d/$name.err" "$d/$name/" 2>/dev/null
+  tar czf "$out/$name.tgz" -C "$d" "$name"
+}
+
+if [ "$mode" = code ]; then
+  M=ar,hf,hf-pld,pld,self-sd,swift,asd,auto
+  echo "== tests/test_gpu.py" | tee -a "$log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 30 | tee -a "$log"
+  for dt in float32 bfloat16; do
+    bench "code-$dt" 170 -m pystdlib --suite pystdlib-mini --device cuda --dtype $dt --methods $M --repeats 3
+  done
+  bench code-hf-static 150 -m pystdlib --suite pystdlib-mini --device cuda --dtype bfloat16 --methods ar,hf,hf-static --repeats 2 --no-costs
+  SELFSPEC_CUDA_GRAPHS=0 bench code-eager 100 -m pystdlib --suite pystdlib-mini --device cuda --dtype float32 --methods ar,hf --repeats 2 --no-costs
+elif [ "$mode" = default ]; then
+  gguf=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf  # the parts: copied to /tmp/gguf-parts by each call that brought one
+  cat /tmp/gguf-parts/smollm2.gguf.part-* > "$gguf"
+  if ! (cd /tmp && sha256sum -c "$OLDPWD/.gpu/smollm2.gguf.sha256") 2>&1 | tee -a "$log"; then
+    ls -la /tmp/gguf-parts | tee -a "$log"; exit 1
+  fi
+  M=ar,hf,pld,swift,asd,auto
+  bench default-bfloat16 200 -m "$gguf" --device cuda --dtype bfloat16 --methods $M --repeats 1 -n 64
+  bench default-float32 150 -m "$gguf" --device cuda --dtype float32 --methods ar,pld,auto --repeats 1 -n 64 --no-costs
+fi
+echo "done after ${SECONDS}s" | tee -a "$log"

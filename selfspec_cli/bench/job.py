@@ -527,6 +527,8 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str
         engine_costs.update(prof.curve_fields(VerifyCurve.for_engine(engine)))
         engine_costs["step_over_floor"] = round(engine_costs["step_ms"] / engine_costs["floor_ms"], 3)
     doc["engine_costs"] = engine_costs
+    if engine.static is not None:  # GPU: the fixed-shape forwards (graphs captured, replays, eager fallbacks)
+        doc["fixed_forwards"] = engine.static.describe()
     atomic_write(out / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))
     title = (f"selfspec bench: {plan.source.get('suite') or plan.source.get('prompt_file')}, {len(r.prompts)} prompts x "
              f"{req.max_new_tokens} tokens, {r.dev}, {str(engine.dtype).replace('torch.', '')}, {plan.decoding}, "

@@ -23,6 +23,7 @@ from ..errors import ConfigError
 
 PEERS: dict[str, str] = {
     "hf": "Hugging Face generate, greedy",
+    "hf-static": "Hugging Face generate, greedy, with its static cache (compiled on a GPU: transformers' auto-compile)",
     "hf-pld": "Hugging Face prompt lookup decoding (prompt_lookup_num_tokens=10, max_matching_ngram_size=2)",
     "hf-early-exit": "Hugging Face assistant_early_exit drafting (LayerSkip-style; the model's own first layers)",
     "hf-assisted": "Hugging Face assisted generation with --assistant-model (same tokenizer)",
@@ -52,10 +53,11 @@ class HFGenerate:
 
     lossless = True
 
-    def __init__(self, model: torch.nn.Module, name: str = "hf", **generate_kwargs: Any) -> None:
+    def __init__(self, model: torch.nn.Module, name: str = "hf", assisted: bool = True, **generate_kwargs: Any) -> None:
         self.model = model
         self.name = name
         self.kwargs = generate_kwargs
+        self.assisted = assisted and bool(generate_kwargs)  # drafts: its steps are logged from the candidate generator
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> DecodeResult:
@@ -63,7 +65,7 @@ class HFGenerate:
             raise ConfigError(f"the {self.name} peer is benchmarked greedy only; drop --temperature")
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
         drafted, matches = [], []  # per verification forward of an assisted peer
-        if self.kwargs:  # assisted: log drafted and matched tokens
+        if self.assisted:  # log drafted and matched tokens
             original: Callable[..., Any] = self.model._get_candidate_generator
             self.model._get_candidate_generator = lambda *a, **k: _log_steps(original(*a, **k), drafted, matches)
         try:
@@ -72,16 +74,16 @@ class HFGenerate:
                                       eos_token_id=None if cfg.ignore_eos else list(cfg.eos_token_ids) or None,
                                       pad_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else 0, **self.kwargs)
         finally:
-            if self.kwargs:
+            if self.assisted:
                 del self.model._get_candidate_generator  # back to the class method
         sink = TokenSink(GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=cfg.eos_token_ids,
                                           ignore_eos=cfg.ignore_eos))
         sink.push(out[0, len(prompt_ids):].tolist())
         # plain greedy generate: one token per forward (and no drafts)
-        lengths = [m + 1 for m in matches] if self.kwargs else [1] * len(sink.tokens)
+        lengths = [m + 1 for m in matches] if self.assisted else [1] * len(sink.tokens)
         stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
                             drafted_tokens=sum(drafted[: len(lengths)]), accepted_draft_tokens=sum(matches))
-        if self.kwargs and not stats.drafted_tokens:
+        if self.assisted and not stats.drafted_tokens:
             # nothing drafted at all (e.g. no n-gram match): still report the counts
             stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
         return sink.result(stats)
@@ -91,6 +93,8 @@ def make_peer(name: str, model: torch.nn.Module, *, early_exit_layer: int | None
               assistant: torch.nn.Module | None = None) -> HFGenerate:
     if name == "hf":
         return HFGenerate(model, "hf")
+    if name == "hf-static":
+        return HFGenerate(model, name, assisted=False, cache_implementation="static")
     if name == "hf-pld":
         return HFGenerate(model, name, prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
     if name == "hf-early-exit":

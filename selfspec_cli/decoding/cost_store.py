@@ -104,7 +104,8 @@ def machine_key(engine: Engine) -> dict[str, str]:
         device = f"cuda {torch.cuda.get_device_name(engine.device)}"
     return {"model": _FINGERPRINTS[engine], "precision": target_precision(engine),
             "threads": f"auto{governor.threads}" if governor is not None else str(torch.get_num_threads()),
-            "kernel": kernels.build_id() if engine.kernel_info.get("backend") == "small_gemm" else "F.linear",
+            "kernel": kernels.build_id() if engine.kernel_info.get("backend") == "small_gemm" else (
+                f"fixed{engine.static.rows}" if getattr(engine, "static", None) is not None else "F.linear"),
             "device": device, "cpu": cpu_model()}
 
 

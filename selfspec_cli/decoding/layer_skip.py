@@ -371,6 +371,7 @@ class LayerSkipDrafter(Proposer):
     def describe(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
         out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.weights or "target",
+               "verify": "tree" if self.settings.tree else "chain",
                "draft_threshold": round(self.threshold.value, 4),
                "draft_vocab": self.vocab_rows or "full"}
         if (model := self.cost_model()) is not None:

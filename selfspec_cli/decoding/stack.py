@@ -10,6 +10,10 @@ The stack, inside out: a :class:`~.layer_skip.LayerSkipDrafter` (one configurati
 quantized weights, cost-aware drafting and a skip set that may skip, a
 :class:`~.layer_skip.SkipOrFullDepth` choice beside the same weights at full depth; with an
 n-gram source, a :class:`~.hybrid.Hybrid`; with a skip source that adapts, :class:`~.layer_skip.Adapting`.
+
+On an engine whose tree rows are not bit-exact (``Engine.exact_trees``: a GPU's fixed-shape
+forwards, or matrix-product attention), trees and the n-gram branch (a second branch of a tree)
+are dropped: drafts are verified as chains, so the output stays the target's exactly.
 """
 from __future__ import annotations
 
@@ -42,6 +46,9 @@ class DraftParts:
 
 def assemble(engine: Engine, tokenizer: Any, parts: DraftParts) -> tuple[Proposer, LayerSkipDrafter]:
     """The proposer stack ``parts`` declare, and its drafter of the declared skip set."""
+    if not engine.exact_trees and (parts.settings.tree or parts.ngram is not None):
+        # trees are not bit-exact on this engine (Engine.exact_trees): chains only, no n-gram branch
+        parts = dataclasses.replace(parts, settings=dataclasses.replace(parts.settings, tree=False), ngram=None)
     s, weights = parts.settings, parts.weights
     # a full-depth quantized draft starts from its measured agreement with the target, not from 0.5
     q0 = agreement_prior(engine, tokenizer, weights) if weights is not None and s.cost_aware else 0.5

@@ -30,12 +30,14 @@ class CacheInvariantError(AssertionError):
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        # inference tensors: every update happens under inference mode (engine forward, compact)
-        with torch.inference_mode():
-            self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S, D)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if buffers is not None:  # the engine's pooled static buffers (engine/graphs.py): any capacity >= this one
+            self.k, self.v = buffers
+        else:  # inference tensors: every update happens under inference mode (engine forward, compact)
+            with torch.inference_mode():
+                self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S, D)
+                self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.positions: list[list[int]] = [[] for _ in range(num_layers)]  # slot -> sequence position
 
     @property

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
+from .graphs import DEFAULT_ROWS, StaticForward
 from .quant import DraftWeights, build_draft, gguf_source, subset
 from .target import PANEL_DTYPES, QUANT_TARGETS, resolve_target, target_linears
 
@@ -110,7 +112,8 @@ def _block_rows(head: kernels.QLinear) -> Any:
 class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
-    def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True, target_precision: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True, target_precision: str | None = None,
+                 static_rows: int | None = None) -> None:
         self.adapter = a = ModelAdapter(model)
         self.model = model
         self.governor = governor_for_new_engine()  # --threads auto (engine/threads.py), else None
@@ -145,6 +148,23 @@ class Engine:
                             "pack_s": round(time.perf_counter() - t0, 3),
                             # every op row-wise: a k-row forward equals k one-row steps bit for bit
                             "batch_invariant": self._ops is not None, "target": self.target_precision}
+        # on a GPU, fixed-shape forwards replayed as CUDA graphs (engine/graphs.py; ``static_rows`` 0: off)
+        if static_rows is None:
+            static_rows = DEFAULT_ROWS if self.device.type == "cuda" and os.environ.get("SELFSPEC_CUDA_GRAPHS") != "0" else 0
+        self.static = StaticForward(self, static_rows) if static_rows else None
+        if self.static is not None:
+            self.kernel_info.update(backend="cuda_graphs" if self.static.capture else "static_rows", batch_invariant=True)
+        self.kernel_info["exact_trees"] = self.exact_trees
+
+    @property
+    def exact_trees(self) -> bool:
+        """Whether a token tree's verified rows equal the one-row steps of their paths bit for bit. Only the
+        CPU kernel's attention gives that: it sums over the keys a row may see, in slot order, so a node
+        whose ancestors sit at other slots than a chain's still adds the same values in the same order.
+        Matrix-product attention (SDPA; the fixed-shape forwards of a GPU) sums over every slot, masked
+        ones as zeros, and the grouping of that sum follows the slots: a tree's rows then differ from the
+        chain's in the last bits, so drafts are verified as chains there (decoding/stack.py)."""
+        return self._ops is not None and self.static is None
 
     def quantized(self, precision: str) -> DraftWeights:
         """The quantized copy of the matrices at ``precision`` (engine/quant.py) that drafts read,
@@ -204,7 +224,12 @@ class Engine:
             self._lin, self.lm_head, self._norm_kernel, self._ops = saved
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.num_layers, self._hkv, self._d, capacity, self.dtype, self.device)
+        if self.static is None:
+            return KVCache(self.num_layers, self._hkv, self._d, capacity, self.dtype, self.device)
+        buffers = self.static.buffers(capacity, (self.num_layers, self._hkv, self._d), self.dtype)
+        cache = KVCache(self.num_layers, self._hkv, self._d, capacity, self.dtype, self.device, buffers=buffers)
+        self.static.hold(cache)
+        return cache
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._embed_rows is not None:  # the float table was released: rows from the head's own blocks
@@ -318,6 +343,30 @@ class Engine:
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module,
                                    PANEL_DTYPES.get(self.target_precision))
 
+    def _mlp(self, h: torch.Tensor, w: Any, lin: dict[str, Any], ops: Any) -> torch.Tensor:
+        """One MLP sublayer's output (before the residual add): SwiGLU, or GeGLU (Gemma: gelu with the
+        tanh approximation), each row on its own; Gemma's post-norm included."""
+        x = self._norm(h, w.mlp_norm)
+        if self._gelu:
+            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+            m = lin["down"](F.gelu(gate, approximate="tanh") * up)
+        elif ops is not None:
+            m = lin["down"](ops.silu_mul(lin["gate_up"](x)))
+        else:
+            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+            m = lin["down"](F.silu(gate) * up)
+        return m if w.post_mlp_norm is None else self._norm(m, w.post_mlp_norm)
+
+    @property
+    def rope_length(self) -> int:
+        """Positions the rotary tables cover."""
+        return self._rope_length
+
+    def ensure_rope(self, length: int) -> None:
+        """Grow the rotary tables (by doubling) to cover ``length`` positions."""
+        if length > self._rope_length:
+            self._grow_rope(max(2 * self._rope_length, length))
+
     # -- masks -------------------------------------------------------------
     def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,
               window: int | None) -> torch.Tensor | None:
@@ -341,8 +390,11 @@ class Engine:
     # -- forward -----------------------------------------------------------
     @torch.inference_mode()
     def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, **kw: Any) -> ForwardOutput:
-        """One forward (see :meth:`_forward`); under ``--threads auto`` timed for the thread
-        governor (engine/threads.py), which may change the thread count between forwards."""
+        """One forward (see :meth:`_forward`): on a GPU through the fixed-shape CUDA graphs where they
+        apply (engine/graphs.py); under ``--threads auto`` timed for the thread governor
+        (engine/threads.py), which may change the thread count between forwards."""
+        if self.static is not None and (out := self.static.forward(cache, input_ids, **kw)) is not None:
+            return out
         if self.governor is None:
             return self._forward(cache, input_ids, **kw)
         t0 = time.perf_counter()
@@ -350,6 +402,69 @@ class Engine:
         rows = input_ids.shape[0] if input_ids is not None else kw["hidden"].shape[0]
         self.governor.observe(rows, time.perf_counter() - t0)
         return out
+
+    def fixed_forward(self, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor, slot0: torch.Tensor,
+                      count: torch.Tensor, allowed: torch.Tensor | None = None, *, skip_attn: Collection[int] = (),
+                      skip_mlp: Collection[int] = (), output_hidden: Collection[int] = (),
+                      attn_cosine: bool = False) -> tuple:
+        """The fixed-shape forward of ``R = len(ids)`` rows at every layer (engine/graphs.py, whose CUDA
+        graphs capture it): row ``i`` holds token ``ids[i]`` at rotary position ``pos[i]`` and writes its K/V
+        at slot ``slot0 + i``. It attends causally (the slots before its own, its own included), or to
+        the slots ``allowed[i]`` (R, capacity) marks (a token tree's rows). Rows from ``count`` on are
+        padding: they write their K/V in the buffer's last ``R`` slots, which hold nothing (the caller
+        keeps every real slot below them). Every op has the same shape whatever the real rows are; the
+        cache's position lists are the caller's. Returns (logits (R, V) float32, residual stream (R, H),
+        hidden states by layer, per-row attention cosines (L, R) or None)."""
+        a, r = self.adapter, ids.shape[0]
+        hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
+        cap = cache.k.shape[2]
+        ar = torch.arange(r, device=self.device)
+        slots = torch.where(ar < count, slot0 + ar, ar + (cap - r))  # (R,) where the rows' K/V go
+        slot_ids = torch.arange(cap, device=self.device)
+        if allowed is None:  # a chain: the cached prefix, then the new rows causally (padding rows: theirs too)
+            allowed = (slot_ids[None, :] < slot0).expand(r, cap).clone()
+            allowed.scatter_(1, slots[None, :].expand(r, r), ar[:, None] >= ar[None, :])
+        windows: dict[int, torch.Tensor] = {}
+        rope = {kind: (c.index_select(0, pos), s.index_select(0, pos)) for kind, (c, s) in self._rope.items()}
+        h = self.embed(ids)  # (R, H)
+        hidden_at: dict[int, torch.Tensor] = {}
+        cosines: list[torch.Tensor] = []
+        for l in range(self.num_layers):
+            w, lin = a.layers[l], self._lin[l]
+            if l not in skip_attn:
+                x = self._norm(h, w.attn_norm)
+                qkv = lin["qkv"](x)  # (R, (Hq + 2 Hkv) D)
+                v = qkv[:, qkw:].view(r, hkv, d)
+                q_rows = qkv[:, :qkw]
+                if w.qk_norm is not None:
+                    normed = self._norm(q_rows.reshape(r * (hq + hkv), d), self._unit_d)
+                    q_rows = (normed.view(r, hq + hkv, d) * w.qk_norm).view(r, qkw)
+                cos, sin = rope[w.rope_kind]
+                qk = q_rows.reshape(r, hq + hkv, d)
+                qk = qk * cos[:, None, :] + qk.view(r, hq + hkv, 2, d // 2).flip(2).view(r, hq + hkv, d) * sin[:, None, :]
+                cache.k[l].index_copy_(1, slots, qk[:, hq:].transpose(0, 1))
+                cache.v[l].index_copy_(1, slots, v.transpose(0, 1))
+                mask = allowed
+                if w.sliding_window is not None:  # slot == position: the keys newer than position - window
+                    if w.sliding_window not in windows:
+                        windows[w.sliding_window] = allowed & (slot_ids[None, :] > pos[:, None] - w.sliding_window)
+                    mask = windows[w.sliding_window]
+                q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, R, D)
+                o = F.scaled_dot_product_attention(q, cache.k[l].unsqueeze(0), cache.v[l].unsqueeze(0),
+                                                   attn_mask=mask[None, None], enable_gqa=hq != hkv)
+                o = lin["o"](o[0].transpose(0, 1).reshape(r, hq * d))
+                if w.post_attn_norm is not None:
+                    o = self._norm(o, w.post_attn_norm)
+                h_in, h = h, h + o
+                if attn_cosine:
+                    cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1))
+            elif attn_cosine:
+                cosines.append(torch.ones(r, dtype=torch.float32, device=self.device))
+            if l not in skip_mlp:
+                h = h + self._mlp(h, w, lin, None)
+            if l in output_hidden:
+                hidden_at[l] = h.clone()
+        return self.final_logits(h), h, hidden_at, torch.stack(cosines) if cosines else None
 
     def _forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
@@ -430,19 +545,7 @@ class Engine:
             elif attn_cosine:
                 cosines.append(h.new_ones((), dtype=torch.float32))
             if l not in skip_mlp:
-                # 2) MLP sublayer
-                x = self._norm(h, w.mlp_norm)
-                if self._gelu:  # GeGLU (Gemma): gelu with the tanh approximation, row-wise
-                    gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-                    m = lin["down"](F.gelu(gate, approximate="tanh") * up)
-                elif ops is not None:
-                    m = lin["down"](ops.silu_mul(lin["gate_up"](x)))
-                else:
-                    gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-                    m = lin["down"](F.silu(gate) * up)
-                if w.post_mlp_norm is not None:
-                    m = self._norm(m, w.post_mlp_norm)
-                h = h + m
+                h = h + self._mlp(h, w, lin, ops)  # 2) MLP sublayer
             if l in output_hidden:
                 hidden_at[l] = h
 
