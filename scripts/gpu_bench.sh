@@ -44,11 +44,13 @@ bench() {  # bench NAME SECONDS ARGS...: one bench run into $out/NAME.tgz, its s
 
 if [ "$mode" = code ]; then
   M=ar,hf,hf-pld,pld,self-sd,swift,asd,auto
-  echo "== tests/test_gpu.py" | tee -a "$log"
-  # (no conftest: it builds the CPU kernel, which nothing here uses)
-  timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 30 | tee -a "$log"
+  if [ -z "${NO_TESTS:-}" ]; then  # NO_TESTS=1: the benches only (a rerun after the tests passed)
+    echo "== tests/test_gpu.py" | tee -a "$log"
+    # (no conftest: it builds the CPU kernel, which nothing here uses)
+    timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 30 | tee -a "$log"
+  fi
   for dt in float32 bfloat16; do
-    bench "code-$dt" 140 -m pystdlib --suite pystdlib-mini --device cuda --dtype $dt --methods $M --repeats 3
+    bench "code-$dt" 140 -m pystdlib --suite pystdlib-mini --device cuda --dtype $dt --methods $M --repeats ${REPEATS:-3}
   done
   SELFSPEC_CUDA_GRAPHS=0 bench code-eager 60 -m pystdlib --suite pystdlib-mini --device cuda --dtype float32 --methods ar,hf --repeats 2 --no-costs
   bench code-hf-static 100 -m pystdlib --suite pystdlib-mini --device cuda --dtype bfloat16 --methods ar,hf,hf-static --repeats 2 --no-costs

@@ -94,7 +94,8 @@ def _metavars(group: Any) -> None:
             if p.param_type_name != "option" or getattr(p, "is_flag", False) or p.metavar is not None:
                 continue
             values = choices.get((cname, p.name)) or choices.get(p.name)
-            shown = str(p.display_type(None) or "")  # typer's own: <int>, <float>, <path>, <str>, <list[str]>
+            # typer's own (<int>, <float>, <path>, <str>, <list[str]>); before typer 0.16, click's type name
+            shown = str(p.display_type(None) if hasattr(p, "display_type") else getattr(p.type, "name", "")) or ""
             p.metavar = "|".join(values) if values else next(
                 (m for t, m in (("int", "N"), ("float", "X"), ("path", "PATH")) if t in shown), "TEXT")
 
