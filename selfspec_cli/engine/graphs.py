@@ -68,7 +68,6 @@ class StaticForward:
         self._ar = torch.arange(rows, device=dev)
         self._tree_allowed: dict[int, torch.Tensor] = {}  # capacity -> (R, capacity) a tree chunk's mask
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._buffers: list[tuple[weakref.ref | None, torch.Tensor, torch.Tensor]] = []
         self.eager_fallbacks = 0
         self.replays = 0
@@ -201,7 +200,9 @@ class StaticForward:
             self._run(cache, *key_sets)  # warm-up: the same writes the replay makes, so it changes nothing
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # each graph its own memory pool: a shared pool is freed once every graph that used it is dropped
+        # (a new KV buffer drops its graphs), and capturing into it afterwards fails
+        with torch.cuda.graph(graph):
             out = self._run(cache, *key_sets)
         self._graphs[key] = _Captured(graph, out)
         self.captures += 1
