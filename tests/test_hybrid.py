@@ -79,6 +79,9 @@ def test_hybrid_greedy_equals_ar(arch, tree, monkeypatch):
         prompt = _repetitive(24, 5, seed, 300)
         cfg = GenerationConfig(max_new_tokens=n)
         assert sd.generate(prompt, cfg).token_ids == ar.generate(prompt, cfg).token_ids
+    if not eng.exact_trees:  # a head size the kernel's attention does not take: no trees, so no n-gram branch
+        assert offered == 0 and not _is_hybrid(sd.proposer)
+        return
     assert offered > 0  # n-gram branches were offered every time
     if arch == "llama-gqa":  # and on this model they left the layer-skip draft: real two-source trees
         assert merged > 0

@@ -40,7 +40,7 @@ import torch
 
 if TYPE_CHECKING:
     from .cache import KVCache
-    from .runner import Engine, ForwardOutput
+    from .runner import Engine
 
 DEFAULT_ROWS = 32  # rows of every fixed-shape forward: the widest verification (a tree's nodes) it takes whole
 MAX_GRAPHS = 64  # captured sublayer sets kept (the least recently replayed goes first)
@@ -104,10 +104,9 @@ class StaticForward:
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
                 skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
                 output_hidden: Collection[int] = (), logits_rows: Any = slice(-1, None), attn_cosine: bool = False,
-                head: Any = None, weights: str | None = None, kv_window: Any = None) -> ForwardOutput | None:
-        """:meth:`Engine.forward`'s result through the fixed-shape path, or None where it does not apply."""
-        from .runner import ForwardOutput
-
+                head: Any = None, weights: str | None = None, kv_window: Any = None) -> tuple | None:
+        """:meth:`Engine.forward`'s result through the fixed-shape path as (logits, hidden, hidden states by
+        layer, attention cosines), or None where it does not apply."""
         e = self.e
         if (hidden is not None or input_ids is None or start != 0 or (end is not None and end != e.num_layers)
                 or head is not None or weights is not None or kv_window is not None):
@@ -162,9 +161,8 @@ class StaticForward:
         if logits_rows is not None and e.num_layers:
             full = torch.cat(logits) if len(logits) > 1 else logits[0]
             out_logits = full[-1:] if not want_all else full[logits_rows]
-        return ForwardOutput(logits=out_logits, hidden=torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0],
-                             hidden_at={l: torch.cat(v) if len(v) > 1 else v[0] for l, v in at.items()},
-                             attn_cosine=None if cos_sum is None else cos_sum / t)
+        return (out_logits, torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0],
+                {l: torch.cat(v) if len(v) > 1 else v[0] for l, v in at.items()}, None if cos_sum is None else cos_sum / t)
 
     def _tree_chunk(self, cap: int, n: int, s: int, m: int, tree_mask: torch.Tensor) -> None:
         """The mask of a tree's rows ``s..s+m-1``: the cached prefix (slots below ``n``) and their ancestors

@@ -394,7 +394,8 @@ class Engine:
         apply (engine/graphs.py); under ``--threads auto`` timed for the thread governor
         (engine/threads.py), which may change the thread count between forwards."""
         if self.static is not None and (out := self.static.forward(cache, input_ids, **kw)) is not None:
-            return out
+            logits, hidden, hidden_at, cosines = out
+            return ForwardOutput(logits=logits, hidden=hidden, hidden_at=hidden_at, attn_cosine=cosines)
         if self.governor is None:
             return self._forward(cache, input_ids, **kw)
         t0 = time.perf_counter()
