@@ -28,6 +28,7 @@ import torch
 # here, where the library, the artifacts and the docs have always named it
 from .engine.adapter import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
+from .lite import LiteTokenizer, lite_reason, load_lite_model
 from .paths import atomic_write, cache_root, check_cache_writable, umask
 
 # Files shipped inside the package (pyproject's package-data): the read-only artifacts and the
@@ -352,16 +353,23 @@ def _check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
 
 
 def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto",
-               log: Any = _stderr_log) -> tuple[torch.nn.Module, Any]:
+               log: Any = _stderr_log, lite: bool = False) -> tuple[torch.nn.Module, Any]:
     """Load (model, tokenizer) in eval mode. Errors are SelfSpecError with a fix.
-    ``log`` receives progress lines (a first GGUF conversion takes a minute)."""
+    ``log`` receives progress lines (a first GGUF conversion takes a minute). ``lite``: where the
+    directory allows it (selfspec_cli/lite.py), read it without transformers: a model for selfspec's
+    engine only (no Hugging Face forward), in a fraction of the time."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    where = resolve_model_path(spec, log)
+    if lite and lite_reason(where) is None:
+        try:
+            return load_lite_model(where, dt, dev), LiteTokenizer(where)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr is for selfspec's own progress
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    where = resolve_model_path(spec, log)
     if not Path(str(where)).exists():
         _check_hub_reachable(str(where))
     try:

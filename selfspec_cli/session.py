@@ -85,12 +85,15 @@ class Session:
     parameters: int = 0  # counted at load: a block target may release the float tensors later
 
     @classmethod
-    def open(cls, model: str | None, *, dtype: str = "auto", device: str = "auto", chat_template: bool = True) -> Session:
-        """Load ``model`` (a name, directory, hub id or .gguf; None: the default) on ``device`` in ``dtype``."""
+    def open(cls, model: str | None, *, dtype: str = "auto", device: str = "auto", chat_template: bool = True,
+             lite: bool = False) -> Session:
+        """Load ``model`` (a name, directory, hub id or .gguf; None: the default) on ``device`` in ``dtype``;
+        ``lite``: without transformers where the directory allows (selfspec_cli/lite.py: for commands that
+        decode with selfspec's engine only)."""
         dev = resolve_device(device)
         if dev.type == "cpu" and resolve_dtype(dtype, dev) != torch.float32:
             print(CPU_HALF_NOTE.format(dtype=dtype), file=sys.stderr)
-        mdl, tok = load_model(model, dtype=dtype, device=device)
+        mdl, tok = load_model(model, dtype=dtype, device=device, lite=lite)
         return cls(mdl, tok, chat_template, model, dtype, device, sum(p.numel() for p in mdl.parameters()))
 
     @property

@@ -47,7 +47,7 @@ ROOT = "selfspec_cli"
 
 # rank: a package may import packages of strictly lower rank (and itself)
 RANK = {"cli": 4, "bench": 3, "methods": 2, "decoding": 1, "engine": 0}
-SHARED = {"config", "errors", "paths", "artifacts", "loading", "prompts", "runtime", "jsonio", "heap", "session"}
+SHARED = {"config", "errors", "paths", "artifacts", "loading", "lite", "prompts", "runtime", "jsonio", "heap", "session"}
 ENTRY = {"__main__"}  # `python -m selfspec_cli`: the command line's entry point, may import cli
 NOT_FROM_SHARED = {"cli", "bench", "methods"}
 # third-party module -> the packages (or folders) allowed to import it

@@ -49,7 +49,7 @@ def chat(
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     apply_threads(threads)
     check_device(dtype, device)
-    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template)
+    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
     cfg = session.generation(cfg)
     engine = session.engine(target_precision)
     meth = build(method, engine, session.tokenizer, None)

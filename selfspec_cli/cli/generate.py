@@ -72,7 +72,7 @@ def generate(
     check_device(dtype, device)  # a bad --dtype or --device before anything is read
     check_layer_ids(method_cfg, config_num_layers(model))  # from config.json: no weights loaded yet
 
-    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template)
+    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
     cfg = session.generation(cfg)
     session.check_fits(prompts, cfg)
     engine = session.engine(target_precision)

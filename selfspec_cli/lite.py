@@ -1,0 +1,284 @@
+"""A model and tokenizer read without transformers: the fast start of ``generate`` and ``chat``.
+
+Importing transformers and building its model and tokenizer takes about 4 s on a 2-core machine,
+several times the decode of a short answer (docs/engine.md, "Start-up"). selfspec's engine needs
+none of transformers' modules: only the weights under their names, the config's numbers, the
+rotary table, and a tokenizer. For a local Hugging Face directory of a Llama-architecture model
+(the default model's converted cache and the shipped code model among them) this module builds:
+
+* :class:`LiteConfig`: config.json's fields, with transformers' defaults for the ones the engine
+  reads (``head_dim``, ``num_key_value_heads``); ``to_dict()`` as transformers gives it for those;
+* :class:`LiteLlama`: a plain ``torch.nn.Module`` tree with transformers' parameter names
+  (``model.layers.<i>.self_attn.q_proj.weight``, ...; a tied head is the embedding's Parameter),
+  the safetensors tensors assigned without a copy beyond the dtype cast, and a rotary module that
+  computes cos and sin as transformers' ``LlamaRotaryEmbedding`` does (default and ``llama3``
+  scaling), so the engine, the model's fingerprint and every artifact see the very same model;
+* :class:`LiteTokenizer`: the ``tokenizers`` library's own tokenizer from tokenizer.json (what
+  transformers wraps), and the chat template rendered with jinja2 as transformers renders it.
+
+Invariants (tests/test_lite.py, against transformers on the same directories): the same
+fingerprint, the same rotary tables bit for bit, the same tokens for text and chat turns, the
+same decoded text. Anything else (another architecture or rope type, several weight files, a
+hub id, ``SELFSPEC_LITE=0``) loads through transformers (:func:`lite_reason` says why).
+The lite model cannot run Hugging Face's forward or ``generate``: the bench's peers load the
+transformers model.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+LITE_TYPES = ("llama",)
+ROPE_TYPES = ("default", "llama3")
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rotary parameters as transformers 5 normalizes them (``rope_parameters``, else the older
+    ``rope_theta`` and ``rope_scaling``)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
+def lite_reason(where: str | os.PathLike) -> str | None:
+    """Why the directory ``where`` does not load without transformers (None: it does)."""
+    if os.environ.get("SELFSPEC_LITE") == "0":
+        return "SELFSPEC_LITE=0"
+    d = Path(where)
+    if not d.is_dir():
+        return "not a local directory"
+    cfg = _read_json(d / "config.json")
+    if cfg.get("model_type") not in LITE_TYPES:
+        return f"model type {cfg.get('model_type')!r} (lite: {', '.join(LITE_TYPES)})"
+    if _rope(cfg)["rope_type"] not in ROPE_TYPES:
+        return f"rope type {_rope(cfg)['rope_type']!r}"
+    if cfg.get("quantization_config") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        return "quantized weights or biases"
+    for name in ("model.safetensors", "tokenizer.json"):
+        if not (d / name).is_file():
+            return f"no {name}"
+    if not (importlib_available("tokenizers") and importlib_available("safetensors")):
+        return "tokenizers or safetensors is not installed"
+    return None
+
+
+def importlib_available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+class LiteConfig:
+    """config.json as attributes (what the engine and the artifacts read)."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        f = dict(fields)
+        f.setdefault("num_key_value_heads", f["num_attention_heads"])
+        if f.get("head_dim") is None:
+            f["head_dim"] = f["hidden_size"] // f["num_attention_heads"]
+        f.setdefault("tie_word_embeddings", False)
+        f.setdefault("hidden_act", "silu")
+        f.setdefault("rms_norm_eps", 1e-6)
+        f.setdefault("max_position_embeddings", 2048)
+        f["rope_parameters"] = _rope(f)
+        self.__dict__.update(f)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Weight(nn.Module):
+    """A module that holds one weight (a norm's, an embedding's, a bias-free projection's), made without
+    initializing it (torch's own layers run an init, which on the meta device imports torch._dynamo:
+    1.6 s); the loaded tensor is assigned to it."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+        self.bias = None
+
+
+def _Norm(size: int) -> _Weight:
+    return _Weight(size)
+
+
+def _linear(n_in: int, n_out: int) -> _Weight:
+    return _Weight(n_out, n_in)
+
+
+class LiteRotary(nn.Module):
+    """cos and sin of the rotary embedding, computed as transformers' ``LlamaRotaryEmbedding``:
+    float32 inverse frequencies (``default``, or ``llama3``'s smoothed scaling), a float32 product with
+    the positions, ``cat(freqs, freqs)``, then cos and sin cast to the input's dtype."""
+
+    def __init__(self, cfg: LiteConfig) -> None:
+        super().__init__()
+        rope, dim = cfg.rope_parameters, cfg.head_dim
+        base = float(rope["rope_theta"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        if rope["rope_type"] == "llama3":
+            inv_freq = _llama3(inv_freq, rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = 1.0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+        pos = position_ids[:, None, :].float()
+        freqs = (inv.float() @ pos.float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency scaling, as transformers' ``_compute_llama3_parameters``."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: LiteConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.self_attn = nn.Module()
+        for name, n_out in (("q_proj", cfg.num_attention_heads * d), ("k_proj", cfg.num_key_value_heads * d),
+                            ("v_proj", cfg.num_key_value_heads * d)):
+            setattr(self.self_attn, name, _linear(h, n_out))
+        self.self_attn.o_proj = _linear(cfg.num_attention_heads * d, h)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj, self.mlp.up_proj = _linear(h, cfg.intermediate_size), _linear(h, cfg.intermediate_size)
+        self.mlp.down_proj = _linear(cfg.intermediate_size, h)
+        self.input_layernorm, self.post_attention_layernorm = _Norm(h), _Norm(h)
+
+
+class LiteLlama(nn.Module):
+    """A Llama-architecture causal LM's weights under transformers' names, for selfspec's engine."""
+
+    def __init__(self, cfg: LiteConfig, name_or_path: str, eos_token_id: Any) -> None:
+        super().__init__()
+        self.config, self.name_or_path = cfg, name_or_path
+        self.generation_config = type("GenerationConfig", (), {"eos_token_id": eos_token_id})()
+        self.model = nn.Module()
+        self.model.embed_tokens = _Weight(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.model.norm = _Norm(cfg.hidden_size)
+        self.model.rotary_emb = LiteRotary(cfg)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a lite model runs in selfspec's engine only (SELFSPEC_LITE=0 loads transformers')")
+
+
+def load_lite_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> LiteLlama:
+    """The model in ``where`` (see :func:`lite_reason`) with its weights in ``dtype`` on ``device``."""
+    from safetensors.torch import load_file
+
+    d = Path(where)
+    cfg = LiteConfig(_read_json(d / "config.json"))
+    gen = _read_json(d / "generation_config.json")
+    model = LiteLlama(cfg, str(where), gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
+    state = {k: v.to(device=device, dtype=dtype) for k, v in load_file(str(d / "model.safetensors")).items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match a {cfg.model_type} model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+class LiteTokenizer:
+    """tokenizer.json through the ``tokenizers`` library, and the chat template through jinja2, as
+    transformers' tokenizer does for these directories."""
+
+    def __init__(self, where: str | os.PathLike) -> None:
+        from tokenizers import Tokenizer
+
+        d = Path(where)
+        self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = _read_json(d / "tokenizer_config.json")
+        self._special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()
+                         if k.endswith("_token") and isinstance(v, (str, dict))}
+        template = d / "chat_template.jinja"
+        self.chat_template: str | None = template.read_text(encoding="utf-8") if template.is_file() else cfg.get("chat_template")
+        self._clean_up = bool(cfg.get("clean_up_tokenization_spaces", False))
+        self._compiled: Any = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self._special.get("eos_token")
+        return None if eos is None else self._tok.token_to_id(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(a, b)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> Any:
+        if self._compiled is None:
+            self._compiled = _jinja_env().from_string(self.chat_template)
+        text = self._compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                     **self._special)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _jinja_env() -> Any:
+    """The environment transformers renders chat templates in: sandboxed, trimmed blocks, loop controls,
+    and its two helpers."""
+    import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
