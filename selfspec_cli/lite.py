@@ -201,7 +201,8 @@ def load_lite_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
     from safetensors.torch import load_file
 
     d = Path(where)
-    cfg = LiteConfig(_read_json(d / "config.json"))
+    # where it was loaded from, as transformers records it (artifacts are named after it)
+    cfg = LiteConfig({**_read_json(d / "config.json"), "name_or_path": str(where), "_name_or_path": str(where)})
     gen = _read_json(d / "generation_config.json")
     model = LiteLlama(cfg, str(where), gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
     state = {k: v.to(device=device, dtype=dtype) for k, v in load_file(str(d / "model.safetensors")).items()}

@@ -33,7 +33,10 @@ def _both(where):
 
 
 def _check_same_model(hf_model, lite_model, ids: list[int]) -> None:
+    from selfspec_cli.artifacts import model_name
+
     assert model_fingerprint(lite_model) == model_fingerprint(hf_model)
+    assert model_name(lite_model) == model_name(hf_model)  # artifacts are named after it
     a, b = Engine(hf_model), Engine(lite_model)
     for kind in a.adapter.rope_kinds:
         assert all(torch.equal(x, y) for x, y in zip(a.adapter.rope_table(300, kind), b.adapter.rope_table(300, kind)))
