@@ -112,22 +112,14 @@ class StaticForward:
                 or head is not None or weights is not None or kv_window is not None):
             return self._fallback()
         t = int(input_ids.shape[0])
-        first = positions if isinstance(positions, int) else None
-        if tree_mask is None and first is None:
-            return self._fallback()  # explicit positions without a tree
-        if tree_mask is not None and first is not None:
-            return self._fallback()
         run = [l for l in range(e.num_layers) if l not in skip_attn]
-        n = cache.length(run[0]) if run else 0
-        if any(cache.length(l) != n or cache.last_position(l) != n - 1 for l in run):
-            return self._fallback()  # not dense: slots are not positions
-        if first is not None and first != n:
-            return self._fallback()
-        if tree_mask is not None and int(positions[0]) != n:
+        n = self._dense_length(cache, run)
+        # a chain from the first free slot, or a tree whose root takes it; else (holes, explicit positions) eager
+        first = positions if isinstance(positions, int) else (int(positions[0]) if tree_mask is not None else None)
+        if n is None or first != n or (tree_mask is None) != isinstance(positions, int):
             return self._fallback()
         cache.ensure_capacity(n + t + self.rows)  # the real rows' slots, below the padding rows' last R
-        need_rope = n + t + self.rows
-        e.ensure_rope(need_rope)
+        e.ensure_rope(n + t + self.rows)
         key_sets = (frozenset(skip_attn), frozenset(skip_mlp), frozenset(output_hidden), bool(attn_cosine),
                     tree_mask is not None)
         logits, hiddens, at, cos_sum = [], [], {l: [] for l in output_hidden}, None
@@ -163,6 +155,12 @@ class StaticForward:
             out_logits = full[-1:] if not want_all else full[logits_rows]
         return (out_logits, torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0],
                 {l: torch.cat(v) if len(v) > 1 else v[0] for l, v in at.items()}, None if cos_sum is None else cos_sum / t)
+
+    @staticmethod
+    def _dense_length(cache: KVCache, run: list[int]) -> int | None:
+        """The length every layer in ``run`` holds with slot == position (0..n-1), or None (not dense)."""
+        n = cache.length(run[0]) if run else 0
+        return None if any(cache.length(l) != n or cache.last_position(l) != n - 1 for l in run) else n
 
     def _tree_chunk(self, cap: int, n: int, s: int, m: int, tree_mask: torch.Tensor) -> None:
         """The mask of a tree's rows ``s..s+m-1``: the cached prefix (slots below ``n``) and their ancestors
