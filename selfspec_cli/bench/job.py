@@ -355,7 +355,10 @@ class _Run:
 def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
     """Load the model, build the contenders, time them and write the results (rank 0 under torchrun;
     the other ranks return None)."""
-    session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template)
+    # without transformers where no Hugging Face peer runs in this process (selfspec_cli/lite.py): its
+    # modules and tokenizer hold about 170 MB that no selfspec contender reads
+    lite = not any(n in PEERS for n in plan.names)
+    session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template, lite=lite)
     cfg = session.generation(plan.cfg)
     session.check_fits(plan.prompts, cfg)
     ranks = plan.ranks

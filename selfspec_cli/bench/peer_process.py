@@ -67,7 +67,7 @@ def _serve(conn: Any, spec: PeerSpec) -> None:
         torch.set_num_threads(spec.threads)
         governor.AUTO.clear()
         governor.AUTO.update(spec.governor)
-        mdl, tok = load_model(spec.model, dtype=spec.dtype, device=spec.device, log=None)
+        mdl, tok = load_model(spec.model, dtype=spec.dtype, device=spec.device, log=None, lite=True)  # our engine only
         engine = Engine(mdl, target_precision=spec.target_precision)
         method = build("ar", engine, tok)
         engine.release_float_weights(panels=True)  # plain decoding reads the packed panels only

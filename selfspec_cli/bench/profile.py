@@ -103,7 +103,7 @@ def _calibrated(layers: Path | None, model: Any, log: Callable[[str], None]) -> 
 def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
         progress: Callable[[], Any]) -> dict[str, Any]:
     """Load the model, measure, write profile.json (and the plots); returns what profile.json holds."""
-    session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template)
+    session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template, lite=True)
     mdl = session.model
     engine = session.engine(req.target_precision)
     ids = session.encode_first_turns(plan.prompts)
