@@ -54,9 +54,10 @@ from .plots import pyplot, save_figure
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
 
 
-def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s) on ``device``
+    (the engine's: a GPU's floor is its own memory's, not the host's)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     buf.sum()  # touch every page before timing
     return nbytes / min(timed(buf.sum, buf.device)[1] for _ in range(repeats)) / 1e9
 
@@ -159,7 +160,7 @@ def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
                  on_round: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """The floor and the measured costs in one record (what profile.json and bench's
     ``engine_costs`` hold): bandwidth, weight bytes, floor, T(1), v(k), c(r), LM head share."""
-    bw = read_bandwidth_gbs()
+    bw = read_bandwidth_gbs(device=engine.device)
     wbytes = weight_bytes(engine)
     floor_ms = wbytes / (bw * 1e9) * 1e3
     vocab = fr_spec.resolve("auto", engine.model)  # this model's FR-Spec draft vocabulary, if calibrated
