@@ -359,3 +359,43 @@ def test_swift_search_keeps_to_its_budget(monkeypatch):
     assert not scored
     _swift(eng, optimize_budget=1.0).generate(prompt, cfg)
     assert scored
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_swift_gaussian_process_is_scikit_learns(seed):
+    """SWIFT's Matern-5/2 regressor (NumPy) against scikit-learn's GaussianProcessRegressor with the
+    same kernel, noise and normalization, on binary candidates like SWIFT's: a length scale at least as
+    likely, and then the same predictions and the same UCB pick."""
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import Matern
+
+    from selfspec_cli.methods.swift import MaternGP
+
+    rng = np.random.default_rng(seed)
+    P, k, n = 12, 4, 8 + 4 * seed  # SWIFT-like: few sublayers, k of them skipped, 8-28 observations
+    X = np.zeros((n, P))
+    for row in X:
+        row[rng.choice(P, k, replace=False)] = 1.0
+    y = rng.random(n)
+    Xs = np.zeros((64, P))
+    for row in Xs:
+        row[rng.choice(P, k, replace=False)] = 1.0
+    sk = GaussianProcessRegressor(kernel=Matern(nu=2.5), alpha=1e-2, normalize_y=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        sk.fit(X, y)
+    ours = MaternGP().fit(X, y)
+    sk_length = float(sk.kernel_.length_scale)
+    # its length scale is at least as likely as the one scikit-learn's optimizer stops at
+    assert ours._lml(np.log(ours.length)) >= ours._lml(np.log(sk_length)) - 1e-6
+    assert ours._lml(np.log(sk_length)) == pytest.approx(sk.log_marginal_likelihood_value_, abs=1e-6)
+    # and at that length scale its posterior is scikit-learn's, to rounding, and so is the UCB pick
+    fixed = GaussianProcessRegressor(kernel=Matern(length_scale=ours.length, length_scale_bounds="fixed", nu=2.5),
+                                     alpha=1e-2, normalize_y=True, optimizer=None).fit(X, y)
+    mu, sd = ours.predict(Xs)
+    smu, ssd = fixed.predict(Xs, return_std=True)
+    assert np.allclose(mu, smu, rtol=1e-6, atol=1e-9) and np.allclose(sd, ssd, rtol=1e-5, atol=1e-9)
+    assert int(np.argmax(mu + 2.0 * sd)) == int(np.argmax(smu + 2.0 * ssd))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import random
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +75,69 @@ class SwiftConfig(LayerSkipOptions):
         require(self.tree_nodes is None or self.tree_nodes >= 1, "tree_nodes", ">= 1", self.tree_nodes)
 
 
+class MaternGP:
+    """Gaussian-process regression with a Matern (nu = 5/2) kernel of one length scale, observation
+    noise ``alpha`` on the diagonal and standardized targets: what scikit-learn's
+    ``GaussianProcessRegressor(kernel=Matern(nu=2.5), alpha=1e-2, normalize_y=True)`` computes, in
+    NumPy. The length scale maximizes the log marginal likelihood over ``[1e-5, 1e5]`` (a grid in
+    log space, then golden-section refinement around its best point; scikit-learn climbs from 1 with
+    L-BFGS-B), so it is at least as likely as scikit-learn's. Written out because importing
+    scikit-learn's regressor holds about 140 MB of libraries for the rest of a decoding process.
+    tests/test_speculative.py checks it against scikit-learn."""
+
+    LOG_BOUNDS = (np.log(1e-5), np.log(1e5))
+
+    def __init__(self, alpha: float = 1e-2) -> None:
+        self.alpha = alpha
+
+    @staticmethod
+    def kernel(a: np.ndarray, b: np.ndarray, length: float) -> np.ndarray:
+        d = np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0.0)) / length * np.sqrt(5.0)
+        return (1.0 + d + d * d / 3.0) * np.exp(-d)
+
+    def _lml(self, log_length: float) -> float:
+        k = self.kernel(self.x, self.x, float(np.exp(log_length))) + self.alpha * np.eye(len(self.x))
+        try:
+            chol = np.linalg.cholesky(k)
+        except np.linalg.LinAlgError:
+            return -np.inf
+        a = np.linalg.solve(chol.T, np.linalg.solve(chol, self.yn))
+        return float(-0.5 * self.yn @ a - np.log(np.diag(chol)).sum() - 0.5 * len(self.x) * np.log(2 * np.pi))
+
+    def fit(self, x: np.ndarray, y: np.ndarray) -> MaternGP:
+        self.x = np.asarray(x, dtype=float)
+        y = np.asarray(y, dtype=float)
+        self.y_mean, self.y_std = float(y.mean()), float(y.std())
+        if self.y_std == 0.0:
+            self.y_std = 1.0
+        self.yn = (y - self.y_mean) / self.y_std
+        lo, hi = self.LOG_BOUNDS
+        grid = np.linspace(lo, hi, 101)
+        vals = [self._lml(g) for g in grid]
+        i = int(np.argmax(vals))
+        a, b = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+        ratio = (np.sqrt(5.0) - 1) / 2
+        for _ in range(40):  # golden section on the bracket around the grid's best
+            c, d = b - ratio * (b - a), a + ratio * (b - a)
+            if self._lml(c) >= self._lml(d):
+                b = d
+            else:
+                a = c
+        best = max((grid[i], (a + b) / 2), key=self._lml)
+        self.length = float(np.exp(best))
+        k = self.kernel(self.x, self.x, self.length) + self.alpha * np.eye(len(self.x))
+        self.chol = np.linalg.cholesky(k)
+        self.weights = np.linalg.solve(self.chol.T, np.linalg.solve(self.chol, self.yn))
+        return self
+
+    def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and standard deviation at the rows of ``x``, in the targets' units."""
+        ks = self.kernel(np.asarray(x, dtype=float), self.x, self.length)
+        v = np.linalg.solve(self.chol, ks.T)
+        var = np.maximum(1.0 - (v * v).sum(0), 0.0)
+        return ks @ self.weights * self.y_std + self.y_mean, np.sqrt(var) * self.y_std
+
+
 class SwiftSearch(SkipSource):
     """SWIFT's skip set, searched while decoding (see the module docstring), scored over the
     draft's own ``weights`` (None: the target's)."""
@@ -83,8 +145,6 @@ class SwiftSearch(SkipSource):
     adapts = True
 
     def __init__(self, engine: Engine, config: SwiftConfig, weights: str | None) -> None:
-        import sklearn.gaussian_process  # noqa: F401  (a slow first import; keep it out of timed decoding)
-
         self.config, self.weights = config, weights
         L = engine.num_layers
         if L < 4:
@@ -135,10 +195,6 @@ class SwiftSearch(SkipSource):
         """GP-UCB over binary candidates with exactly k ones: random subsets plus
         one-swap neighbours of the best set (the acquisition is maximized over
         candidates that can actually be run, instead of rounding a continuous point)."""
-        from sklearn.exceptions import ConvergenceWarning
-        from sklearn.gaussian_process import GaussianProcessRegressor
-        from sklearn.gaussian_process.kernels import Matern
-
         P = len(self.pool)
         obs = [(c, s) for c, s in self.observations if len(c) == self.k]
         if len(obs) < 3:
@@ -151,11 +207,8 @@ class SwiftSearch(SkipSource):
 
         X = np.stack([onehot(c) for c, _ in obs])
         y = np.array([s for _, s in obs])
-        gp = GaussianProcessRegressor(kernel=Matern(nu=2.5), alpha=1e-2, normalize_y=True,
-                                      random_state=self.rng.randrange(2**31))
-        with warnings.catch_warnings():  # a length scale at its bound is expected with few points
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            gp.fit(X, y)
+        self.rng.randrange(2**31)  # (the draw the regressor's seed took: the candidates' stream is unchanged)
+        gp = MaternGP().fit(X, y)
         cands = {self._random_candidate() for _ in range(512)}
         best = list(self.best) if len(self.best) == self.k else list(self._random_candidate())
         cands |= {tuple(sorted([x for x in best if x != a] + [b])) for a in best for b in range(P) if b not in best}
@@ -163,7 +216,7 @@ class SwiftSearch(SkipSource):
         if not cands:
             return self._random_candidate()
         cl = sorted(cands)
-        mu, sd = gp.predict(np.stack([onehot(c) for c in cl]), return_std=True)
+        mu, sd = gp.predict(np.stack([onehot(c) for c in cl]))
         return cl[int(np.argmax(mu + self.config.ucb_kappa * sd))]
 
     def _optimization_step(self, state: DecodeState) -> None:
