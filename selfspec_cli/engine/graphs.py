@@ -14,8 +14,8 @@ Invariants:
   depend on how many real rows share its forward: a k-row verification equals k one-row steps bit
   for bit in any dtype, bf16 included (the matrix products and attention pick their kernel by
   shape; with one shape they pick one). Padding rows never touch a real row: each row attends only
-  the slots its mask allows, and a padding row writes K/V only past every real row's slot, where a
-  later real row overwrites it before anything reads it.
+  the slots its mask allows, and a padding row writes its K/V into the buffer's last ``R`` slots,
+  which no real row uses (a forward first makes room for its rows below them).
 * **slot == position.** A forward is taken here only when every layer it runs holds exactly the
   positions ``0..n-1`` in slots ``0..n-1`` (a dense cache; a tree's nodes sit at ``n..n+T-1`` and
   attend by the tree's mask, in ``R``-row chunks when it is wider). Anything else (holes,
@@ -78,7 +78,7 @@ class StaticForward:
         """A K and a V buffer of at least ``capacity`` slots (plus the padding rows), reused from an earlier
         cache that is gone, so that its captured graphs serve the new cache too."""
         need = capacity + self.rows
-        for i, (holder, k, v) in enumerate(self._buffers):
+        for holder, k, v in self._buffers:
             if (holder is None or holder() is None) and k.shape[2] >= need:
                 return k, v
         cap = -(-need // CAPACITY_STEP) * CAPACITY_STEP

@@ -29,6 +29,9 @@ range of layers ``[start, end)``:
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
 * :meth:`Engine.release_float_weights` frees the float matrices a block target no longer
   reads (the embedding rows then come from the head's own blocks, exactly);
+* on a GPU a forward first goes through the fixed-shape path (engine/graphs.py,
+  :meth:`Engine.fixed_forward`: padded rows, the whole KV buffer, one CUDA graph per sublayer
+  set); what it does not take runs the loop here;
 * hidden states (residual stream after layer ``l``) are returned for the layers in
   ``output_hidden`` and logits only for the rows in ``logits_rows``, over the whole
   vocabulary or over a subset's ``head`` (:meth:`Engine.subset_head`).
