@@ -3,12 +3,14 @@
 Importing transformers and building its model and tokenizer takes about 4 s on a 2-core machine,
 several times the decode of a short answer (docs/engine.md, "Start-up"). selfspec's engine needs
 none of transformers' modules: only the weights under their names, the config's numbers, the
-rotary table, and a tokenizer. For a local Hugging Face directory of a Llama-architecture model
-(the default model's converted cache and the shipped code model among them) this module builds:
+rotary table, and a tokenizer. For a local Hugging Face directory of a Llama, Mistral, Qwen2 or
+Qwen3 model (the default model's converted cache and the shipped code model among them) this
+module builds:
 
 * :class:`LiteConfig`: config.json's fields, with transformers' defaults for the ones the engine
   reads (``head_dim``, ``num_key_value_heads``); ``to_dict()`` as transformers gives it for those;
-* :class:`LiteLlama`: a plain ``torch.nn.Module`` tree with transformers' parameter names
+* :class:`LiteLlama`: a plain ``torch.nn.Module`` tree with transformers' parameter names and
+  biases
   (``model.layers.<i>.self_attn.q_proj.weight``, ...; a tied head is the embedding's Parameter),
   the safetensors tensors assigned without a copy beyond the dtype cast, and a rotary module that
   computes cos and sin as transformers' ``LlamaRotaryEmbedding`` does (default and ``llama3``
@@ -34,8 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-LITE_TYPES = ("llama",)
+LITE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' tokenizer.json-only classes
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -64,11 +67,19 @@ def lite_reason(where: str | os.PathLike) -> str | None:
         return f"model type {cfg.get('model_type')!r} (lite: {', '.join(LITE_TYPES)})"
     if _rope(cfg)["rope_type"] not in ROPE_TYPES:
         return f"rope type {_rope(cfg)['rope_type']!r}"
-    if cfg.get("quantization_config") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        return "quantized weights or biases"
+    if cfg.get("quantization_config"):
+        return "quantized weights"
+    if cfg.get("model_type") in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and not cfg.get("layer_types"):
+        return "sliding windows without layer_types (transformers derives them)"
     for name in ("model.safetensors", "tokenizer.json"):
         if not (d / name).is_file():
             return f"no {name}"
+    # the tokenizers library's own pipeline is transformers' only for its generic backend; a class of its
+    # own (Qwen2Tokenizer, LlamaTokenizer, ...) may build another pre-tokenizer from the vocabulary, and
+    # transformers 5 tokenizes every qwen2 model with Qwen2Tokenizer whatever the file names
+    tok_class = _read_json(d / "tokenizer_config.json").get("tokenizer_class")
+    if tok_class not in GENERIC_TOKENIZERS or cfg.get("model_type") == "qwen2":
+        return f"tokenizer class {tok_class!r} with model type {cfg.get('model_type')!r} (lite: the generic backend)"
     if not (importlib_available("tokenizers") and importlib_available("safetensors")):
         return "tokenizers or safetensors is not installed"
     return None
@@ -85,13 +96,20 @@ class LiteConfig:
 
     def __init__(self, fields: dict[str, Any]) -> None:
         f = dict(fields)
-        f.setdefault("num_key_value_heads", f["num_attention_heads"])
-        if f.get("head_dim") is None:
+        if f.get("num_key_value_heads") is None:
+            f["num_key_value_heads"] = f["num_attention_heads"]
+        # head_dim as transformers' config holds it (the fingerprint reads it): Llama and Mistral compute
+        # a missing one, Qwen3 defaults to 128, Qwen2 keeps none
+        if f.get("model_type") in ("llama", "mistral") and f.get("head_dim") is None:
             f["head_dim"] = f["hidden_size"] // f["num_attention_heads"]
+        elif f.get("model_type") == "qwen3":
+            f.setdefault("head_dim", 128)
         f.setdefault("tie_word_embeddings", False)
         f.setdefault("hidden_act", "silu")
         f.setdefault("rms_norm_eps", 1e-6)
         f.setdefault("max_position_embeddings", 2048)
+        if f.get("model_type") == "mistral":
+            f.setdefault("sliding_window", 4096)  # transformers' MistralConfig default
         f["rope_parameters"] = _rope(f)
         self.__dict__.update(f)
 
@@ -104,18 +122,28 @@ class _Weight(nn.Module):
     initializing it (torch's own layers run an init, which on the meta device imports torch._dynamo:
     1.6 s); the loaded tensor is assigned to it."""
 
-    def __init__(self, *shape: int) -> None:
+    def __init__(self, *shape: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
-        self.bias = None
+        self.bias = nn.Parameter(torch.empty(shape[0], device="meta"), requires_grad=False) if bias else None
 
 
 def _Norm(size: int) -> _Weight:
     return _Weight(size)
 
 
-def _linear(n_in: int, n_out: int) -> _Weight:
-    return _Weight(n_out, n_in)
+def _linear(n_in: int, n_out: int, bias: bool = False) -> _Weight:
+    return _Weight(n_out, n_in, bias=bias)
+
+
+def _biases(cfg: LiteConfig) -> tuple[bool, bool, bool]:
+    """Which projections carry a bias, as transformers builds each architecture: (q/k/v, o, MLP)."""
+    if cfg.model_type == "qwen2":
+        return True, False, False
+    if cfg.model_type == "mistral":
+        return False, False, False
+    attn = bool(getattr(cfg, "attention_bias", False))
+    return attn, attn, bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"
 
 
 class LiteRotary(nn.Module):
@@ -125,7 +153,7 @@ class LiteRotary(nn.Module):
 
     def __init__(self, cfg: LiteConfig) -> None:
         super().__init__()
-        rope, dim = cfg.rope_parameters, cfg.head_dim
+        rope, dim = cfg.rope_parameters, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         base = float(rope["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
         if rope["rope_type"] == "llama3":
@@ -158,20 +186,24 @@ def _llama3(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
 class _Layer(nn.Module):
     def __init__(self, cfg: LiteConfig) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d, i = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, cfg.intermediate_size
+        qkv_bias, o_bias, mlp_bias = _biases(cfg)
         self.self_attn = nn.Module()
         for name, n_out in (("q_proj", cfg.num_attention_heads * d), ("k_proj", cfg.num_key_value_heads * d),
                             ("v_proj", cfg.num_key_value_heads * d)):
-            setattr(self.self_attn, name, _linear(h, n_out))
-        self.self_attn.o_proj = _linear(cfg.num_attention_heads * d, h)
+            setattr(self.self_attn, name, _linear(h, n_out, qkv_bias))
+        self.self_attn.o_proj = _linear(cfg.num_attention_heads * d, h, o_bias)
+        if cfg.model_type == "qwen3":  # RMSNorm of each head's q and k before the rotary
+            self.self_attn.q_norm, self.self_attn.k_norm = _Norm(d), _Norm(d)
         self.mlp = nn.Module()
-        self.mlp.gate_proj, self.mlp.up_proj = _linear(h, cfg.intermediate_size), _linear(h, cfg.intermediate_size)
-        self.mlp.down_proj = _linear(cfg.intermediate_size, h)
+        self.mlp.gate_proj, self.mlp.up_proj = _linear(h, i, mlp_bias), _linear(h, i, mlp_bias)
+        self.mlp.down_proj = _linear(i, h, mlp_bias)
         self.input_layernorm, self.post_attention_layernorm = _Norm(h), _Norm(h)
 
 
 class LiteLlama(nn.Module):
-    """A Llama-architecture causal LM's weights under transformers' names, for selfspec's engine."""
+    """A Llama-architecture causal LM's weights under transformers' names, for selfspec's engine (Mistral,
+    Qwen2 and Qwen3 are the same tree with their biases, windows and per-head q/k norms)."""
 
     def __init__(self, cfg: LiteConfig, name_or_path: str, eos_token_id: Any) -> None:
         super().__init__()
