@@ -39,7 +39,6 @@ from torch import nn
 LITE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' tokenizer.json-only classes
-DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -62,7 +61,10 @@ def lite_reason(where: str | os.PathLike) -> str | None:
     d = Path(where)
     if not d.is_dir():
         return "not a local directory"
-    cfg = _read_json(d / "config.json")
+    try:
+        cfg, tok_cfg = _read_json(d / "config.json"), _read_json(d / "tokenizer_config.json")
+    except (OSError, ValueError) as exc:  # transformers' loader says what is wrong with the file
+        return f"unreadable config ({type(exc).__name__})"
     if cfg.get("model_type") not in LITE_TYPES:
         return f"model type {cfg.get('model_type')!r} (lite: {', '.join(LITE_TYPES)})"
     if _rope(cfg)["rope_type"] not in ROPE_TYPES:
@@ -77,15 +79,15 @@ def lite_reason(where: str | os.PathLike) -> str | None:
     # the tokenizers library's own pipeline is transformers' only for its generic backend; a class of its
     # own (Qwen2Tokenizer, LlamaTokenizer, ...) may build another pre-tokenizer from the vocabulary, and
     # transformers 5 tokenizes every qwen2 model with Qwen2Tokenizer whatever the file names
-    tok_class = _read_json(d / "tokenizer_config.json").get("tokenizer_class")
+    tok_class = tok_cfg.get("tokenizer_class")
     if tok_class not in GENERIC_TOKENIZERS or cfg.get("model_type") == "qwen2":
         return f"tokenizer class {tok_class!r} with model type {cfg.get('model_type')!r} (lite: the generic backend)"
-    if not (importlib_available("tokenizers") and importlib_available("safetensors")):
+    if not (_available("tokenizers") and _available("safetensors")):
         return "tokenizers or safetensors is not installed"
     return None
 
 
-def importlib_available(name: str) -> bool:
+def _available(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None

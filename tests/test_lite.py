@@ -103,6 +103,10 @@ def test_what_does_not_read_without_transformers_says_why(tmp_path, tiny_tokeniz
     assert lite_reason(tmp_path / "llama") == "no tokenizer.json"
     tiny_tokenizer.save_pretrained(tmp_path / "llama")
     assert lite_reason(tmp_path / "llama") is None
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    assert lite_reason(bad) == "unreadable config (JSONDecodeError)"
     monkeypatch.setenv("SELFSPEC_LITE", "0")
     assert lite_reason(tmp_path / "llama") == "SELFSPEC_LITE=0"
 
