@@ -267,6 +267,17 @@ def test_hf_assisted_peers_match_greedy_and_report_steps(tiny, peer):
     assert metrics.mean_accepted_length([{"stats": st}]) >= 1.0
 
 
+@pytest.mark.parametrize("peer", ["hf", "hf-static"])
+def test_hf_plain_peers_match_greedy_one_token_a_forward(tiny, peer):
+    """Plain ``generate``, with the dynamic cache and with the static one (compiled on a GPU only)."""
+    model, engine = tiny
+    cfg = GenerationConfig(max_new_tokens=12, eos_token_ids=())
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    got = make_peer(peer, model).generate(prompt, cfg)
+    assert got.token_ids == build("ar", engine, None).generate(prompt, cfg).token_ids
+    assert got.stats.accept_lengths == [1] * 12 and got.stats.drafted_tokens == 0
+
+
 def test_hf_assisted_peer_with_a_second_model(tiny):
     model, engine = tiny
     draft = make_tiny_model("llama-gqa", seed=1, layers=2)  # same vocabulary, different weights
