@@ -5,7 +5,8 @@ replayed as CUDA graphs (engine/graphs.py) on the shipped code model, in float32
   which is what makes every lossless method exact in bf16 on the GPU (trees are verified as chains
   there: Engine.exact_trees);
 * plain decoding and the layer-skip, n-gram and auto methods give the very tokens of ``ar``, with
-  every forward of plain decoding replayed from a graph (no eager fallback).
+  every forward of plain decoding replayed from a graph (no eager fallback);
+* the model read without transformers (selfspec_cli/lite.py) is transformers' on the device too.
 """
 from __future__ import annotations
 
@@ -66,3 +67,19 @@ def test_lossless_methods_give_the_tokens_of_ar(code_model, name):
     for text in prompts:
         ids = _ids(tok, text)
         assert method.generate(ids, cfg).token_ids == ar.generate(ids, cfg).token_ids, (name, text)
+
+
+def test_the_model_read_without_transformers_is_transformers_on_the_device():
+    """generate, chat and the bench read the model without transformers (selfspec_cli/lite.py): on the
+    device too, the same fingerprint, rotary tables and logits as transformers' model."""
+    from selfspec_cli.engine.adapter import model_fingerprint
+
+    (hf, tok), (lite, _) = (load_model("pystdlib", dtype="float32", device=DEVICE, lite=flag) for flag in (False, True))
+    assert type(lite).__name__ == "LiteLlama" and model_fingerprint(lite) == model_fingerprint(hf)
+    kw = {"fast_kernels": False, "static_rows": 32} if ON_CPU else {}
+    a, b = Engine(hf, **kw), Engine(lite, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a.adapter.rope_table(300), b.adapter.rope_table(300)))
+    ids = torch.tensor(_ids(tok, "def read_lines(path):\n    with open(path) as f:\n"), device=DEVICE)
+    la = a.forward(a.new_cache(64), ids, positions=0, logits_rows=ALL_ROWS).logits
+    lb = b.forward(b.new_cache(64), ids, positions=0, logits_rows=ALL_ROWS).logits
+    assert torch.equal(la, lb)
