@@ -362,9 +362,11 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
     dt = resolve_dtype(dtype, dev)
     where = resolve_model_path(spec, log)
     if lite and lite_reason(where) is None:
+        from safetensors import SafetensorError
+
         try:
             return load_lite_model(where, dt, dev), LiteTokenizer(where)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as exc:  # a truncated or foreign file
             raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -125,3 +125,18 @@ def test_generate_does_not_import_transformers():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"token_ids"' in proc.stdout
+
+
+def test_a_damaged_weights_file_is_one_line(tmp_path, tiny_tokenizer):
+    """A truncated model.safetensors on the path without transformers: one line that names the file, exit 2."""
+    from selfspec_cli.cli.app import main
+
+    make_tiny_model("llama-gqa").save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    proc = subprocess.run([sys.executable, "-m", "selfspec_cli", "generate", "-m", str(tmp_path), "--method", "ar",
+                           "-n", "2", "-P", "x"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert "Traceback" not in proc.stderr and any("could not load the model" in l and str(tmp_path) in l for l in lines)
