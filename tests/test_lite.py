@@ -129,8 +129,6 @@ def test_generate_does_not_import_transformers():
 
 def test_a_damaged_weights_file_is_one_line(tmp_path, tiny_tokenizer):
     """A truncated model.safetensors on the path without transformers: one line that names the file, exit 2."""
-    from selfspec_cli.cli.app import main
-
     make_tiny_model("llama-gqa").save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
