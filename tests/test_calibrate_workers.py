@@ -190,7 +190,7 @@ def test_throughput_study_refuses_another_machine(tmp_path, monkeypatch):
     search = self_sd.SearchConfig(study_path=tmp_path / "t.db", objective="throughput")
     s, storage = self_sd.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
     assert s.user_attrs["machine"] == study_mod.machine_id()
-    monkeypatch.setattr(self_sd, "machine_id", lambda: "elsewhere (another CPU)")
+    monkeypatch.setattr(study_mod, "machine_id", lambda: "elsewhere (another CPU)")
     with pytest.raises(ConfigError, match="timed on .* not on this machine"):
         self_sd.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
     # the proxy objective is the same on every machine: no refusal

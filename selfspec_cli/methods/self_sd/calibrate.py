@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,15 +58,15 @@ from ...decoding.cost import VerifyCurve, draft_step_cost, prior_draft_cost, rou
 from ...decoding.layer_skip import DraftSettings
 from ...decoding.output import DecodeResult
 from ...engine import Engine
-from ...errors import ConfigError, first_line
+from ...errors import ConfigError
 from ..ar import AR
 from ..base import resolve_precision
 from ..offline import OfflineJob
 from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
-from .study import (CLAIMED, DEFAULT_HEARTBEAT_S, check_slot, check_storage, describe, dispose, finished_last, machine_id, open_storage, quiet,
-                    run_workers_share, sqlite_url, worker_id)
+# the search space and the Optuna study live in .study; their names stay importable from here
+from .study import (DEFAULT_HEARTBEAT_S, STUDY_NAME, SeedPoint, TrialReport, check_storage, describe, make_sampler,  # noqa: F401
+                    open_study, params_for, run_search, skip_sets_from_params, worker_id)
 
-STUDY_NAME = "self-sd"
 SAMPLERS = ("tpe", "gp", "random")
 SEED_RATIOS = (0.3, 0.45)
 DEFAULT_DRAFT = DraftSettings(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
@@ -196,29 +195,6 @@ def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], 
 # ---------------------------------------------------------------- search space
 
 
-def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int],
-               precision: str | None = None) -> dict[str, Any]:
-    """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped;
-    then ``precision`` when the search has that dimension (``precision`` not None)."""
-    out: dict[str, Any] = {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
-                           for l in range(num_layers)}
-    if precision is not None:
-        out["precision"] = precision
-    return out
-
-
-def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], ...]:
-    return tuple(frozenset(l for l in range(num_layers) if int(params[f"{kind}_{l}"])) for kind in ("attn", "mlp"))
-
-
-@dataclass(frozen=True, slots=True)
-class SeedPoint:
-    name: str
-    skip_attn: frozenset[int]
-    skip_mlp: frozenset[int]
-    precision: str = "target"
-
-
 def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
                 precisions: Sequence[str] = ("target",), cheap_head: Sequence[str] = ()) -> list[SeedPoint]:
     """Distinct uniform starting sets, one per ratio (small models may merge them), at every
@@ -235,15 +211,6 @@ def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
         if p != "target" or p in cheap_head:
             out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
     return out
-
-
-def make_sampler(name: str, seed: int):
-    import optuna
-
-    if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
-    # "gp" or "random" (SearchConfig checks the name)
-    return (optuna.samplers.GPSampler if name == "gp" else optuna.samplers.RandomSampler)(seed=seed)
 
 
 # ---------------------------------------------------------------- the study
@@ -274,20 +241,6 @@ class SearchConfig:
                 raise ConfigError(f"unknown --{flag} '{value}'; choose one of: {', '.join(choices)}")
 
 
-@dataclass(frozen=True, slots=True)
-class TrialReport:
-    """What ``on_trial`` gets after each finished trial (and once at the start, ``number`` None)."""
-
-    done: int  # COMPLETE trials in the study
-    total: int  # n_trials
-    number: int | None
-    value: float | None
-    best_value: float | None
-    best_number: int | None
-    mean_accepted_length: float | None = None
-    acceptance_rate: float | None = None
-
-
 @dataclass(slots=True)
 class SelfSDCalibration:
     num_layers: int
@@ -308,111 +261,6 @@ class SelfSDCalibration:
     draft_vocab: dict[str, int | str] = field(default_factory=dict)  # precision -> tokens its drafts score ("full": all)
 
 
-class _DeferredInterrupt:
-    """Ctrl-C only where it is safe: a SIGINT during a decode raises KeyboardInterrupt at
-    once (Optuna then records the running trial as FAIL); one that arrives while Optuna
-    writes to SQLite is remembered and raised at the next safe point. (A
-    KeyboardInterrupt inside an SQLAlchemy commit leaves the session broken and the
-    process dies with an unrelated AssertionError.) Installed only in the main thread
-    and only over Python's default handler."""
-
-    pending = False  # a SIGINT is waiting for the next safe point
-    inside = False  # in a decode: a SIGINT raises at once
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.inside:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def check(self) -> None:
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        self.check()
-        self.inside = True
-        try:
-            yield
-        finally:
-            self.inside = False
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            yield  # somebody else owns SIGINT (or not the main thread): leave it alone
-            return
-        signal.signal(signal.SIGINT, self._handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def open_study(search: SearchConfig, sampler: Any, setup: dict[str, Any]):
-    """Create or join the study in ``search``'s storage; refuse a study made for another model or
-    another calibration setup, and a throughput study timed on another machine."""
-    import optuna
-
-    if search.storage is None:
-        check_writable(Path(search.study_path), "--study-path")
-        try:  # SQLite makes the file, not its directory
-            Path(search.study_path).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create the directory of --study-path '{search.study_path}' ({exc.strerror}); "
-                              "choose a writable path") from None
-        spec, option = sqlite_url(Path(search.study_path)), "--study-path"
-    else:
-        spec, option = search.storage, "--storage"
-    shown = describe(search.storage or str(search.study_path))
-    try:
-        storage = open_storage(spec, search.heartbeat_s)
-        study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
-                                    direction="maximize", load_if_exists=True)
-    except ConfigError:
-        raise
-    except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
-        raise ConfigError(f"cannot open the Optuna study '{shown}' ({first_line(exc)[:200]}); "
-                          f"pass another {option} or delete that file") from None
-    saved = study.user_attrs.get("setup")
-    if saved is None:
-        study.set_user_attr("setup", setup)
-    elif saved != setup:
-        diff = sorted(k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k))
-        raise ConfigError(
-            f"the study '{shown}' was made with another {', '.join(diff)} "
-            f"({', '.join(f'{k}: {saved.get(k)} then, {setup.get(k)} now' for k in diff if k != 'prompts_sha256') or 'other prompts'}); "
-            f"pass another {option} (or --output) or delete that file to start over"
-        )
-    if search.objective == "throughput":  # measured tokens/s from two machines do not compare
-        here = machine_id()
-        timed_on = study.user_attrs.get("machine")
-        if timed_on is None:
-            study.set_user_attr("machine", here)
-        elif timed_on != here:
-            raise ConfigError(f"the throughput study '{shown}' is timed on {timed_on}, not on this machine ({here}); "
-                              "run it there, or use --objective proxy (the same on every machine) or another "
-                              f"{option}")
-    return study, storage
-
-
-def _enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int, searched: bool) -> None:
-    """Enqueue each starting point unless a finished, running or waiting trial already has it (a
-    running one whose worker died is queued again by the heartbeat check: :mod:`.study`)."""
-    from optuna.trial import TrialState
-
-    have = [t.system_attrs.get("fixed_params", t.params)
-            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING))]
-    for p in points:
-        params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
-        if params not in have:
-            study.enqueue_trial(params, user_attrs={"seed_point": p.name})
-
-
 def calibrate_self_sd(
     engine: Engine,
     tokenizer: Any,
@@ -431,13 +279,10 @@ def calibrate_self_sd(
     trials. ``on_ready``: called once the study holds its setup, starting points and measured
     costs (other workers may start then); ``before_finish``: called when the study is complete,
     before this worker decides whether it writes the result (wait for the other local workers)."""
-    from optuna.trial import TrialState
-
     if not cfg.sampling.greedy:
         raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
     L = engine.num_layers
     precisions = search.precisions
-    searched = len(precisions) > 1  # precision is a search dimension
     # what must not change between runs that share a study (values would not compare)
     setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
              "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
@@ -458,102 +303,31 @@ def calibrate_self_sd(
         return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats,
                                precision, full_c.get(precision), curve[0] if curve else None, vocabs[precision])
 
-    import optuna
-    from datetime import datetime
+    def inputs(study: Any) -> None:
+        """The proxy's measured inputs, measured once per study by the first worker and kept in it, so that
+        every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)."""
+        full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
+        if missing := [p for p in precisions if p not in full_c]:
+            full_c.update(full_depth_costs(engine, missing, vocabs))
+            study.set_user_attr("full_depth_c", full_c)
+        if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
+            if (saved := study.user_attrs.get("verify_curve")) is None:
+                own = VerifyCurve.for_engine(engine, full=True)  # a full reading for the study (stored or taken now)
+                saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
+                study.set_user_attr("verify_curve", saved)
+            curve.append(VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()}))
 
-    me = search.worker or worker_id()
-    joined = datetime.now()
-    guard = _DeferredInterrupt()
-    main_sampler = make_sampler(search.sampler, search.seed + search.worker_index)
-    with quiet(), guard.installed():
-        study, storage = open_study(search, main_sampler, setup)
-        try:
-            # the proxy's measured inputs, measured once per study by the first worker and kept in it, so that
-            # every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)
-            full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
-            if missing := [p for p in precisions if p not in full_c]:
-                full_c.update(full_depth_costs(engine, missing, vocabs))
-                study.set_user_attr("full_depth_c", full_c)
-            if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
-                if (saved := study.user_attrs.get("verify_curve")) is None:
-                    own = VerifyCurve.for_engine(engine, full=True)  # a full reading for the study (stored or taken now)
-                    saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
-                    study.set_user_attr("verify_curve", saved)
-                curve.append(VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()}))
+    def warm_up() -> None:
+        """Untimed: first-call allocations must not favour later trials."""
+        warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
+        for p in precisions:
+            measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft,
+                            precision=p, vocab=vocabs[p])
 
-            def complete() -> list[Any]:
-                return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-
-            done = len(complete())
-            remaining = max(0, search.n_trials - done)
-            if done and not search.search_only:
-                log(f"resuming study {describe(search.storage or str(search.study_path))}: {done} trials done, "
-                    f"{remaining} to run")
-            if not search.search_only:
-                _enqueue_seeds(study, points, L, searched)
-
-            def best() -> tuple[float | None, int | None]:
-                b = study.best_trial if complete() else None  # best_trial raises without a complete trial
-                return (b.value, b.number) if b else (None, None)
-
-            on_trial(TrialReport(done, search.n_trials, None, None, *best()))
-
-            # warm-up, untimed: first-call allocations must not favour later trials
-            warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
-            if remaining:
-                with guard.interruptible():
-                    for p in precisions:
-                        measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp,
-                                        search.draft, precision=p, vocab=vocabs[p])
-            random_next = [False]  # after a duplicate, one trial drawn at random
-            with guard.interruptible():
-                on_ready()
-
-            def objective(trial: Any) -> float:
-                names = params_for(L, frozenset(), frozenset())
-                params = {name: trial.suggest_categorical(name, (0, 1)) for name in names}
-                attn, mlp = skip_sets_from_params(params, L)
-                precision = trial.suggest_categorical("precision", precisions) if searched else precisions[0]
-                trial.set_user_attr("worker", me)
-                trial.set_user_attr("worker_index", search.worker_index)
-                trial.set_user_attr("pid", os.getpid())
-                if search.objective == "throughput":
-                    trial.set_user_attr("machine", machine_id())
-                trial.set_user_attr(CLAIMED, True)  # every parameter is in the storage now (study.check_slot)
-                if (why := check_slot(study, trial, search.n_trials)) is not None:
-                    trial.set_user_attr("pruned", why)
-                    random_next[0] = why == "duplicate"
-                    raise optuna.TrialPruned(why)
-                with guard.interruptible():
-                    m = run(attn, mlp, precision)
-                for k, v in {**m.as_dict(), "skip_ratio": round((len(attn) + len(mlp)) / (2 * L), 4)}.items():
-                    trial.set_user_attr(k, v)
-                return m.proxy if search.objective == "proxy" else m.tokens_per_s
-
-            def callback(st: Any, frozen: Any) -> None:
-                if frozen.state == TrialState.COMPLETE:
-                    on_trial(TrialReport(len(complete()), search.n_trials, frozen.number, frozen.value, *best(),
-                                         frozen.user_attrs.get("mean_accepted_length"),
-                                         frozen.user_attrs.get("acceptance_rate")))
-                guard.check()  # a Ctrl-C during Optuna's bookkeeping stops here, the trial saved
-
-            def run_one() -> None:
-                study.sampler = make_sampler("random", search.seed + 7919 * (1 + started[0])) if random_next[0] else main_sampler
-                random_next[0] = False
-                started[0] += 1
-                study.optimize(objective, n_trials=1, callbacks=[callback], gc_after_trial=False)
-
-            started = [0]
-            run_workers_share(study, run_one, search.n_trials, poll_s=min(1.0, search.heartbeat_s / 2), check=guard.check)
-            guard.check()
-            before_finish()
-            finished = complete()
-            best_t = study.best_trial
-            durations = [t.duration.total_seconds() for t in finished if t.duration is not None]
-            seeds_in_study = _seed_values(finished, points, L, searched)
-            writer = not search.search_only and finished_last(study, me, joined)
-        finally:
-            dispose(storage)
+    found = run_search(search, setup, points, L, run, inputs, warm_up, on_trial=on_trial, log=log, on_ready=on_ready,
+                       before_finish=before_finish)
+    finished, best_t, durations, seeds_in_study, writer, me = (found.finished, found.best, found.durations, found.seeds,
+                                                               found.writer, found.worker)
 
     # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
     common = dict(num_layers=L, draft_vocab=vocab_sizes, best_trial=best_t.number, best_value=float(best_t.value),
@@ -577,18 +351,6 @@ def calibrate_self_sd(
     return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, seed_points=seeds_in_study,
                              baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
                              search_time_s=round(sum(durations), 3) if durations else None, **common)
-
-
-def _seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int,
-                 searched: bool = False) -> list[dict[str, Any]]:
-    """The study's best value of each starting point (None if it never completed)."""
-    out = []
-    for p in points:
-        params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
-        best = max((t.value for t in complete if t.params == params), default=None)
-        out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
-                    "precision": p.precision, "value": None if best is None else round(best, 3)})
-    return out
 
 
 # ---------------------------------------------------------------- the artifact

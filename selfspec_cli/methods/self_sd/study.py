@@ -19,8 +19,13 @@ only picks the storage from what the user names and keeps three promises on top 
   proposing the same point).
 
 Which process writes the result: :func:`finished_last` (the worker whose trial completed
-last; a worker that re-opens a study finished before it joined writes too). No typer or
-rich here.
+last; a worker that re-opens a study finished before it joined writes too).
+
+It also holds the search itself, apart from what a trial measures: the parameters of a skip set
+(:func:`params_for`), the starting points enqueued first, the sampler, the study's setup check
+(:func:`open_study`), Ctrl-C at safe points (:class:`DeferredInterrupt`) and one worker's loop
+(:func:`run_search`), which calibrate.py drives with three callables: the measured inputs every
+trial is scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
 """
 from __future__ import annotations
 
@@ -28,10 +33,12 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...artifacts import check_writable
 from ...errors import ConfigError, first_line
 
 RDB_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql")
@@ -292,3 +299,284 @@ def quiet() -> Iterator[None]:
             yield
     finally:
         optuna.logging.set_verbosity(old)
+
+
+# ---------------------------------------------------------------- the search space and the study
+
+STUDY_NAME = "self-sd"
+
+
+def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+               precision: str | None = None) -> dict[str, Any]:
+    """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped;
+    then ``precision`` when the search has that dimension (``precision`` not None)."""
+    out: dict[str, Any] = {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
+                           for l in range(num_layers)}
+    if precision is not None:
+        out["precision"] = precision
+    return out
+
+
+def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], ...]:
+    return tuple(frozenset(l for l in range(num_layers) if int(params[f"{kind}_{l}"])) for kind in ("attn", "mlp"))
+
+
+@dataclass(frozen=True, slots=True)
+class SeedPoint:
+    name: str
+    skip_attn: frozenset[int]
+    skip_mlp: frozenset[int]
+    precision: str = "target"
+
+
+def make_sampler(name: str, seed: int):
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    # "gp" or "random" (SearchConfig checks the name)
+    return (optuna.samplers.GPSampler if name == "gp" else optuna.samplers.RandomSampler)(seed=seed)
+
+
+@dataclass(frozen=True, slots=True)
+class TrialReport:
+    """What ``on_trial`` gets after each finished trial (and once at the start, ``number`` None)."""
+
+    done: int  # COMPLETE trials in the study
+    total: int  # n_trials
+    number: int | None
+    value: float | None
+    best_value: float | None
+    best_number: int | None
+    mean_accepted_length: float | None = None
+    acceptance_rate: float | None = None
+
+
+class DeferredInterrupt:
+    """Ctrl-C only where it is safe: a SIGINT during a decode raises KeyboardInterrupt at
+    once (Optuna then records the running trial as FAIL); one that arrives while Optuna
+    writes to SQLite is remembered and raised at the next safe point. (A
+    KeyboardInterrupt inside an SQLAlchemy commit leaves the session broken and the
+    process dies with an unrelated AssertionError.) Installed only in the main thread
+    and only over Python's default handler."""
+
+    pending = False  # a SIGINT is waiting for the next safe point
+    inside = False  # in a decode: a SIGINT raises at once
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.inside:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def check(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        self.check()
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield  # somebody else owns SIGINT (or not the main thread): leave it alone
+            return
+        signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def open_study(search: Any, sampler: Any, setup: dict[str, Any]):
+    """Create or join the study in ``search``'s storage; refuse a study made for another model or
+    another calibration setup, and a throughput study timed on another machine."""
+    import optuna
+
+    if search.storage is None:
+        check_writable(Path(search.study_path), "--study-path")
+        try:  # SQLite makes the file, not its directory
+            Path(search.study_path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the directory of --study-path '{search.study_path}' ({exc.strerror}); "
+                              "choose a writable path") from None
+        spec, option = sqlite_url(Path(search.study_path)), "--study-path"
+    else:
+        spec, option = search.storage, "--storage"
+    shown = describe(search.storage or str(search.study_path))
+    try:
+        storage = open_storage(spec, search.heartbeat_s)
+        study = optuna.create_study(study_name=STUDY_NAME, storage=storage, sampler=sampler,
+                                    direction="maximize", load_if_exists=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # sqlalchemy/optuna raise many types for a foreign file  # noqa: BLE001
+        raise ConfigError(f"cannot open the Optuna study '{shown}' ({first_line(exc)[:200]}); "
+                          f"pass another {option} or delete that file") from None
+    saved = study.user_attrs.get("setup")
+    if saved is None:
+        study.set_user_attr("setup", setup)
+    elif saved != setup:
+        diff = sorted(k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k))
+        raise ConfigError(
+            f"the study '{shown}' was made with another {', '.join(diff)} "
+            f"({', '.join(f'{k}: {saved.get(k)} then, {setup.get(k)} now' for k in diff if k != 'prompts_sha256') or 'other prompts'}); "
+            f"pass another {option} (or --output) or delete that file to start over"
+        )
+    if search.objective == "throughput":  # measured tokens/s from two machines do not compare
+        here = machine_id()
+        timed_on = study.user_attrs.get("machine")
+        if timed_on is None:
+            study.set_user_attr("machine", here)
+        elif timed_on != here:
+            raise ConfigError(f"the throughput study '{shown}' is timed on {timed_on}, not on this machine ({here}); "
+                              "run it there, or use --objective proxy (the same on every machine) or another "
+                              f"{option}")
+    return study, storage
+
+
+def enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int, searched: bool) -> None:
+    """Enqueue each starting point unless a finished, running or waiting trial already has it (a
+    running one whose worker died is queued again by the heartbeat check: :mod:`.study`)."""
+    from optuna.trial import TrialState
+
+    have = [t.system_attrs.get("fixed_params", t.params)
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING))]
+    for p in points:
+        params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
+        if params not in have:
+            study.enqueue_trial(params, user_attrs={"seed_point": p.name})
+
+
+def seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int,
+                 searched: bool = False) -> list[dict[str, Any]]:
+    """The study's best value of each starting point (None if it never completed)."""
+    out = []
+    for p in points:
+        params = params_for(num_layers, p.skip_attn, p.skip_mlp, p.precision if searched else None)
+        best = max((t.value for t in complete if t.params == params), default=None)
+        out.append({"name": p.name, "skip_attn": sorted(p.skip_attn), "skip_mlp": sorted(p.skip_mlp),
+                    "precision": p.precision, "value": None if best is None else round(best, 3)})
+    return out
+
+
+# ---------------------------------------------------------------- the search
+
+
+@dataclass(slots=True)
+class SearchOutcome:
+    """What a worker's part of the search leaves: the study's complete trials, its best one, every
+    complete trial's duration, each starting point's best value, whether this worker writes the
+    result, and its name."""
+
+    finished: list[Any]
+    best: Any
+    durations: list[float]
+    seeds: list[dict[str, Any]]
+    writer: bool
+    worker: str
+
+
+def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], L: int,
+               evaluate: Callable[[frozenset[int], frozenset[int], str], Any], inputs: Callable[[Any], None],
+               warm_up: Callable[[], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
+               on_ready: Callable[[], None], before_finish: Callable[[], None]) -> SearchOutcome:
+    """Open (or join) the study ``search`` names and run this worker's share of its trials until the study
+    holds ``search.n_trials`` COMPLETE ones: ``inputs(study)`` reads or measures the numbers every
+    trial is scored with, ``warm_up()`` runs untimed before the first trial, ``evaluate(attn, mlp,
+    precision)`` decodes one candidate (its ``proxy`` or ``tokens_per_s`` is the value, ``as_dict()``
+    the trial's attributes). A Ctrl-C stops at a safe point (:class:`DeferredInterrupt`)."""
+    import optuna
+    from datetime import datetime
+    from optuna.trial import TrialState
+
+    precisions = search.precisions
+    searched = len(precisions) > 1  # precision is a search dimension
+    me = search.worker or worker_id()
+    joined = datetime.now()
+    guard = DeferredInterrupt()
+    main_sampler = make_sampler(search.sampler, search.seed + search.worker_index)
+    with quiet(), guard.installed():
+        study, storage = open_study(search, main_sampler, setup)
+        try:
+            inputs(study)
+
+            def complete() -> list[Any]:
+                return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+            done = len(complete())
+            remaining = max(0, search.n_trials - done)
+            if done and not search.search_only:
+                log(f"resuming study {describe(search.storage or str(search.study_path))}: {done} trials done, "
+                    f"{remaining} to run")
+            if not search.search_only:
+                enqueue_seeds(study, points, L, searched)
+
+            def best() -> tuple[float | None, int | None]:
+                b = study.best_trial if complete() else None  # best_trial raises without a complete trial
+                return (b.value, b.number) if b else (None, None)
+
+            on_trial(TrialReport(done, search.n_trials, None, None, *best()))
+
+            if remaining:
+                with guard.interruptible():
+                    warm_up()
+            random_next = [False]  # after a duplicate, one trial drawn at random
+            with guard.interruptible():
+                on_ready()
+
+            def objective(trial: Any) -> float:
+                names = params_for(L, frozenset(), frozenset())
+                params = {name: trial.suggest_categorical(name, (0, 1)) for name in names}
+                attn, mlp = skip_sets_from_params(params, L)
+                precision = trial.suggest_categorical("precision", precisions) if searched else precisions[0]
+                trial.set_user_attr("worker", me)
+                trial.set_user_attr("worker_index", search.worker_index)
+                trial.set_user_attr("pid", os.getpid())
+                if search.objective == "throughput":
+                    trial.set_user_attr("machine", machine_id())
+                trial.set_user_attr(CLAIMED, True)  # every parameter is in the storage now (study.check_slot)
+                if (why := check_slot(study, trial, search.n_trials)) is not None:
+                    trial.set_user_attr("pruned", why)
+                    random_next[0] = why == "duplicate"
+                    raise optuna.TrialPruned(why)
+                with guard.interruptible():
+                    m = evaluate(attn, mlp, precision)
+                for k, v in {**m.as_dict(), "skip_ratio": round((len(attn) + len(mlp)) / (2 * L), 4)}.items():
+                    trial.set_user_attr(k, v)
+                return m.proxy if search.objective == "proxy" else m.tokens_per_s
+
+            def callback(st: Any, frozen: Any) -> None:
+                if frozen.state == TrialState.COMPLETE:
+                    on_trial(TrialReport(len(complete()), search.n_trials, frozen.number, frozen.value, *best(),
+                                         frozen.user_attrs.get("mean_accepted_length"),
+                                         frozen.user_attrs.get("acceptance_rate")))
+                guard.check()  # a Ctrl-C during Optuna's bookkeeping stops here, the trial saved
+
+            def run_one() -> None:
+                study.sampler = make_sampler("random", search.seed + 7919 * (1 + started[0])) if random_next[0] else main_sampler
+                random_next[0] = False
+                started[0] += 1
+                study.optimize(objective, n_trials=1, callbacks=[callback], gc_after_trial=False)
+
+            started = [0]
+            run_workers_share(study, run_one, search.n_trials, poll_s=min(1.0, search.heartbeat_s / 2), check=guard.check)
+            guard.check()
+            before_finish()
+            finished = complete()
+            best_t = study.best_trial
+            durations = [t.duration.total_seconds() for t in finished if t.duration is not None]
+            seeds_in_study = seed_values(finished, points, L, searched)
+            writer = not search.search_only and finished_last(study, me, joined)
+        finally:
+            dispose(storage)
+    return SearchOutcome(finished, best_t, durations, seeds_in_study, writer, me)
