@@ -360,6 +360,21 @@ class Engine:
             m = lin["down"](F.silu(gate) * up)
         return m if w.post_mlp_norm is None else self._norm(m, w.post_mlp_norm)
 
+    def _qk_normed(self, qkv: torch.Tensor, w: Any) -> torch.Tensor:
+        """``qkv`` (T, (Hq + 2 Hkv) D), or where the layer norms each head before the rotary (Qwen3, Gemma 3)
+        its q and k heads RMS-normed row by row: (T, (Hq + Hkv) D)."""
+        if w.qk_norm is None:
+            return qkv
+        t, heads, d = qkv.shape[0], self._hq + self._hkv, self._d
+        normed = self._norm(qkv[:, :self._qk_width].reshape(t * heads, d), self._unit_d)
+        return (normed.view(t, heads, d) * w.qk_norm).view(t, self._qk_width)
+
+    @staticmethod
+    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary on heads ``qk`` (T, heads, D) with rows' tables (T, D): ``x cos + flip_halves(x) sin_signed``."""
+        t, heads, d = qk.shape
+        return qk * cos[:, None, :] + qk.view(t, heads, 2, d // 2).flip(2).view(t, heads, d) * sin[:, None, :]
+
     @property
     def rope_length(self) -> int:
         """Positions the rotary tables cover."""
@@ -439,13 +454,7 @@ class Engine:
                 x = self._norm(h, w.attn_norm)
                 qkv = lin["qkv"](x)  # (R, (Hq + 2 Hkv) D)
                 v = qkv[:, qkw:].view(r, hkv, d)
-                q_rows = qkv[:, :qkw]
-                if w.qk_norm is not None:
-                    normed = self._norm(q_rows.reshape(r * (hq + hkv), d), self._unit_d)
-                    q_rows = (normed.view(r, hq + hkv, d) * w.qk_norm).view(r, qkw)
-                cos, sin = rope[w.rope_kind]
-                qk = q_rows.reshape(r, hq + hkv, d)
-                qk = qk * cos[:, None, :] + qk.view(r, hq + hkv, 2, d // 2).flip(2).view(r, hq + hkv, d) * sin[:, None, :]
+                qk = self._rotate(self._qk_normed(qkv, w)[:, :qkw].view(r, hq + hkv, d), *rope[w.rope_kind])
                 cache.k[l].index_copy_(1, slots, qk[:, hq:].transpose(0, 1))
                 cache.v[l].index_copy_(1, slots, v.transpose(0, 1))
                 mask = allowed
@@ -508,17 +517,13 @@ class Engine:
                 x = self._norm(h, w.attn_norm)
                 qkv = lin["qkv"](x)  # (T, (Hq + 2Hkv) D)
                 v = qkv[:, qkw:].view(t, hkv, d)
-                q_rows = qkv  # (T, >= (Hq + Hkv) D): each row's q heads, then its k heads
-                if w.qk_norm is not None:  # Qwen3: RMSNorm per head before the rotary
-                    normed = self._norm(qkv[:, :qkw].reshape(t * (hq + hkv), d), self._unit_d)  # row-wise
-                    q_rows = (normed.view(t, hq + hkv, d) * w.qk_norm).view(t, qkw)
+                q_rows = self._qk_normed(qkv, w)  # (T, >= (Hq + Hkv) D): each row's q heads, then its k heads
                 cos2, sin2 = rope_rows[w.rope_kind]  # (T, D)
                 if ops is not None:
                     ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
                 qk = q_rows[:, :qkw].view(t, hq + hkv, d)
                 if ops is None:
-                    cos, sin = cos2[:, None, :], sin2[:, None, :]  # (T, 1, D)
-                    qk = qk * cos + qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d) * sin
+                    qk = self._rotate(qk, cos2, sin2)
                 past = cache.length(l)
                 # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
                 key = (past, cache.last_position(l), w.sliding_window,
