@@ -130,10 +130,6 @@ class _Weight(nn.Module):
         self.bias = nn.Parameter(torch.empty(shape[0], device="meta"), requires_grad=False) if bias else None
 
 
-def _Norm(size: int) -> _Weight:
-    return _Weight(size)
-
-
 def _linear(n_in: int, n_out: int, bias: bool = False) -> _Weight:
     return _Weight(n_out, n_in, bias=bias)
 
@@ -196,25 +192,25 @@ class _Layer(nn.Module):
             setattr(self.self_attn, name, _linear(h, n_out, qkv_bias))
         self.self_attn.o_proj = _linear(cfg.num_attention_heads * d, h, o_bias)
         if cfg.model_type == "qwen3":  # RMSNorm of each head's q and k before the rotary
-            self.self_attn.q_norm, self.self_attn.k_norm = _Norm(d), _Norm(d)
+            self.self_attn.q_norm, self.self_attn.k_norm = _Weight(d), _Weight(d)
         self.mlp = nn.Module()
         self.mlp.gate_proj, self.mlp.up_proj = _linear(h, i, mlp_bias), _linear(h, i, mlp_bias)
         self.mlp.down_proj = _linear(i, h, mlp_bias)
-        self.input_layernorm, self.post_attention_layernorm = _Norm(h), _Norm(h)
+        self.input_layernorm, self.post_attention_layernorm = _Weight(h), _Weight(h)
 
 
 class LiteLlama(nn.Module):
     """A Llama-architecture causal LM's weights under transformers' names, for selfspec's engine (Mistral,
     Qwen2 and Qwen3 are the same tree with their biases, windows and per-head q/k norms)."""
 
-    def __init__(self, cfg: LiteConfig, name_or_path: str, eos_token_id: Any) -> None:
+    def __init__(self, cfg: LiteConfig, eos_token_id: Any) -> None:
         super().__init__()
-        self.config, self.name_or_path = cfg, name_or_path
+        self.config, self.name_or_path = cfg, cfg.name_or_path
         self.generation_config = type("GenerationConfig", (), {"eos_token_id": eos_token_id})()
         self.model = nn.Module()
         self.model.embed_tokens = _Weight(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.model.norm = _Norm(cfg.hidden_size)
+        self.model.norm = _Weight(cfg.hidden_size)
         self.model.rotary_emb = LiteRotary(cfg)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -238,7 +234,7 @@ def load_lite_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
     # where it was loaded from, as transformers records it (artifacts are named after it)
     cfg = LiteConfig({**_read_json(d / "config.json"), "name_or_path": str(where), "_name_or_path": str(where)})
     gen = _read_json(d / "generation_config.json")
-    model = LiteLlama(cfg, str(where), gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
+    model = LiteLlama(cfg, gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
     state = {k: v.to(device=device, dtype=dtype) for k, v in load_file(str(d / "model.safetensors")).items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
