@@ -606,3 +606,27 @@ def test_hybrid_and_draft_vocab_flags(capsys, tiny_model_dir, prompt_file):
     assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "self-sd", "--skip-attn", "1",
                                        "--draft-vocab", "full", "--draft-vocab-size", "8"), "--draft-vocab-size")
     assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--method", "pld", "--hybrid"), "--hybrid", "pld")
+
+
+def test_option_metavars_without_typers_display_type(monkeypatch):
+    """Before typer 0.16 an option has no ``display_type`` (a GPU machine's image had such a typer): the
+    help's value names then come from click's type names, and every command still builds."""
+    import typer
+
+    from selfspec_cli.cli import app as app_mod
+
+    from types import SimpleNamespace
+
+    cmd = typer.main.get_command(app_mod.app)
+    click_names = {"<int>": "integer", "<float>": "float", "<path>": "path"}  # click's ParamType.name
+    for c in cmd.commands.values():
+        for p in c.params:
+            if p.param_type_name == "option":  # what an older typer's option holds: click's type, no display_type
+                p.type = SimpleNamespace(name=click_names.get(str(p.display_type(None)), "text"))
+            p.metavar = None
+    option = next(p for p in cmd.commands["generate"].params if p.param_type_name == "option")
+    owner = next(c for c in type(option).__mro__ if "display_type" in c.__dict__)
+    monkeypatch.delattr(owner, "display_type")
+    app_mod._metavars(cmd)
+    shown = {p.name: p.metavar for p in cmd.commands["generate"].params}
+    assert shown["max_new_tokens"] == "N" and shown["temperature"] == "X" and shown["model"] == "TEXT"

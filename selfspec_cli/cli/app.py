@@ -95,7 +95,7 @@ def _metavars(group: Any) -> None:
                 continue
             values = choices.get((cname, p.name)) or choices.get(p.name)
             # typer's own (<int>, <float>, <path>, <str>, <list[str]>); before typer 0.16, click's type name
-            shown = str(p.display_type(None) if hasattr(p, "display_type") else getattr(p.type, "name", "")) or ""
+            shown = str(p.display_type(None) if hasattr(p, "display_type") else getattr(getattr(p, "type", None), "name", ""))
             p.metavar = "|".join(values) if values else next(
                 (m for t, m in (("int", "N"), ("float", "X"), ("path", "PATH")) if t in shown), "TEXT")
 
