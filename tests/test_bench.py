@@ -301,6 +301,27 @@ def test_hf_early_exit_rejects_a_layer_out_of_range(tiny):
 # ---------------------------------------------------------------- the command
 
 
+@pytest.mark.parametrize("methods,lite", [("ar,pld", True), ("ar,hf", False)])
+def test_the_bench_reads_the_model_without_transformers_unless_a_peer_runs_it(tiny_model_dir, tmp_path, capsys,
+                                                                              monkeypatch, methods, lite):
+    from selfspec_cli.session import Session
+
+    asked = []
+    real = Session.open.__func__
+
+    def recorded(cls, *args, **kw):
+        asked.append(kw.get("lite"))
+        return real(cls, *args, **kw)
+
+    monkeypatch.setattr(Session, "open", classmethod(recorded))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n")
+    rc = main(["bench", "--methods", methods, "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "4", "--warmup", "0",
+               "--device", "cpu", "--no-plots", "--no-costs", "-o", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    assert asked == [lite]
+
+
 def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     lines = [{"id": f"{c}-{i}", "category": c, "prompt": f"def f{i}(x):\n    return x + {i}"}

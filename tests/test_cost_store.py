@@ -192,3 +192,23 @@ def test_profile_shows_the_store_and_remeasure_takes_a_fresh_full_reading(tiny_m
     third = _profile(tiny_model_dir, prompts, tmp_path / "a", "--remeasure")
     assert third["curve"] == "measured" and timings["curve"] == n + 1
     assert third["readings"] == 1 and third["rows"] == list(CURVE_ROWS)
+
+
+def test_readings_at_one_context_share_its_prefill(monkeypatch):
+    """A first call's verify curve and a quantized draft's c read on one prefilled prefix: the second
+    reading prefills nothing, and a reading at another context prefills its own."""
+    eng = Engine(make_tiny_model("llama-gqa"))
+    prefills = []
+    real = Engine.forward
+
+    def counted(self, cache, input_ids=None, **kw):
+        if kw.get("positions") == 0:
+            prefills.append(int(input_ids.shape[0]))
+        return real(self, cache, input_ids, **kw)
+
+    monkeypatch.setattr(Engine, "forward", counted)
+    VerifyCurve.measure(eng, rounds=1, rows=SHORT_ROWS, extra=0)
+    cost.draft_step_cost(eng, None, frozenset({1}), frozenset(), rounds=1)
+    assert prefills == [64]
+    VerifyCurve.measure(eng, context=32, rounds=1, rows=(1, 2), extra=0)
+    assert prefills == [64, 32]
