@@ -53,7 +53,7 @@ from . import kernels
 from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
-from .cache import KVCache
+from .cache import CacheInvariantError, KVCache
 from .graphs import DEFAULT_ROWS, StaticForward
 from .quant import DraftWeights, build_draft, gguf_source, subset
 from .target import PANEL_DTYPES, QUANT_TARGETS, resolve_target, target_linears
@@ -146,6 +146,12 @@ class Engine:
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
         self._ops = module if module is not None and self.dtype == torch.float32 and self._d in KERNEL_HEAD_SIZES else None
+        # Llama-shaped layers run a forward's layers in one kernel call (csrc: DecoderStack; _stacked_layers)
+        self._llama_layers = not self._gelu and len(a.rope_kinds) == 1 and all(
+            w.qk_norm is None and w.post_attn_norm is None and w.post_mlp_norm is None for w in a.layers)
+        self.stack_layers = True  # False: every forward op by op (tests compare the two)
+        self.stacked_forwards = 0  # forwards whose layers ran in one kernel call
+        self._stacks: dict[int, tuple[Any, Any]] = {}  # id(layers' products) -> (those products, their DecoderStack)
         self.kernel_info = {"backend": "torch" if module is None else "small_gemm", "reason": reason,
                             "load_s": kernels.status()["load_s"] if module is not None else None,
                             "pack_s": round(time.perf_counter() - t0, 3),
@@ -260,6 +266,7 @@ class Engine:
         free the layers' float matrices too, the panels being the target's weights (the embedding and
         LM head stay). For a process that runs plain decoding only (the bench's ``ar-fp32`` process): a
         draft built from the float matrices afterwards is refused."""
+        self._stacks.clear()  # they hold the norms, which move below: rebuilt on the next forward
         if panels and self.target_precision not in QUANT_TARGETS:
             lins = [self._lin[l][name] for l in range(self.num_layers) for name in LINEARS]
             if not lins or not all(isinstance(x, kernels.Linear) and x.packed is not None for x in lins):
@@ -385,6 +392,81 @@ class Engine:
         if length > self._rope_length:
             self._grow_rope(max(2 * self._rope_length, length))
 
+    # -- one call for a forward's layers -------------------------------------
+    def _stack(self, lins: list[dict[str, Any]]) -> Any | None:
+        """The kernel's DecoderStack over these layers' products (built once per set and kept), or None
+        where a product is not one the kernel runs (then the forward runs op by op)."""
+        if (got := self._stacks.get(id(lins))) is not None and got[0] is lins:
+            return got[1]
+        ops = self._ops
+
+        def mat(lin: Any) -> Any | None:
+            if isinstance(lin, A8Linear) and lin.base.meta.bits == 4 and lin.base.module is not None:
+                b = lin.base
+                return ops.mat(2, b.codes, b.scales, b.mins, b.bias, b.out_features, b.meta.group, 4, b.isa)
+            lin = lin.base if isinstance(lin, A8Linear) else lin
+            if isinstance(lin, kernels.QLinear) and lin.module is not None:
+                return ops.mat(1, lin.codes, lin.scales, lin.mins, lin.bias, lin.out_features, lin.meta.group,
+                               lin.meta.bits, lin.isa)
+            if isinstance(lin, kernels.Linear) and lin.packed is not None:
+                return ops.mat(0, lin.packed, None, None, lin.bias_f32, lin.n, 0, 0, "auto")
+            return None
+
+        stack = ops.DecoderStack(self._hq, self._hkv, self._d, float(self.adapter.rms_eps))
+        for w, lin in zip(self.adapter.layers, lins):
+            mats = [mat(lin[name]) for name in ("qkv", "o", "gate_up", "down")]
+            if any(m is None for m in mats):
+                return None
+            stack.add(w.attn_norm, w.mlp_norm, *mats)
+        self._stacks[id(lins)] = (lins, stack)
+        return stack
+
+    def _stacked_layers(self, stack: Any, cache: KVCache, h: torch.Tensor, layers: range, q_pos: torch.Tensor | None,
+                        q_list: list[int], cos: torch.Tensor, sin: torch.Tensor, skip_attn: Collection[int],
+                        skip_mlp: Collection[int], tree_mask: torch.Tensor | None, output_hidden: Collection[int],
+                        kv_window: tuple[int, int] | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        """:meth:`_forward`'s layers in one kernel call (csrc: DecoderStack), with the masks, cache order
+        checks and position lists of the loop there; None (nothing changed) where a sliding window cuts
+        (the loop then runs)."""
+        t, q_min, q_max = h.shape[0], min(q_list), max(q_list)
+        pasts: list[int] = []
+        mask_of: list[int] = []
+        masks: list[torch.Tensor] = []
+        built: dict[tuple[int, int], int] = {}
+        for l in layers:
+            w, pos = self.adapter.layers[l], cache.positions[l]
+            if l in skip_attn:
+                pasts.append(-1)
+                mask_of.append(-1)
+                continue
+            if w.sliding_window is not None and (t > w.sliding_window or q_max - (pos[0] if pos else q_min)
+                                                 >= w.sliding_window):
+                return None
+            if pos and q_min <= pos[-1]:
+                raise CacheInvariantError(f"layer {l}: rows at positions {q_min}.. written after position "
+                                          f"{pos[-1]}; roll the cache back first")
+            past = len(pos)
+            pasts.append(past)
+            if q_pos is None and past == 0 and tree_mask is None:
+                mask_of.append(-1)
+                continue
+            key = (past, pos[-1] if pos else -1)
+            if key not in built:
+                qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
+                m = self._mask(pos, qp, q_max, t, tree_mask, None)
+                built[key] = -1 if m is None else len(masks)
+                if m is not None:
+                    masks.append(m[0, 0])
+            mask_of.append(built[key])
+        keep = [int(l in output_hidden) for l in layers]
+        out = stack.forward(h, cache.k, cache.v, layers.start, pasts, [int(l not in skip_mlp) for l in layers], keep,
+                            masks, mask_of, cos, sin, *(kv_window or (0, 0)))
+        for l, past in zip(layers, pasts):
+            if past >= 0:
+                cache.positions[l].extend(q_list)
+        kept = iter(out[1:])
+        return out[0], {l: next(kept) for l, k in zip(layers, keep) if k}
+
     # -- masks -------------------------------------------------------------
     def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,
               window: int | None) -> torch.Tensor | None:
@@ -509,7 +591,16 @@ class Engine:
         cosines: list[torch.Tensor] = []
         lins = self._lin if weights is None else self.quantized(weights).layers
 
-        for l in range(start, end):
+        layers = range(start, end)
+        if few_rows and self.stack_layers and not attn_cosine and self._llama_layers and (stack := self._stack(lins)) is not None:
+            ran = self._stacked_layers(stack, cache, h, layers, q_pos, q_list, *next(iter(rope_rows.values())), skip_attn, skip_mlp,
+                                       tree_mask, output_hidden, kv_window)
+            if ran is not None:
+                h, hidden_at = ran
+                self.stacked_forwards += 1
+                layers = range(end, end)  # done
+
+        for l in layers:
             w = self.adapter.layers[l]
             lin = lins[l]
             if l not in skip_attn:

@@ -944,15 +944,150 @@ torch::Tensor qlinear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   return out;
 }
 
+
+// ---- a forward's decoder layers in one call (issue 34: a step's work besides its products)
+//
+// Called op by op from Python, a Llama layer is about a dozen calls (norms, the four products, the
+// rotary, the K/V append, attention, the residual adds), each 5-10 us of dispatch: about 3 ms of an
+// 11 ms SmolLM2 step on its GGUF blocks. A DecoderStack holds each layer's matrices and norms as the
+// engine packed them and runs a range of layers in one call, through the same functions in the same
+// order as engine/runner.py's loop:
+//     x = rms_norm(h); qkv = P_qkv(x); rope_(q and k heads); K/V rows appended at slot `past`;
+//     h += P_o(attend(q, keys <= past + t));  x = rms_norm(h); h += P_down(silu_mul(P_gate_up(x)))
+// Invariants: every value equals the Python loop's bit for bit (the same kernels on the same inputs;
+// a residual add is one float32 rounding either way), so batch invariance and the k-row = k one-row
+// identity carry over (tests/test_kernels.py); the caller's `h` is never written (the stack adds into
+// its own copy); the cache's position lists stay the caller's: `pasts` says where each layer appends,
+// and the caller checks order and capacity first. Llama-shaped layers only (no q/k norms, post norms,
+// GeGLU or sliding windows): the engine runs the others op by op.
+
+struct Mat {  // one matrix product as the engine packed it
+  int64_t kind = 0;  // 0: float panels (linear), 1: quantized codes (qlinear), 2: 4-bit codes x int8 rows (qlinear_a8)
+  torch::Tensor w, scales;
+  c10::optional<torch::Tensor> mins, bias;
+  int64_t n = 0, gs = 0, bits = 0;
+  std::string isa = "auto";
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == 0) return linear(x, w, n, bias);
+    if (kind == 1) return qlinear(x, w, scales, mins, n, gs, bits, bias, isa);
+    return qlinear_a8(x, w, scales, mins, n, gs, bias, isa);
+  }
+};
+
+Mat make_mat(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins,
+             c10::optional<torch::Tensor> bias, int64_t n, int64_t gs, int64_t bits, std::string isa) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "Mat: kind must be 0, 1 or 2");
+  TORCH_CHECK(kind == 0 || (scales.has_value() && scales->defined()), "Mat: quantized panels need scales");
+  Mat m;
+  m.kind = kind;
+  m.w = w;
+  if (kind != 0) m.scales = *scales;
+  if (mins.has_value() && mins->defined()) m.mins = mins;
+  if (bias.has_value() && bias->defined()) m.bias = bias->to(torch::kFloat32).contiguous();
+  m.n = n;
+  m.gs = gs;
+  m.bits = bits;
+  m.isa = isa;
+  return m;
+}
+
+struct Layer {
+  torch::Tensor attn_norm, mlp_norm;
+  Mat qkv, o, gate_up, down;
+};
+
+inline void add_into(float* h, const float* x, int64_t n) {  // h += x, elementwise (one rounding each)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, _mm256_add_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) h[i] += x[i];
+}
+
+struct DecoderStack {
+  int64_t hq, hkv, d;
+  double eps;
+  std::vector<Layer> layers;
+
+  DecoderStack(int64_t hq_, int64_t hkv_, int64_t d_, double eps_) : hq(hq_), hkv(hkv_), d(d_), eps(eps_) {
+    TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0, "DecoderStack: bad head counts");
+  }
+
+  void add(torch::Tensor attn_norm, torch::Tensor mlp_norm, Mat qkv, Mat o, Mat gate_up, Mat down) {
+    TORCH_CHECK(qkv.n == (hq + 2 * hkv) * d, "DecoderStack: the q/k/v product has ", qkv.n, " outputs, expected ",
+                (hq + 2 * hkv) * d);
+    layers.push_back(Layer{attn_norm.contiguous(), mlp_norm.contiguous(), qkv, o, gate_up, down});
+  }
+
+  // h (T, H) float32: the rows entering layer `start`; kc/vc (L, Hkv, S, D) float32: the cache's buffers.
+  // For layer start + i: pasts[i] its cached slots before these rows (-1: its attention is skipped, no K/V
+  // written), mlp[i] whether its MLP runs, keep[i] whether its output is returned, mask_of[i] an index into
+  // masks ((T, pasts[i] + T) additive) or -1 (causal after `past`). cos/sin (T, D): the rows' rotary tables.
+  // Returns [h after the last layer, then each kept layer's output in order].
+  std::vector<torch::Tensor> forward(torch::Tensor h_in, torch::Tensor kc, torch::Tensor vc, int64_t start,
+                                     std::vector<int64_t> pasts, std::vector<int64_t> mlp, std::vector<int64_t> keep,
+                                     std::vector<torch::Tensor> masks, std::vector<int64_t> mask_of, torch::Tensor cos,
+                                     torch::Tensor sin, int64_t sinks, int64_t window) {
+    const int64_t n_l = static_cast<int64_t>(pasts.size());
+    TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == torch::kFloat32, "DecoderStack: h must be (T, H) float32");
+    TORCH_CHECK(start >= 0 && start + n_l <= static_cast<int64_t>(layers.size()) &&
+                    static_cast<int64_t>(mlp.size()) == n_l && static_cast<int64_t>(keep.size()) == n_l &&
+                    static_cast<int64_t>(mask_of.size()) == n_l,
+                "DecoderStack: per-layer lists must cover layers [start, start + len)");
+    TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.scalar_type() == torch::kFloat32 &&
+                    vc.scalar_type() == torch::kFloat32 && kc.size(1) == hkv && kc.size(3) == d &&
+                    kc.stride(3) == 1 && vc.stride(3) == 1,
+                "DecoderStack: the cache must be (L, Hkv, S, D) float32");
+    torch::Tensor h = h_in.contiguous().clone();
+    const int64_t t_n = h.size(0), width = h.size(1), cap = kc.size(2);
+    float* hp = h.data_ptr<float>();
+    std::vector<torch::Tensor> out{h};
+    for (int64_t i = 0; i < n_l; ++i) {
+      const Layer& ly = layers[start + i];
+      const int64_t l = start + i, past = pasts[i];
+      if (past >= 0) {
+        TORCH_CHECK(past + t_n <= cap, "DecoderStack: layer ", l, " needs ", past + t_n, " slots, the cache holds ", cap);
+        torch::Tensor qkv = ly.qkv(rms_norm(h, ly.attn_norm, eps));
+        rope_(qkv, hq + hkv, cos, sin);
+        const float* qp = qkv.data_ptr<float>();
+        float* kp = kc.data_ptr<float>() + l * kc.stride(0);
+        float* vp = vc.data_ptr<float>() + l * vc.stride(0);
+        for (int64_t t = 0; t < t_n; ++t)
+          for (int64_t g = 0; g < hkv; ++g) {
+            std::memcpy(kp + g * kc.stride(1) + (past + t) * kc.stride(2), qp + t * qkv.stride(0) + (hq + g) * d,
+                        sizeof(float) * d);
+            std::memcpy(vp + g * vc.stride(1) + (past + t) * vc.stride(2), qp + t * qkv.stride(0) + (hq + hkv + g) * d,
+                        sizeof(float) * d);
+          }
+        c10::optional<torch::Tensor> mask;
+        if (mask_of[i] >= 0) mask = masks.at(mask_of[i]);
+        torch::Tensor o = ly.o(attend(qkv, hq, kc.select(0, l), vc.select(0, l), past + t_n, mask, past, sinks, window));
+        add_into(hp, o.data_ptr<float>(), t_n * width);
+      }
+      if (mlp[i]) {
+        torch::Tensor m = ly.down(silu_mul(ly.gate_up(rms_norm(h, ly.mlp_norm, eps))));
+        add_into(hp, m.data_ptr<float>(), t_n * width);
+      }
+      if (keep[i]) out.push_back(h.clone());
+    }
+    return out;
+  }
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x W^T (+ b) with W quantized (8-bit or 4-bit codes, per-group scales), batch-invariant");
   m.def("qlinear_a8", &qlinear_a8, "y = x W^T (+ b): 4-bit codes times int8-quantized x (W4A8), a draft's product");
   m.def("qisa", &qisa, "the instruction set qlinear dispatches to on this CPU");
 
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
-  m.def("pack", &pack, "repack a (N, K) weight into 4x8 blocks");
+  m.def("pack", &pack, "repack a (N, K) weight into panels of 16 outputs, k-major");
   m.def("linear", &linear, "y = x W^T (+ b) for a few rows, batch-invariant");
   m.def("attend", &attend, "attention of a few query rows over cached keys/values");
   m.def("rope_", &rope_, "rotary embedding in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+
+  py::class_<Mat>(m, "Mat");
+  m.def("mat", &make_mat, "one packed matrix product for a DecoderStack (kind 0 linear, 1 qlinear, 2 qlinear_a8)");
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def("add", &DecoderStack::add, "append a layer: its two norms' weights and its four products")
+      .def("forward", &DecoderStack::forward, "run layers [start, start + len(pasts)) on rows h in one call");
 }

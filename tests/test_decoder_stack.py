@@ -1,0 +1,140 @@
+"""A forward's decoder layers in one kernel call (csrc DecoderStack, ``Engine._stacked_layers``).
+
+The stacked path must be the op-by-op loop of engine/runner.py, bit for bit: the same logits,
+hidden states, K/V slots and position lists, for every kind of forward the methods make (a chain,
+a token tree, skip sets, a layer range entered with hidden rows, kept hidden states, a draft's
+StreamingLLM view, quantized draft copies and block targets), and it must refuse an out-of-order
+write before changing anything. Real tiny transformers models and a real GGUF file.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec_cli.engine import Engine, kernels
+from selfspec_cli.engine.cache import CacheInvariantError
+
+from .conftest import make_tiny_model
+
+ext = kernels.load_extension()
+needs_kernel = pytest.mark.skipif(ext is None, reason=f"kernel unavailable: {kernels.status()['reason']}")
+
+
+def _both(eng: Engine, prefix: int, calls: list[dict], weights: str | None = None) -> list[tuple]:
+    """Run the same forwards on a fresh cache with the stacked path on and off; returns both runs'
+    (logits, hidden, hidden_at, k, v, positions) per call and the number of stacked forwards."""
+    ids = torch.randint(0, 300, (prefix,), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for stacked in (False, True):
+        eng.stack_layers = stacked
+        cache = eng.new_cache(64)
+        eng.forward(cache, ids, positions=0, weights=weights)
+        before = eng.stacked_forwards  # the calls' forwards (the prefill may be stacked too)
+        outs = []
+        for kw in calls:
+            o = eng.forward(cache, weights=weights, **kw)
+            outs.append((o.logits, o.hidden, dict(o.hidden_at), cache.k.clone(), cache.v.clone(),
+                         [list(p) for p in cache.positions]))
+        runs.append((outs, eng.stacked_forwards - before))
+    eng.stack_layers = True
+    return runs
+
+
+def _assert_same(runs: list[tuple], expect_stacked: int) -> None:
+    (plain, n_plain), (stacked, n_stacked) = runs
+    assert n_plain == 0 and n_stacked == expect_stacked
+    for a, b in zip(plain, stacked):
+        for x, y in zip(a[:2], b[:2]):
+            assert (x is None and y is None) or torch.equal(x, y)
+        assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][l], b[2][l]) for l in a[2])
+        assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4]) and a[5] == b[5]
+
+
+def _calls(eng: Engine, p: int) -> list[dict]:
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    g = torch.Generator().manual_seed(9)
+    tok = lambda n: torch.randint(0, 300, (n,), generator=g)  # noqa: E731
+    return [
+        dict(input_ids=tok(1), positions=p),  # one decode step
+        dict(input_ids=tok(5), positions=p + 1, logits_rows=slice(None)),  # a chain verification
+        dict(input_ids=tok(3), positions=p + 6, skip_attn={1}, skip_mlp={0, 2}, output_hidden={1, 3}),  # a skip draft
+        dict(input_ids=tok(4), positions=torch.tensor([p + 9, p + 10, p + 10, p + 11]), tree_mask=tree,
+             logits_rows=slice(None)),  # a token tree
+        dict(input_ids=tok(2), positions=p + 12, kv_window=(2, 4)),  # a draft's view of a long context
+    ]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias", "mistral-window"])
+def test_stacked_layers_are_the_op_by_op_loop_bit_for_bit(arch):
+    eng = Engine(make_tiny_model(arch))
+    calls = _calls(eng, 6)
+    # a range entered with hidden rows (AdaDecode's deferred layers): layers [2, 4) of rows left at layer 2
+    runs = _both(eng, 6, calls)
+    # Mistral's window of 12 positions cuts from position 12 on (the third call): the loop runs those
+    _assert_same(runs, expect_stacked=2 if arch == "mistral-window" else len(calls))
+    eng.stack_layers = False
+    c = eng.new_cache(32)
+    eng.forward(c, torch.arange(6), positions=0)
+    part = eng.forward(c, torch.tensor([7]), positions=6, end=2).hidden
+    rest = []
+    for stacked in (False, True):
+        eng.stack_layers = stacked
+        cc = eng.new_cache(32)
+        eng.forward(cc, torch.arange(6), positions=0)
+        eng.forward(cc, torch.tensor([7]), positions=6, end=2)
+        rest.append(eng.forward(cc, hidden=part, positions=6, start=2).logits)
+    assert torch.equal(*rest)
+
+
+@needs_kernel
+def test_a_window_that_cuts_runs_op_by_op():
+    """Mistral's tiny window is 12 positions: a forward past it is left to the loop, which cuts the mask."""
+    eng = Engine(make_tiny_model("mistral-window"))
+    runs = _both(eng, 14, [dict(input_ids=torch.tensor([3]), positions=14)])
+    _assert_same(runs, expect_stacked=0)
+
+
+@needs_kernel
+def test_layers_the_stack_does_not_take_run_op_by_op():
+    for arch in ("qwen3-qknorm", "gemma3-window"):
+        eng = Engine(make_tiny_model(arch))
+        runs = _both(eng, 6, [dict(input_ids=torch.tensor([3]), positions=6)])
+        _assert_same(runs, expect_stacked=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["int8", "int8-g32"])
+def test_stacked_draft_copies_are_the_loop_bit_for_bit(weights):
+    eng = Engine(make_tiny_model("llama-gqa"))
+    calls = _calls(eng, 6)
+    _assert_same(_both(eng, 6, calls, weights=weights), expect_stacked=len(calls))
+
+
+@needs_kernel
+def test_stacked_block_target_and_w4a8_draft_are_the_loop_bit_for_bit(tmp_path, monkeypatch):
+    from selfspec_cli.loading import load_model
+
+    from .gguf_utils import make_tiny_gguf
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    path, _, _ = make_tiny_gguf(tmp_path, qtype="Q4_1", name="tiny-Q4_1.gguf")
+    eng = Engine(load_model(str(path), dtype="float32", device="cpu", log=None)[0], target_precision="gguf")
+    assert eng.target_precision == "gguf"
+    calls = _calls(eng, 6)
+    _assert_same(_both(eng, 6, calls), expect_stacked=len(calls))
+    _assert_same(_both(eng, 6, calls, weights="w4a8"), expect_stacked=len(calls))
+    eng.release_float_weights()  # the stacks held the norms the release moves: rebuilt, same values
+    _assert_same(_both(eng, 6, calls), expect_stacked=len(calls))
+
+
+@needs_kernel
+def test_an_out_of_order_write_is_refused_before_anything_changes():
+    eng = Engine(make_tiny_model("llama-gqa"))
+    cache = eng.new_cache(32)
+    eng.forward(cache, torch.arange(6), positions=0)
+    eng.forward(cache, torch.tensor([9]), positions=6, skip_attn={2, 3})  # layers 2-3 stay at 6 slots
+    k, v, pos = cache.k.clone(), cache.v.clone(), [list(p) for p in cache.positions]
+    with pytest.raises(CacheInvariantError, match="layer 0"):
+        eng.forward(cache, torch.tensor([4]), positions=6)  # layers 0-1 already hold position 6
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v) and cache.positions == pos
