@@ -164,6 +164,8 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
     kept = {"0.2": 0.75, "0.3": 0.75, "0.4": 0.5, "0.5": 0.5, "0.6": 0.5}
     assert doc["draft_cost"] == {r: pytest.approx((TICK + F[1] * k + 0.36 + H) / step, abs=6e-4) for r, k in kept.items()}
     assert doc["lm_head_ms"] == (TICK + H) * 1e3 and doc["lm_head_share"] == pytest.approx(3 / step, abs=6e-4)
+    # the products alone: one tick and the head's charge (the layers' products are not forwards)
+    assert doc["products_ms"] == (TICK + H) * 1e3 and doc["non_product_share"] == pytest.approx(1 - 3 / step, abs=6e-4)
     # the floor: 772352 bytes of weights read at 2**30 bytes per second
     assert doc["weight_bytes"] == fp32_step_bytes(eng.model.config) == 772352
     assert doc["bandwidth_gbs"] == 1.07

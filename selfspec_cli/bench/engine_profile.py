@@ -16,6 +16,9 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
   ``draft_cost_draft_vocab[r]`` the same with the model's FR-Spec draft vocabulary (when
   one is calibrated: methods/fr_spec/);
 * ``lm_head_share``: final norm + LM head on one row, divided by ``T(1)``;
+* ``products_ms``: every matrix product of a one-row step and the LM head, run alone
+  (:meth:`Engine.run_products`), and ``non_product_share``: the rest of ``T(1)`` (norms, rotary,
+  attention, dispatch), 1 - products / T(1), both at the context of a real prompt;
 * ``kernel_max_logit_diff``: the largest difference between the engine's fp32 logits
   with the CPU kernel (engine/kernels.py) and with plain ``F.linear``;
 * **quantized drafts** (engine/quant.py), per precision (int8, int8-g32, and the GGUF's
@@ -132,6 +135,7 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         for prefix, head in ({"c": None} if sub is None else {"c": None, "cv": sub}).items():
             jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s,
                                            head=head)
+    jobs["products"] = partial(engine.run_products, 1)
     jobs["head"] = partial(engine.final_logits,
                            torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device))
     warm = [f"v{k}" for k in rows[:3]]  # warm-up: first calls allocate
@@ -145,7 +149,9 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         **curve_fields(VerifyCurve.for_engine(engine, full=True)), "draft_context_tokens": ctx,
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
-        "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3), "rounds": rounds, **vocab}
+        "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3),
+        "products_ms": round(med["products"], 3), "non_product_share": round(max(0.0, 1 - med["products"] / step), 3),
+        "rounds": rounds, **vocab}
 
 
 def curve_fields(curve: VerifyCurve) -> dict[str, Any]:

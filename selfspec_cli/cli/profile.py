@@ -71,6 +71,8 @@ def _table(r: dict[str, Any]) -> Table:
     t.add_row("v(k) k=2,4,8,16", ", ".join(f"{r['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8, 16) if str(k) in r["verify_cost"]))
     t.add_row("c(r) r=" + ",".join(r["draft_cost"]), ", ".join(f"{v:.2f}" for v in r["draft_cost"].values()))
     t.add_row("LM head share", f"{r['lm_head_share']:.0%}")
+    if "non_product_share" in r:
+        t.add_row("T(1) besides the products", f"{r['non_product_share']:.0%} (products {r['products_ms']:.1f} ms)")
     if r.get("kernel_max_logit_diff") is not None:
         t.add_row("kernel max |logit diff|", f"{r['kernel_max_logit_diff']:.1e}")
     if red := r.get("redundancy"):

@@ -392,6 +392,21 @@ class Engine:
         if length > self._rope_length:
             self._grow_rope(max(2 * self._rope_length, length))
 
+    @torch.inference_mode()
+    def run_products(self, rows: int = 1, weights: str | None = None) -> None:
+        """Every matrix product of one forward of ``rows`` rows and the LM head (with the final norm), on
+        fixed random inputs, and nothing else: what the products alone cost (``selfspec profile`` reports
+        the rest of a step beside it)."""
+        lins = self._lin if weights is None else self.quantized(weights).layers
+        hidden, inter = self.adapter.hidden_size, self.model.config.intermediate_size
+        g = torch.Generator().manual_seed(0)
+        xs = {name: torch.randn(rows, width, generator=g).to(self.dtype)
+              for name, width in (("qkv", hidden), ("o", self._hq * self._d), ("gate_up", hidden), ("down", inter))}
+        for lin in lins:
+            for name, x in xs.items():
+                lin[name](x)
+        self.final_logits(xs["qkv"], weights=weights)
+
     # -- one call for a forward's layers -------------------------------------
     def _stack(self, lins: list[dict[str, Any]]) -> Any | None:
         """The kernel's DecoderStack over these layers' products (built once per set and kept), or None
