@@ -355,6 +355,19 @@ def test_driver_reports_predicted_and_realized_gain(monkeypatch, virtual_clock):
     assert 0 < st["draft_round_share"] == sum(1 for k in lengths if k) / len(lengths)
 
 
+def test_autos_first_decode_is_measured_in_plain_steps(monkeypatch, virtual_clock):
+    """The round clock takes its unit from the proposer's curve when a decode starts: ``auto`` has it
+    from construction, so even a process's first decode learns its rounds' overhead and reports its
+    realized gain (it read 0.0 when auto took the curve only at its first proposal)."""
+    _exact_machine(monkeypatch, virtual_clock, {"steps": 0.0})
+    m = build("auto", _engine_with_curve_v(), ngram_only=True)
+    assert m.curve is not None
+    res = m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=30))
+    st = res.stats.as_dict()
+    assert any(res.stats.draft_lengths)
+    assert st["realized_gain"] == pytest.approx((len(res.token_ids) - 1) / st["plan"]["cost_steps"], abs=1e-3)
+
+
 # --- calibration's timing-free proxy -------------------------------------------------------
 
 

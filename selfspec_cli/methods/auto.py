@@ -70,6 +70,7 @@ class Auto(SelfProposing):
         options += [Option(name, m.proposer) for name, m in (("layer_skip", layer_skip), ("quant", quant)) if m is not None]
         self.choice = Choose(options)
         self.lookahead = self.choice.lookahead
+        self.curve = self.pld.curve  # the driver's round clock reads it when a decode starts
         self.rounds: Counter[str] = Counter()
         self._ngram_n = 0  # the order of this round's n-gram lookup (0: none)
 
