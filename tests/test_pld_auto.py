@@ -296,6 +296,33 @@ def test_verify_curve_interpolates_and_is_the_running_maximum_of_its_readings(mo
     assert c.v(26) == pytest.approx(3.6 + 2 * 0.9 / 8)  # read between measured rows, not extrapolated from 12 and 16
 
 
+def test_verify_curve_reads_how_rows_grow_with_the_context_and_planners_price_rounds_there(monkeypatch, virtual_clock):
+    """A machine on which an m-row forward after n tokens costs base(m) + (a + b (m - 1)) n: the curve
+    reads a (slope_s) and b (row_slope_s) from 1- and 8-row forwards 190 tokens further on (the tiny
+    model's positions end at 256), v_at is that law's m-row time over the one-row time, and a planner
+    set at a context prices its rounds there."""
+    a, b = 1e-3, 4e-4
+    base = {m: 0.1 * (1 + 0.1 * (m - 1)) for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}
+
+    def charge(e, rows, kw):
+        return 0.0 if kw["positions"] == 0 else base[rows] + (a + b * (rows - 1)) * kw["positions"]
+
+    charge_forwards(monkeypatch, virtual_clock, charge)
+    c = VerifyCurve.measure(Engine(make_tiny_model("llama-gqa", layers=2)), context=64, rounds=1)
+    assert c.slope_s == pytest.approx(a) and c.row_slope_s == pytest.approx(b)
+    law = lambda m, n: base[m] + (a + b * (m - 1)) * n  # noqa: E731
+    for m, n in ((1, 200), (4, 64), (4, 200), (8, 250), (16, 250)):
+        assert c.v_at(m, n) == pytest.approx(law(m, n) / law(1, n), rel=1e-4)  # (v is kept to 4 decimals)
+    assert c.v_at(4, None) == c.v(4) and c.v_at(4, 10) == c.v(4)  # no context, or before the curve's own: v
+    assert VerifyCurve.from_record(c.to_record()) == c  # the store keeps the row slope
+    assert VerifyCurve.from_record({**c.to_record(), "row_slope_s": -1.0}) is None
+    no_rows = VerifyCurve.from_record({k: v for k, v in c.to_record().items() if k != "row_slope_s"})
+    assert no_rows.row_slope_s is None and no_rows.v_at(4, 250) == no_rows.v(4)  # an older record: v as read
+    p = Planner(c, 8)
+    assert p.at(250).cost(3, 0.2) == pytest.approx(3 * 0.2 + law(4, 250) / law(1, 250) + p.overhead.value, rel=1e-4)
+    assert p.at(None).cost(3, 0.2) == pytest.approx(3 * 0.2 + c.v(4) + p.overhead.value)
+
+
 def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_target_step(monkeypatch, virtual_clock):
     """A host whose speed drifts: each refresh pools one more reading (per row count the median
     time), and c is a draft forward over a target forward timed in the same interleaved passes."""

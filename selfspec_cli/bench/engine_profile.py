@@ -158,6 +158,7 @@ def curve_fields(curve: VerifyCurve) -> dict[str, Any]:
     """T(1), its growth with the context and v(k), as profile.json and bench's ``engine_costs`` hold them."""
     return {"context_tokens": curve.context, "step_ms": round(curve.t1_s * 1e3, 3),
             "step_ms_per_1k_context": round(curve.slope_s * 1e6, 3),
+            "row_ms_per_1k_context": None if curve.row_slope_s is None else round(curve.row_slope_s * 1e6, 3),
             "verify_ms": {str(k): round(t * 1e3, 3) for k, t in curve.times_s.items()},
             "verify_cost": {str(k): round(v, 3) for k, v in curve.ratios.items()}, "curve_readings": curve.readings}
 

@@ -89,6 +89,7 @@ CURVE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PROBE_BUDGET = 0.01  # share of a plain step a source that does not draft saves up per round, to probe
 CURVE_ROUNDS = 11  # timed passes per row count (after one warm-up pass); the median is kept (docs/engine.md)
 SLOPE_EXTRA = 512  # T(1)'s growth with the context: read after this many more tokens than the curve's context
+SLOPE_ROWS = 8  # ... and a verify forward's, from one of this many rows (VerifyCurve.row_slope_s)
 # a first reading on a machine with no stored costs (VerifyCurve.for_engine): the powers of two up to 16 rows
 # (v beyond 16 rows extrapolated from 8 and 16 until rounds fill the table), 3 passes, and no slope (its
 # long prefill would cost as much again; the rounds of later runs fit it): about an eighth of the full
@@ -120,7 +121,16 @@ class VerifyCurve:
     default model at 1 thread, about 20 % from 64 to 800 tokens): ``t1_at(n)`` is T(1)
     after ``n`` tokens, linear in ``n`` with the slope ``slope_s`` measured beside it, so
     that a draft step or a round measured in seconds at a long context is put in units of
-    the plain step *there*, which is what plain decoding would spend."""
+    the plain step *there*, which is what plain decoding would spend.
+
+    A forward of ``m`` rows grows faster with the context than one of one row: every row
+    attends to every cached key (though the rows after the first find the keys in cache, so
+    not ``m`` times as fast: on the default model's block target, 1 thread, T(2), T(5) and
+    T(8) grew 1.5, 2.8 and 4.0 times as fast as T(1) from 64 to 800 tokens). ``row_slope_s``
+    is the growth each row after the first adds, read beside ``slope_s`` from an 8-row
+    forward, and :meth:`v_at` is v at a given context, ``(v(m) T(1) + (slope_s + (m - 1)
+    row_slope_s) (n - context)) / t1_at(n)``, which the planners use: taking v as fixed
+    under-priced a 5-row verify by 18 % at 800 tokens."""
 
     t1_s: float
     ratios: dict[int, float]
@@ -128,9 +138,17 @@ class VerifyCurve:
     slope_s: float = 0.0  # seconds per context token of a one-row step
     times_s: dict[int, float] = field(default_factory=dict)  # the medians behind the ratios, seconds
     readings: int = 1  # how many readings it pools (VerifyCurve.refresh)
+    row_slope_s: float | None = None  # seconds per context token each row after the first adds (None: not read)
 
     def t1_at(self, context: int) -> float:
         return self.t1_s + self.slope_s * max(0, context - self.context)
+
+    def v_at(self, m: int, context: int | None) -> float:
+        """v(m) after ``context`` tokens (None, or a curve without a row slope: :meth:`v`)."""
+        if context is None or self.row_slope_s is None or context <= self.context:
+            return self.v(m)
+        extra = context - self.context
+        return (self.v(m) * self.t1_s + (self.slope_s + (m - 1) * self.row_slope_s) * extra) / self.t1_at(context)
 
     def v(self, m: int) -> float:
         if m in self.ratios:
@@ -207,7 +225,9 @@ class VerifyCurve:
         count: a short reading pools with full ones), and the median slope; v from those."""
         rows = sorted({m for r in readings for m in r.times_s})
         times = {m: statistics.median(r.times_s[m] for r in readings if m in r.times_s) for m in rows}
-        pooled = cls._from_times(times, readings[0].context, statistics.median(r.slope_s for r in readings))
+        row_slopes = [r.row_slope_s for r in readings if r.row_slope_s is not None]
+        pooled = cls._from_times(times, readings[0].context, statistics.median(r.slope_s for r in readings),
+                                 row_slope_s=statistics.median(row_slopes) if row_slopes else None)
         return dataclasses.replace(pooled, readings=sum(r.readings for r in readings))
 
     @classmethod
@@ -216,23 +236,25 @@ class VerifyCurve:
         """Time forwards of ``rows`` rows (by default ``CURVE_ROWS``) after a ``context``-token prefix,
         ``rounds`` interleaved passes after one warm-up pass; per size the **median** (the fastest pass
         undershoots what plain decoding spends per step on a shared machine, so predictions
-        read high, and it moves more from run to run than the median; docs/engine.md); the slope
-        over ``extra`` more tokens (none below 64: 0)."""
+        read high, and it moves more from run to run than the median; docs/engine.md); the slopes
+        over ``extra`` more tokens (none below 64: 0, and no row slope)."""
         med = _median_forward_s(engine, context, {m: (m, {"logits_rows": slice(None)}) for m in rows}, rounds)
-        return cls._from_times(med, context, cls._slope(engine, context, med[1], rounds, extra))
+        slope, row_slope = cls._slopes(engine, context, med, rounds, extra)
+        return cls._from_times(med, context, slope, row_slope_s=row_slope)
 
     @classmethod
-    def _from_times(cls, times: dict[int, float], context: int, slope_s: float, readings: int = 1) -> VerifyCurve:
+    def _from_times(cls, times: dict[int, float], context: int, slope_s: float, readings: int = 1,
+                    row_slope_s: float | None = None) -> VerifyCurve:
         # v is non-decreasing in the rows (a noisy reading must not make more rows look cheaper): the running
         # maximum of the readings, from v(1) = 1
         rows = sorted(times)
         ratios = {m: round(r, 4) for m, r in zip(rows, accumulate((times[m] / times[1] for m in rows), max))}
-        return cls(times[1], ratios, context, slope_s, dict(times), readings)
+        return cls(times[1], ratios, context, slope_s, dict(times), readings, row_slope_s)
 
     def to_record(self) -> dict[str, Any]:
         """The reading as the store keeps it (decoding/cost_store.py): the forward times, not the ratios."""
         return {"context": self.context, "slope_s": self.slope_s, "times_s": {str(m): t for m, t in sorted(self.times_s.items())},
-                "readings": self.readings}
+                "readings": self.readings, **({} if self.row_slope_s is None else {"row_slope_s": self.row_slope_s})}
 
     @classmethod
     def from_record(cls, rec: Any) -> VerifyCurve | None:
@@ -241,21 +263,32 @@ class VerifyCurve:
         try:
             times = {int(m): float(t) for m, t in rec["times_s"].items()}
             context, slope, readings = int(rec["context"]), float(rec["slope_s"]), int(rec.get("readings", 1))
+            row_slope = None if rec.get("row_slope_s") is None else float(rec["row_slope_s"])
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         if (1 not in times or len(times) < 2 or context < 1 or readings < 1 or not math.isfinite(slope) or slope < 0
-                or not all(m >= 1 and math.isfinite(t) and t > 0 for m, t in times.items())):
+                or not all(m >= 1 and math.isfinite(t) and t > 0 for m, t in times.items())
+                or (row_slope is not None and (not math.isfinite(row_slope) or row_slope < 0))):
             return None
-        return cls._from_times(times, context, slope, readings)
+        return cls._from_times(times, context, slope, readings, row_slope)
 
     @staticmethod
-    def _slope(engine: Engine, context: int, t1: float, rounds: int, extra: int = SLOPE_EXTRA) -> float:
-        """Seconds per context token of a one-row step: T(1) after ``context + extra`` tokens
-        (fewer where the model's positions end sooner) against T(1) after ``context``; never negative."""
+    def _slopes(engine: Engine, context: int, med: dict[int, float], rounds: int,
+                extra: int = SLOPE_EXTRA) -> tuple[float, float | None]:
+        """Seconds per context token of a one-row step (T(1) after ``context + extra`` tokens, fewer where
+        the model's positions end sooner, against T(1) after ``context``), and what each row after the
+        first adds to that (the same read for :data:`SLOPE_ROWS` rows, when ``med`` has them); never
+        negative. ``(0.0, None)`` below 64 extra tokens."""
         extra = min(extra, engine.adapter.max_positions - context - 2)
         if extra < 64:
-            return 0.0
-        return max(0.0, (_median_forward_s(engine, context + extra, {1: (1, {})}, rounds)[1] - t1) / extra)
+            return 0.0, None
+        m = SLOPE_ROWS if SLOPE_ROWS in med else None
+        runs = {1: (1, {})} | ({m: (m, {"logits_rows": slice(None)})} if m else {})
+        far = _median_forward_s(engine, context + extra, runs, rounds)
+        slope = max(0.0, (far[1] - med[1]) / extra)
+        if m is None:
+            return slope, None
+        return slope, max(0.0, ((far[m] - med[m]) / extra - slope) / (m - 1))
 
 
 def engine_key(engine: Engine) -> dict[str, str]:
@@ -526,12 +559,12 @@ class ProbeBudget:
         return False
 
 
-def round_cost(curve: VerifyCurve, k: int, c: float, nodes: int, overhead: float) -> float:
+def round_cost(curve: VerifyCurve, k: int, c: float, nodes: int, overhead: float, context: int | None = None) -> float:
     """A round's expected cost in plain steps, k·c + v(n+1) + o: ``k`` draft forwards of cost ``c``
-    each, one verify forward of the pending token and ``nodes`` drafted nodes, and the learned
-    overhead ``o`` of a drafting round (none for a plain step, ``k = 0``). The one formula every
-    planner, the hybrid merge and calibration's proxy use."""
-    return k * c + curve.v(nodes + 1) + (overhead if k else 0.0)
+    each, one verify forward of the pending token and ``nodes`` drafted nodes (v after ``context``
+    tokens: :meth:`VerifyCurve.v_at`), and the learned overhead ``o`` of a drafting round (none for a
+    plain step, ``k = 0``). The one formula every planner, the hybrid merge and calibration's proxy use."""
+    return k * c + curve.v_at(nodes + 1, context) + (overhead if k else 0.0)
 
 
 @dataclass
@@ -546,9 +579,15 @@ class Planner:
     prior: float = 0.5  # depth 1's prior acceptance (Acceptance)
     overhead: Overhead = field(default_factory=Overhead)  # shared by planners whose rounds cost alike
     last: Plan = Plan(1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
+    context: int | None = None  # the round's context: v is read there (VerifyCurve.v_at); None, the curve's own
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.max_len, prior=self.prior)
+
+    def at(self, context: int | None) -> Planner:
+        """This planner, pricing rounds after ``context`` tokens from now on (a proposer sets it each round)."""
+        self.context = context
+        return self
 
     def reach(self, k: int) -> list[float]:
         """P(depth j of a k-token draft is accepted), j = 1..k."""
@@ -559,7 +598,7 @@ class Planner:
 
     def cost(self, k: int, c: float) -> float:
         """A round with ``k`` drafts, in plain steps (``k = 0``: a plain step)."""
-        return round_cost(self.curve, k, c, self.width * k, self.overhead.value)
+        return round_cost(self.curve, k, c, self.width * k, self.overhead.value, self.context)
 
     def gain(self, k: int, c: float) -> float:
         """Expected tokens per T(1) of a round with ``k`` drafts, relative to plain decoding."""
@@ -592,7 +631,7 @@ class Planner:
         ``nodes`` verified draft nodes. The prediction and ``o`` then rest on what ran,
         not on what was planned (a round cut short is cheaper than its plan, and would
         otherwise read as a negative overhead)."""
-        return Plan(self.expected_tokens(k), round_cost(self.curve, k, c, nodes, self.overhead.value))
+        return Plan(self.expected_tokens(k), round_cost(self.curve, k, c, nodes, self.overhead.value, self.context))
 
     def probe_loss(self, c: float) -> float:
         """Expected loss of a one-token probe, in plain steps: its cost less the tokens it yields."""

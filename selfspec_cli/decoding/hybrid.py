@@ -52,7 +52,7 @@ def merged_plan(chain: Planner, ngram: Planner, k: int, n: int, nodes: int, c: f
     chances is taken (a lower bound, so the prediction errs low)."""
     ls, ng = chain.reach(k), ngram.reach(n)
     reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(max(k, n))]
-    return Plan(1.0 + sum(reach), round_cost(chain.curve, k, c, nodes, chain.overhead.value))
+    return Plan(1.0 + sum(reach), round_cost(chain.curve, k, c, nodes, chain.overhead.value, chain.context))
 
 
 class Hybrid(Delegating):
@@ -74,11 +74,11 @@ class Hybrid(Delegating):
         if budget <= 0:
             return NoDraft()
         drafter: LayerSkipDrafter = self.chain.pick(state, budget)
-        k, plan = drafter.plan_round(budget)
+        k, plan = drafter.plan_round(budget, state.pos)
         if cont and s.cost_aware:  # how many looked-up tokens pay (they cost no draft forward)
             if self.ngram_planner is None:
                 self.ngram_planner = Planner(drafter.planner.curve, s.lookahead)
-            cont = cont[: self.ngram_planner.plan(0.0, len(cont))]
+            cont = cont[: self.ngram_planner.at(state.pos).plan(0.0, len(cont))]
         if k <= 0:
             if cont:  # layer skipping does not pay this round, the n-gram branch alone may (its own plan)
                 note = LayerSkipNote(hit_limit=True, chain_nodes=0, by=drafter, ngram_path=list(range(len(cont))))

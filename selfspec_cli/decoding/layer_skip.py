@@ -237,24 +237,25 @@ class LayerSkipDrafter(Proposer):
         """The best expected gain of drafting this round (1.0: drafting does not pay; None: no budget)."""
         if budget <= 0:
             return None
-        return self._planner().best(self.draft_cost(), min(self.settings.max_draft, budget))[1]
+        context = None if state is None else state.pos
+        return self._planner().at(context).best(self.draft_cost(), min(self.settings.max_draft, budget))[1]
 
     def pick(self, state: DecodeState | None, budget: int) -> LayerSkipDrafter:
         """The configuration that drafts this round: this one (a :class:`~.choose.Choose` picks among several)."""
         return self
 
-    def plan_round(self, budget: int) -> tuple[int, Plan | None]:
-        """This round's draft length (0: no draft) and its plan (None: unplanned)."""
+    def plan_round(self, budget: int, context: int | None) -> tuple[int, Plan | None]:
+        """This round's draft length (0: no draft) and its plan (None: unplanned), after ``context`` tokens."""
         budget = min(self.settings.max_draft, budget)
         plan = None
         if budget > 0 and self.settings.cost_aware:
-            budget = self._planner().plan(self.draft_cost(), budget)
+            budget = self._planner().at(context).plan(self.draft_cost(), budget)
             plan = self.planner.last
         self.drafting_rounds += budget > 0
         return budget, plan
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
-        k, plan = self.plan_round(budget)
+        k, plan = self.plan_round(budget, state.pos)
         if k <= 0:
             return NoDraft(plan=plan)
         made = self.draw(state, k)

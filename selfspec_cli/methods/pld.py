@@ -97,7 +97,7 @@ class PromptLookup(SelfProposing):
     def expected_gain(self, state: DecodeState, budget: int) -> float | None:
         """The best expected gain of this round's lookup (None: nothing looked up)."""
         cont, n = self.candidate(state, budget)
-        return self.planner(n).best(0.0, len(cont))[1] if cont else None
+        return self.planner(n).at(state.pos).best(0.0, len(cont))[1] if cont else None
 
     def propose(self, state: DecodeState, budget: int) -> Draft:
         cont, n = self.candidate(state, budget)
@@ -106,7 +106,7 @@ class PromptLookup(SelfProposing):
         if self.config.paper_drafting:
             return Chain(cont, note=NgramNote(n))
         cont = state.through_stop(cont)
-        planner = self.planner(n)
+        planner = self.planner(n).at(state.pos)
         k = planner.plan(0.0, len(cont))
         return Chain(cont[:k], note=NgramNote(n), plan=planner.last) if k else NoDraft(plan=planner.last)
 
