@@ -146,9 +146,7 @@ class Engine:
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
         self._ops = module if module is not None and self.dtype == torch.float32 and self._d in KERNEL_HEAD_SIZES else None
-        # Llama-shaped layers run a forward's layers in one kernel call (csrc: DecoderStack; _stacked_layers)
-        self._llama_layers = not self._gelu and len(a.rope_kinds) == 1 and all(
-            w.qk_norm is None and w.post_attn_norm is None and w.post_mlp_norm is None for w in a.layers)
+        # a forward's layers in one kernel call (csrc: DecoderStack; _stacked_layers)
         self.stack_layers = True  # False: every forward op by op (tests compare the two)
         self.stacked_forwards = 0  # forwards whose layers ran in one kernel call
         self._stacks: dict[int, tuple[Any, Any]] = {}  # id(layers' products) -> (those products, their DecoderStack)
@@ -427,60 +425,72 @@ class Engine:
                 return ops.mat(0, lin.packed, None, None, lin.bias_f32, lin.n, 0, 0, "auto")
             return None
 
-        stack = ops.DecoderStack(self._hq, self._hkv, self._d, float(self.adapter.rms_eps))
+        stack = ops.DecoderStack(self._hq, self._hkv, self._d, float(self.adapter.rms_eps), self._gelu)
+        kinds = self.adapter.rope_kinds
         for w, lin in zip(self.adapter.layers, lins):
             mats = [mat(lin[name]) for name in ("qkv", "o", "gate_up", "down")]
             if any(m is None for m in mats):
                 return None
-            stack.add(w.attn_norm, w.mlp_norm, *mats)
+            stack.add(w.attn_norm, w.mlp_norm, w.qk_norm, w.post_attn_norm, w.post_mlp_norm, kinds.index(w.rope_kind),
+                      *mats)
         self._stacks[id(lins)] = (lins, stack)
         return stack
 
     def _stacked_layers(self, stack: Any, cache: KVCache, h: torch.Tensor, layers: range, q_pos: torch.Tensor | None,
-                        q_list: list[int], cos: torch.Tensor, sin: torch.Tensor, skip_attn: Collection[int],
-                        skip_mlp: Collection[int], tree_mask: torch.Tensor | None, output_hidden: Collection[int],
-                        kv_window: tuple[int, int] | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
-        """:meth:`_forward`'s layers in one kernel call (csrc: DecoderStack), with the masks, cache order
-        checks and position lists of the loop there; None (nothing changed) where a sliding window cuts
-        (the loop then runs)."""
-        t, q_min, q_max = h.shape[0], min(q_list), max(q_list)
+                        q_list: list[int], rope_rows: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+                        skip_attn: Collection[int], skip_mlp: Collection[int], tree_mask: torch.Tensor | None,
+                        output_hidden: Collection[int], kv_window: tuple[int, int] | None
+                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`_forward`'s layers in one kernel call (csrc: DecoderStack), with the loop's masks
+        (:meth:`_layer_mask`), cache order checks (every layer's, before anything is written) and
+        position lists."""
+        t, q_min = h.shape[0], min(q_list)
         pasts: list[int] = []
         mask_of: list[int] = []
-        masks: list[torch.Tensor] = []
-        built: dict[tuple[int, int], int] = {}
+        masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
+        handed: list[torch.Tensor] = []  # the distinct masks, (T, past + T) each, as the kernel takes them
+        index: dict[int, int] = {}  # id of a mask -> its place in ``handed``
         for l in layers:
             w, pos = self.adapter.layers[l], cache.positions[l]
             if l in skip_attn:
                 pasts.append(-1)
                 mask_of.append(-1)
                 continue
-            if w.sliding_window is not None and (t > w.sliding_window or q_max - (pos[0] if pos else q_min)
-                                                 >= w.sliding_window):
-                return None
             if pos and q_min <= pos[-1]:
                 raise CacheInvariantError(f"layer {l}: rows at positions {q_min}.. written after position "
                                           f"{pos[-1]}; roll the cache back first")
-            past = len(pos)
-            pasts.append(past)
-            if q_pos is None and past == 0 and tree_mask is None:
-                mask_of.append(-1)
-                continue
-            key = (past, pos[-1] if pos else -1)
-            if key not in built:
-                qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
-                m = self._mask(pos, qp, q_max, t, tree_mask, None)
-                built[key] = -1 if m is None else len(masks)
-                if m is not None:
-                    masks.append(m[0, 0])
-            mask_of.append(built[key])
+            pasts.append(len(pos))
+            mask = self._layer_mask(cache, l, w.sliding_window, t, q_pos, q_list, tree_mask, masks)
+            if mask is not None and id(mask) not in index:
+                index[id(mask)] = len(handed)
+                handed.append(mask[0, 0])
+            mask_of.append(-1 if mask is None else index[id(mask)])
         keep = [int(l in output_hidden) for l in layers]
+        kinds = self.adapter.rope_kinds
         out = stack.forward(h, cache.k, cache.v, layers.start, pasts, [int(l not in skip_mlp) for l in layers], keep,
-                            masks, mask_of, cos, sin, *(kv_window or (0, 0)))
+                            handed, mask_of,
+                            [rope_rows[k][0] for k in kinds], [rope_rows[k][1] for k in kinds], *(kv_window or (0, 0)))
         for l, past in zip(layers, pasts):
             if past >= 0:
                 cache.positions[l].extend(q_list)
         kept = iter(out[1:])
         return out[0], {l: next(kept) for l, k in zip(layers, keep) if k}
+
+    def _layer_mask(self, cache: KVCache, l: int, window: int | None, t: int, q_pos: torch.Tensor | None,
+                    q_list: list[int], tree_mask: torch.Tensor | None,
+                    masks: dict[tuple[int, int, int | None, int], torch.Tensor | None]) -> torch.Tensor | None:
+        """Layer ``l``'s additive mask for ``t`` new rows over its cached slots (read before this forward
+        writes them), or None where attention over everything cached, causally for the new rows, is
+        right. Layers with equal keys hold equal positions and share one mask (``masks``); a windowed
+        layer with holes gets its own."""
+        past = cache.length(l)
+        if q_pos is None and past == 0 and tree_mask is None and (window is None or t <= window):
+            return None
+        key = (past, cache.last_position(l), window, l if window is not None and cache.has_holes(l) else -1)
+        if key not in masks:
+            qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
+            masks[key] = self._mask(cache.positions[l][:past], qp, max(q_list), t, tree_mask, window)
+        return masks[key]
 
     # -- masks -------------------------------------------------------------
     def _mask(self, k_positions: list[int], q_pos: torch.Tensor, q_max: int, t: int, tree_mask: torch.Tensor | None,
@@ -607,13 +617,11 @@ class Engine:
         lins = self._lin if weights is None else self.quantized(weights).layers
 
         layers = range(start, end)
-        if few_rows and self.stack_layers and not attn_cosine and self._llama_layers and (stack := self._stack(lins)) is not None:
-            ran = self._stacked_layers(stack, cache, h, layers, q_pos, q_list, *next(iter(rope_rows.values())), skip_attn, skip_mlp,
-                                       tree_mask, output_hidden, kv_window)
-            if ran is not None:
-                h, hidden_at = ran
-                self.stacked_forwards += 1
-                layers = range(end, end)  # done
+        if few_rows and self.stack_layers and not attn_cosine and (stack := self._stack(lins)) is not None:
+            h, hidden_at = self._stacked_layers(stack, cache, h, layers, q_pos, q_list, rope_rows, skip_attn, skip_mlp,
+                                                tree_mask, output_hidden, kv_window)
+            self.stacked_forwards += 1
+            layers = range(end, end)  # done
 
         for l in layers:
             w = self.adapter.layers[l]
@@ -631,17 +639,8 @@ class Engine:
                 if ops is None:
                     qk = self._rotate(qk, cos2, sin2)
                 past = cache.length(l)
-                # layers with equal keys hold equal positions (a windowed layer with holes gets its own mask)
-                key = (past, cache.last_position(l), w.sliding_window,
-                       l if w.sliding_window is not None and cache.has_holes(l) else -1)
+                mask = self._layer_mask(cache, l, w.sliding_window, t, q_pos, q_list, tree_mask, masks)  # None: causal
                 kv = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list, views=not few_rows)
-                mask = None
-                if not (q_pos is None and past == 0 and tree_mask is None
-                        and (w.sliding_window is None or t <= w.sliding_window)):
-                    if key not in masks:
-                        qp = q_pos if q_pos is not None else torch.arange(q_list[0], q_list[0] + t, device=self.device)
-                        masks[key] = self._mask(cache.positions[l][:past], qp, max(q_list), t, tree_mask, w.sliding_window)
-                    mask = masks[key]  # None: one row sees everything cached
                 if few_rows:  # mask None = causal after the `past` cached slots
                     o = ops.attend(q_rows, hq, cache.k[l], cache.v[l], past + t, None if mask is None else mask[0, 0], past,
                                    *(kv_window or (0, 0)))

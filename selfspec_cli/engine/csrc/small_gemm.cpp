@@ -952,14 +952,15 @@ torch::Tensor qlinear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 // 11 ms SmolLM2 step on its GGUF blocks. A DecoderStack holds each layer's matrices and norms as the
 // engine packed them and runs a range of layers in one call, through the same functions in the same
 // order as engine/runner.py's loop:
-//     x = rms_norm(h); qkv = P_qkv(x); rope_(q and k heads); K/V rows appended at slot `past`;
-//     h += P_o(attend(q, keys <= past + t));  x = rms_norm(h); h += P_down(silu_mul(P_gate_up(x)))
-// Invariants: every value equals the Python loop's bit for bit (the same kernels on the same inputs;
-// a residual add is one float32 rounding either way), so batch invariance and the k-row = k one-row
-// identity carry over (tests/test_kernels.py); the caller's `h` is never written (the stack adds into
-// its own copy); the cache's position lists stay the caller's: `pasts` says where each layer appends,
-// and the caller checks order and capacity first. Llama-shaped layers only (no q/k norms, post norms,
-// GeGLU or sliding windows): the engine runs the others op by op.
+//     x = rms_norm(h); qkv = P_qkv(x); [q/k heads RMS-normed]; rope_(q and k heads); K/V rows appended
+//     at slot `past`; o = P_o(attend(q, the keys the mask allows)); [o = rms_norm(o)]; h += o;
+//     x = rms_norm(h); m = P_down(silu_mul(P_gate_up(x)) or gelu_tanh(gate) * up); [m = rms_norm(m)]; h += m
+// (brackets: Qwen3's q/k norms, Gemma's post norms and GeGLU; each layer picks its rotary table).
+// Invariants: every value equals the Python loop's bit for bit (the same kernels and aten ops on the
+// same inputs; a residual add is one float32 rounding either way), so batch invariance and the k-row =
+// k one-row identity carry over (tests/test_decoder_stack.py); the caller's `h` is never written (the
+// stack adds into its own copy); the cache's position lists and the masks stay the caller's: `pasts`
+// says where each layer appends, and the caller checks order and capacity first.
 
 struct Mat {  // one matrix product as the engine packed it
   int64_t kind = 0;  // 0: float panels (linear), 1: quantized codes (qlinear), 2: 4-bit codes x int8 rows (qlinear_a8)
@@ -993,6 +994,8 @@ Mat make_mat(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> scales,
 
 struct Layer {
   torch::Tensor attn_norm, mlp_norm;
+  c10::optional<torch::Tensor> qk_norm, post_attn_norm, post_mlp_norm;  // (Hq + Hkv, D); (H,); (H,)
+  int64_t rope = 0;  // which of forward()'s rotary tables
   Mat qkv, o, gate_up, down;
 };
 
@@ -1005,31 +1008,49 @@ inline void add_into(float* h, const float* x, int64_t n) {  // h += x, elementw
 struct DecoderStack {
   int64_t hq, hkv, d;
   double eps;
+  bool gelu;  // GeGLU (gelu with the tanh approximation) instead of SwiGLU
+  torch::Tensor unit_d;  // the per-head norms' own weight: ones
   std::vector<Layer> layers;
 
-  DecoderStack(int64_t hq_, int64_t hkv_, int64_t d_, double eps_) : hq(hq_), hkv(hkv_), d(d_), eps(eps_) {
+  DecoderStack(int64_t hq_, int64_t hkv_, int64_t d_, double eps_, bool gelu_)
+      : hq(hq_), hkv(hkv_), d(d_), eps(eps_), gelu(gelu_), unit_d(torch::ones({d_}, torch::kFloat32)) {
     TORCH_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0, "DecoderStack: bad head counts");
   }
 
-  void add(torch::Tensor attn_norm, torch::Tensor mlp_norm, Mat qkv, Mat o, Mat gate_up, Mat down) {
+  void add(torch::Tensor attn_norm, torch::Tensor mlp_norm, c10::optional<torch::Tensor> qk_norm,
+           c10::optional<torch::Tensor> post_attn_norm, c10::optional<torch::Tensor> post_mlp_norm, int64_t rope,
+           Mat qkv, Mat o, Mat gate_up, Mat down) {
     TORCH_CHECK(qkv.n == (hq + 2 * hkv) * d, "DecoderStack: the q/k/v product has ", qkv.n, " outputs, expected ",
                 (hq + 2 * hkv) * d);
-    layers.push_back(Layer{attn_norm.contiguous(), mlp_norm.contiguous(), qkv, o, gate_up, down});
+    Layer ly{attn_norm.contiguous(), mlp_norm.contiguous(), c10::nullopt, c10::nullopt, c10::nullopt, rope,
+             qkv, o, gate_up, down};
+    if (qk_norm.has_value() && qk_norm->defined()) ly.qk_norm = qk_norm;
+    if (post_attn_norm.has_value() && post_attn_norm->defined()) ly.post_attn_norm = post_attn_norm->contiguous();
+    if (post_mlp_norm.has_value() && post_mlp_norm->defined()) ly.post_mlp_norm = post_mlp_norm->contiguous();
+    layers.push_back(ly);
+  }
+
+  torch::Tensor mlp(const Layer& ly, const torch::Tensor& x) const {
+    torch::Tensor gu = ly.gate_up(x);
+    if (!gelu) return ly.down(silu_mul(gu));
+    const int64_t n = gu.size(1) / 2;
+    return ly.down(at::gelu(gu.narrow(1, 0, n), "tanh") * gu.narrow(1, n, n));
   }
 
   // h (T, H) float32: the rows entering layer `start`; kc/vc (L, Hkv, S, D) float32: the cache's buffers.
   // For layer start + i: pasts[i] its cached slots before these rows (-1: its attention is skipped, no K/V
   // written), mlp[i] whether its MLP runs, keep[i] whether its output is returned, mask_of[i] an index into
-  // masks ((T, pasts[i] + T) additive) or -1 (causal after `past`). cos/sin (T, D): the rows' rotary tables.
-  // Returns [h after the last layer, then each kept layer's output in order].
+  // masks ((T, pasts[i] + T) additive) or -1 (causal after `past`). cos/sin: per rotary kind the rows'
+  // tables (T, D). Returns [h after the last layer, then each kept layer's output in order].
   std::vector<torch::Tensor> forward(torch::Tensor h_in, torch::Tensor kc, torch::Tensor vc, int64_t start,
-                                     std::vector<int64_t> pasts, std::vector<int64_t> mlp, std::vector<int64_t> keep,
-                                     std::vector<torch::Tensor> masks, std::vector<int64_t> mask_of, torch::Tensor cos,
-                                     torch::Tensor sin, int64_t sinks, int64_t window) {
+                                     std::vector<int64_t> pasts, std::vector<int64_t> run_mlp, std::vector<int64_t> keep,
+                                     std::vector<torch::Tensor> masks, std::vector<int64_t> mask_of,
+                                     std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, int64_t sinks,
+                                     int64_t window) {
     const int64_t n_l = static_cast<int64_t>(pasts.size());
     TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == torch::kFloat32, "DecoderStack: h must be (T, H) float32");
     TORCH_CHECK(start >= 0 && start + n_l <= static_cast<int64_t>(layers.size()) &&
-                    static_cast<int64_t>(mlp.size()) == n_l && static_cast<int64_t>(keep.size()) == n_l &&
+                    static_cast<int64_t>(run_mlp.size()) == n_l && static_cast<int64_t>(keep.size()) == n_l &&
                     static_cast<int64_t>(mask_of.size()) == n_l,
                 "DecoderStack: per-layer lists must cover layers [start, start + len)");
     TORCH_CHECK(kc.dim() == 4 && vc.sizes() == kc.sizes() && kc.scalar_type() == torch::kFloat32 &&
@@ -1045,25 +1066,37 @@ struct DecoderStack {
       const int64_t l = start + i, past = pasts[i];
       if (past >= 0) {
         TORCH_CHECK(past + t_n <= cap, "DecoderStack: layer ", l, " needs ", past + t_n, " slots, the cache holds ", cap);
+        TORCH_CHECK(ly.rope >= 0 && ly.rope < static_cast<int64_t>(cos.size()) && cos.size() == sin.size(),
+                    "DecoderStack: layer ", l, " reads rotary table ", ly.rope, " of ", cos.size());
         torch::Tensor qkv = ly.qkv(rms_norm(h, ly.attn_norm, eps));
-        rope_(qkv, hq + hkv, cos, sin);
-        const float* qp = qkv.data_ptr<float>();
+        torch::Tensor qk = qkv;  // each row's q heads, then its k heads (normed per head where the layer does)
+        if (ly.qk_norm.has_value()) {
+          const int64_t heads = hq + hkv;
+          qk = (rms_norm(qkv.narrow(1, 0, heads * d).reshape({t_n * heads, d}), unit_d, eps).view({t_n, heads, d}) *
+                *ly.qk_norm).view({t_n, heads * d});
+        }
+        rope_(qk, hq + hkv, cos[ly.rope], sin[ly.rope]);
+        const float* qp = qk.data_ptr<float>();
+        const float* vsrc = qkv.data_ptr<float>();
         float* kp = kc.data_ptr<float>() + l * kc.stride(0);
         float* vp = vc.data_ptr<float>() + l * vc.stride(0);
         for (int64_t t = 0; t < t_n; ++t)
           for (int64_t g = 0; g < hkv; ++g) {
-            std::memcpy(kp + g * kc.stride(1) + (past + t) * kc.stride(2), qp + t * qkv.stride(0) + (hq + g) * d,
+            std::memcpy(kp + g * kc.stride(1) + (past + t) * kc.stride(2), qp + t * qk.stride(0) + (hq + g) * d,
                         sizeof(float) * d);
-            std::memcpy(vp + g * vc.stride(1) + (past + t) * vc.stride(2), qp + t * qkv.stride(0) + (hq + hkv + g) * d,
+            std::memcpy(vp + g * vc.stride(1) + (past + t) * vc.stride(2), vsrc + t * qkv.stride(0) + (hq + hkv + g) * d,
                         sizeof(float) * d);
           }
         c10::optional<torch::Tensor> mask;
         if (mask_of[i] >= 0) mask = masks.at(mask_of[i]);
-        torch::Tensor o = ly.o(attend(qkv, hq, kc.select(0, l), vc.select(0, l), past + t_n, mask, past, sinks, window));
+        torch::Tensor o = ly.o(attend(qk, hq, kc.select(0, l), vc.select(0, l), past + t_n, mask, past, sinks, window));
+        if (ly.post_attn_norm.has_value()) o = rms_norm(o, *ly.post_attn_norm, eps);
         add_into(hp, o.data_ptr<float>(), t_n * width);
       }
-      if (mlp[i]) {
-        torch::Tensor m = ly.down(silu_mul(ly.gate_up(rms_norm(h, ly.mlp_norm, eps))));
+      if (run_mlp[i]) {
+        torch::Tensor m = mlp(ly, rms_norm(h, ly.mlp_norm, eps));
+        if (ly.post_mlp_norm.has_value()) m = rms_norm(m, *ly.post_mlp_norm, eps);
+        m = m.contiguous();
         add_into(hp, m.data_ptr<float>(), t_n * width);
       }
       if (keep[i]) out.push_back(h.clone());
@@ -1087,7 +1120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Mat>(m, "Mat");
   m.def("mat", &make_mat, "one packed matrix product for a DecoderStack (kind 0 linear, 1 qlinear, 2 qlinear_a8)");
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, double>())
-      .def("add", &DecoderStack::add, "append a layer: its two norms' weights and its four products")
+      .def(py::init<int64_t, int64_t, int64_t, double, bool>())
+      .def("add", &DecoderStack::add, "append a layer: its norms' weights, rotary table and four products")
       .def("forward", &DecoderStack::forward, "run layers [start, start + len(pasts)) on rows h in one call");
 }
