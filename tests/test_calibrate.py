@@ -202,7 +202,7 @@ def test_resume_refuses_another_setup(calibrated, tiny_model_dir, prompt_file, t
 
 
 def test_interrupt_keeps_finished_trials(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
-    import selfspec_cli.methods.self_sd.calibrate as mod
+    import selfspec_cli.methods.self_sd.measure as mod
 
     real, calls = mod.measure_self_sd, {"n": 0}
 

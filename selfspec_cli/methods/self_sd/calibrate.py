@@ -11,10 +11,9 @@ calibration prompts. Here:
   searched together, the skip set on top of the quantized weights;
 * objective (``proxy``, the default): each candidate decodes the prompts for real
   (:class:`selfspec_cli.methods.self_sd.SelfSD`, greedy, ``max_new_tokens`` per prompt),
-  and its score is the predicted speedup :func:`proxy_speedup`: tokens after the prefills
-  over the rounds' cost in plain steps, ``k c + v(k + 1)`` per round, with ``c`` from
-  weight bytes (:func:`draft_cost_from_bytes`) and ``v`` from the verify curve kept in the
-  study; nothing in the score is timed per trial, so machine load cannot reorder
+  and its score is the predicted speedup :func:`~.measure.proxy_speedup`: tokens after the
+  prefills over the rounds' cost in plain steps, ``k c + v(k + 1)`` per round, with ``c`` from
+  weight bytes and ``v`` from the verify curve kept in the study (:mod:`.measure`); nothing in the score is timed per trial, so machine load cannot reorder
   candidates and trials from different machines compare. ``throughput`` (the paper's):
   tokens / wall seconds of the decode calls. Greedy Self-SD is lossless, so every trial
   produces the same tokens; mean accepted length M and acceptance rate are kept per
@@ -54,142 +53,20 @@ import torch
 from ...artifacts import check_writable
 from ...loading import model_fingerprint
 from ...config import GenerationConfig
-from ...decoding.cost import VerifyCurve, draft_step_cost, prior_draft_cost, round_cost, timed
 from ...decoding.layer_skip import DraftSettings
-from ...decoding.output import DecodeResult
 from ...engine import Engine
 from ...errors import ConfigError
-from ..ar import AR
 from ..base import resolve_precision
 from ..offline import OfflineJob
-from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
+from . import SKIP_SET, SkipSet, uniform_layers
+from .measure import DEFAULT_DRAFT, Candidates
 # the search space and the Optuna study live in .study; their names stay importable from here
 from .study import (DEFAULT_HEARTBEAT_S, STUDY_NAME, SeedPoint, TrialReport, check_storage, describe, make_sampler,  # noqa: F401
                     open_study, params_for, run_search, skip_sets_from_params, worker_id)
 
 SAMPLERS = ("tpe", "gp", "random")
 SEED_RATIOS = (0.3, 0.45)
-DEFAULT_DRAFT = DraftSettings(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
 OBJECTIVES = ("proxy", "throughput")
-
-
-# ---------------------------------------------------------------- measuring
-
-
-@dataclass(frozen=True, slots=True)
-class Measurement:
-    """One pass of a decoder over all calibration prompts."""
-
-    tokens: int  # tokens actually produced (EOS ends a prompt early)
-    wall_s: float  # decode calls only
-    target_forwards: int
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    draft_lengths: tuple[int, ...] = ()  # every round's draft depth, over all prompts (0: no draft)
-    proxy: float | None = None  # the hardware-aware proxy: predicted speedup over ar (see proxy_speedup)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """M: tokens per full-depth target forward (prefill included), as in DecodeStats."""
-        return self.tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "tokens_per_s": round(self.tokens_per_s, 3), "tokens": self.tokens, "wall_s": round(self.wall_s, 6),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
-            "proxy_speedup": None if self.proxy is None else round(self.proxy, 4),
-        }
-
-
-def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], DecodeResult]],
-            prompt_ids: Sequence[list[int]], cfg: GenerationConfig, device: torch.device, repeats: int = 1) -> Measurement:
-    """Decode every prompt ``repeats`` times (a fresh decoder from ``make_generate()`` per
-    pass) and keep, per prompt, the fastest pass. Load from other processes only ever
-    slows a decode down, so the minimum is the least noisy estimate. Greedy decoding
-    is deterministic: every pass produces the same tokens and statistics."""
-    best_wall = [float("inf")] * len(prompt_ids)
-    first: list[DecodeResult] = []  # the first pass's results (every pass has the same tokens and statistics)
-    for r in range(repeats):
-        generate = make_generate()
-        for i, ids in enumerate(prompt_ids):
-            res, dt = timed(lambda: generate(ids, cfg), device)
-            best_wall[i] = min(best_wall[i], dt)
-            if r == 0:
-                first.append(res)
-    st = [res.stats for res in first]
-    return Measurement(sum(len(res.token_ids) for res in first), sum(best_wall), sum(s.target_forwards for s in st),
-                       sum(s.drafted_tokens for s in st), sum(s.accepted_draft_tokens for s in st),
-                       tuple(k for s in st for k in s.draft_lengths))
-
-
-def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int],
-                          full_depth_c: float | None = None, vocab: torch.Tensor | None = None) -> float:
-    """c(S) without a per-trial timer: the one prior for c (:func:`prior_draft_cost`): the skip
-    set's share of the bytes of a full-depth draft step over the draft's vocabulary (``vocab``
-    token ids, FR-Spec; None: all), times ``full_depth_c``, that full-depth step's cost (None: its
-    bytes, the target's own weights; for a quantized copy measured once per study,
-    :func:`full_depth_costs`)."""
-    return prior_draft_cost(engine, skip_attn, skip_mlp, full_depth_c, None if vocab is None else int(vocab.numel()))
-
-
-def full_depth_costs(engine: Engine, precisions: Sequence[str],
-                     vocabs: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:
-    """c of a full-depth draft step per precision, over its draft vocabulary (``vocabs``: per
-    precision, the token ids its head scores; None: all): a draft forward over a target forward
-    timed beside it (:func:`draft_step_cost`); ``target``: its bytes (1 with the whole vocabulary)."""
-    vocabs = vocabs or {}
-    return {p: round(draft_cost_from_bytes(engine, frozenset(), frozenset(), vocab=vocabs.get(p)), 4) if p == "target"
-            else round(draft_step_cost(engine, p, vocab=vocabs.get(p)), 4) for p in precisions}
-
-
-def draft_vocabs(engine: Engine, precisions: Sequence[str]) -> dict[str, torch.Tensor | None]:
-    """Per precision, the draft vocabulary Self-SD drafts with at run time (its default
-    ``draft_vocab auto``: methods/fr_spec/), so that the search weighs the drafts the method runs:
-    on Gemma 3's 262k vocabulary the LM head is over half a step."""
-    from .. import fr_spec
-
-    return {p: fr_spec.draft_vocab(engine, None if p == "target" else p, "auto") for p in precisions}
-
-
-def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) -> float:
-    """The hardware-aware proxy objective: tokens after each prompt's prefill over the cost of
-    the rounds that made them, in plain steps (a round drafting ``k`` tokens costs
-    ``k c + v(k + 1)``; plain decoding costs 1 a token). ``c`` from weight bytes and ``v``
-    from the engine's verify curve (measured once): no per-trial timing, so machine load
-    cannot reorder the candidates; the acceptance behind it is measured, by decoding."""
-    cost = sum(round_cost(curve, k, c, k, 0.0) for k in m.draft_lengths)
-    return (m.tokens - prompts) / cost if cost > 0 else 1.0
-
-
-def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftSettings = DEFAULT_DRAFT,
-                    repeats: int = 1, precision: str = "target", full_depth_c: float | None = None,
-                    curve: VerifyCurve | None = None, vocab: torch.Tensor | None = None) -> Measurement:
-    """Throughput of Self-SD with this skip set over the draft weights ``precision`` and the
-    draft vocabulary ``vocab`` (None: all). A fresh method per pass, so the adaptive draft
-    threshold starts from the same value for every candidate. ``curve``: the verify curve the
-    proxy uses (default: the engine's own)."""
-    def make() -> Any:
-        return SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft,
-                      weights=None if precision == "target" else precision, vocab=vocab).generate
-
-    m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
-    c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c, vocab)
-    return dataclasses.replace(m, proxy=proxy_speedup(m, c, curve or VerifyCurve.for_engine(engine), len(prompt_ids)))
-
-
-def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-               repeats: int = 1) -> Measurement:
-    return measure(lambda: AR(engine, tokenizer).generate, prompt_ids, cfg, torch.device(engine.device), repeats)
 
 
 # ---------------------------------------------------------------- search space
@@ -290,48 +167,19 @@ def calibrate_self_sd(
              "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
     if precisions != ("target",):
         setup["precisions"] = list(precisions)
-    vocabs = draft_vocabs(engine, precisions)
-    vocab_sizes = {p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()}
-    points = seed_points(L, precisions=precisions, cheap_head=[p for p, v in vocabs.items() if v is not None])
-    if any(v is not None for v in vocabs.values()):  # drafts over an FR-Spec vocabulary: their sizes
-        setup["draft_vocab"] = vocab_sizes
-    full_c: dict[str, float] = {}
-
-    curve: list[VerifyCurve] = []  # the study's, once read
-
-    def run(attn: frozenset[int], mlp: frozenset[int], precision: str) -> Measurement:
-        return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats,
-                               precision, full_c.get(precision), curve[0] if curve else None, vocabs[precision])
-
-    def inputs(study: Any) -> None:
-        """The proxy's measured inputs, measured once per study by the first worker and kept in it, so that
-        every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)."""
-        full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
-        if missing := [p for p in precisions if p not in full_c]:
-            full_c.update(full_depth_costs(engine, missing, vocabs))
-            study.set_user_attr("full_depth_c", full_c)
-        if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
-            if (saved := study.user_attrs.get("verify_curve")) is None:
-                own = VerifyCurve.for_engine(engine, full=True)  # a full reading for the study (stored or taken now)
-                saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
-                study.set_user_attr("verify_curve", saved)
-            curve.append(VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()}))
-
-    def warm_up() -> None:
-        """Untimed: first-call allocations must not favour later trials."""
-        warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
-        for p in precisions:
-            measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft,
-                            precision=p, vocab=vocabs[p])
-
-    found = run_search(search, setup, points, L, run, inputs, warm_up, on_trial=on_trial, log=log, on_ready=on_ready,
-                       before_finish=before_finish)
+    candidates = Candidates(engine, tokenizer, prompt_ids, cfg, precisions, draft=search.draft, repeats=search.repeats,
+                            proxy=search.objective == "proxy")
+    points = seed_points(L, precisions=precisions, cheap_head=candidates.cheap_heads())
+    if candidates.cheap_heads():  # drafts over an FR-Spec vocabulary: their sizes
+        setup["draft_vocab"] = candidates.vocab_sizes()
+    found = run_search(search, setup, points, L, candidates.measure, candidates.inputs, candidates.warm_up,
+                       on_trial=on_trial, log=log, on_ready=on_ready, before_finish=before_finish)
     finished, best_t, durations, seeds_in_study, writer, me = (found.finished, found.best, found.durations, found.seeds,
                                                                found.writer, found.worker)
 
     # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
-    common = dict(num_layers=L, draft_vocab=vocab_sizes, best_trial=best_t.number, best_value=float(best_t.value),
-                  best_attrs=dict(best_t.user_attrs), trials=len(finished),
+    common = dict(num_layers=L, draft_vocab=candidates.vocab_sizes(), best_trial=best_t.number,
+                  best_value=float(best_t.value), best_attrs=dict(best_t.user_attrs), trials=len(finished),
                   new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
                   study_path=search.storage if search.storage is not None else search.study_path)
     if not writer:
@@ -340,11 +188,7 @@ def calibrate_self_sd(
     attn, mlp = skip_sets_from_params(best_t.params, L)
     best_p = best_t.params.get("precision", precisions[0])
     log("re-measuring the best set, the starting points and plain decoding back to back")
-    confirm = {"ar": measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()}
-    confirm["best"] = run(attn, mlp, best_p).as_dict()
-    for p in points:  # a starting point that is the best set is not measured twice
-        same = (p.skip_attn, p.skip_mlp, p.precision) == (attn, mlp, best_p)
-        confirm[p.name] = confirm["best"] if same else run(p.skip_attn, p.skip_mlp, p.precision).as_dict()
+    confirm = candidates.confirm((attn, mlp, best_p), points)
     # the better uniform set, by the back-to-back re-measurement
     uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
     base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)

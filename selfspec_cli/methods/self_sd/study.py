@@ -488,11 +488,12 @@ class SearchOutcome:
 
 def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], L: int,
                evaluate: Callable[[frozenset[int], frozenset[int], str], Any], inputs: Callable[[Any], None],
-               warm_up: Callable[[], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
+               warm_up: Callable[[frozenset[int], frozenset[int]], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
                on_ready: Callable[[], None], before_finish: Callable[[], None]) -> SearchOutcome:
     """Open (or join) the study ``search`` names and run this worker's share of its trials until the study
     holds ``search.n_trials`` COMPLETE ones: ``inputs(study)`` reads or measures the numbers every
-    trial is scored with, ``warm_up()`` runs untimed before the first trial, ``evaluate(attn, mlp,
+    trial is scored with, ``warm_up(attn, mlp)`` runs untimed before the first trial (with the last
+    starting point: full depth where there is one), ``evaluate(attn, mlp,
     precision)`` decodes one candidate (its ``proxy`` or ``tokens_per_s`` is the value, ``as_dict()``
     the trial's attributes). A Ctrl-C stops at a safe point (:class:`DeferredInterrupt`)."""
     import optuna
@@ -528,8 +529,9 @@ def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], 
             on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
             if remaining:
+                warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
                 with guard.interruptible():
-                    warm_up()
+                    warm_up(warm.skip_attn, warm.skip_mlp)
             random_next = [False]  # after a duplicate, one trial drawn at random
             with guard.interruptible():
                 on_ready()
