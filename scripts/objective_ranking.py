@@ -36,7 +36,7 @@ from selfspec_cli.methods.self_sd.measure import measure_ar, measure_self_sd
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.loading import load_model
-from selfspec_cli.methods.self_sd import uniform_layers
+from selfspec_cli.methods.self_sd.study import uniform_layers
 from selfspec_cli.runtime import encode_turn, eos_token_ids
 
 

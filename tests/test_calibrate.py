@@ -26,7 +26,7 @@ from selfspec_cli import artifacts, loading
 from selfspec_cli.artifacts import load_tensors_artifact, save_json_artifact, save_tensors_artifact
 from selfspec_cli.methods.self_sd import SKIP_SET, SkipSet
 from selfspec_cli.prompts import prompts_from_dataset
-from selfspec_cli.methods.self_sd.calibrate import seed_points, uniform_layers
+from selfspec_cli.methods.self_sd.study import seed_points, uniform_layers
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine

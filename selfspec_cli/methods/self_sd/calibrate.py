@@ -23,7 +23,7 @@ calibration prompts. Here:
 * starting points: uniform SWIFT-style sets (interior layers at even spacing, both
   sublayers) at skip ratios 0.3 and 0.45 at every searched precision, and the empty set
   (full depth) at every quantized one (and at the target's own weights when its drafts
-  score a draft vocabulary), are enqueued first;
+  score a draft vocabulary), are enqueued first (:func:`~.study.seed_points`);
 * storage: an Optuna study in an SQLite file by default, or any storage Optuna shares
   between processes and machines (a database URL, a journal file: :mod:`.study`),
   worked on by one or many workers at once. Optuna commits each trial when it finishes,
@@ -58,36 +58,14 @@ from ...engine import Engine
 from ...errors import ConfigError
 from ..base import resolve_precision
 from ..offline import OfflineJob
-from . import SKIP_SET, SkipSet, uniform_layers
+from . import SKIP_SET, SkipSet
 from .measure import DEFAULT_DRAFT, Candidates
 # the search space and the Optuna study live in .study; their names stay importable from here
 from .study import (DEFAULT_HEARTBEAT_S, STUDY_NAME, SeedPoint, TrialReport, check_storage, describe, make_sampler,  # noqa: F401
-                    open_study, params_for, run_search, skip_sets_from_params, worker_id)
+                    open_study, params_for, run_search, seed_points, skip_sets_from_params, worker_id)
 
 SAMPLERS = ("tpe", "gp", "random")
-SEED_RATIOS = (0.3, 0.45)
 OBJECTIVES = ("proxy", "throughput")
-
-
-# ---------------------------------------------------------------- search space
-
-
-def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
-                precisions: Sequence[str] = ("target",), cheap_head: Sequence[str] = ()) -> list[SeedPoint]:
-    """Distinct uniform starting sets, one per ratio (small models may merge them), at every
-    precision; and full depth (no skips) at every quantized precision, and at the target's own
-    weights too when it is in ``cheap_head`` (its drafts score a draft vocabulary: the full-depth
-    draft is then cheaper than a step)."""
-    out: list[SeedPoint] = []
-    tag = len(precisions) > 1
-    for p in precisions:
-        for r in ratios:
-            layers = uniform_layers(num_layers, r)
-            if layers and all((q.skip_attn, q.precision) != (layers, p) for q in out):
-                out.append(SeedPoint(f"uniform-{r:g}" + (f"-{p}" if tag else ""), layers, layers, p))
-        if p != "target" or p in cheap_head:
-            out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
-    return out
 
 
 # ---------------------------------------------------------------- the study

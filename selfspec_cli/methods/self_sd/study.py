@@ -22,10 +22,12 @@ Which process writes the result: :func:`finished_last` (the worker whose trial c
 last; a worker that re-opens a study finished before it joined writes too).
 
 It also holds the search itself, apart from what a trial measures: the parameters of a skip set
-(:func:`params_for`), the starting points enqueued first, the sampler, the study's setup check
-(:func:`open_study`), Ctrl-C at safe points (:class:`DeferredInterrupt`) and one worker's loop
-(:func:`run_search`), which calibrate.py drives with three callables: the measured inputs every
-trial is scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
+(:func:`params_for`), the starting points enqueued first (:func:`seed_points`, from the uniform
+sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`),
+Ctrl-C at safe points (:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`),
+which calibrate.py drives with three callables (:class:`~.measure.Candidates`' methods): the
+measured inputs every trial is scored with, an untimed warm-up, and the decode of one candidate.
+No typer or rich here.
 """
 from __future__ import annotations
 
@@ -323,10 +325,44 @@ def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[froz
 
 @dataclass(frozen=True, slots=True)
 class SeedPoint:
+    """A starting point of the search, enqueued before the sampler's first trial."""
+
     name: str
     skip_attn: frozenset[int]
     skip_mlp: frozenset[int]
     precision: str = "target"
+
+
+SEED_RATIOS = (0.3, 0.45)  # the uniform starting sets skip these shares of the sublayers
+
+
+def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
+    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
+    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
+    of those layers skips a ``ratio`` share of the 2L sublayers."""
+    interior = list(range(1, num_layers - 1))
+    if not interior:
+        return frozenset()
+    n = min(len(interior), max(1, round(ratio * num_layers)))
+    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
+
+
+def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
+                precisions: Sequence[str] = ("target",), cheap_head: Sequence[str] = ()) -> list[SeedPoint]:
+    """Distinct uniform starting sets, one per ratio (small models may merge them), at every
+    precision; and full depth (no skips) at every quantized precision, and at the target's own
+    weights too when it is in ``cheap_head`` (its drafts score a draft vocabulary: the full-depth
+    draft is then cheaper than a step)."""
+    out: list[SeedPoint] = []
+    tag = len(precisions) > 1
+    for p in precisions:
+        for r in ratios:
+            layers = uniform_layers(num_layers, r)
+            if layers and all((q.skip_attn, q.precision) != (layers, p) for q in out):
+                out.append(SeedPoint(f"uniform-{r:g}" + (f"-{p}" if tag else ""), layers, layers, p))
+        if p != "target" or p in cheap_head:
+            out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
+    return out
 
 
 def make_sampler(name: str, seed: int):
