@@ -260,6 +260,8 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     s: Setting = job.setting
     search, engine, helper = s.search, job.engine, s.search.search_only
     db_path = Path(search.study_path) if search.study_path is not None else job.output.with_name(job.output.stem + ".optuna.db")
+    if search.storage is None:  # before anything is decoded (the study makes the file when it opens)
+        check_writable(db_path, "--study-path")
     where = describe(search.storage) if search.storage is not None else str(db_path)
     quantized = resolve_precision(engine, s.draft_precision)  # None: target, or auto without a quantized copy
     own = ("target",) if s.draft_precision in ("auto", "target") else ()  # auto searches both weights

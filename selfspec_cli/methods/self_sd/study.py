@@ -23,11 +23,11 @@ last; a worker that re-opens a study finished before it joined writes too).
 
 It also holds the search itself, apart from what a trial measures: the parameters of a skip set
 (:func:`params_for`), the starting points enqueued first (:func:`seed_points`, from the uniform
-sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`),
-Ctrl-C at safe points (:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`),
-which calibrate.py drives with three callables (:class:`~.measure.Candidates`' methods): the
-measured inputs every trial is scored with, an untimed warm-up, and the decode of one candidate.
-No typer or rich here.
+sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`, given
+an SQLite path the offline step has already checked for writing), Ctrl-C at safe points
+(:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`), which calibrate.py drives
+with three callables (:class:`~.measure.Candidates`' methods): the measured inputs every trial is
+scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...artifacts import check_writable
 from ...errors import ConfigError, first_line
 
 RDB_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql")
@@ -435,11 +434,12 @@ class DeferredInterrupt:
 
 def open_study(search: Any, sampler: Any, setup: dict[str, Any]):
     """Create or join the study in ``search``'s storage; refuse a study made for another model or
-    another calibration setup, and a throughput study timed on another machine."""
+    another calibration setup, and a throughput study timed on another machine. An SQLite
+    ``search.study_path`` is checked for writing by the caller (the offline step does it before
+    anything is decoded); its directory is made here."""
     import optuna
 
     if search.storage is None:
-        check_writable(Path(search.study_path), "--study-path")
         try:  # SQLite makes the file, not its directory
             Path(search.study_path).parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
