@@ -231,7 +231,7 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
     import signal
 
     from selfspec_cli.prompts import prompts_digest
-    from selfspec_cli.methods.self_sd.calibrate import SearchConfig, calibrate_self_sd
+    from selfspec_cli.methods.self_sd.search import SearchConfig, calibrate_self_sd
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
@@ -552,7 +552,8 @@ def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir
 def test_the_manifest_does_not_keep_a_storage_password(tiny_model):
     """A shared study's database URL may carry a password: the artifact records the storage as the
     log lines show it (``describe``), never the raw ``--storage`` value."""
-    from selfspec_cli.methods.self_sd.calibrate import SearchConfig, SelfSDCalibration, build_manifest
+    from selfspec_cli.methods.self_sd.calibrate import build_manifest
+    from selfspec_cli.methods.self_sd.search import SearchConfig, SelfSDCalibration
 
     model, _ = tiny_model
     confirm = {"ar": {"tokens_per_s": 10.0}, "best": {"tokens_per_s": 12.0}}

@@ -9,9 +9,9 @@ speculative sampling with drafts sampled from the draft's processed distribution
 The package is the whole method: this module holds the proposer and its artifact (the skip
 set, :data:`SKIP_SET`: one JSON manifest, ``kind: "self-sd-layers"``, with ``skip_attn``,
 ``skip_mlp``, ``draft_precision``, the objective, the search and the environment);
-:mod:`.calibrate` is its offline step (the Bayesian search), :mod:`.measure` how it decodes and
-scores a candidate set, and :mod:`.study` the Optuna storage that search shares between processes
-and machines, with its starting points.
+:mod:`.calibrate` is its offline step, around the Bayesian search of :mod:`.search`, which
+decodes and scores the candidate sets with :mod:`.measure` and keeps its trials in the Optuna
+study of :mod:`.study` (shared between processes and machines; the starting points live there).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ It also holds the search itself, apart from what a trial measures: the parameter
 (:func:`params_for`), the starting points enqueued first (:func:`seed_points`, from the uniform
 sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`, given
 an SQLite path the offline step has already checked for writing), Ctrl-C at safe points
-(:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`), which calibrate.py drives
+(:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`), which search.py drives
 with three callables (:class:`~.measure.Candidates`' methods): the measured inputs every trial is
 scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
 """
