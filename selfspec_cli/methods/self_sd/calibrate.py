@@ -122,18 +122,19 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     db_path = Path(search.study_path) if search.study_path is not None else job.output.with_name(job.output.stem + ".optuna.db")
     if search.storage is None:  # before anything is decoded (the study makes the file when it opens)
         check_writable(db_path, "--study-path")
-    where = describe(search.storage) if search.storage is not None else str(db_path)
+    search = dataclasses.replace(search, study_path=db_path)
+    workers = Workers(job, s.workers, search)  # the helpers that share the study: started once it is set up (on_ready)
+    where = search.where()
     quantized = resolve_precision(engine, s.draft_precision)  # None: target, or auto without a quantized copy
     own = ("target",) if s.draft_precision in ("auto", "target") else ()  # auto searches both weights
     precisions = own + ((quantized,) if quantized else ())
-    search = dataclasses.replace(search, study_path=db_path, precisions=precisions)
+    search = dataclasses.replace(search, precisions=precisions)
     unit = "x ar (predicted)" if search.objective == "proxy" else "tok/s"
     say = (lambda _m: None) if helper else job.log  # the helpers of --workers report through the first process
     say(f"[dim]model {job.model.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
         f"{engine.dtype}, {engine.device}; {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens"
         f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
         f"draft weights {', '.join(precisions)}; study {where}{f'; {s.workers} workers' if s.workers > 1 else ''}[/dim]")
-    workers = Workers(job, s.workers, search, db_path, where)
     with contextlib.ExitStack() as stack:
         bar: list[Any] = []  # (bar, task): started by the first report, once the study is open and its costs logged
 
@@ -160,8 +161,9 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
                 "finished the last one writes the artifact")
         return {"method": "self-sd", "artifact": None, "study": where, "trials": result.trials,
                 "new_trials": result.new_trials, "best_trial": result.best_trial, "writer": False}
+    environment = job.environment()
     manifest = build_manifest(result, model=job.model, cfg=job.gen, search=search, prompts=job.prompts,
-                              environment=job.environment())
+                              environment=environment)
     obj, out = manifest["objective"], job.output
     vs_ar = result.best_value if search.objective == "proxy" else obj.get("speedup_vs_ar")
     below_ar = vs_ar is not None and vs_ar < 1.0
@@ -198,8 +200,8 @@ class Workers:
     helpers (which got the terminal's Ctrl-C too) get 30 s to save their trials; any left
     running are killed."""
 
-    def __init__(self, job: OfflineJob, n: int, search: SearchConfig, db_path: Path, where: str) -> None:
-        self.job, self.n, self.search, self.db_path, self.where = job, n, search, db_path, where
+    def __init__(self, job: OfflineJob, n: int, search: SearchConfig) -> None:
+        self.job, self.n, self.search = job, n, search  # search.study_path: the SQLite file (without a --storage)
         self.procs: list[Any] = []
         self.done = 0
 
@@ -214,7 +216,7 @@ class Workers:
             if a.split("=", 1)[0] not in (*named, "--force"):
                 out.append(a)
         storage = self.search.storage
-        return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.db_path)])
+        return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.search.study_path)])
 
     def start(self) -> None:
         import select
@@ -247,7 +249,7 @@ class Workers:
             for h in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     h.wait(timeout=30)
-            self.job.exit_note(f"{self.done} finished trials are saved in {self.where}; run the same command again to resume")
+            self.job.exit_note(f"{self.done} finished trials are saved in {self.search.where()}; run the same command again to resume")
         for h in self.procs:
             if h.poll() is None:
                 h.kill()

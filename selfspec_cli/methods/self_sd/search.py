@@ -58,7 +58,7 @@ from ...decoding.layer_skip import DraftSettings
 from ...engine import Engine
 from ...errors import ConfigError
 from .measure import DEFAULT_DRAFT, Candidates
-from .study import DEFAULT_HEARTBEAT_S, TrialReport, run_search, seed_points, skip_sets_from_params
+from .study import DEFAULT_HEARTBEAT_S, TrialReport, describe, run_search, seed_points, skip_sets_from_params
 
 SAMPLERS = ("tpe", "gp", "random")
 OBJECTIVES = ("proxy", "throughput")
@@ -81,6 +81,10 @@ class SearchConfig:
     worker_index: int = 0  # this process among the --workers of one command (0: the one that writes)
     search_only: bool = False  # a helper worker: run trials, never the confirmation or the artifact
     worker: str = ""  # this worker's name in the study (the helpers of --workers share their first process's)
+
+    def where(self) -> str:
+        """The study as log lines and the artifact show it: the storage without a URL's credentials, or the file."""
+        return describe(self.storage) if self.storage is not None else str(self.study_path)
 
     def __post_init__(self) -> None:
         for flag, value in (("trials", self.n_trials), ("repeats", self.repeats), ("heartbeat", self.heartbeat_s)):
