@@ -32,11 +32,11 @@ import torch
 from selfspec_cli.artifacts import environment_info, save_json_artifact
 from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.prompts import load_calibration_prompts
-from selfspec_cli.methods.self_sd.calibrate import measure_ar, measure_self_sd
+from selfspec_cli.methods.self_sd.measure import measure_ar, measure_self_sd
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.loading import load_model
-from selfspec_cli.methods.self_sd import uniform_layers
+from selfspec_cli.methods.self_sd.study import uniform_layers
 from selfspec_cli.runtime import encode_turn, eos_token_ids
 
 

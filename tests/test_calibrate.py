@@ -26,7 +26,7 @@ from selfspec_cli import artifacts, loading
 from selfspec_cli.artifacts import load_tensors_artifact, save_json_artifact, save_tensors_artifact
 from selfspec_cli.methods.self_sd import SKIP_SET, SkipSet
 from selfspec_cli.prompts import prompts_from_dataset
-from selfspec_cli.methods.self_sd.calibrate import seed_points, uniform_layers
+from selfspec_cli.methods.self_sd.study import seed_points, uniform_layers
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.engine import Engine
@@ -202,7 +202,7 @@ def test_resume_refuses_another_setup(calibrated, tiny_model_dir, prompt_file, t
 
 
 def test_interrupt_keeps_finished_trials(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
-    import selfspec_cli.methods.self_sd.calibrate as mod
+    import selfspec_cli.methods.self_sd.measure as mod
 
     real, calls = mod.measure_self_sd, {"n": 0}
 
@@ -231,7 +231,7 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
     import signal
 
     from selfspec_cli.prompts import prompts_digest
-    from selfspec_cli.methods.self_sd.calibrate import SearchConfig, calibrate_self_sd
+    from selfspec_cli.methods.self_sd.search import SearchConfig, calibrate_self_sd
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
@@ -552,7 +552,8 @@ def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir
 def test_the_manifest_does_not_keep_a_storage_password(tiny_model):
     """A shared study's database URL may carry a password: the artifact records the storage as the
     log lines show it (``describe``), never the raw ``--storage`` value."""
-    from selfspec_cli.methods.self_sd.calibrate import SearchConfig, SelfSDCalibration, build_manifest
+    from selfspec_cli.methods.self_sd.calibrate import build_manifest
+    from selfspec_cli.methods.self_sd.search import SearchConfig, SelfSDCalibration
 
     model, _ = tiny_model
     confirm = {"ar": {"tokens_per_s": 10.0}, "best": {"tokens_per_s": 12.0}}

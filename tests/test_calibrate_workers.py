@@ -184,19 +184,20 @@ def test_surplus_and_duplicate_trials_are_pruned(tmp_path):
 
 
 def test_throughput_study_refuses_another_machine(tmp_path, monkeypatch):
-    from selfspec_cli.methods.self_sd import calibrate as self_sd, study as study_mod
+    from selfspec_cli.methods.self_sd import study as study_mod
+    from selfspec_cli.methods.self_sd.search import SearchConfig
     from selfspec_cli.errors import ConfigError
 
-    search = self_sd.SearchConfig(study_path=tmp_path / "t.db", objective="throughput")
-    s, storage = self_sd.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
+    search = SearchConfig(study_path=tmp_path / "t.db", objective="throughput")
+    s, storage = study_mod.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
     assert s.user_attrs["machine"] == study_mod.machine_id()
     monkeypatch.setattr(study_mod, "machine_id", lambda: "elsewhere (another CPU)")
     with pytest.raises(ConfigError, match="timed on .* not on this machine"):
-        self_sd.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
+        study_mod.open_study(search, optuna.samplers.RandomSampler(0), {"kind": "x"})
     # the proxy objective is the same on every machine: no refusal
-    proxy = self_sd.SearchConfig(study_path=tmp_path / "p.db", objective="proxy")
-    self_sd.open_study(proxy, optuna.samplers.RandomSampler(0), {"kind": "x"})
-    self_sd.open_study(proxy, optuna.samplers.RandomSampler(0), {"kind": "x"})
+    proxy = SearchConfig(study_path=tmp_path / "p.db", objective="proxy")
+    study_mod.open_study(proxy, optuna.samplers.RandomSampler(0), {"kind": "x"})
+    study_mod.open_study(proxy, optuna.samplers.RandomSampler(0), {"kind": "x"})
 
 
 def test_finished_last_names_one_writer(tmp_path):

@@ -168,7 +168,7 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
     vocabulary found nothing that pays)."""
     from selfspec_cli.decoding.cost import draft_variant, prior_draft_cost, weight_bytes
     from selfspec_cli.engine.kernels import stream_bytes
-    from selfspec_cli.methods.self_sd import calibrate as sd_calibrate
+    from selfspec_cli.methods.self_sd import measure as sd_measure
 
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
     ids = _subset(VOCAB, 20, seed=3)
@@ -182,11 +182,11 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
     assert draft_variant("int8", attn, mlp, 20) != draft_variant("int8", attn, mlp)
 
     monkeypatch.setattr(fr_spec, "draft_vocab", lambda engine, weights, spec="auto", size=None: ids)
-    vocabs = sd_calibrate.draft_vocabs(eng, ["target"])
+    vocabs = sd_measure.draft_vocabs(eng, ["target"])
     assert torch.equal(vocabs["target"], ids)
-    assert sd_calibrate.full_depth_costs(eng, ["target"], vocabs)["target"] == pytest.approx(
+    assert sd_measure.full_depth_costs(eng, ["target"], vocabs)["target"] == pytest.approx(
         prior_draft_cost(eng, vocab_rows=20), abs=1e-4)
-    assert sd_calibrate.draft_cost_from_bytes(eng, attn, mlp, None, ids) == pytest.approx(sub)
+    assert sd_measure.draft_cost_from_bytes(eng, attn, mlp, None, ids) == pytest.approx(sub)
     made: list = []
     real = LayerSkipDrafter.__init__
 
@@ -195,6 +195,6 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
         real(self, *args, **kw)
 
     monkeypatch.setattr(LayerSkipDrafter, "__init__", spy)
-    sd_calibrate.measure_self_sd(eng, None, [_prompt(6, 0)], GenerationConfig(max_new_tokens=8), attn, mlp,
-                                 vocab=vocabs["target"])
+    sd_measure.measure_self_sd(eng, None, [_prompt(6, 0)], GenerationConfig(max_new_tokens=8), attn, mlp,
+                               vocab=vocabs["target"])
     assert made and all(v is not None and torch.equal(v, ids) for v in made)

@@ -399,7 +399,7 @@ def test_autos_first_decode_is_measured_in_plain_steps(monkeypatch, virtual_cloc
 
 
 def test_proxy_objective_is_the_rounds_cost_model():
-    from selfspec_cli.methods.self_sd.calibrate import Measurement, draft_cost_from_bytes, proxy_speedup
+    from selfspec_cli.methods.self_sd.measure import Measurement, draft_cost_from_bytes, proxy_speedup
 
     # 2 prompts: 2 prefill tokens + 10 tokens in 6 rounds (drafts of 0, 2, 3, 0, 1, 4 tokens)
     m = Measurement(tokens=12, wall_s=1.0, target_forwards=8, draft_lengths=(0, 2, 3, 0, 1, 4))

@@ -51,7 +51,7 @@ from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
 from ..methods import build, fr_spec
-from ..methods.self_sd import uniform_layers
+from ..methods.self_sd.study import uniform_layers
 from .plots import pyplot, save_figure
 
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)

@@ -74,7 +74,7 @@ def _choices() -> dict[Any, tuple[str, ...]]:
     from ..engine.target import TARGET_PRECISIONS
     from ..methods import METHODS
     from ..methods.base import DRAFT_PRECISIONS
-    from ..methods.self_sd.calibrate import OBJECTIVES, SAMPLERS
+    from ..methods.self_sd.search import OBJECTIVES, SAMPLERS
     from ..methods.specee import KV_MODES
     from ..prompts import PROMPT_FORMATS
     from .calibrate import CALIBRATE_METHODS

@@ -9,8 +9,9 @@ speculative sampling with drafts sampled from the draft's processed distribution
 The package is the whole method: this module holds the proposer and its artifact (the skip
 set, :data:`SKIP_SET`: one JSON manifest, ``kind: "self-sd-layers"``, with ``skip_attn``,
 ``skip_mlp``, ``draft_precision``, the objective, the search and the environment);
-:mod:`.calibrate` is its offline step (the Bayesian search) and :mod:`.study` the Optuna
-storage that search shares between processes and machines.
+:mod:`.calibrate` is its offline step, around the Bayesian search of :mod:`.search`, which
+decodes and scores the candidate sets with :mod:`.measure` and keeps its trials in the Optuna
+study of :mod:`.study` (shared between processes and machines; the starting points live there).
 """
 from __future__ import annotations
 
@@ -122,17 +123,6 @@ class SkipSet:
         return {**SKIP_SET.header(model), "skip_attn": sorted(self.attn), "skip_mlp": sorted(self.mlp),
                 "objective": dict(objective), "trials": trials, **extra, "search": dict(search),
                 "environment": dict(environment), "created": now_iso()}
-
-
-def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
-    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
-    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
-    of those layers skips a ``ratio`` share of the 2L sublayers."""
-    interior = list(range(1, num_layers - 1))
-    if not interior:
-        return frozenset()
-    n = min(len(interior), max(1, round(ratio * num_layers)))
-    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
 
 
 @dataclass(frozen=True)

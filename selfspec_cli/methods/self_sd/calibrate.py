@@ -1,356 +1,38 @@
-"""Offline search of Self-SD's skipped-sublayer set (Draft & Verify, Zhang et al., ACL 2024).
+"""``selfspec calibrate --method self-sd``: the offline step around Self-SD's skip-set search.
 
-The paper searches, by Bayesian optimization, which of the 2L sublayers (L attention,
-L MLP) the draft skips, maximizing measured decoding throughput on a few
-calibration prompts. Here:
+:func:`prepare` checks the step's own options before the model loads (one
+:class:`~selfspec_cli.errors.ConfigError` line for a bad one) and :func:`run` does the work on
+the loaded model, in this order: where the study lives (``--study-path``, by default beside
+``--output``, or ``--storage``) and that its file can be written; the helper processes of
+``--workers`` (:class:`Workers`); the draft weights searched (``--draft-precision``); the
+search and its confirmation (:func:`~.search.calibrate_self_sd`, which knows no job and no
+artifact); then the artifact (:func:`build_manifest`, written through
+:data:`~selfspec_cli.methods.self_sd.SKIP_SET`) and the summary the command prints.
 
-* search space: one categorical 0/1 parameter per sublayer, ``attn_<l>`` and
-  ``mlp_<l>`` (free cardinality, first and last layers included, as in Self-SD), and,
-  when more than one draft precision is searched, a categorical ``precision`` (the
-  target's own weights, or a quantized copy: engine/quant.py): skip set and precision are
-  searched together, the skip set on top of the quantized weights;
-* objective (``proxy``, the default): each candidate decodes the prompts for real
-  (:class:`selfspec_cli.methods.self_sd.SelfSD`, greedy, ``max_new_tokens`` per prompt),
-  and its score is the predicted speedup :func:`proxy_speedup`: tokens after the prefills
-  over the rounds' cost in plain steps, ``k c + v(k + 1)`` per round, with ``c`` from
-  weight bytes (:func:`draft_cost_from_bytes`) and ``v`` from the verify curve kept in the
-  study; nothing in the score is timed per trial, so machine load cannot reorder
-  candidates and trials from different machines compare. ``throughput`` (the paper's):
-  tokens / wall seconds of the decode calls. Greedy Self-SD is lossless, so every trial
-  produces the same tokens; mean accepted length M and acceptance rate are kept per
-  trial (``user_attrs``);
-* sampler: Optuna's multivariate TPE by default (``gp`` and ``random`` on request);
-  see ``docs/calibrate.md`` for the measurements behind that choice;
-* starting points: uniform SWIFT-style sets (interior layers at even spacing, both
-  sublayers) at skip ratios 0.3 and 0.45 at every searched precision, and the empty set
-  (full depth) at every quantized one (and at the target's own weights when its drafts
-  score a draft vocabulary), are enqueued first;
-* storage: an Optuna study in an SQLite file by default, or any storage Optuna shares
-  between processes and machines (a database URL, a journal file: :mod:`.study`),
-  worked on by one or many workers at once. Optuna commits each trial when it finishes,
-  so a Ctrl-C loses at most the running trial, and a re-run with the same study resumes:
-  ``n_trials`` counts COMPLETE trials, only the rest are run; a worker killed mid-trial
-  is detected by heartbeat and its trial run again. The proxy's measured inputs (the
-  verify curve, a quantized draft's full-depth cost) are measured by the first worker and
-  kept in the study, so every worker scores trials with the same numbers;
-* confirmation: after the search, the best set, the uniform sets and plain
-  autoregressive decoding are measured again back to back, so the reported
-  speedups compare numbers taken under the same machine load (the best trial's
-  own value is biased upward: it is the maximum of noisy measurements).
-
-No typer or rich here: :func:`run`, the offline step, reports through the job's ``log`` and progress bar.
+Invariants: only the worker that finished the study last writes the artifact, and a
+``--workers`` helper writes nothing and returns None; a set predicted slower than plain
+decoding never becomes the model's default (it goes beside it as ``*.below-ar.json``). No
+typer or rich here: the step reports through the job's ``log`` and progress bar.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...artifacts import check_writable
-from ...loading import model_fingerprint
 from ...config import GenerationConfig
-from ...decoding.cost import VerifyCurve, draft_step_cost, prior_draft_cost, round_cost, timed
-from ...decoding.layer_skip import DraftSettings
-from ...decoding.output import DecodeResult
-from ...engine import Engine
 from ...errors import ConfigError
-from ..ar import AR
+from ...loading import model_fingerprint
 from ..base import resolve_precision
 from ..offline import OfflineJob
-from . import SKIP_SET, SelfSD, SelfSDConfig, SkipSet, uniform_layers
-# the search space and the Optuna study live in .study; their names stay importable from here
-from .study import (DEFAULT_HEARTBEAT_S, STUDY_NAME, SeedPoint, TrialReport, check_storage, describe, make_sampler,  # noqa: F401
-                    open_study, params_for, run_search, skip_sets_from_params, worker_id)
-
-SAMPLERS = ("tpe", "gp", "random")
-SEED_RATIOS = (0.3, 0.45)
-DEFAULT_DRAFT = DraftSettings(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
-OBJECTIVES = ("proxy", "throughput")
-
-
-# ---------------------------------------------------------------- measuring
-
-
-@dataclass(frozen=True, slots=True)
-class Measurement:
-    """One pass of a decoder over all calibration prompts."""
-
-    tokens: int  # tokens actually produced (EOS ends a prompt early)
-    wall_s: float  # decode calls only
-    target_forwards: int
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    draft_lengths: tuple[int, ...] = ()  # every round's draft depth, over all prompts (0: no draft)
-    proxy: float | None = None  # the hardware-aware proxy: predicted speedup over ar (see proxy_speedup)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """M: tokens per full-depth target forward (prefill included), as in DecodeStats."""
-        return self.tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "tokens_per_s": round(self.tokens_per_s, 3), "tokens": self.tokens, "wall_s": round(self.wall_s, 6),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
-            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
-            "proxy_speedup": None if self.proxy is None else round(self.proxy, 4),
-        }
-
-
-def measure(make_generate: Callable[[], Callable[[list[int], GenerationConfig], DecodeResult]],
-            prompt_ids: Sequence[list[int]], cfg: GenerationConfig, device: torch.device, repeats: int = 1) -> Measurement:
-    """Decode every prompt ``repeats`` times (a fresh decoder from ``make_generate()`` per
-    pass) and keep, per prompt, the fastest pass. Load from other processes only ever
-    slows a decode down, so the minimum is the least noisy estimate. Greedy decoding
-    is deterministic: every pass produces the same tokens and statistics."""
-    best_wall = [float("inf")] * len(prompt_ids)
-    first: list[DecodeResult] = []  # the first pass's results (every pass has the same tokens and statistics)
-    for r in range(repeats):
-        generate = make_generate()
-        for i, ids in enumerate(prompt_ids):
-            res, dt = timed(lambda: generate(ids, cfg), device)
-            best_wall[i] = min(best_wall[i], dt)
-            if r == 0:
-                first.append(res)
-    st = [res.stats for res in first]
-    return Measurement(sum(len(res.token_ids) for res in first), sum(best_wall), sum(s.target_forwards for s in st),
-                       sum(s.drafted_tokens for s in st), sum(s.accepted_draft_tokens for s in st),
-                       tuple(k for s in st for k in s.draft_lengths))
-
-
-def draft_cost_from_bytes(engine: Engine, skip_attn: frozenset[int], skip_mlp: frozenset[int],
-                          full_depth_c: float | None = None, vocab: torch.Tensor | None = None) -> float:
-    """c(S) without a per-trial timer: the one prior for c (:func:`prior_draft_cost`): the skip
-    set's share of the bytes of a full-depth draft step over the draft's vocabulary (``vocab``
-    token ids, FR-Spec; None: all), times ``full_depth_c``, that full-depth step's cost (None: its
-    bytes, the target's own weights; for a quantized copy measured once per study,
-    :func:`full_depth_costs`)."""
-    return prior_draft_cost(engine, skip_attn, skip_mlp, full_depth_c, None if vocab is None else int(vocab.numel()))
-
-
-def full_depth_costs(engine: Engine, precisions: Sequence[str],
-                     vocabs: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:
-    """c of a full-depth draft step per precision, over its draft vocabulary (``vocabs``: per
-    precision, the token ids its head scores; None: all): a draft forward over a target forward
-    timed beside it (:func:`draft_step_cost`); ``target``: its bytes (1 with the whole vocabulary)."""
-    vocabs = vocabs or {}
-    return {p: round(draft_cost_from_bytes(engine, frozenset(), frozenset(), vocab=vocabs.get(p)), 4) if p == "target"
-            else round(draft_step_cost(engine, p, vocab=vocabs.get(p)), 4) for p in precisions}
-
-
-def draft_vocabs(engine: Engine, precisions: Sequence[str]) -> dict[str, torch.Tensor | None]:
-    """Per precision, the draft vocabulary Self-SD drafts with at run time (its default
-    ``draft_vocab auto``: methods/fr_spec/), so that the search weighs the drafts the method runs:
-    on Gemma 3's 262k vocabulary the LM head is over half a step."""
-    from .. import fr_spec
-
-    return {p: fr_spec.draft_vocab(engine, None if p == "target" else p, "auto") for p in precisions}
-
-
-def proxy_speedup(m: Measurement, c: float, curve: VerifyCurve, prompts: int) -> float:
-    """The hardware-aware proxy objective: tokens after each prompt's prefill over the cost of
-    the rounds that made them, in plain steps (a round drafting ``k`` tokens costs
-    ``k c + v(k + 1)``; plain decoding costs 1 a token). ``c`` from weight bytes and ``v``
-    from the engine's verify curve (measured once): no per-trial timing, so machine load
-    cannot reorder the candidates; the acceptance behind it is measured, by decoding."""
-    cost = sum(round_cost(curve, k, c, k, 0.0) for k in m.draft_lengths)
-    return (m.tokens - prompts) / cost if cost > 0 else 1.0
-
-
-def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-                    skip_attn: frozenset[int], skip_mlp: frozenset[int], draft: DraftSettings = DEFAULT_DRAFT,
-                    repeats: int = 1, precision: str = "target", full_depth_c: float | None = None,
-                    curve: VerifyCurve | None = None, vocab: torch.Tensor | None = None) -> Measurement:
-    """Throughput of Self-SD with this skip set over the draft weights ``precision`` and the
-    draft vocabulary ``vocab`` (None: all). A fresh method per pass, so the adaptive draft
-    threshold starts from the same value for every candidate. ``curve``: the verify curve the
-    proxy uses (default: the engine's own)."""
-    def make() -> Any:
-        return SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft,
-                      weights=None if precision == "target" else precision, vocab=vocab).generate
-
-    m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
-    c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c, vocab)
-    return dataclasses.replace(m, proxy=proxy_speedup(m, c, curve or VerifyCurve.for_engine(engine), len(prompt_ids)))
-
-
-def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
-               repeats: int = 1) -> Measurement:
-    return measure(lambda: AR(engine, tokenizer).generate, prompt_ids, cfg, torch.device(engine.device), repeats)
-
-
-# ---------------------------------------------------------------- search space
-
-
-def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
-                precisions: Sequence[str] = ("target",), cheap_head: Sequence[str] = ()) -> list[SeedPoint]:
-    """Distinct uniform starting sets, one per ratio (small models may merge them), at every
-    precision; and full depth (no skips) at every quantized precision, and at the target's own
-    weights too when it is in ``cheap_head`` (its drafts score a draft vocabulary: the full-depth
-    draft is then cheaper than a step)."""
-    out: list[SeedPoint] = []
-    tag = len(precisions) > 1
-    for p in precisions:
-        for r in ratios:
-            layers = uniform_layers(num_layers, r)
-            if layers and all((q.skip_attn, q.precision) != (layers, p) for q in out):
-                out.append(SeedPoint(f"uniform-{r:g}" + (f"-{p}" if tag else ""), layers, layers, p))
-        if p != "target" or p in cheap_head:
-            out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
-    return out
-
-
-# ---------------------------------------------------------------- the study
-
-
-@dataclass(frozen=True, slots=True)
-class SearchConfig:
-    study_path: Path | None  # None: not chosen yet (the CLI validates the rest before it loads the model)
-    n_trials: int = 100  # COMPLETE trials wanted in the study, resumed ones included
-    seed: int = 0
-    sampler: str = "tpe"
-    repeats: int = 1  # passes per measurement; per prompt the fastest counts
-    objective: str = "proxy"  # "proxy" (timing-free, proxy_speedup) or "throughput" (measured tokens/s)
-    draft: DraftSettings = DEFAULT_DRAFT
-    precisions: tuple[str, ...] = ("target",)  # draft weights searched with the skip set (engine/quant.py)
-    storage: str | None = None  # an Optuna storage (.study); None: the SQLite file study_path
-    heartbeat_s: int = DEFAULT_HEARTBEAT_S  # seconds between a running trial's heartbeats
-    worker_index: int = 0  # this process among the --workers of one command (0: the one that writes)
-    search_only: bool = False  # a helper worker: run trials, never the confirmation or the artifact
-    worker: str = ""  # this worker's name in the study (the helpers of --workers share their first process's)
-
-    def __post_init__(self) -> None:
-        for flag, value in (("trials", self.n_trials), ("repeats", self.repeats), ("heartbeat", self.heartbeat_s)):
-            if value < 1:
-                raise ConfigError(f"--{flag} must be >= 1, got {value}")
-        for flag, value, choices in (("objective", self.objective, OBJECTIVES), ("sampler", self.sampler, SAMPLERS)):
-            if value not in choices:
-                raise ConfigError(f"unknown --{flag} '{value}'; choose one of: {', '.join(choices)}")
-
-
-@dataclass(slots=True)
-class SelfSDCalibration:
-    num_layers: int
-    skip_attn: frozenset[int]
-    skip_mlp: frozenset[int]
-    precision: str
-    best_trial: int
-    best_value: float  # tokens/s measured in the search
-    best_attrs: dict[str, Any]
-    trials: int  # COMPLETE trials in the study
-    new_trials: int  # trials run by this call
-    study_path: Path | str  # the SQLite file, or the --storage as given (the manifest hides its password)
-    baseline: dict[str, Any] | None  # the better uniform set
-    confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
-    seed_points: list[dict[str, Any]] = field(default_factory=list)
-    search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
-    writer: bool = True  # False: another worker finished the study last and writes the artifact
-    draft_vocab: dict[str, int | str] = field(default_factory=dict)  # precision -> tokens its drafts score ("full": all)
-
-
-def calibrate_self_sd(
-    engine: Engine,
-    tokenizer: Any,
-    prompt_ids: Sequence[list[int]],
-    cfg: GenerationConfig,
-    search: SearchConfig,
-    *,
-    fingerprint: str,
-    prompts_sha: str,
-    on_trial: Callable[[TrialReport], None] = lambda _report: None,
-    log: Callable[[str], None] = lambda _msg: None,
-    on_ready: Callable[[], None] = lambda: None,
-    before_finish: Callable[[], None] = lambda: None,
-) -> SelfSDCalibration:
-    """Run (or resume, or join) the search until the study holds ``search.n_trials`` COMPLETE
-    trials. ``on_ready``: called once the study holds its setup, starting points and measured
-    costs (other workers may start then); ``before_finish``: called when the study is complete,
-    before this worker decides whether it writes the result (wait for the other local workers)."""
-    if not cfg.sampling.greedy:
-        raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
-    L = engine.num_layers
-    precisions = search.precisions
-    # what must not change between runs that share a study (values would not compare)
-    setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
-             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
-             "repeats": search.repeats, "objective": search.objective,
-             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
-    if precisions != ("target",):
-        setup["precisions"] = list(precisions)
-    vocabs = draft_vocabs(engine, precisions)
-    vocab_sizes = {p: "full" if v is None else int(v.numel()) for p, v in vocabs.items()}
-    points = seed_points(L, precisions=precisions, cheap_head=[p for p, v in vocabs.items() if v is not None])
-    if any(v is not None for v in vocabs.values()):  # drafts over an FR-Spec vocabulary: their sizes
-        setup["draft_vocab"] = vocab_sizes
-    full_c: dict[str, float] = {}
-
-    curve: list[VerifyCurve] = []  # the study's, once read
-
-    def run(attn: frozenset[int], mlp: frozenset[int], precision: str) -> Measurement:
-        return measure_self_sd(engine, tokenizer, prompt_ids, cfg, attn, mlp, search.draft, search.repeats,
-                               precision, full_c.get(precision), curve[0] if curve else None, vocabs[precision])
-
-    def inputs(study: Any) -> None:
-        """The proxy's measured inputs, measured once per study by the first worker and kept in it, so that
-        every worker (and a resumed run) scores its trials with the same numbers (no per-trial timing)."""
-        full_c.update({p: float(v) for p, v in (study.user_attrs.get("full_depth_c") or {}).items()})
-        if missing := [p for p in precisions if p not in full_c]:
-            full_c.update(full_depth_costs(engine, missing, vocabs))
-            study.set_user_attr("full_depth_c", full_c)
-        if search.objective == "proxy":  # the proxy reads v(k) only; a worker that finds it stored measures nothing
-            if (saved := study.user_attrs.get("verify_curve")) is None:
-                own = VerifyCurve.for_engine(engine, full=True)  # a full reading for the study (stored or taken now)
-                saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
-                study.set_user_attr("verify_curve", saved)
-            curve.append(VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()}))
-
-    def warm_up() -> None:
-        """Untimed: first-call allocations must not favour later trials."""
-        warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
-        for p in precisions:
-            measure_self_sd(engine, tokenizer, prompt_ids[:1], cfg, warm.skip_attn, warm.skip_mlp, search.draft,
-                            precision=p, vocab=vocabs[p])
-
-    found = run_search(search, setup, points, L, run, inputs, warm_up, on_trial=on_trial, log=log, on_ready=on_ready,
-                       before_finish=before_finish)
-    finished, best_t, durations, seeds_in_study, writer, me = (found.finished, found.best, found.durations, found.seeds,
-                                                               found.writer, found.worker)
-
-    # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
-    common = dict(num_layers=L, draft_vocab=vocab_sizes, best_trial=best_t.number, best_value=float(best_t.value),
-                  best_attrs=dict(best_t.user_attrs), trials=len(finished),
-                  new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
-                  study_path=search.storage if search.storage is not None else search.study_path)
-    if not writer:
-        return SelfSDCalibration(skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0],
-                                 baseline=None, writer=False, **common)
-    attn, mlp = skip_sets_from_params(best_t.params, L)
-    best_p = best_t.params.get("precision", precisions[0])
-    log("re-measuring the best set, the starting points and plain decoding back to back")
-    confirm = {"ar": measure_ar(engine, tokenizer, prompt_ids, cfg, search.repeats).as_dict()}
-    confirm["best"] = run(attn, mlp, best_p).as_dict()
-    for p in points:  # a starting point that is the best set is not measured twice
-        same = (p.skip_attn, p.skip_mlp, p.precision) == (attn, mlp, best_p)
-        confirm[p.name] = confirm["best"] if same else run(p.skip_attn, p.skip_mlp, p.precision).as_dict()
-    # the better uniform set, by the back-to-back re-measurement
-    uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
-    base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
-    return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, seed_points=seeds_in_study,
-                             baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
-                             search_time_s=round(sum(durations), 3) if durations else None, **common)
+from . import SKIP_SET, SkipSet
+from .search import SearchConfig, SelfSDCalibration, calibrate_self_sd
+from .study import DEFAULT_HEARTBEAT_S, STUDY_NAME, TrialReport, check_storage, describe, worker_id
 
 
 # ---------------------------------------------------------------- the artifact
@@ -438,18 +120,21 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     s: Setting = job.setting
     search, engine, helper = s.search, job.engine, s.search.search_only
     db_path = Path(search.study_path) if search.study_path is not None else job.output.with_name(job.output.stem + ".optuna.db")
-    where = describe(search.storage) if search.storage is not None else str(db_path)
+    if search.storage is None:  # before anything is decoded (the study makes the file when it opens)
+        check_writable(db_path, "--study-path")
+    search = dataclasses.replace(search, study_path=db_path)
+    workers = Workers(job, s.workers, search)  # the helpers that share the study: started once it is set up (on_ready)
+    where = search.where()
     quantized = resolve_precision(engine, s.draft_precision)  # None: target, or auto without a quantized copy
     own = ("target",) if s.draft_precision in ("auto", "target") else ()  # auto searches both weights
     precisions = own + ((quantized,) if quantized else ())
-    search = dataclasses.replace(search, study_path=db_path, precisions=precisions)
+    search = dataclasses.replace(search, precisions=precisions)
     unit = "x ar (predicted)" if search.objective == "proxy" else "tok/s"
     say = (lambda _m: None) if helper else job.log  # the helpers of --workers report through the first process
     say(f"[dim]model {job.model.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
         f"{engine.dtype}, {engine.device}; {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens"
         f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
         f"draft weights {', '.join(precisions)}; study {where}{f'; {s.workers} workers' if s.workers > 1 else ''}[/dim]")
-    workers = Workers(job, s.workers, search, db_path, where)
     with contextlib.ExitStack() as stack:
         bar: list[Any] = []  # (bar, task): started by the first report, once the study is open and its costs logged
 
@@ -476,8 +161,9 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
                 "finished the last one writes the artifact")
         return {"method": "self-sd", "artifact": None, "study": where, "trials": result.trials,
                 "new_trials": result.new_trials, "best_trial": result.best_trial, "writer": False}
+    environment = job.environment()
     manifest = build_manifest(result, model=job.model, cfg=job.gen, search=search, prompts=job.prompts,
-                              environment=job.environment())
+                              environment=environment)
     obj, out = manifest["objective"], job.output
     vs_ar = result.best_value if search.objective == "proxy" else obj.get("speedup_vs_ar")
     below_ar = vs_ar is not None and vs_ar < 1.0
@@ -514,8 +200,8 @@ class Workers:
     helpers (which got the terminal's Ctrl-C too) get 30 s to save their trials; any left
     running are killed."""
 
-    def __init__(self, job: OfflineJob, n: int, search: SearchConfig, db_path: Path, where: str) -> None:
-        self.job, self.n, self.search, self.db_path, self.where = job, n, search, db_path, where
+    def __init__(self, job: OfflineJob, n: int, search: SearchConfig) -> None:
+        self.job, self.n, self.search = job, n, search  # search.study_path: the SQLite file (without a --storage)
         self.procs: list[Any] = []
         self.done = 0
 
@@ -530,7 +216,7 @@ class Workers:
             if a.split("=", 1)[0] not in (*named, "--force"):
                 out.append(a)
         storage = self.search.storage
-        return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.db_path)])
+        return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.search.study_path)])
 
     def start(self) -> None:
         import select
@@ -563,7 +249,7 @@ class Workers:
             for h in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     h.wait(timeout=30)
-            self.job.exit_note(f"{self.done} finished trials are saved in {self.where}; run the same command again to resume")
+            self.job.exit_note(f"{self.done} finished trials are saved in {self.search.where()}; run the same command again to resume")
         for h in self.procs:
             if h.poll() is None:
                 h.kill()

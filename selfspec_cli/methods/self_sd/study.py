@@ -22,10 +22,12 @@ Which process writes the result: :func:`finished_last` (the worker whose trial c
 last; a worker that re-opens a study finished before it joined writes too).
 
 It also holds the search itself, apart from what a trial measures: the parameters of a skip set
-(:func:`params_for`), the starting points enqueued first, the sampler, the study's setup check
-(:func:`open_study`), Ctrl-C at safe points (:class:`DeferredInterrupt`) and one worker's loop
-(:func:`run_search`), which calibrate.py drives with three callables: the measured inputs every
-trial is scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
+(:func:`params_for`), the starting points enqueued first (:func:`seed_points`, from the uniform
+sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`, given
+an SQLite path the offline step has already checked for writing), Ctrl-C at safe points
+(:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`), which search.py drives
+with three callables (:class:`~.measure.Candidates`' methods): the measured inputs every trial is
+scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
 """
 from __future__ import annotations
 
@@ -38,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...artifacts import check_writable
 from ...errors import ConfigError, first_line
 
 RDB_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql")
@@ -323,10 +324,44 @@ def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[froz
 
 @dataclass(frozen=True, slots=True)
 class SeedPoint:
+    """A starting point of the search, enqueued before the sampler's first trial."""
+
     name: str
     skip_attn: frozenset[int]
     skip_mlp: frozenset[int]
     precision: str = "target"
+
+
+SEED_RATIOS = (0.3, 0.45)  # the uniform starting sets skip these shares of the sublayers
+
+
+def uniform_layers(num_layers: int, ratio: float) -> frozenset[int]:
+    """About ``ratio * L`` layers spread evenly over the interior layers ``1..L-2``
+    (SWIFT's uniform start: never the first or last layer). Skipping both sublayers
+    of those layers skips a ``ratio`` share of the 2L sublayers."""
+    interior = list(range(1, num_layers - 1))
+    if not interior:
+        return frozenset()
+    n = min(len(interior), max(1, round(ratio * num_layers)))
+    return frozenset(interior[round((i + 0.5) * len(interior) / n - 0.5)] for i in range(n))
+
+
+def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
+                precisions: Sequence[str] = ("target",), cheap_head: Sequence[str] = ()) -> list[SeedPoint]:
+    """Distinct uniform starting sets, one per ratio (small models may merge them), at every
+    precision; and full depth (no skips) at every quantized precision, and at the target's own
+    weights too when it is in ``cheap_head`` (its drafts score a draft vocabulary: the full-depth
+    draft is then cheaper than a step)."""
+    out: list[SeedPoint] = []
+    tag = len(precisions) > 1
+    for p in precisions:
+        for r in ratios:
+            layers = uniform_layers(num_layers, r)
+            if layers and all((q.skip_attn, q.precision) != (layers, p) for q in out):
+                out.append(SeedPoint(f"uniform-{r:g}" + (f"-{p}" if tag else ""), layers, layers, p))
+        if p != "target" or p in cheap_head:
+            out.append(SeedPoint(f"full-depth-{p}", frozenset(), frozenset(), p))
+    return out
 
 
 def make_sampler(name: str, seed: int):
@@ -399,11 +434,12 @@ class DeferredInterrupt:
 
 def open_study(search: Any, sampler: Any, setup: dict[str, Any]):
     """Create or join the study in ``search``'s storage; refuse a study made for another model or
-    another calibration setup, and a throughput study timed on another machine."""
+    another calibration setup, and a throughput study timed on another machine. An SQLite
+    ``search.study_path`` is checked for writing by the caller (the offline step does it before
+    anything is decoded); its directory is made here."""
     import optuna
 
     if search.storage is None:
-        check_writable(Path(search.study_path), "--study-path")
         try:  # SQLite makes the file, not its directory
             Path(search.study_path).parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -488,11 +524,12 @@ class SearchOutcome:
 
 def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], L: int,
                evaluate: Callable[[frozenset[int], frozenset[int], str], Any], inputs: Callable[[Any], None],
-               warm_up: Callable[[], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
+               warm_up: Callable[[frozenset[int], frozenset[int]], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
                on_ready: Callable[[], None], before_finish: Callable[[], None]) -> SearchOutcome:
     """Open (or join) the study ``search`` names and run this worker's share of its trials until the study
     holds ``search.n_trials`` COMPLETE ones: ``inputs(study)`` reads or measures the numbers every
-    trial is scored with, ``warm_up()`` runs untimed before the first trial, ``evaluate(attn, mlp,
+    trial is scored with, ``warm_up(attn, mlp)`` runs untimed before the first trial (with the last
+    starting point: full depth where there is one), ``evaluate(attn, mlp,
     precision)`` decodes one candidate (its ``proxy`` or ``tokens_per_s`` is the value, ``as_dict()``
     the trial's attributes). A Ctrl-C stops at a safe point (:class:`DeferredInterrupt`)."""
     import optuna
@@ -528,8 +565,9 @@ def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], 
             on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
             if remaining:
+                warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
                 with guard.interruptible():
-                    warm_up()
+                    warm_up(warm.skip_attn, warm.skip_mlp)
             random_next = [False]  # after a duplicate, one trial drawn at random
             with guard.interruptible():
                 on_ready()
