@@ -149,11 +149,29 @@ def test_summary_per_category_and_spec_bench_answers():
     assert ch["accept_lengths"] == [1, 3, 3, 3]
 
 
+def test_predicted_decode_speedup_weighs_prompts_as_the_measured_one_does():
+    """Two prompts, predicted gains 3 and 1 (plans 30/10 and 5/5): the prediction weighs each by ar's
+    decode rate on it, 10 and 30 tokens/s (over both of ar's passes), so (10 x 3 + 30 x 1) / 40 = 1.5,
+    where pooling the rounds would say 35 / 15; a prompt without a plan is left out."""
+    from selfspec_cli.bench.report import predicted_decode_speedup
+
+    def rec(pid, new, wall, plan=None):
+        st = {"prefill_s": 0.0, **({"plan": {"expected_tokens": plan[0], "cost_steps": plan[1]}} if plan else {})}
+        return {"id": pid, "new_tokens": new, "wall_time_s": wall, "stats": st}
+
+    ar = [[rec("a", 11, 1.0), rec("b", 31, 1.0)], [rec("a", 11, 1.0), rec("b", 31, 1.0)]]
+    method = [[rec("a", 11, 0.4, (30.0, 10.0)), rec("b", 31, 0.9, (5.0, 5.0)), rec("c", 5, 0.1)]]
+    assert predicted_decode_speedup(method, ar) == pytest.approx(1.5)
+    assert predicted_decode_speedup([[rec("c", 5, 0.1)]], ar) is None
+
+
 def test_cost_model_predicts_decode_only_speed():
     """The bench's cost model on hand-built records: the predicted speedup is the plans' expected
     tokens over their cost, summed over every turn of every prompt (42 / 19 here; the mean of
-    the per-turn gains would be 1.8); measured over predicted divides the decode-only speedup
-    (2.0: the prefill left out) by it, not the end-to-end one (1.45)."""
+    the per-turn gains would be 1.8). The decode-only speedup (2.0: the prefill left out; not the
+    end-to-end one, 1.45) is a ratio of mean per-prompt rates, so measured over predicted divides it by
+    the plans' gains aggregated the same way: per prompt (3, 1.2 and 1.5), weighted by ar's decode rate
+    on each (10 tokens/s on all three here): 1.9."""
     def turn(new, wall, prefill, plan=None, share=None):
         st = {"accept_lengths": [1] * new, "target_forwards": new, "prefill_s": prefill}
         if plan is not None:
@@ -184,7 +202,8 @@ def test_cost_model_predicts_decode_only_speed():
     assert m["speedup_vs_ar"] == pytest.approx((11 + 11 + 8) / 3 / ((11 / 1.5 + 11 / 1.5 + 6) / 3), abs=1e-4)
     cm = m["cost_model"]
     assert cm["predicted_speedup"] == pytest.approx(42 / 19, abs=1e-4)
-    assert cm["measured_over_predicted"] == pytest.approx(2.0 / (42 / 19), abs=1e-4)
+    assert cm["predicted_decode_speedup"] == pytest.approx(1.9, abs=1e-4)
+    assert cm["measured_over_predicted"] == pytest.approx(2.0 / 1.9, abs=1e-4)
     assert cm["draft_round_share"] == pytest.approx((0.5 + 0.1 + 0.2 + 0.4) / 4)  # over turns
     assert cm["skip_ratio"] == pytest.approx(3 / 12)
     assert "cost_model" not in s["ar"]  # no plans, no prediction

@@ -65,6 +65,30 @@ def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] 
     return out
 
 
+def predicted_decode_speedup(repeats: Repeats, ref: Repeats) -> float | None:
+    """The plans' prediction of ``decode_speedup_vs_ar``, aggregated as that figure is: it is a ratio of
+    mean per-prompt decode rates (:func:`metrics.decode_speedup`), so each prompt weighs as much as the
+    reference's rate on it, whatever its number of rounds. Per prompt the predicted gain is its rounds'
+    expected tokens over their cost; the prediction is those gains weighted by the reference's decode
+    rate on the same prompt (the mean over its passes). Prompts without a plan, or the reference's rate,
+    are left out; None when none is left."""
+    rates: dict[Any, list[float]] = {}
+    for rs in ref:
+        for r in rs:
+            if (d := metrics.decode_tps(r)) is not None:
+                rates.setdefault(r["id"], []).append(d)
+    num = den = 0.0
+    for rs in repeats:
+        for r in rs:
+            plans = [st.plan for t in (r.get("turns") or [r]) if (st := TurnStats.from_dict(t.get("stats", {}))).plan]
+            if not plans or r["id"] not in rates or not (cost := sum(p.cost_steps for p in plans)):
+                continue
+            rate = statistics.fmean(rates[r["id"]])
+            num += rate * sum(p.expected_tokens for p in plans) / cost
+            den += rate
+    return num / den if den else None
+
+
 def summarize(results: Mapping[str, ContenderResult], reference: str | None, baseline: str | None,
               descriptions: Mapping[str, str] | None = None,
               offline_cost: Mapping[str, Mapping[str, Any]] | None = None,
@@ -83,9 +107,13 @@ def summarize(results: Mapping[str, ContenderResult], reference: str | None, bas
         m["optimization_s"] = _r(statistics.fmean(opt), 3) if opt and all(v is not None for v in opt) else None
         m["offline"] = dict((offline_cost or {}).get(name) or {}) or None
         if (cm := _cost_model(res, num_layers)) is not None:
-            # the plans predict decode-only speed: compare like with like (end to end, the prefill dilutes it)
-            if cm["predicted_speedup"] and (measured := m.get("decode_speedup_vs_ar") or m.get("speedup_vs_ar")):
-                cm["measured_over_predicted"] = _r(measured / cm["predicted_speedup"])
+            # the plans predict decode-only speed: compare like with like (end to end, the prefill dilutes it),
+            # aggregated as the measured figure is (per prompt, weighted by the reference's rate)
+            like = predicted_decode_speedup(res.repeats, ref) if ref is not None and m.get("decode_speedup_vs_ar") else None
+            cm["predicted_decode_speedup"] = _r(like)
+            predicted = like or cm["predicted_speedup"]
+            if predicted and (measured := m.get("decode_speedup_vs_ar") or m.get("speedup_vs_ar")):
+                cm["measured_over_predicted"] = _r(measured / predicted)
             m["cost_model"] = cm
         m["peak_rss_mb"] = _r(res.peak_rss_mb, 1)
         m["peak_cuda_mb"] = _r(res.peak_cuda_mb, 1)
