@@ -29,6 +29,10 @@ range of layers ``[start, end)``:
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
 * :meth:`Engine.release_float_weights` frees the float matrices a block target no longer
   reads (the embedding rows then come from the head's own blocks, exactly);
+* on the CPU kernel a forward of up to 64 rows runs its whole layer range in one C++ call
+  (csrc ``DecoderStack``, :meth:`Engine._stacked_layers`): the same kernels in the same order as
+  the loop below, so every value is the loop's bit for bit; Python keeps the masks and the cache's
+  position lists (``stack_layers = False`` runs the loop; tests/test_decoder_stack.py compares them);
 * on a GPU a forward first goes through the fixed-shape path (engine/graphs.py,
   :meth:`Engine.fixed_forward`: padded rows, the whole KV buffer, one CUDA graph per sublayer
   set); what it does not take runs the loop here;
