@@ -361,3 +361,25 @@ def test_releasing_the_float_matrices_of_a_panel_target(precision):
         eng.quantized("int8")
     with pytest.raises(RuntimeError, match="release_float_weights"), eng.plain_linear():
         pass
+
+
+@needs_kernel
+def test_released_panel_target_keeps_every_norm_its_own():
+    """After ``release_float_weights(panels=True)`` every layer's norms are still its own: the release moves
+    the remaining parameters to fresh memory and re-points the engine's references by address, so no clone
+    may take a replaced tensor's address while it remaps. Before that rule, on the shipped code model loaded
+    as the bench's fp32 process loads it (lite, fp32 target), 2 of 8 engines in a row had a layer whose MLP
+    norm read its attention norm, and the logits moved by up to 2.9. Whether a clone lands on a freed
+    address depends on the process's heap: under the old rule this test failed in 2 of 4 runs (and in 2
+    of 3 with 12 engines), never under the new one."""
+    from selfspec_cli.loading import load_model
+
+    for _ in range(24):
+        model, _tok = load_model("pystdlib", dtype="float32", device="cpu", log=None, lite=True)
+        eng = Engine(model, target_precision="fp32")
+        want = [(w.attn_norm.clone(), w.mlp_norm.clone()) for w in eng.adapter.layers]
+        eng.release_float_weights(panels=True)
+        for l, (w, layer) in enumerate(zip(eng.adapter.layers, model.model.layers)):
+            assert torch.equal(w.attn_norm, layer.input_layernorm.weight), l
+            assert torch.equal(w.mlp_norm, layer.post_attention_layernorm.weight), l
+            assert torch.equal(w.attn_norm, want[l][0]) and torch.equal(w.mlp_norm, want[l][1]), l

@@ -313,9 +313,13 @@ class Engine:
             a.lm_head = a.lm_head.new_empty(0)
         # the tensors that remain (norms, biases) may share one memory-mapped file with the released ones,
         # which stays mapped (and resident) while any of them lives: give them memory of their own
+        # keyed by address: every replaced tensor is kept alive until all references are moved, so that no
+        # clone takes a freed tensor's address meanwhile (one did: a layer's MLP norm then read another's)
         moved: dict[int, torch.Tensor] = {}
+        replaced: list[torch.Tensor] = []
         for p in self.model.parameters():
             if p.numel():
+                replaced.append(p.data)
                 moved[p.data_ptr()] = p.data = p.data.clone()
         for w in a.layers:
             for f in dataclasses.fields(w):
@@ -327,6 +331,7 @@ class Engine:
                 setattr(a, name, moved[t.data_ptr()])
         if isinstance(head, kernels.Linear) and head.weight.numel() and head.weight.data_ptr() in moved:
             head.weight = moved[head.weight.data_ptr()]
+        del replaced
         _trim_heap()
         self.kernel_info["float_weights_released_mb"] = round(freed / 2**20, 1)
         return freed
