@@ -68,22 +68,33 @@ class KVCache:
         extra = max(needed, 2 * self.capacity) - self.capacity
         self.k, self.v = (F.pad(x, (0, 0, 0, extra)) for x in (self.k, self.v))  # zero slots after the old ones
 
+    def append_slot(self, layer: int, positions: Sequence[int]) -> int:
+        """The slot where rows holding ``positions`` go at the layer's end (its length), after checking
+        the invariants: the rows come after the layer's newest position and fit the capacity."""
+        pos = self.positions[layer]
+        if pos and min(positions) <= pos[-1]:
+            raise CacheInvariantError(f"layer {layer}: rows at positions {min(positions)}.. written after position "
+                                      f"{pos[-1]}; roll the cache back first")
+        if len(pos) + len(positions) > self.capacity:
+            raise CacheInvariantError(f"layer {layer}: {len(pos) + len(positions)} slots exceed the capacity "
+                                      f"{self.capacity}")
+        return len(pos)
+
+    def appended(self, layer: int, positions: Sequence[int]) -> None:
+        """Record rows holding ``positions`` that a kernel wrote at :meth:`append_slot` (engine/runner.py's
+        one-call forward writes K/V in C++; the position list stays this object's)."""
+        self.positions[layer].extend(positions)
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
               positions: Sequence[int], views: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Append ``T`` rows (``k_new``, ``v_new``: (Hkv, T, D)) holding ``positions`` at the
         layer's end and return views of its keys/values including them: (1, Hkv, len, D)
         (None with ``views=False``: the caller reads ``k``/``v`` directly)."""
-        pos = self.positions[layer]
-        if pos and min(positions) <= pos[-1]:
-            raise CacheInvariantError(f"layer {layer}: rows at positions {min(positions)}.. written after position "
-                                      f"{pos[-1]}; roll the cache back first")
-        start, t = len(pos), k_new.shape[1]
+        start, t = self.append_slot(layer, positions), k_new.shape[1]
         end = start + t
-        if end > self.capacity:
-            raise CacheInvariantError(f"layer {layer}: {end} slots exceed the capacity {self.capacity}")
         self.k[layer].narrow(1, start, t).copy_(k_new)
         self.v[layer].narrow(1, start, t).copy_(v_new)
-        pos.extend(positions)
+        self.appended(layer, positions)
         return (self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)) if views else None
 
     def crop(self, length: int) -> None:

@@ -148,7 +148,7 @@ class StaticForward:
                 cos_sum = part if cos_sum is None else cos_sum + part
         q_list = list(range(n, n + t)) if tree_mask is None else positions.tolist()
         for l in run:
-            cache.positions[l].extend(q_list)
+            cache.appended(l, q_list)
         out_logits = None
         if logits_rows is not None and e.num_layers:
             full = torch.cat(logits) if len(logits) > 1 else logits[0]

@@ -57,7 +57,7 @@ from . import kernels
 from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
-from .cache import CacheInvariantError, KVCache
+from .cache import KVCache
 from .graphs import DEFAULT_ROWS, StaticForward
 from .quant import DraftWeights, build_draft, gguf_source, subset
 from .target import PANEL_DTYPES, QUANT_TARGETS, resolve_target, target_linears
@@ -453,23 +453,19 @@ class Engine:
         """:meth:`_forward`'s layers in one kernel call (csrc: DecoderStack), with the loop's masks
         (:meth:`_layer_mask`), cache order checks (every layer's, before anything is written) and
         position lists."""
-        t, q_min = h.shape[0], min(q_list)
+        t = h.shape[0]
         pasts: list[int] = []
         mask_of: list[int] = []
         masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
         handed: list[torch.Tensor] = []  # the distinct masks, (T, past + T) each, as the kernel takes them
         index: dict[int, int] = {}  # id of a mask -> its place in ``handed``
         for l in layers:
-            w, pos = self.adapter.layers[l], cache.positions[l]
             if l in skip_attn:
                 pasts.append(-1)
                 mask_of.append(-1)
                 continue
-            if pos and q_min <= pos[-1]:
-                raise CacheInvariantError(f"layer {l}: rows at positions {q_min}.. written after position "
-                                          f"{pos[-1]}; roll the cache back first")
-            pasts.append(len(pos))
-            mask = self._layer_mask(cache, l, w.sliding_window, t, q_pos, q_list, tree_mask, masks)
+            pasts.append(cache.append_slot(l, q_list))  # raises, before anything is written, on a bad order
+            mask = self._layer_mask(cache, l, self.adapter.layers[l].sliding_window, t, q_pos, q_list, tree_mask, masks)
             if mask is not None and id(mask) not in index:
                 index[id(mask)] = len(handed)
                 handed.append(mask[0, 0])
@@ -481,7 +477,7 @@ class Engine:
                             [rope_rows[k][0] for k in kinds], [rope_rows[k][1] for k in kinds], *(kv_window or (0, 0)))
         for l, past in zip(layers, pasts):
             if past >= 0:
-                cache.positions[l].extend(q_list)
+                cache.appended(l, q_list)
         kept = iter(out[1:])
         return out[0], {l: next(kept) for l, k in zip(layers, keep) if k}
 
