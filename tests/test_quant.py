@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +171,50 @@ def test_int8_draft_cache_round_trip(draft_cache):
             assert torch.equal(a[name].quant.codes, b[name].quant.codes)
             assert torch.equal(a[name].quant.scales, b[name].quant.scales)
             assert (a[name].bias is None) == (b[name].bias is None)  # Qwen2's q/k/v biases are kept
+
+
+@needs_kernel
+def test_the_cache_holds_the_kernels_panels_and_a_load_repacks_nothing(draft_cache, monkeypatch, tmp_path):
+    """The copy on disk is the packed panels the kernel reads: a second load builds no panel (QLinear.make
+    is not called) and gives the same panels, biases, sizes and logits; an older format's file beside it
+    is removed once the new one is written; a file whose shapes are not the model's is rebuilt."""
+    from selfspec_cli.loading import load_model
+
+    from .gguf_utils import make_tiny_gguf
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    path, _, _ = make_tiny_gguf(tmp_path, qtype="Q4_1", name="tiny-cache.gguf")
+    model, _ = load_model(str(path), dtype="float32", device="cpu", log=None)
+    first = Engine(model).quantized("gguf")
+    where = Path(first.info["path"])
+    stale = where.with_name(where.name.replace(f"-v{quant.CACHE_FORMAT}.", "-v1."))
+    stale.write_bytes(b"old")
+    where.unlink()
+    first = Engine(model).quantized("gguf")  # built again, written, the old format dropped
+    assert first.info["cache"] == "miss" and not stale.exists() and where.is_file()
+
+    def no_packing(*a, **k):
+        raise AssertionError("a cached copy was repacked")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(kernels.QLinear, "make", no_packing)
+        eng = Engine(model)
+        second = eng.quantized("gguf")
+    assert second.info["cache"] == "hit"
+    for a, b in [*((x[n], y[n]) for x, y in zip(first.layers, second.layers) for n in quant.LINEARS),
+                 (first.head, second.head)]:
+        assert a.meta.fmt == b.meta.fmt and (a.meta.group, a.meta.bits) == (b.meta.group, b.meta.bits)
+        assert (a.out_features, kernels.stream_bytes(a)) == (b.out_features, kernels.stream_bytes(b))
+        for t, u in [(a.codes, b.codes), (a.scales, b.scales), (a.mins, b.mins), (a.bias, b.bias)]:
+            assert (t is None and u is None) or (t.dtype == u.dtype and torch.equal(t, u))
+    ids = torch.arange(2, 12)
+    c1, c2 = eng.new_cache(16), eng.new_cache(16)
+    got = eng.forward(c1, ids, positions=0, logits_rows=slice(None), weights="gguf").logits
+    eng.drafts["gguf"] = first
+    assert torch.equal(got, eng.forward(c2, ids, positions=0, logits_rows=slice(None), weights="gguf").logits)
+    # a file of the right name whose matrices have other shapes (another model's) is not read
+    other = quant._load(where, Engine(make_tiny_model("llama-gqa", layers=2)).adapter, None)
+    assert other is None
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:

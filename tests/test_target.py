@@ -231,8 +231,13 @@ def test_releasing_the_float_weights_keeps_every_token(gguf_models):
     from selfspec_cli.loading import load_model
 
     path = gguf_models["Q4_1x6"].name_or_path  # a model of its own: this one loses its float weights
+    Engine(gguf_models["Q4_1x6"], target_precision="gguf")  # the block copy on disk (a first build reads the floats)
     eng = Engine(load_model(path, dtype="float32", device="cpu", log=None)[0], target_precision="gguf")
     m, ar = build("auto", eng, None), AR(eng)
+    # the block target never reads the float q/k/v and gate/up, so they are never fused (a copy of their bytes)
+    assert all(w.qkv.tensor is None and w.gate_up.tensor is None for w in eng.adapter.layers)
+    attn = eng.model.model.layers[0].self_attn
+    parts = sum(p.numel() * 4 for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     prompt = list(range(5, 15))
     cfg = GenerationConfig(max_new_tokens=24)
     before = ar.generate(prompt, cfg).token_ids
@@ -244,10 +249,25 @@ def test_releasing_the_float_weights_keeps_every_token(gguf_models):
     assert model_fingerprint(eng.model) == fp  # artifacts built after the release still know the model
     assert freed >= sum(t.numel() * 4 for t in [eng.adapter.embed]) and eng._embed_rows is not None
     assert eng.adapter.embed.numel() == 0 and all(p.numel() == 0 for p in eng.model.model.layers[0].mlp.parameters())
+    assert all(p.numel() == 0 for p in attn.parameters()) and freed >= eng.num_layers * parts
     assert torch.equal(eng.embed(torch.arange(eng.vocab_size)), emb)
     assert torch.equal(eng.head_rows(torch.arange(eng.vocab_size)), head)  # SpecEE's speculative rows
     assert ar.generate(prompt, cfg).token_ids == before == m.generate(prompt, cfg).token_ids
     assert Engine(make_tiny_model("llama-gqa", layers=2), target_precision="fp32").release_float_weights() == 0
+
+
+@needs_kernel
+def test_float_targets_fuse_q_k_v_and_the_module_reads_the_fused_tensor(gguf_models):
+    """q/k/v and gate/up are fused when a float target first reads them: the module's parameters then view
+    the fused tensor (one copy of the weights), and its values are the parts'."""
+    model = make_tiny_model("qwen2-bias", layers=2)
+    attn = model.model.layers[0].self_attn
+    want = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).clone()
+    eng = Engine(model, target_precision="fp32")
+    w = eng.adapter.layers[0]
+    assert w.qkv.tensor is not None and torch.equal(w.w_qkv, want)
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == w.w_qkv.untyped_storage().data_ptr()
+    assert attn.q_proj.bias.untyped_storage().data_ptr() == w.b_qkv.untyped_storage().data_ptr()
 
 
 @needs_kernel

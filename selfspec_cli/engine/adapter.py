@@ -2,10 +2,11 @@
 
 This is the only module that touches transformers internals. It reads the
 embeddings, per-layer norms and projections, the final norm, the LM head and the
-rotary table, and fuses q/k/v and gate/up into single matrices *in place*: the
-original ``nn.Linear`` parameters become views into the fused tensors, so no
-weight is held twice and the Hugging Face forward keeps working on the same
-storage (the ``hf`` peers in ``selfspec bench`` run on the very same weights).
+rotary table, and fuses q/k/v and gate/up into single matrices *in place* when first
+read (:class:`Fused`; a block target never reads them): the original ``nn.Linear``
+parameters become views into the fused tensors, so no weight is held twice and the
+Hugging Face forward keeps working on the same storage (the ``hf`` peers in ``selfspec
+bench`` run on the very same weights).
 
 Supported: Llama, Mistral, Qwen2, Qwen3, Gemma 3 text (model_type in SUPPORTED_MODEL_TYPES).
 The differences between them are handled by data, not subclasses: optional q/k/v
@@ -75,16 +76,36 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's matrix products (LayerWeights' w_<name>, b_<name>)
 
 
+class Fused:
+    """Matrices concatenated along their outputs (q/k/v, gate/up), built on first use: a target that reads
+    its own blocks or panels never needs the float copy, so loading does not make one. Once built, the
+    parts' ``nn.Linear`` weights are views into it (no weight is held twice)."""
+
+    __slots__ = ("parts", "tensor")
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        self.parts, self.tensor = parts, None
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = _fuse_weights(self.parts)
+        return self.tensor
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors that hold these weights now: the fused one, or the parts' own."""
+        return [self.tensor] if self.tensor is not None else [m.weight for m in self.parts]
+
+
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # (H,)
-    w_qkv: torch.Tensor  # ((Hq + 2 Hkv) D, H)
+    qkv: Fused  # w_qkv: ((Hq + 2 Hkv) D, H)
     b_qkv: torch.Tensor | None
     w_o: torch.Tensor  # (H, Hq D)
     b_o: torch.Tensor | None
     qk_norm: torch.Tensor | None  # (Hq + Hkv, D): q_norm rows then k_norm rows (Qwen3)
     mlp_norm: torch.Tensor  # (H,)
-    w_gate_up: torch.Tensor  # (2 I, H)
+    gate_up: Fused  # w_gate_up: (2 I, H)
     b_gate_up: torch.Tensor | None
     w_down: torch.Tensor  # (H, I)
     b_down: torch.Tensor | None
@@ -93,6 +114,27 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None  # (H,) Gemma: RMSNorm of the MLP output before the residual add
     rope_kind: str | None = None  # which rotary table (ModelAdapter.rope_kinds): None, the model's one table
 
+    @property
+    def w_qkv(self) -> torch.Tensor:
+        return self.qkv.get()
+
+    @w_qkv.setter
+    def w_qkv(self, t: torch.Tensor) -> None:
+        self.qkv.tensor = t
+
+    @property
+    def w_gate_up(self) -> torch.Tensor:
+        return self.gate_up.get()
+
+    @w_gate_up.setter
+    def w_gate_up(self, t: torch.Tensor) -> None:
+        self.gate_up.tensor = t
+
+    def held(self, name: str) -> list[torch.Tensor]:
+        """The tensors that hold matrix ``name`` (:data:`LINEARS`) now, without fusing anything."""
+        attr = getattr(self, name) if name in ("qkv", "gate_up") else None
+        return attr.held() if isinstance(attr, Fused) else [getattr(self, f"w_{name}")]
+
 
 def gemma_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     """A Gemma RMSNorm's effective weight ``1 + w``, computed in float32 as transformers does
@@ -100,20 +142,26 @@ def gemma_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     return (1.0 + weight.detach().float()).to(weight.dtype)
 
 
-def _fuse_into(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of ``linears`` along the output dim and
-    rebind each module's parameters to views of the fused tensor."""
+def _fuse_weights(linears: list[nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights of ``linears`` along the output dim and rebind each module's weight to a
+    view of the fused tensor."""
     w = torch.cat([m.weight.data for m in linears], dim=0).contiguous()
+    for m, view in zip(linears, w.split([m.weight.shape[0] for m in linears])):
+        m.weight.data = view
+    return w
+
+
+def _fuse_biases(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The same for the biases (all or none: mixed ones are refused)."""
     has_bias = [m.bias is not None for m in linears]
     if any(has_bias) and not all(has_bias):
         raise UnsupportedModelError("mixed biased and unbiased projections are not supported")
-    b = torch.cat([m.bias.data for m in linears], dim=0).contiguous() if all(has_bias) else None
-    sizes = [m.weight.shape[0] for m in linears]
-    for m, view in zip(linears, w.split(sizes)):
-        m.weight.data = view
-    for m, view in zip(linears, b.split(sizes) if b is not None else ()):
+    if not all(has_bias):
+        return None
+    b = torch.cat([m.bias.data for m in linears], dim=0).contiguous()
+    for m, view in zip(linears, b.split([m.weight.shape[0] for m in linears])):
         m.bias.data = view
-    return w, b
+    return b
 
 
 class ModelAdapter:
@@ -152,6 +200,7 @@ class ModelAdapter:
         self.embed: torch.Tensor = inner.embed_tokens.weight
         self.final_norm: torch.Tensor = gemma_norm_weight(inner.norm.weight) if gemma else inner.norm.weight
         self.lm_head: torch.Tensor = model.lm_head.weight
+        self.head_rows: int = self.lm_head.shape[0]
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
         self.device = self.embed.device
@@ -169,8 +218,8 @@ class ModelAdapter:
         self.layers: list[LayerWeights] = []
         for idx, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            w_qkv, b_qkv = _fuse_into([attn.q_proj, attn.k_proj, attn.v_proj])
-            w_gu, b_gu = _fuse_into([mlp.gate_proj, mlp.up_proj])
+            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+            b_qkv, b_gu = _fuse_biases(qkv), _fuse_biases(gate_up)
             qk_norm = None
             if hasattr(attn, "q_norm"):
                 qn, kn = attn.q_norm.weight, attn.k_norm.weight
@@ -189,11 +238,17 @@ class ModelAdapter:
             else:
                 norms = {"attn_norm": layer.input_layernorm.weight, "mlp_norm": layer.post_attention_layernorm.weight}
             self.layers.append(LayerWeights(
-                w_qkv=w_qkv, b_qkv=b_qkv, w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, qk_norm=qk_norm,
-                w_gate_up=w_gu, b_gate_up=b_gu, w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias,
+                qkv=Fused(qkv), b_qkv=b_qkv, w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, qk_norm=qk_norm,
+                gate_up=Fused(gate_up), b_gate_up=b_gu, w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias,
                 sliding_window=window if sliding else None,
                 rope_kind=layer_types[idx] if gemma else None, **norms))
+        self._out_features = [{n: sum(t.shape[0] for t in w.held(n)) for n in LINEARS} for w in self.layers]
         self.rope_kinds: list[str | None] = sorted({w.rope_kind for w in self.layers}, key=str)
+
+    def out_features(self, layer: int, name: str) -> int:
+        """Rows of layer ``layer``'s matrix ``name`` (:data:`LINEARS`), read from the model's shapes as loaded
+        (a released matrix keeps its count)."""
+        return self._out_features[layer][name]
 
     @torch.no_grad()
     def rope_table(self, length: int, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -253,11 +253,19 @@ class QLinear:
         # float16 scales (and minimums) where each is a float16 value, as the GGUF's blocks store them: 2 bytes
         # a group less to stream, widened exactly in the kernel
         sdt = torch.float16 if quant.half_scales() else torch.float32
+        return cls.from_panels(quant.fmt, quant.group, quant.bits, codes, panels(quant.scales.to(sdt)),
+                               panels(quant.mins.to(sdt)) if quant.mins is not None else None, bias, module, n, quant.nbytes())
+
+    @classmethod
+    def from_panels(cls, fmt: str, group: int, bits: int, codes: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor | None, bias: torch.Tensor | None, module: Any, out_features: int,
+                    nbytes: int) -> "QLinear":
+        """A product over panels already packed as :meth:`make` packs them (the draft cache stores them so,
+        engine/quant.py): nothing is repacked."""
         empty = torch.empty(0)
-        meta = QuantWeight(quant.fmt, empty, empty, None, quant.group, quant.bits)
-        return cls(meta, None if bias is None else bias.detach().float().contiguous(), codes, panels(quant.scales.to(sdt)),
-                   panels(quant.mins.to(sdt)) if quant.mins is not None else None, module, "avx2" if _avx2_forced() else "auto", n,
-                   quant.nbytes())
+        meta = QuantWeight(fmt, empty, empty, None, group, bits)
+        return cls(meta, None if bias is None else bias.detach().float().contiguous(), codes, scales, mins, module,
+                   "avx2" if _avx2_forced() else "auto", out_features, nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is None or x.dim() != 2:

@@ -256,8 +256,9 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-CACHE_FORMAT = 2  # bump when the quantizers or the file layout change: older files are not read
-# (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks)
+CACHE_FORMAT = 3  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
+# not read (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks;
+# 3: the kernel's packed panels, read without repacking)
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:
@@ -271,35 +272,56 @@ def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, d
     return cache_root() / "drafts" / name
 
 
-def _save(path: Path, layers: list[dict[str, QuantWeight]], head: QuantWeight, meta: dict[str, Any]) -> None:
+def _save(path: Path, draft: DraftWeights, meta: dict[str, Any]) -> None:
+    """The copy's packed panels as the kernel reads them (codes, scales, minimums), so that a load
+    repacks nothing; per matrix its format, group, bits, outputs and streamed bytes."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     formats: list[str] = []
-    for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(layers) for n, q in d.items()), ("head", head)]:
+    for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(draft.layers) for n, q in d.items()), ("head", draft.head)]:
         parts = {"codes": q.codes, "scales": q.scales, "mins": q.mins}
         tensors.update({f"{key}.{part}": t.contiguous() for part, t in parts.items() if t is not None})
-        formats.append(f"{key}={q.fmt}:{q.group}:{q.bits}")
+        m = q.meta
+        formats.append(f"{key}={m.fmt}:{m.group}:{m.bits}:{q.out_features}:{kernels.stream_bytes(q)}")
     atomic_write(path, lambda f: save_file(tensors, f.name, metadata={"info": json.dumps(meta), "formats": ";".join(formats)}))
 
 
-def _load(path: Path, num_layers: int) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict[str, Any]] | None:
+def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str, QLinear]], QLinear, dict[str, Any]] | None:
+    """The copy :func:`_save` wrote, or None when the file is absent, partial, foreign or of other shapes."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             formats = dict(item.split("=", 1) for item in meta.get("formats", "").split(";") if "=" in item)
+            names = set(f.keys())
 
-            def get(key: str) -> QuantWeight:
-                fmt, group, bits = formats[key].split(":")
-                mins = f.get_tensor(f"{key}.mins") if f"{key}.mins" in f.keys() else None
-                return QuantWeight(fmt, f.get_tensor(f"{key}.codes"), f.get_tensor(f"{key}.scales"), mins, int(group), int(bits))
+            def get(key: str, bias: torch.Tensor | None, rows: int) -> QLinear:
+                fmt, group, bits, n, nbytes = formats[key].split(":")
+                codes = f.get_tensor(f"{key}.codes")
+                if int(n) != rows or codes.dim() != 3 or codes.shape[0] * 64 < rows:
+                    raise ValueError(f"{key}: {n} outputs stored, {rows} in the model")
+                mins = f.get_tensor(f"{key}.mins") if f"{key}.mins" in names else None
+                return QLinear.from_panels(fmt, int(group), int(bits), codes, f.get_tensor(f"{key}.scales"), mins, bias,
+                                           module, rows, int(nbytes))
 
-            layers = [{n: get(f"{l}.{n}") for n in LINEARS} for l in range(num_layers)]
-            return layers, get("head"), json.loads(meta.get("info", "{}"))
+            layers = [{n: get(f"{l}.{n}", getattr(w, f"b_{n}"), adapter.out_features(l, n)) for n in LINEARS}
+                      for l, w in enumerate(adapter.layers)]
+            return layers, get("head", None, adapter.vocab_size), json.loads(meta.get("info", "{}"))
     except Exception:  # noqa: BLE001  absent, partial or foreign (safetensors raises its own types): rebuild
         return None
+
+
+def _drop_older_formats(path: Path) -> None:
+    """Remove the copies of older cache formats beside ``path`` (and the agreement readings kept beside
+    them): no load reads them again."""
+    stem = path.name.removesuffix(f"-v{CACHE_FORMAT}.safetensors")
+    for old in path.parent.glob(f"{stem}-v*.safetensors*"):
+        version = old.name[len(stem) + 2:].split(".", 1)[0]
+        if version.isdigit() and int(version) < CACHE_FORMAT:
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, gguf_file: str | None,
@@ -311,9 +333,10 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
         raise ValueError(f"unknown draft precision '{precision}'; choose one of: {', '.join(PRECISIONS)}")
     t0 = time.perf_counter()
     path = cache_path(fingerprint, precision, model_dir, str(adapter.dtype).removeprefix("torch.")) if fingerprint else None
-    loaded = _load(path, adapter.num_layers) if path is not None and path.is_file() else None
+    loaded = _load(path, adapter, module) if path is not None and path.is_file() else None
     if loaded is not None:
-        layers, head, meta = loaded
+        layers_q, head_q, meta = loaded
+        draft = DraftWeights(precision, layers_q, head_q)
         info = {"cache": "hit", **meta}
     else:
         if precision == "gguf":
@@ -323,14 +346,16 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
         else:
             layers, head, extra = _int8(adapter, 32 if precision == "int8-g32" else None)
         meta = {"precision": precision, "built_s": round(time.perf_counter() - t0, 2), **extra}
+        draft = DraftWeights(precision, [{n: QLinear.make(q, getattr(adapter.layers[l], f"b_{n}"), module)
+                                          for n, q in d.items()} for l, d in enumerate(layers)], QLinear.make(head, None, module))
         if path is not None:
             try:
-                _save(path, layers, head, meta)
+                _save(path, draft, meta)
             except ArtifactError:
                 path = None  # a read-only cache only costs the next load the quantization
+            else:
+                _drop_older_formats(path)
         info = {"cache": "miss" if path is not None else "off", **meta}
-    draft = DraftWeights(precision, [{n: QLinear.make(q, getattr(adapter.layers[l], f"b_{n}"), module) for n, q in d.items()}
-                                     for l, d in enumerate(layers)], QLinear.make(head, None, module))
     draft.info = {**info, "load_s": round(time.perf_counter() - t0, 3), "bytes": draft.nbytes(),
                   "formats": sorted({q.meta.fmt for d in draft.layers for q in d.values()} | {draft.head.meta.fmt}),
                   "isa": kernels.isa() if module is not None else None}

@@ -288,8 +288,8 @@ class Engine:
                 gone.append(a.embed)
         # a matrix the target runs as its own packed panels (a GGUF type the kernel does not take, or a panel
         # target's with ``panels``) reads those, not the tensor
-        gone += [getattr(w, f"w_{name}") for l, w in enumerate(a.layers) for name in LINEARS
-                 if self._own_weights(self._lin[l][name])]
+        gone += [t for l, w in enumerate(a.layers) for name in LINEARS if self._own_weights(self._lin[l][name])
+                 for t in w.held(name)]  # an unfused q/k/v: its parts (fusing them only to free them would cost)
         if not tied and isinstance(head, kernels.QLinear):
             gone.append(a.lm_head)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gone}  # a tied table counts once
@@ -302,7 +302,7 @@ class Engine:
         for l, w in enumerate(a.layers):
             for name in LINEARS:
                 if self._own_weights(lin := self._lin[l][name]):
-                    setattr(w, f"w_{name}", getattr(w, f"w_{name}").new_empty(0))
+                    setattr(w, f"w_{name}", w.held(name)[0].new_empty(0))
                     if isinstance(lin, kernels.Linear):
                         lin.weight = lin.weight.new_empty(0)
         if self._embed_rows is not None:

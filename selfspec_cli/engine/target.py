@@ -31,6 +31,7 @@ Invariants:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,14 +116,15 @@ def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]]
     d = engine.quantized(precision)
     a = engine.adapter
 
-    def pick(q: Any, w: torch.Tensor, b: torch.Tensor | None) -> Any:
+    def pick(q: Any, weight: Callable[[], torch.Tensor], b: torch.Tensor | None) -> Any:
         if q.meta.fmt != "int8":
             return q
+        w = weight()  # read (and q/k/v fused) only here: a block matrix never needs the float copy
         # a GGUF type the kernel does not take as blocks (F16, BF16, ...) or a fused matrix of mixed layouts:
         # float panels, 16-bit where every weight is such a value (an F16/BF16 tensor's are), else fp32
         exact = next((dt for dt in PANEL_DTYPES.values() if _exact(w, dt)), None)
         return Linear.make(w, b, engine._module, exact)
 
-    layers = [{n: pick(d.layers[l][n], getattr(w, f"w_{n}"), getattr(w, f"b_{n}")) for n in LINEARS}
+    layers = [{n: pick(d.layers[l][n], lambda w=w, n=n: getattr(w, f"w_{n}"), getattr(w, f"b_{n}")) for n in LINEARS}
               for l, w in enumerate(a.layers)]
-    return layers, pick(d.head, a.lm_head, None)
+    return layers, pick(d.head, lambda: a.lm_head, None)
