@@ -36,13 +36,16 @@ def test_kernel_matches_f_linear(n, k, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["avx2"] + (["avx512"] if ext is not None and ext.qisa() == "avx512" else []))
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_batch_invariant(wdtype):
+def test_kernel_is_batch_invariant(wdtype, isa, monkeypatch):
     """Every row of a k-row product is bit-identical to the same row computed alone, at any
     position in the batch: what makes verification reproduce one-row decode steps exactly."""
+    monkeypatch.setenv("SELFSPEC_ISA", isa)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 576, generator=g).to(wdtype)
     lin = kernels.Linear.make(w, torch.randn(300, generator=g).to(wdtype), ext)
+    assert lin.isa == ("avx2" if isa == "avx2" else "auto")
     x = torch.randn(300, 576, generator=g)
     singles = torch.cat([lin(x[i:i + 1]) if wdtype == torch.float32 else lin(x[i:i + 1].to(wdtype)).float()
                          for i in range(x.shape[0])])
@@ -55,12 +58,33 @@ def test_kernel_is_batch_invariant(wdtype):
             assert torch.equal(got, singles[start:start + rows]), (rows, start)
 
 
+HAS_AVX512 = ext is not None and ext.qisa() == "avx512"
+
+
+@needs_kernel
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512: only the AVX2 path runs here")
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_panels_give_the_same_bits_on_both_paths(wdtype):
+    """The AVX-512 tile (one zmm a panel) keeps each output's FMA chain of the AVX2 tile (one lane of a ymm):
+    every row count, both with a bias, outputs that fill no whole panel, equal bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    for n, k in [(300, 576), (37, 100), (5, 3), (1100, 64)]:
+        w = torch.randn(n, k, generator=g).to(wdtype)
+        packed, b = ext.pack(w), torch.randn(n, generator=g)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 64):
+            x = torch.randn(rows, k, generator=g)
+            for bias in (None, b):
+                assert torch.equal(ext.linear(x, packed, n, bias, "avx2"), ext.linear(x, packed, n, bias, "avx512")), (n, k, rows)
+    with pytest.raises(RuntimeError, match="isa"):
+        ext.linear(x, packed, n, None, "sse")
+
+
 @needs_kernel
 def test_bfloat16_weights_are_exact_conversions():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
     x = torch.randn(4, 96, generator=g)
-    got = ext.linear(x, ext.pack(w), 64, None)
+    got = ext.linear(x, ext.pack(w), 64, None, "auto")
     want = F.linear(x.double(), w.double())
     assert float((got.double() - want).abs().max()) < 1e-4
 

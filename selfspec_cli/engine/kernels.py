@@ -125,6 +125,7 @@ class Linear:
     bias_f32: torch.Tensor | None
     module: Any
     n: int = 0  # outputs (the weight's rows): kept, since a released engine empties ``weight`` (panels only then)
+    isa: str = "auto"  # the kernel's path: AVX-512 where the CPU has it, unless SELFSPEC_ISA=avx2 (the same bits)
 
     @classmethod
     def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, module: Any | None,
@@ -136,14 +137,14 @@ class Linear:
         if module is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":
             packed = module.pack(weight.detach() if pack_dtype is None else weight.detach().to(pack_dtype))
             bias_f32 = None if bias is None else bias.detach().float().contiguous()
-        return cls(weight, bias, packed, bias_f32, module, weight.shape[0])
+        return cls(weight, bias, packed, bias_f32, module, weight.shape[0], "avx2" if _avx2_forced() else "auto")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if x.dtype == torch.float32:  # the decode path: no float()/to() calls (about 1 % of a SmolLM2 step)
-            return self.module.linear(x, self.packed, self.n, self.bias_f32)
-        return self.module.linear(x.float(), self.packed, self.n, self.bias_f32).to(x.dtype)
+            return self.module.linear(x, self.packed, self.n, self.bias_f32, self.isa)
+        return self.module.linear(x.float(), self.packed, self.n, self.bias_f32, self.isa).to(x.dtype)
 
 
 @dataclass(slots=True)
@@ -318,7 +319,7 @@ def _avx2_forced() -> bool:
 
 
 def isa() -> str | None:
-    """The instruction set the quantized kernels use on this CPU ("avx512" or "avx2"), or None
+    """The instruction set the kernels (quantized and float panels) use on this CPU ("avx512" or "avx2"), or None
     without the kernel. ``SELFSPEC_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU."""
     module = load_extension()
     return None if module is None else "avx2" if _avx2_forced() else module.qisa()

@@ -431,7 +431,7 @@ class Engine:
                 return ops.mat(1, lin.codes, lin.scales, lin.mins, lin.bias, lin.out_features, lin.meta.group,
                                lin.meta.bits, lin.isa)
             if isinstance(lin, kernels.Linear) and lin.packed is not None:
-                return ops.mat(0, lin.packed, None, None, lin.bias_f32, lin.n, 0, 0, "auto")
+                return ops.mat(0, lin.packed, None, None, lin.bias_f32, lin.n, 0, 0, lin.isa)
             return None
 
         stack = ops.DecoderStack(self._hq, self._hkv, self._d, float(self.adapter.rms_eps), self._gelu)

@@ -123,8 +123,100 @@ inline void panel_group(const W* panels, int64_t k_n, const float* x, int64_t ro
   }
 }
 
+// The same tile with one zmm per panel (16 outputs): lane i of acc[r][p] is output (p0 + p) * 16 + i of row r,
+// the same FMA chain over k as the AVX2 tile's lane (so the two paths agree bit for bit), with half the
+// instructions per weight: a 16-bit panel's k-step is one widening load and one FMA per panel.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_w512(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_w512(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_w512(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int R, int P, typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void tile512(const W* panels, int64_t k_n, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n0,
+             int64_t n_valid, const float* bias) {
+  __m512 acc[R][P];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pstride = k_n * PW;
+  constexpr int64_t PF_AHEAD = PF_DIST * int64_t(sizeof(float)) / int64_t(sizeof(W));
+  for (int64_t k = 0; k < k_n; ++k) {
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p)
+      _mm_prefetch(reinterpret_cast<const char*>(panels + p * pstride + (k + PF_AHEAD) * PW), _MM_HINT_T0);
+    __m512 wv[P];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) wv[p] = load_w512(panels + p * pstride + k * PW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 16
+      for (int j = 0; j < P; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xb, acc[r][j]);
+    }
+  }
+  alignas(64) float buf[P * 16];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int j = 0; j < P; ++j) _mm512_store_ps(buf + 16 * j, acc[r][j]);
+    float* out = y + r * ldy + n0;
+    if (bias != nullptr)
+      for (int64_t i = 0; i < n_valid; ++i) out[i] = buf[i] + bias[n0 + i];
+    else
+      std::memcpy(out, buf, sizeof(float) * n_valid);
+  }
+}
+
+template <int P, typename W>
+void panel_group512(const W* panels, int64_t k_n, const float* x, int64_t rows, float* y, int64_t n, int64_t n0,
+                    const float* bias) {
+  const int64_t n_valid = std::min<int64_t>(P * PW, n - n0);
+  const int64_t ldx = k_n;
+  const int64_t tiles = (rows + 5) / 6;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t size = (rows - r) / (tiles - t);
+    const float* xt = x + r * ldx;
+    float* yt = y + r * n;
+    switch (size) {
+      case 6: tile512<6, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+      case 5: tile512<5, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+      case 4: tile512<4, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+      case 3: tile512<3, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+      case 2: tile512<2, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+      default: tile512<1, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+    }
+    r += size;
+  }
+}
+
+bool cpu_has_avx512();
+
 template <typename W>
-void run(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, const float* bias, float* out) {
+void run(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, const float* bias, float* out,
+         bool avx512) {
+  if (avx512) {  // one or two rows: 4 or 2 panels at once (bandwidth); more: 2 panels, 2R chains in flight
+    const int64_t panels = (n + PW - 1) / PW;
+    const int64_t pstride = k_n * PW;
+    const int64_t group = rows == 1 ? 4 : 2;
+    const int64_t groups = (panels + group - 1) / group;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (group * pstride * int64_t(sizeof(W))));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t p = g * group;
+        const int64_t p_end = std::min(panels, p + group);
+        if (p_end - p == 4) panel_group512<4, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
+        else if (p_end - p == 2) panel_group512<2, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
+        else for (; p < p_end; ++p) panel_group512<1, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
+      }
+    });
+    return;
+  }
   const int64_t panels = (n + PW - 1) / PW;
   const int64_t pstride = k_n * PW;
   // One or two rows are bandwidth-bound: 4 or 2 panels at once keep 8 FMA chains in flight.
@@ -162,8 +254,10 @@ torch::Tensor pack(torch::Tensor w) {
   return padded.view({np, PW, k}).transpose(1, 2).contiguous();
 }
 
-// x (R, K) float32; packed from pack(); bias (N,) or None; returns (R, N) float32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+// x (R, K) float32; packed from pack(); bias (N,) or None; isa "auto" (AVX-512 where the CPU has it), "avx2"
+// or "avx512" (the two give the same bits: tests/test_kernels.py); returns (R, N) float32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                     std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear: x must be 2-D float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PW, "linear: packed weight expected");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -178,15 +272,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
     TORCH_CHECK(bc.numel() == n, "linear: bias has ", bc.numel(), " elements, expected ", n);
     b = bc.data_ptr<float>();
   }
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", "linear: isa must be auto, avx2 or avx512");
+  const bool avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
+  TORCH_CHECK(isa != "avx512" || cpu_has_avx512(), "linear: this CPU has no AVX-512");
   if (rows == 0) return out;
   if (packed.scalar_type() == torch::kFloat32)
-    run<float>(packed.data_ptr<float>(), n, k, xc.data_ptr<float>(), rows, b, out.data_ptr<float>());
+    run<float>(packed.data_ptr<float>(), n, k, xc.data_ptr<float>(), rows, b, out.data_ptr<float>(), avx512);
   else if (packed.scalar_type() == torch::kHalf)
     run<Half>(reinterpret_cast<const Half*>(packed.data_ptr<at::Half>()), n, k, xc.data_ptr<float>(), rows, b,
-              out.data_ptr<float>());
+              out.data_ptr<float>(), avx512);
   else
     run<uint16_t>(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), n, k, xc.data_ptr<float>(), rows,
-                  b, out.data_ptr<float>());
+                  b, out.data_ptr<float>(), avx512);
   return out;
 }
 
@@ -971,7 +1068,7 @@ struct Mat {  // one matrix product as the engine packed it
   int64_t n = 0, gs = 0, bits = 0;
   std::string isa = "auto";
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == 0) return linear(x, w, n, bias);
+    if (kind == 0) return linear(x, w, n, bias, isa);
     if (kind == 1) return qlinear(x, w, scales, mins, n, gs, bits, bias, isa);
     return qlinear_a8(x, w, scales, mins, n, gs, bias, isa);
   }
