@@ -80,6 +80,23 @@ def test_float_panels_give_the_same_bits_on_both_paths(wdtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+def test_16_bit_panels_equal_float32_panels_of_the_same_values(wdtype):
+    """A 16-bit panel is widened exactly in registers (bf16 of an even K packed as k-pairs, split by a shift
+    and a mask), so its products equal those of float32 panels of the same values bit for bit, on both paths."""
+    g = torch.Generator().manual_seed(11)
+    isas = ["avx2"] + (["avx512"] if HAS_AVX512 else [])
+    for n, k in [(300, 576), (37, 99), (5, 2), (70, 64)]:
+        w = torch.randn(n, k, generator=g).to(wdtype)
+        packed, ref = ext.pack(w), ext.pack(w.float())
+        assert packed.shape[1:] == ((k // 2, 32) if wdtype == torch.bfloat16 and k % 2 == 0 else (k, 16))
+        for rows in (1, 2, 3, 5, 8):
+            x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+            for isa in isas:
+                assert torch.equal(ext.linear(x, packed, n, b, isa), ext.linear(x, ref, n, b, isa)), (n, k, rows, isa)
+
+
+@needs_kernel
 def test_bfloat16_weights_are_exact_conversions():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
