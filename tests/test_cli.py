@@ -65,6 +65,8 @@ def test_generate_defaults_to_auto(capsys, tiny_model_dir, prompt_file):
     recs = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert recs and all(r["method"] == "auto" and r["lossless"] for r in recs)
     assert "auto, target" in err and "tok/s" in err  # the summary line on stderr
+    # the float32 checkpoint's target streams its packed panels: the float matrices are freed once auto is built
+    assert "target fp32 (" in err and "MB of float matrices freed" in err
 
 
 def run_generate(capsys, model: Path, prompts: Path | str, *extra: str) -> list[dict]:

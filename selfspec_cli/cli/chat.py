@@ -53,7 +53,7 @@ def chat(
     cfg = session.generation(cfg)
     engine = session.engine(target_precision)
     meth = build(method, engine, session.tokenizer, None)
-    engine.release_float_weights()  # a block target: the float matrices are no longer needed (docs/engine.md, Memory)
+    engine.release_float_weights(panels=True)  # every draft is built: the float matrices the target no longer reads go
     log(f"[dim]chat with {session.model.config.model_type}, method {method}; /reset starts over, /exit ends[/dim]")
     converse(meth, session, cfg, sys.stdin)
 

@@ -94,10 +94,12 @@ def _build(method: str, engine: Any, session: Session, method_cfg: Any, n_prompt
             meth = build(method, engine, session.tokenizer, method_cfg)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
-    engine.release_float_weights()  # a block target: the float matrices are no longer needed (docs/engine.md, Memory)
+    # every draft is built: the float matrices a block or packed-panel target no longer reads go (docs/engine.md, Memory)
+    freed = engine.release_float_weights(panels=True)
     mdl = session.model
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
-        f"target {engine.target_precision}; method {method}; {n_prompts} prompts[/dim]")
+        f"target {engine.target_precision}{f' ({freed / 2**20:.0f} MB of float matrices freed)' if freed else ''}; "
+        f"method {method}; {n_prompts} prompts[/dim]")
     for kind, path in used.items():
         log(f"[dim]using {kind} {path}[/dim]")
     return meth, dict(used)
