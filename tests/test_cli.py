@@ -67,6 +67,27 @@ def test_generate_defaults_to_auto(capsys, tiny_model_dir, prompt_file):
     assert "auto, target" in err and "tok/s" in err  # the summary line on stderr
     # the float32 checkpoint's target streams its packed panels: the float matrices are freed once auto is built
     assert "target fp32 (" in err and "MB of float matrices freed" in err
+    assert "decoding" in err and "x the" in err and "ar decodes the same tokens at" in err
+
+
+def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
+    """The pace line sets the decoding after each prefill against the stored T(1) at every token's context
+    (not the rate with the prefill against ar's decode-only rate, which understated every method)."""
+    from selfspec_cli.cli.generate import Pace
+    from selfspec_cli.decoding.cost import VerifyCurve
+
+    pace = Pace()
+    stats = {"prefill_s": 0.5}
+    pace.add({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": stats})  # 4 tokens in 0.02 s
+    pace.add({"new_tokens": 6, "wall_time_s": 1.53, "prompt_tokens": 200, "stats": {},  # two turns
+              "turns": [{"new_tokens": 1, "wall_time_s": 0.5, "prompt_tokens": 100, "stats": stats},  # prefill's token only
+                        {"new_tokens": 5, "wall_time_s": 1.03, "prompt_tokens": 100, "stats": stats}]})  # 4 in 0.53 s
+    assert pace.tokens == 11 and pace.decoded == [(64, 4, pytest.approx(0.02)), (100, 4, pytest.approx(0.53))]
+    curve = VerifyCurve(t1_s=0.01, ratios={1: 1.0}, context=64, slope_s=0.001)
+    line = pace.line(curve)
+    ar_s = sum(0.01 + 0.001 * (ctx + i - 64) for ctx in (64, 100) for i in range(4))  # T(1) at each token's context
+    assert f"decoding {8 / 0.55:.1f} tok/s, {ar_s / 0.55:.2f}x the {8 / ar_s:.1f} tok/s" in line
+    assert "decoding" not in Pace(tokens=3, seconds=1.0).line(curve)  # nothing decoded after a prefill: no comparison
 
 
 def run_generate(capsys, model: Path, prompts: Path | str, *extra: str) -> list[dict]:

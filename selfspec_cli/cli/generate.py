@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,11 +79,11 @@ def generate(
     engine = session.engine(target_precision)
     meth, used = _build(method, engine, session, method_cfg, len(prompts))
     if _streaming(stream, output):
-        total_tokens, total_time = _stream_all(session, meth, method, prompts, cfg, engine.device)
+        pace = _stream_all(session, meth, method, prompts, cfg, engine.device)
     else:
         with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
-            total_tokens, total_time = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used)
-    _log_pace(meth, method, engine.target_precision, total_tokens, total_time)
+            pace = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used)
+    _log_pace(meth, method, engine.target_precision, pace)
     if save_layers is not None:
         _save_layers(meth, save_layers)
 
@@ -141,9 +142,9 @@ def _check_output_options(output: Path | None, force: bool, append: bool, save_l
 
 
 def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
-                device: Any, n_threads: int, used: dict[str, str]) -> tuple[int, float]:
+                device: Any, n_threads: int, used: dict[str, str]) -> Pace:
     """Decode every prompt, one record each into ``out`` (above the bar on a terminal); the totals."""
-    total_tokens, total_time = 0, 0.0
+    pace = Pace()
     with progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
         for p in prompts:
@@ -162,10 +163,9 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
             if used:
                 rec["artifacts"] = dict(used)
             write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
-            total_tokens += rec["new_tokens"]
-            total_time += rec["wall_time_s"]
-            bar.update(task, advance=1, info=f"{total_tokens / max(total_time, 1e-9):.1f} tok/s")
-    return total_tokens, total_time
+            pace.add(rec)
+            bar.update(task, advance=1, info=f"{pace.tokens / max(pace.seconds, 1e-9):.1f} tok/s")
+    return pace
 
 
 def _streaming(stream: bool | None, output: Path | None) -> bool:
@@ -177,10 +177,10 @@ def _streaming(stream: bool | None, output: Path | None) -> bool:
 
 
 def _stream_all(session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
-                device: Any) -> tuple[int, float]:
+                device: Any) -> Pace:
     """Print each prompt's text to stdout as its tokens come (a header per prompt when there are several;
     turns apart by a blank line); no progress bar, the text is the progress. The totals."""
-    total_tokens, total_time = 0, 0.0
+    pace = Pace()
     tok = session.tokenizer
     for i, p in enumerate(prompts):
         if len(prompts) > 1:
@@ -196,21 +196,44 @@ def _stream_all(session: Session, meth: Method, method: str, prompts: list[Promp
 
         rec = run_prompt(generate, tok, p, cfg, device, method, session.chat_template, meth.lossless)
         write_out("\n")
-        total_tokens += rec["new_tokens"]
-        total_time += rec["wall_time_s"]
-    return total_tokens, total_time
+        pace.add(rec)
+    return pace
 
 
-def _log_pace(meth: Method, method: str, target: str, total_tokens: int, total_time: float) -> None:
-    if total_time <= 0:
+@dataclass
+class Pace:
+    """The summary line's figures: every record's tokens and wall time, and per turn its decoding after the
+    prefill (the tokens after the prefill's one, the seconds after its prefill) with the context it began at."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    decoded: list[tuple[int, int, float]] = field(default_factory=list)  # (context, tokens, seconds) per turn
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.tokens += rec["new_tokens"]
+        self.seconds += rec["wall_time_s"]
+        for turn in rec.get("turns") or [rec]:
+            prefill = (turn.get("stats") or {}).get("prefill_s")
+            if prefill is not None and turn["new_tokens"] > 1:
+                self.decoded.append((turn["prompt_tokens"], turn["new_tokens"] - 1, turn["wall_time_s"] - prefill))
+
+    def line(self, curve: Any) -> str:
+        """Tokens/s with the prefill, and, given the stored verify curve, the decoding's pace against what
+        ar takes for the same tokens at the same contexts here (one stored T(1) per token, at its context)."""
+        out = f"{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens / self.seconds:.1f} tok/s (prefill included)"
+        n, secs = sum(d[1] for d in self.decoded), sum(d[2] for d in self.decoded)
+        if curve is None or n == 0 or secs <= 0:
+            return out
+        ar_s = sum(curve.t1_at(ctx + i) for ctx, k, _ in self.decoded for i in range(k))
+        return (out + f"; decoding {n / secs:.1f} tok/s, {ar_s / secs:.2f}x the {n / ar_s:.1f} tok/s ar decodes the "
+                      f"same tokens at in this machine's stored costs (T(1) {curve.t1_s * 1e3:.1f} ms)")
+
+
+def _log_pace(meth: Method, method: str, target: str, pace: Pace) -> None:
+    if pace.seconds <= 0:
         return
-    curve = getattr(meth, "curve", None)  # the engine's stored costs, when the method plans with them
-    pace = f"{total_tokens} tokens in {total_time:.1f} s, {total_tokens / total_time:.1f} tok/s (prefill included)"
-    if curve is not None and method != "ar":
-        ar_pace = 1.0 / curve.t1_s
-        pace += (f"; ar on this target decodes about {ar_pace:.1f} tok/s here (stored T(1) {curve.t1_s * 1e3:.1f} ms): "
-                 f"{total_tokens / total_time / ar_pace:.2f}x")
-    log(f"[dim]{method}, target {target}: {pace}[/dim]")
+    curve = getattr(meth, "curve", None) if method != "ar" else None  # the stored costs, when the method plans with them
+    log(f"[dim]{method}, target {target}: {pace.line(curve)}[/dim]")
 
 
 def _save_layers(meth: Method, save_layers: Path) -> None:
