@@ -2,6 +2,8 @@
 plain fallback; and the engine gives the same tokens with and without it."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -242,3 +244,28 @@ def test_a_fresh_cache_says_it_builds_the_kernel(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kernels, "_state", {})
     kernels.load_extension()
     assert "building" not in capsys.readouterr().err and len(built) == 2
+
+
+@needs_kernel
+def test_a_moved_build_folder_is_loaded_not_rebuilt(tmp_path):
+    """A cache copied or restored elsewhere holds this source's compiled library under its build id: it is
+    imported as it is (ninja would rebuild a moved folder: 30-60 s), and nothing in the folder is rewritten;
+    a torn library is not loaded (the caller then builds)."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = kernels.cache_dir() / kernels.build_id()
+    dst = tmp_path / "kernels" / kernels.build_id()
+    shutil.copytree(src, dst)
+    before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
+    code = "from selfspec_cli.engine import kernels; m = kernels.load_extension(); print(m is not None, m.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SELFSPEC_CACHE": str(tmp_path)},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "building" not in out.stderr and out.stdout.split()[0] == "True" and str(dst) in out.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "selfspec_small_gemm_x.so").write_bytes(b"not a library")
+    assert kernels._built(torn, "selfspec_small_gemm_x") is None

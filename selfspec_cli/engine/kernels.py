@@ -56,9 +56,12 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
 def source_tag() -> str:
-    """The sha256 tag of the kernel's source file (its path and bytes)."""
-    return hashlib.sha256(str(_SOURCE.resolve()).encode() + _SOURCE.read_bytes()).hexdigest()[:12]
+    """The sha256 tag of the kernel's source file (its path and bytes) and its compiler flags."""
+    return hashlib.sha256(str(_SOURCE.resolve()).encode() + _SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
 
 
 def build_id() -> str:
@@ -81,6 +84,25 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
     return None
 
 
+def _built(build: Path, name: str) -> Any | None:
+    """The extension already compiled in ``build`` (its name holds the source's hash and torch's version, so a
+    library there is this source's), imported without asking ninja: ninja rebuilds one whose folder moved
+    (a copied or restored cache: 30-60 s for nothing) and takes a tenth of a second to say it need not.
+    None when there is none, or it does not load (a torn build): the caller builds."""
+    import importlib.util
+
+    so = build / f"{name}.so"
+    if not so.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    return module if hasattr(module, "qlinear") and hasattr(module, "linear") else None
+
+
 def load_extension() -> Any | None:
     """Build (first time on this machine) or load the compiled kernel; None when it cannot
     be had, with the reason in :func:`status`."""
@@ -96,11 +118,14 @@ def load_extension() -> Any | None:
 
                 build = cache_dir() / build_id()
                 build.mkdir(parents=True, exist_ok=True)
-                if not any(build.glob("*.so")):  # a fresh cache compiles it: a silent wait of 30-60 s otherwise
-                    print(f"selfspec: building the C++ kernel for this machine into {build} (once per cache; "
-                          "30-60 s)", file=sys.stderr, flush=True)
-                module = load(name=f"selfspec_small_gemm_{source_tag()}", sources=[str(_SOURCE)], build_directory=str(build),
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
+                name = f"selfspec_small_gemm_{source_tag()}"
+                module = _built(build, name)
+                if module is None:
+                    if not any(build.glob("*.so")):  # a fresh cache compiles it: a silent wait of 30-60 s otherwise
+                        print(f"selfspec: building the C++ kernel for this machine into {build} (once per cache; "
+                              "30-60 s)", file=sys.stderr, flush=True)
+                    module = load(name=name, sources=[str(_SOURCE)], build_directory=str(build),
+                                  extra_cflags=_CFLAGS)
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once
                 reason = f"the C++ kernel could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''})"
                 print(f"selfspec: {reason}; using F.linear (slower). Set SELFSPEC_KERNELS=0 to silence.", file=sys.stderr)
