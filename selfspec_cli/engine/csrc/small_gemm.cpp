@@ -131,31 +131,6 @@ inline void tile(const W* panels, int64_t k_n, const float* x, int64_t ldx, floa
   }
 }
 
-// Rows [0, rows) against panels [p0, p0 + P): row tiles of up to 6 (12 accumulators).
-template <int P, typename W>
-inline void panel_group(const W* panels, int64_t k_n, const float* x, int64_t rows, float* y, int64_t n, int64_t n0,
-                        const float* bias) {
-  const int64_t n_valid = std::min<int64_t>(P * PW, n - n0);
-  const int64_t ldx = k_n;
-  // balanced row tiles of 3..6 rows (8 rows -> 4 + 4, not 6 + 2: a short tile has too few FMA chains)
-  const int64_t tiles = (rows + 5) / 6;
-  int64_t r = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t size = (rows - r) / (tiles - t);
-    const float* xt = x + r * ldx;
-    float* yt = y + r * n;
-    switch (size) {
-      case 6: tile<6, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 5: tile<5, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 4: tile<4, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 3: tile<3, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 2: tile<2, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      default: tile<1, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-    }
-    r += size;
-  }
-}
-
 // The same tile with one zmm per panel (16 outputs): lane i of acc[r][p] is output (p0 + p) * 16 + i of row r,
 // the same FMA chain over k as the AVX2 tile's lane (so the two paths agree bit for bit), with half the
 // instructions per weight: a 16-bit panel's k-step is one widening load and one FMA per panel.
@@ -226,9 +201,11 @@ void tile512(const W* panels, int64_t k_n, const float* x, int64_t ldx, float* y
   }
 }
 
-template <int P, typename W>
-void panel_group512(const W* panels, int64_t k_n, const float* x, int64_t rows, float* y, int64_t n, int64_t n0,
-                    const float* bias) {
+// Rows [0, rows) against panels [p0, p0 + P): row tiles of up to 6 (AVX2: 12 ymm accumulators; AVX-512: 6 P
+// zmm), balanced (8 rows -> 4 + 4, not 6 + 2: a short tile has too few FMA chains).
+template <bool AVX512, int P, typename W>
+inline void panel_group(const W* panels, int64_t k_n, const float* x, int64_t rows, float* y, int64_t n, int64_t n0,
+                        const float* bias) {
   const int64_t n_valid = std::min<int64_t>(P * PW, n - n0);
   const int64_t ldx = k_n;
   const int64_t tiles = (rows + 5) / 6;
@@ -237,45 +214,27 @@ void panel_group512(const W* panels, int64_t k_n, const float* x, int64_t rows, 
     const int64_t size = (rows - r) / (tiles - t);
     const float* xt = x + r * ldx;
     float* yt = y + r * n;
+#define TL(RR) if constexpr (AVX512) tile512<RR, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); \
+               else tile<RR, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias)
     switch (size) {
-      case 6: tile512<6, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 5: tile512<5, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 4: tile512<4, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 3: tile512<3, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      case 2: tile512<2, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
-      default: tile512<1, P, W>(panels, k_n, xt, ldx, yt, n, n0, n_valid, bias); break;
+      case 6: TL(6); break; case 5: TL(5); break; case 4: TL(4); break;
+      case 3: TL(3); break; case 2: TL(2); break; default: TL(1); break;
     }
+#undef TL
     r += size;
   }
 }
 
 bool cpu_has_avx512();
 
-template <typename W>
-void run(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, const float* bias, float* out,
-         bool avx512) {
-  if (avx512) {  // one or two rows: 4 or 2 panels at once (bandwidth); more: 2 panels, 2R chains in flight
-    const int64_t panels = (n + PW - 1) / PW;
-    const int64_t pstride = k_n * PW;
-    const int64_t group = rows == 1 ? 4 : 2;
-    const int64_t groups = (panels + group - 1) / group;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (group * pstride * int64_t(sizeof(W))));
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        int64_t p = g * group;
-        const int64_t p_end = std::min(panels, p + group);
-        if (p_end - p == 4) panel_group512<4, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
-        else if (p_end - p == 2) panel_group512<2, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
-        else for (; p < p_end; ++p) panel_group512<1, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
-      }
-    });
-    return;
-  }
+// One or two rows are bandwidth-bound: 4 or 2 panels at once keep 8 FMA chains in flight. More rows are
+// FMA-bound: one panel (AVX2: 12 accumulators for 6 rows) or two (AVX-512: 2 R chains) re-read from L1/L2
+// per row tile. Threads split panel groups, never k.
+template <bool AVX512, typename W>
+void run_on(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, const float* bias, float* out) {
   const int64_t panels = (n + PW - 1) / PW;
   const int64_t pstride = k_n * PW;
-  // One or two rows are bandwidth-bound: 4 or 2 panels at once keep 8 FMA chains in flight.
-  // More rows are FMA-bound: one panel (12 accumulators for 6 rows) re-read from L1/L2 per row tile.
-  const int64_t group = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+  const int64_t group = rows == 1 ? 4 : rows == 2 ? 2 : AVX512 ? 2 : 1;
   const int64_t groups = (panels + group - 1) / group;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (group * pstride * int64_t(sizeof(W))));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
@@ -283,14 +242,21 @@ void run(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, 
       int64_t p = g * group;
       const int64_t p_end = std::min(panels, p + group);
       if (p_end - p == 4) {
-        panel_group<4, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
+        panel_group<AVX512, 4, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
       } else if (p_end - p == 2) {
-        panel_group<2, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
+        panel_group<AVX512, 2, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
       } else {
-        for (; p < p_end; ++p) panel_group<1, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
+        for (; p < p_end; ++p) panel_group<AVX512, 1, W>(packed + p * pstride, k_n, x, rows, out, n, p * PW, bias);
       }
     }
   });
+}
+
+template <typename W>
+void run(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t rows, const float* bias, float* out,
+         bool avx512) {
+  if (avx512) run_on<true, W>(packed, n, k_n, x, rows, bias, out);
+  else run_on<false, W>(packed, n, k_n, x, rows, bias, out);
 }
 
 }  // namespace
