@@ -200,7 +200,7 @@ class ModelAdapter:
         self.embed: torch.Tensor = inner.embed_tokens.weight
         self.final_norm: torch.Tensor = gemma_norm_weight(inner.norm.weight) if gemma else inner.norm.weight
         self.lm_head: torch.Tensor = model.lm_head.weight
-        self.head_rows: int = self.lm_head.shape[0]
+        self.head_rows: int = self.lm_head.shape[0]  # kept: a released head is empty (the block cache checks it)
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
         self.device = self.embed.device

@@ -308,7 +308,7 @@ def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str
 
             layers = [{n: get(f"{l}.{n}", getattr(w, f"b_{n}"), adapter.out_features(l, n)) for n in LINEARS}
                       for l, w in enumerate(adapter.layers)]
-            return layers, get("head", None, adapter.vocab_size), json.loads(meta.get("info", "{}"))
+            return layers, get("head", None, adapter.head_rows), json.loads(meta.get("info", "{}"))
     except Exception:  # noqa: BLE001  absent, partial or foreign (safetensors raises its own types): rebuild
         return None
 
