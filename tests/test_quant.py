@@ -207,6 +207,8 @@ def test_the_cache_holds_the_kernels_panels_and_a_load_repacks_nothing(draft_cac
         assert (a.out_features, kernels.stream_bytes(a)) == (b.out_features, kernels.stream_bytes(b))
         for t, u in [(a.codes, b.codes), (a.scales, b.scales), (a.mins, b.mins), (a.bias, b.bias)]:
             assert (t is None and u is None) or (t.dtype == u.dtype and torch.equal(t, u))
+        # the panels start on a cache line, as freshly packed ones do (a line of codes read in one access)
+        assert all(t.data_ptr() % 64 == 0 for t in (b.codes, b.scales, b.mins) if t is not None)
     ids = torch.arange(2, 12)
     c1, c2 = eng.new_cache(16), eng.new_cache(16)
     got = eng.forward(c1, ids, positions=0, logits_rows=slice(None), weights="gguf").logits

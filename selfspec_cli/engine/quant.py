@@ -297,13 +297,19 @@ def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str
             formats = dict(item.split("=", 1) for item in meta.get("formats", "").split(";") if "=" in item)
             names = set(f.keys())
 
+            def tensor(name: str) -> torch.Tensor:
+                # safetensors hands back tensors 32 bytes into a buffer: a panel's 64-byte lines would each straddle
+                # two cache lines (2-4 % of a decode step); torch's own allocations are 64-byte aligned
+                t = f.get_tensor(name)
+                return t if t.data_ptr() % 64 == 0 else t.clone()
+
             def get(key: str, bias: torch.Tensor | None, rows: int) -> QLinear:
                 fmt, group, bits, n, nbytes = formats[key].split(":")
-                codes = f.get_tensor(f"{key}.codes")
+                codes = tensor(f"{key}.codes")
                 if int(n) != rows or codes.dim() != 3 or codes.shape[0] * 64 < rows:
                     raise ValueError(f"{key}: {n} outputs stored, {rows} in the model")
-                mins = f.get_tensor(f"{key}.mins") if f"{key}.mins" in names else None
-                return QLinear.from_panels(fmt, int(group), int(bits), codes, f.get_tensor(f"{key}.scales"), mins, bias,
+                mins = tensor(f"{key}.mins") if f"{key}.mins" in names else None
+                return QLinear.from_panels(fmt, int(group), int(bits), codes, tensor(f"{key}.scales"), mins, bias,
                                            module, rows, int(nbytes))
 
             layers = [{n: get(f"{l}.{n}", getattr(w, f"b_{n}"), adapter.out_features(l, n)) for n in LINEARS}
