@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU figures (docs/benchmarks.md, "GPU"), in one prepared call on a CUDA machine.
 #
-#   bash scripts/gpu_bench.sh OUT_DIR [code|default]
+#   bash scripts/gpu_bench.sh OUT_DIR [code|compiled|default]
 #
 # code (the default): the shipped code model (pystdlib-llama-12x256), which the repository carries:
 #   1. tests/test_gpu.py: k-row forwards equal one-row steps bit for bit, and every lossless method
@@ -11,13 +11,16 @@
 #      show what the fixed-shape forwards change on the same machine;
 #   4. HF generate with its static cache (compiled by transformers) beside ar, in a run of its own
 #      (its compilation must not cost the others their time limit).
+# compiled: the code model with the fixed-shape forward's sublayers compiled (SELFSPEC_COMPILE=1,
+#   engine/sublayers.py): the GPU tests on compiled sublayers, then the bench in float32 and
+#   bfloat16 (ar, pld, self-sd, swift, auto), and ar without compilation in the same call for the comparison.
 # default: the default model (SmolLM2-135M-Instruct's GGUF, which the machine cannot download and a call
 #   cannot carry whole: brought in parts by successive calls, each copying its .gpu/smollm2.gguf.part-*
 #   to /tmp/gguf-parts, checked against .gpu/smollm2.gguf.sha256), converted once, then the bench in
 #   bfloat16 and float32 on spec-bench-mini.
 # Writes OUT_DIR/log.txt and one .tgz per bench run.
 set -uo pipefail
-out=${1:?usage: gpu_bench.sh OUT_DIR [code|default]}
+out=${1:?usage: gpu_bench.sh OUT_DIR [code|compiled|default]}
 mode=${2:-code}
 mkdir -p "$out"
 log="$out/log.txt"
@@ -54,6 +57,16 @@ if [ "$mode" = code ]; then
   done
   SELFSPEC_CUDA_GRAPHS=0 bench code-eager 60 -m pystdlib --suite pystdlib-mini --device cuda --dtype float32 --methods ar,hf --repeats 2 --no-costs
   bench code-hf-static 100 -m pystdlib --suite pystdlib-mini --device cuda --dtype bfloat16 --methods ar,hf,hf-static --repeats 2 --no-costs
+elif [ "$mode" = compiled ]; then
+  export SELFSPEC_COMPILE=1
+  echo "== tests, compiled" | tee -a "$log"
+  timeout 240 python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_gpu.py -k "k_rows or lossless or sampling" \
+    2>&1 | tail -n 30 | tee -a "$log"
+  M=ar,pld,self-sd,swift,auto
+  for dt in float32 bfloat16; do
+    bench "code-compiled-$dt" 150 -m pystdlib --suite pystdlib-mini --device cuda --dtype $dt --methods $M --repeats ${REPEATS:-3}
+  done
+  SELFSPEC_COMPILE=0 bench code-graphs-float32 60 -m pystdlib --suite pystdlib-mini --device cuda --dtype float32 --methods ar --repeats 3 --no-costs
 elif [ "$mode" = default ]; then
   gguf=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf  # the parts: copied to /tmp/gguf-parts by each call that brought one
   cat /tmp/gguf-parts/smollm2.gguf.part-* > "$gguf"

@@ -5,8 +5,12 @@ replayed as CUDA graphs (engine/graphs.py) on the shipped code model, in float32
   which is what makes every lossless method exact in bf16 on the GPU (trees are verified as chains
   there: Engine.exact_trees);
 * plain decoding and the layer-skip, n-gram and auto methods give the very tokens of ``ar``, with
-  every forward of plain decoding replayed from a graph (no eager fallback);
+  every forward of plain decoding replayed from a graph (no eager fallback), greedy and sampled (the
+  gumbel rule's noise drawn on the device);
 * the model read without transformers (selfspec_cli/lite.py) is transformers' on the device too.
+
+Under ``SELFSPEC_COMPILE=1`` (scripts/gpu_bench.sh ... compiled) the engines' sublayers are compiled
+(engine/sublayers.py) and the same checks hold.
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ import pytest
 import torch
 
 from selfspec_cli import methods
-from selfspec_cli.config import GenerationConfig
+from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.engine import Engine
 from selfspec_cli.engine.runner import ALL_ROWS
+from selfspec_cli.engine.sublayers import compile_requested
 from selfspec_cli.loading import load_model
 
 # SELFSPEC_GPU_TEST_ON_CPU=1: the same tests on the CPU, fixed-shape forwards run eagerly (a dry run of the script)
@@ -42,6 +47,7 @@ def _ids(tok, text: str) -> list[int]:
 def test_k_rows_equal_one_row_steps_bit_for_bit(code_model):
     eng, tok = code_model
     assert eng.static is not None and eng.static.capture != ON_CPU
+    assert eng.sublayers.compiled == compile_requested()  # SELFSPEC_COMPILE=1: the same checks, compiled
     ids = torch.tensor(_ids(tok, "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
                                   "description='copy files')\n    parser.add_argument('--src')\n"), device=DEVICE)
     p = 20
@@ -67,6 +73,21 @@ def test_lossless_methods_give_the_tokens_of_ar(code_model, name):
     for text in prompts:
         ids = _ids(tok, text)
         assert method.generate(ids, cfg).token_ids == ar.generate(ids, cfg).token_ids, (name, text)
+
+
+@pytest.mark.parametrize("name", ["pld", "swift", "auto"])
+def test_sampling_on_the_device_gives_the_samples_of_ar(code_model, name):
+    """The gumbel rule's noise drawn on the device (decoding/sampling.py): a seed's samples are ar's for every
+    lossless method, and they are samples (two seeds differ)."""
+    eng, tok = code_model
+    ar, method = methods.build("ar", eng, tok), methods.build(name, eng, tok)
+    ids = _ids(tok, "def parse_args(argv):\n")
+    runs = {}
+    for seed in (1, 2):
+        cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=seed))
+        runs[seed] = ar.generate(ids, cfg).token_ids
+        assert method.generate(ids, cfg).token_ids == runs[seed], (name, seed)
+    assert runs[1] != runs[2]
 
 
 def test_the_model_read_without_transformers_is_transformers_on_the_device():

@@ -147,3 +147,35 @@ def test_a_tree_wider_than_a_forward_runs_in_chunks():
     chain = eng.forward(cache, torch.tensor([tokens[i] for i in chain_nodes]), positions=9, logits_rows=ALL_ROWS)
     assert torch.allclose(out.logits[chain_nodes], chain.logits, atol=1e-4, rtol=1e-4)
     assert eng.static.eager_fallbacks == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3-qknorm", "gemma3-window"])
+def test_compiled_sublayers_keep_the_invariants(arch, monkeypatch):
+    """SELFSPEC_COMPILE=1 (engine/sublayers.py, compiled by inductor here as on a GPU): k rows still equal
+    k one-row steps bit for bit, the compiled forward computes the plain one to rounding, and a layer-skip
+    draft keeps parity with ar on it. The arches cover the per-head q/k norms, post-norms and GeGLU."""
+    model = make_tiny_model(arch, layers=4)
+    plain = Engine(model, fast_kernels=False, static_rows=ROWS)
+    monkeypatch.setenv("SELFSPEC_COMPILE", "1")
+    eng = Engine(model, fast_kernels=False, static_rows=ROWS)
+    assert eng.sublayers.compiled and not plain.sublayers.compiled and eng.kernel_info["compiled"]
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    ids = torch.tensor(_prompt(13, 0) + _prompt(7, 1))
+    one = eng.new_cache(64)
+    eng.forward(one, ids[:13], positions=0, logits_rows=None)
+    steps = torch.stack([eng.forward(one, ids[13 + i: 14 + i], positions=13 + i).logits[0] for i in range(7)])
+    cache = eng.new_cache(64)
+    eng.forward(cache, ids[:13], positions=0, logits_rows=None)
+    assert torch.equal(eng.forward(cache, ids[13:], positions=13, logits_rows=ALL_ROWS).logits, steps)
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo compiled the sublayers (not plain calls)
+    ref = plain.new_cache(64)
+    want = plain.forward(ref, ids, positions=0, logits_rows=ALL_ROWS).logits[13:]
+    torch.testing.assert_close(steps, want, rtol=1e-4, atol=1e-4)
+    prompt, cfg = _prompt(11, 2), GenerationConfig(max_new_tokens=16)
+    sd = SelfSD(eng, skip=SkipSet([1], [2]), draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.3))
+    res = sd.generate(prompt, cfg)
+    assert res.token_ids == AR(eng).generate(prompt, cfg).token_ids and res.stats.drafted_tokens > 0
+    assert eng.static.eager_fallbacks == 0

@@ -58,6 +58,7 @@ from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
+from .sublayers import Sublayers, compile_requested, rotate
 from .graphs import DEFAULT_ROWS, StaticForward
 from .quant import DraftWeights, build_draft, gguf_source, subset
 from .target import PANEL_DTYPES, QUANT_TARGETS, resolve_target, target_linears
@@ -162,9 +163,14 @@ class Engine:
         # on a GPU, fixed-shape forwards replayed as CUDA graphs (engine/graphs.py; ``static_rows`` 0: off)
         if static_rows is None:
             static_rows = DEFAULT_ROWS if self.device.type == "cuda" and os.environ.get("SELFSPEC_CUDA_GRAPHS") != "0" else 0
+        if static_rows and (module is not None or self.target_precision in QUANT_TARGETS):
+            raise ValueError("fixed-shape forwards run the model's own float matrices: pass fast_kernels=False on a CPU")
         self.static = StaticForward(self, static_rows) if static_rows else None
+        # the fixed-shape forward's sublayers, compiled under SELFSPEC_COMPILE=1 (engine/sublayers.py)
+        self.sublayers = Sublayers.make(self.static is not None and compile_requested())
         if self.static is not None:
-            self.kernel_info.update(backend="cuda_graphs" if self.static.capture else "static_rows", batch_invariant=True)
+            self.kernel_info.update(backend="cuda_graphs" if self.static.capture else "static_rows", batch_invariant=True,
+                                    compiled=self.sublayers.compiled)
         self.kernel_info["exact_trees"] = self.exact_trees
 
     @property
@@ -383,11 +389,6 @@ class Engine:
         normed = self._norm(qkv[:, :self._qk_width].reshape(t * heads, d), self._unit_d)
         return (normed.view(t, heads, d) * w.qk_norm).view(t, self._qk_width)
 
-    @staticmethod
-    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The rotary on heads ``qk`` (T, heads, D) with rows' tables (T, D): ``x cos + flip_halves(x) sin_signed``."""
-        t, heads, d = qk.shape
-        return qk * cos[:, None, :] + qk.view(t, heads, 2, d // 2).flip(2).view(t, heads, d) * sin[:, None, :]
 
     @property
     def rope_length(self) -> int:
@@ -546,8 +547,8 @@ class Engine:
         keeps every real slot below them). Every op has the same shape whatever the real rows are; the
         cache's position lists are the caller's. Returns (logits (R, V) float32, residual stream (R, H),
         hidden states by layer, per-row attention cosines (L, R) or None)."""
-        a, r = self.adapter, ids.shape[0]
-        hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
+        a, r, sub, eps = self.adapter, ids.shape[0], self.sublayers, self.adapter.rms_eps
+        hq, hkv, d = self._hq, self._hkv, self._d
         cap = cache.k.shape[2]
         ar = torch.arange(r, device=self.device)
         slots = torch.where(ar < count, slot0 + ar, ar + (cap - r))  # (R,) where the rows' K/V go
@@ -563,10 +564,8 @@ class Engine:
         for l in range(self.num_layers):
             w, lin = a.layers[l], self._lin[l]
             if l not in skip_attn:
-                x = self._norm(h, w.attn_norm)
-                qkv = lin["qkv"](x)  # (R, (Hq + 2 Hkv) D)
-                v = qkv[:, qkw:].view(r, hkv, d)
-                qk = self._rotate(self._qk_normed(qkv, w)[:, :qkw].view(r, hq + hkv, d), *rope[w.rope_kind])
+                qk, v = sub.attention_in(h, w.attn_norm, eps, lin["qkv"].weight, lin["qkv"].bias, w.qk_norm,
+                                         *rope[w.rope_kind], hq, hkv, d)
                 cache.k[l].index_copy_(1, slots, qk[:, hq:].transpose(0, 1))
                 cache.v[l].index_copy_(1, slots, v.transpose(0, 1))
                 mask = allowed
@@ -577,19 +576,18 @@ class Engine:
                 q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, R, D)
                 o = F.scaled_dot_product_attention(q, cache.k[l].unsqueeze(0), cache.v[l].unsqueeze(0),
                                                    attn_mask=mask[None, None], enable_gqa=hq != hkv)
-                o = lin["o"](o[0].transpose(0, 1).reshape(r, hq * d))
-                if w.post_attn_norm is not None:
-                    o = self._norm(o, w.post_attn_norm)
-                h_in, h = h, h + o
+                h_in, h = h, sub.attention_out(h, o[0].transpose(0, 1).reshape(r, hq * d), lin["o"].weight,
+                                               lin["o"].bias, w.post_attn_norm, eps)
                 if attn_cosine:
                     cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1))
             elif attn_cosine:
                 cosines.append(torch.ones(r, dtype=torch.float32, device=self.device))
             if l not in skip_mlp:
-                h = h + self._mlp(h, w, lin, None)
+                h = sub.mlp(h, w.mlp_norm, eps, lin["gate_up"].weight, lin["gate_up"].bias, lin["down"].weight,
+                            lin["down"].bias, w.post_mlp_norm, self._gelu)
             if l in output_hidden:
                 hidden_at[l] = h.clone()
-        return self.final_logits(h), h, hidden_at, torch.stack(cosines) if cosines else None
+        return sub.logits(h, a.final_norm, eps, self.lm_head.weight), h, hidden_at, torch.stack(cosines) if cosines else None
 
     def _forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
@@ -642,7 +640,7 @@ class Engine:
                     ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
                 qk = q_rows[:, :qkw].view(t, hq + hkv, d)
                 if ops is None:
-                    qk = self._rotate(qk, cos2, sin2)
+                    qk = rotate(qk, cos2, sin2)
                 past = cache.length(l)
                 mask = self._layer_mask(cache, l, w.sliding_window, t, q_pos, q_list, tree_mask, masks)  # None: causal
                 kv = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list, views=not few_rows)
