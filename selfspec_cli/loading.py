@@ -352,6 +352,10 @@ def _check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
                              "and network access") from None
 
 
+# a tokenizer's files in a model directory (any one is enough for AutoTokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto",
                log: Any = _stderr_log, lite: bool = False) -> tuple[torch.nn.Module, Any]:
     """Load (model, tokenizer) in eval mode. Errors are SelfSpecError with a fix.
@@ -382,6 +386,10 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
                              f"a local directory or .gguf file, or check the hub id and network access{offline}"
                              ) from None
     check_supported(config)
+    local = Path(str(where))
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"'{where}' has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
+                             "files into it (tokenizer.save_pretrained)")
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
         tokenizer = AutoTokenizer.from_pretrained(where)

@@ -52,6 +52,8 @@ def prompt_from_row(row: Mapping[str, Any], where: str, default_id: str | int) -
     string, not blank); the id is ``id``, else ``question_id``, else ``default_id``; ``category``
     when it is a string. A null field counts as absent (``datasets`` gives a row the fields of
     every other row, as nulls). ``where`` (e.g. ``p.jsonl: line 3``) begins every error."""
+    if row.get("turns") is not None and row.get("prompt") is not None:
+        raise PromptFileError(f"{where} has both a 'prompt' and a 'turns' field; keep one of them")
     if row.get("turns") is not None:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
@@ -61,7 +63,9 @@ def prompt_from_row(row: Mapping[str, Any], where: str, default_id: str | int) -
             raise PromptFileError(f"{where}: 'prompt' must be a string")
         turns = [row["prompt"]]
     else:
-        raise PromptFileError(f"{where} has neither a 'prompt' nor a 'turns' field; add one")
+        null = [k for k in ("prompt", "turns") if k in row]
+        raise PromptFileError(f"{where}: its '{null[0]}' is null; give it the prompt's text" if null
+                              else f"{where} has neither a 'prompt' nor a 'turns' field; add one")
     empty = [i + 1 for i, t in enumerate(turns) if not t.strip()]
     if empty:
         which = "the prompt" if row.get("turns") is None else f"turn {empty[0]}"
@@ -75,6 +79,7 @@ def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None)
     if jsonl is None:  # auto: JSONL when the name ends in .jsonl/.json or the first non-blank line starts with '{'
         jsonl = name.endswith((".jsonl", ".json")) or text.lstrip().startswith("{")
     prompts: list[Prompt] = []
+    seen: dict[str, int] = {}  # id -> its line: records are matched to prompts by id (--resume, the bench's passes)
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -89,8 +94,13 @@ def parse_prompts(text: str, name: str = "<prompts>", jsonl: bool | None = None)
         if not isinstance(obj, dict):
             raise PromptFileError(f"{name}: line {line_no} is not a JSON object; each line needs a 'prompt' or 'turns' field")
         prompts.append(prompt_from_row(obj, f"{name}: line {line_no}", line_no))
+        first = seen.setdefault(str(prompts[-1].id), line_no)
+        if first != line_no:
+            raise PromptFileError(f"{name}: line {line_no} repeats the id {prompts[-1].id} of line {first}; "
+                                  "give each prompt its own id")
     if not prompts:
-        raise PromptFileError(f"prompt file '{name}' is empty; give at least one prompt")
+        raise PromptFileError("stdin holds no prompt; pipe at least one" if name == "stdin"
+                              else f"prompt file '{name}' is empty; give at least one prompt")
     return prompts
 
 

@@ -426,7 +426,7 @@ def test_target_peer_decodes_in_its_own_process_and_the_block_side_frees_its_flo
     texts = ["def add(a, b):\n    return", "The capital of France is"]
     prompts.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
     out_dir = tmp_path / "out"
-    rc = main(["bench", "--methods", "ar", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "12", "--warmup", "0",
+    rc = main(["bench", "--methods", "ar,ar-fp32", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "12", "--warmup", "0",
                "--target-precision", "bf16", "--no-costs", "--no-plots", "--device", "cpu", "-o", str(out_dir)])
     _, err = capsys.readouterr()
     assert rc == 0, err
@@ -442,6 +442,23 @@ def test_target_peer_decodes_in_its_own_process_and_the_block_side_frees_its_flo
         want = run_prompt(ar.generate, tok, Prompt(id=i, turns=(t,)), cfg, torch.device("cpu"), "ar")["token_ids"]
         assert got[i] == want
     assert doc["methods"]["ar"]["peak_rss_mb"] != doc["methods"]["ar-fp32"]["peak_rss_mb"]
+
+
+def test_the_bench_runs_the_contenders_listed_and_no_others(capsys, tiny_model_dir, tmp_path):
+    """No ar-fp32 row unless --methods lists it; listed on a float32 target, it would be ar itself: left
+    out, with a note."""
+    if not Engine(make_tiny_model()).kernel_info["backend"].startswith("small_gemm"):
+        pytest.skip("no CPU kernel on this host: no bf16 target")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "prompt": "The capital of France is"}) + "\n")
+    base = ["bench", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "4", "--warmup", "0", "--no-costs",
+            "--no-plots", "--device", "cpu"]
+    for methods, precision, want in (("ar", "bf16", {"ar"}), ("ar,ar-fp32,pld", "fp32", {"ar", "pld"})):
+        out_dir = tmp_path / precision
+        assert main([*base, "--methods", methods, "--target-precision", precision, "-o", str(out_dir)]) == 0
+        err = capsys.readouterr().err
+        assert set(json.loads((out_dir / "results.json").read_text())["methods"]) == want
+        assert ("ar-fp32 left out: the target is the float32 weights already" in err) == (precision == "fp32")
 
 
 def test_a_peer_process_that_fails_says_why_in_the_parent(tmp_path):

@@ -576,3 +576,35 @@ def test_describe_hides_only_a_urls_credentials():
     assert describe("journal:///tmp/a@b/study.journal") == "journal:///tmp/a@b/study.journal"  # a path, no credentials
     assert describe("sqlite:////home/x@y/study.db") == "sqlite:////home/x@y/study.db"
     assert describe("/tmp/plain.db") == "/tmp/plain.db"
+
+
+def test_the_confirmation_chooses_a_starting_point_that_decodes_faster_than_the_search_best():
+    """faster_starting_point (methods/self_sd/search.py): the confirmation's fastest starting point replaces
+    the search's best set only when it re-measured faster, and only with a trial that completed; the trial
+    given back is that point's best one (real Optuna trials)."""
+    import optuna
+
+    from selfspec_cli.methods.self_sd.search import faster_starting_point
+    from selfspec_cli.methods.self_sd.study import params_for
+
+    L = 2
+    dist = {k: optuna.distributions.IntDistribution(0, 1) for k in params_for(L, frozenset(), frozenset())}
+
+    def trial(number, attn, mlp, value):
+        return optuna.trial.create_trial(params=params_for(L, frozenset(attn), frozenset(mlp)), distributions=dist,
+                                         value=value, user_attrs={"n": number})
+
+    seeds = [{"name": "full-depth", "skip_attn": [], "skip_mlp": [], "precision": "target"},
+             {"name": "uniform-50", "skip_attn": [1], "skip_mlp": [1], "precision": "target"},
+             {"name": "never-ran", "skip_attn": [0], "skip_mlp": [0], "precision": "target"}]
+    finished = [trial(0, [], [], 0.9), trial(1, [], [], 1.1), trial(2, [1], [1], 1.0), trial(3, [0, 1], [], 1.3)]
+    tps = lambda **kv: {"ar": {"tokens_per_s": 10.0}, **{k.replace("_", "-"): {"tokens_per_s": v} for k, v in kv.items()}}
+    assert faster_starting_point(tps(best=12.0, full_depth=11.0, uniform_50=11.5), seeds, finished, L, "target") is None
+    name, t = faster_starting_point(tps(best=12.0, full_depth=13.0, uniform_50=12.5), seeds, finished, L, "target")
+    assert name == "full-depth" and t.user_attrs["n"] == 1  # its better trial
+    # the fastest re-measured point never completed a trial: the next faster one, if any beats the best
+    name, _ = faster_starting_point(tps(best=12.0, full_depth=9.0, uniform_50=12.5, never_ran=20.0), seeds, finished, L,
+                                    "target")
+    assert name == "uniform-50"
+    assert faster_starting_point(tps(best=12.0, full_depth=9.0, uniform_50=11.0, never_ran=20.0), seeds, finished, L,
+                                 "target") is None

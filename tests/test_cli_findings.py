@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import re
 from pathlib import Path
 
@@ -431,14 +432,16 @@ def test_generate_resume_carries_on_an_interrupted_output(capsys, tiny_model_dir
     """An interrupted run keeps its finished records in ``<output>.<random>.partial``; ``--resume``
     moves them into --output, decodes only the prompts still missing and adds theirs: every
     prompt once, each record as a fresh run makes it; a finished file is left alone, before any
-    model loads; a file of another run (method, prompt text) is refused in one line."""
+    model loads; a file of another run (method, prompt text, model, settings) is refused in one line,
+    and records written before they kept their settings are matched by id, method and text."""
     prompts = [{"id": f"q{i}", "prompt": f"question number {i} is"} for i in range(4)]
     pf = write_jsonl(tmp_path / "p.jsonl", prompts)
     fresh = run_generate(capsys, tiny_model_dir, pf, "-n", "5")
     out = tmp_path / "out.jsonl"
     # a run over the first prompt whose second record was torn by an interrupt (an --append run),
     # and a kept partial holding the first two (one already in out)
-    write_jsonl(out, fresh[:1])
+    assert fresh[0]["settings"]["max_new_tokens"] == 5 and fresh[0]["settings"]["model"] == str(tiny_model_dir)
+    write_jsonl(out, [{k: v for k, v in fresh[0].items() if k != "settings"}])  # as an older version wrote it
     with out.open("a") as f:
         f.write(json.dumps(fresh[1])[:40])
     write_jsonl(tmp_path / "out.jsonl.x1y2.partial", fresh[:2])
@@ -459,6 +462,12 @@ def test_generate_resume_carries_on_an_interrupted_output(capsys, tiny_model_dir
     edited = write_jsonl(tmp_path / "p2.jsonl", [{**p, "prompt": p["prompt"] + "!"} if p["id"] == "q1" else p
                                                  for p in prompts])
     assert_user_error(capsys, gen_args(tiny_model_dir, edited, "-o", str(out), "--resume"), "another text", "q1")
+    assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-n", "7", "-o", str(out), "--resume"),
+                      "other settings", "--max-new-tokens 5 there, 7 now")
+    assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-n", "5", "-o", str(out), "--resume", "-t", "0.7"),
+                      "--temperature 0.0 there, 0.7 now")
+    other = shutil.copytree(tiny_model_dir, tmp_path / "another-model")
+    assert_user_error(capsys, gen_args(other, pf, "-n", "5", "-o", str(out), "--resume"), "--model", "another-model")
     assert_user_error(capsys, gen_args(tiny_model_dir, pf, "--resume"), "--resume", "--output FILE")
     assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-o", str(out), "--resume", "--force"), "drop --force")
 
@@ -490,3 +499,26 @@ def test_resume_finds_the_partial_of_an_output_whose_name_has_glob_characters(tm
     kept.write_text("")
     (tmp_path / "run1x.jsonl.cd34.partial").write_text("")  # what the unescaped pattern would also match
     assert kept_partials(out) == [kept]
+
+
+def test_a_block_precision_on_a_model_without_gguf_blocks_names_the_flag_given(capsys, tiny_model_dir, tmp_path):
+    """--target-precision gguf and --draft-precision gguf or w4a8 on a model not converted from a GGUF: the
+    refusal names the flag and value the user gave, and a fix that flag takes."""
+    pf = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt": "hello"}])
+    err = assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-n", "2", "--target-precision", "gguf"),
+                            "--target-precision gguf", "not loaded from a GGUF file", "use --target-precision auto")
+    assert "--draft-precision" not in err and "int8" not in err
+    for asked in ("gguf", "w4a8"):
+        err = assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-n", "2", "--method", "specqd",
+                                                 "--draft-precision", asked),
+                                f"--draft-precision {asked} needs the model's GGUF blocks", "--draft-precision int8")
+
+
+def test_a_model_directory_without_a_tokenizer_is_one_line(capsys, tiny_model_dir, tmp_path):
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if not f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "chat_template")):
+            shutil.copy(f, bare / f.name)
+    pf = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt": "hello"}])
+    assert_user_error(capsys, gen_args(bare, pf, "-n", "2"), "has no tokenizer", "copy the model's tokenizer files")

@@ -91,6 +91,24 @@ def test_jsonl_missing_field_names_line():
         parse_prompts(jsonl({"prompt": "ok"}, {"text": "nope"}), "p.jsonl")
 
 
+def test_jsonl_null_prompt_and_both_fields_are_named():
+    with pytest.raises(PromptFileError, match=r"line 2: its 'prompt' is null"):
+        parse_prompts(jsonl({"prompt": "ok"}, {"prompt": None}), "p.jsonl")
+    with pytest.raises(PromptFileError, match=r"line 1 has both a 'prompt' and a 'turns' field"):
+        parse_prompts(jsonl({"prompt": "a", "turns": ["b", "c"]}), "p.jsonl")
+    assert parse_prompts(jsonl({"prompt": None, "turns": ["b"]}), "p.jsonl")[0].turns == ("b",)  # datasets' nulls
+
+
+def test_jsonl_repeated_ids_are_refused():
+    """Records are matched to prompts by id (--resume, the bench), so an id may not repeat; a line's
+    default id is its line number, which an explicit id can collide with."""
+    with pytest.raises(PromptFileError, match=r"p\.jsonl: line 3 repeats the id 1 of line 1; give each prompt its own id"):
+        parse_prompts(jsonl({"prompt": "a", "id": 1}, {"prompt": "b", "id": 2}, {"prompt": "c", "id": "1"}), "p.jsonl")
+    with pytest.raises(PromptFileError, match=r"line 2 repeats the id 2 of line 1"):
+        parse_prompts(jsonl({"prompt": "a", "id": 2}, {"prompt": "b"}), "p.jsonl")
+    assert [p.id for p in parse_prompts(jsonl({"prompt": "a", "id": "x"}, {"prompt": "b"}), "p.jsonl")] == ["x", 2]
+
+
 @pytest.mark.parametrize("bad", [{"prompt": 3}, {"prompt": None}, {"turns": []}, {"turns": "a"}, {"turns": ["a", 1]}])
 def test_jsonl_wrong_field_types(bad):
     with pytest.raises(PromptFileError, match=r"line 1"):
@@ -169,5 +187,5 @@ def test_read_prompts_stdin_errors_name_stdin(monkeypatch):
     with pytest.raises(PromptFileError, match=r"^stdin: line 2"):
         read_prompts("-")
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    with pytest.raises(PromptFileError, match="'stdin' is empty"):
+    with pytest.raises(PromptFileError, match="stdin holds no prompt; pipe at least one"):
         read_prompts("-")

@@ -52,7 +52,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
 # plain decoding on another target than the run's (engine/target.py): the fp32 row beside a block or bf16 target,
 # so every run shows what the faster target is worth; added by itself when the run's target is not fp32
 TARGET_PEERS: dict[str, str] = {"ar-fp32": "fp32"}
-DEFAULT_METHODS = "ar,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
+DEFAULT_METHODS = "ar,ar-fp32,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"
 
 # files bench writes into --output-dir (and only these are ever deleted, with --force)
@@ -369,8 +369,10 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
     engine = session.engine(req.target_precision)
     measure_fresh(engine)  # every run measures its own costs (and pools a new reading per pass), never the store's
     names = plan.names
-    if REFERENCE in names and engine.target_precision != "fp32" and engine.dtype == torch.float32:
-        names = list(dict.fromkeys([*names[:names.index(REFERENCE) + 1], "ar-fp32", *names]))  # beside ar
+    if "ar-fp32" in names and (engine.target_precision == "fp32" or engine.dtype != torch.float32):
+        names = [n for n in names if n != "ar-fp32"]  # it would be ar itself, or a float32 copy of a model not loaded so
+        why = "is the float32 weights already" if engine.dtype == torch.float32 else f"is loaded in {engine.dtype}"
+        plan.say(f"[dim]ar-fp32 left out: the target {why}[/dim]")
     contenders = build_contenders(names, session, engine, req, assistant)
     r = _Run(req, plan, io, session, engine, names, contenders, prompts, records_dir)
     _start(r)

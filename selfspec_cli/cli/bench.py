@@ -24,7 +24,7 @@ from .common import FigureTable, err_console, invocation, log, print_json, progr
 
 
 def bench(
-    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders: selfspec methods ({', '.join(METHODS)}), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV, Self-SD with hybrid drafts or without the draft vocabulary, auto without hybrid trees) and peers ({', '.join(PEERS)})."),
+    methods: str = typer.Option(DEFAULT_METHODS, "--methods", help=f"Comma-separated contenders, run as listed and no others: selfspec methods ({', '.join(METHODS)}), ar-fp32 (plain decoding of the float32 weights in a process of its own, beside a block or 16-bit target's ar; in the default list), method variants ({', '.join(VARIANTS)}: SpecEE with the paper's empty deeper KV, Self-SD with hybrid drafts or without the draft vocabulary, auto without hybrid trees) and peers ({', '.join(PEERS)})."),
     prompt_file: Optional[str] = opt.prompt_file("Prompts (as for generate) instead of a suite."),
     prompt_format: str = opt.prompt_format(),
     suite: Optional[str] = typer.Option(None, "--suite", help=f"Bundled prompt suite (default {DEFAULT_SUITE}: 2 Spec-Bench questions per group; spec-bench: all 480; pystdlib, pystdlib-mini: for --model pystdlib) or a local JSONL path, loaded with `datasets`."),

@@ -13,7 +13,7 @@ from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, check_seed
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError
-from ..loading import config_num_layers
+from ..loading import config_num_layers, resolve_model_path
 from ..methods import METHODS, Method, build
 from ..prompts import PROMPT_FORMATS, Prompt, prompts_from_texts, read_prompts
 from ..runtime import run_prompt
@@ -21,7 +21,7 @@ from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .method_options import check_layer_ids, flag_error, generation_config, given_options, method_config, with_method_options
 from ..config import check_choice
-from .resume import prompt_sha, resume as resume_output
+from .resume import prompt_sha, resume as resume_output, run_settings
 from .streaming import TextStreamer, write_out
 from .common import OutputClosed, check_output, log, output_stream, progress, write_record
 
@@ -58,7 +58,8 @@ def generate(
     _check_prompt_options(ctx, prompt_file, prompt_texts, prompt_format)
     check_choice(method, METHODS, "--method")
     check_seed(seed)  # before the methods' configs take it
-    method_cfg = method_config(method, given_options(ctx, method_options), seed=seed)  # validates before any loading
+    given = given_options(ctx, method_options)
+    method_cfg = method_config(method, given, seed=seed)  # validates before any loading
     cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule, stop)
     _check_output_options(output, force, append, save_layers, method, resume)
     _streaming(stream, output)  # a conflict is refused before any loading
@@ -68,11 +69,9 @@ def generate(
     append = append or resume
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
-    if resume and not (prompts := _resumed(output, prompts, method)):
+    settings = _settings(model, method, method_cfg, given, cfg, chat_template, dtype, device, target_precision)
+    if resume and not (prompts := _resumed(output, prompts, method, settings)):
         return
-    check_device(dtype, device)  # a bad --dtype or --device before anything is read
-    check_layer_ids(method_cfg, config_num_layers(model))  # from config.json: no weights loaded yet
-
     session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
     cfg = session.generation(cfg)
     session.check_fits(prompts, cfg)
@@ -82,10 +81,20 @@ def generate(
         pace = _stream_all(session, meth, method, prompts, cfg, engine.device)
     else:
         with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
-            pace = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used)
+            pace = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used, settings)
     _log_pace(meth, method, engine.target_precision, pace)
     if save_layers is not None:
         _save_layers(meth, save_layers)
+
+
+def _settings(model: str | None, method: str, method_cfg: Any, given: dict[str, Any], cfg: GenerationConfig,
+              chat_template: bool, dtype: str, device: str, target_precision: str) -> dict[str, Any]:
+    """The options checked against the model's config.json (no weights loaded yet), then the run's settings,
+    which every record keeps and --resume checks (cli/resume.py)."""
+    check_device(dtype, device)  # a bad --dtype or --device before anything is read
+    check_layer_ids(method_cfg, config_num_layers(model))
+    return run_settings(resolve_model_path(model, log), cfg, chat_template=chat_template, dtype=dtype, device=device,
+                        target_precision=target_precision, lossy_options=None if METHODS[method].lossless else given)
 
 
 def _build(method: str, engine: Any, session: Session, method_cfg: Any, n_prompts: int) -> tuple[Method, dict[str, str]]:
@@ -116,9 +125,9 @@ def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_te
         raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
 
 
-def _resumed(output: Path, prompts: list[Prompt], method: str) -> list[Prompt]:
+def _resumed(output: Path, prompts: list[Prompt], method: str, settings: dict[str, Any]) -> list[Prompt]:
     """--resume: the prompts still to decode (an interrupted run's kept records moved into --output first)."""
-    todo, held = resume_output(output, prompts, method)
+    todo, held = resume_output(output, prompts, method, settings)
     log(f"[dim]--resume: '{output}' holds {held} of {len(prompts)} prompts' records"
         + (f"; decoding the other {len(todo)}[/dim]" if todo else "; nothing to decode[/dim]"))
     return todo
@@ -142,7 +151,7 @@ def _check_output_options(output: Path | None, force: bool, append: bool, save_l
 
 
 def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
-                device: Any, n_threads: int, used: dict[str, str]) -> Pace:
+                device: Any, n_threads: int, used: dict[str, str], settings: dict[str, Any]) -> Pace:
     """Decode every prompt, one record each into ``out`` (above the bar on a terminal); the totals."""
     pace = Pace()
     with progress() as bar:
@@ -160,6 +169,7 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
             rec = run_prompt(generate, session.tokenizer, p, cfg, device, method, session.chat_template, meth.lossless)
             rec["threads"] = n_threads
             rec["prompt_sha256"] = prompt_sha(p)  # what --resume matches a record by, beside its id
+            rec["settings"] = settings  # and what it checks the record was made with (cli/resume.py)
             if used:
                 rec["artifacts"] = dict(used)
             write_record(out, rec, bar)  # on a terminal: above the bar, never on its line

@@ -7,9 +7,11 @@ newest kept partial's records into the output (the records the output does not h
 their order; the partial is then removed) and returns the prompts still to decode; the
 caller appends their records. Invariants: no finished record is lost or written twice (a
 record is matched by its prompt ``id``; a torn last line of the output, a record an interrupted
-``--append`` run was writing, is dropped and its prompt decoded again), and a record made for another prompt text or by
-another method is refused with one line before any model is loaded, since the file would
-then mix two runs.
+``--append`` run was writing, is dropped and its prompt decoded again), and a record made for another prompt
+text, by another method or with other settings (the ``settings`` every record keeps: the model, the length
+limit, sampling, stop strings, chat template, dtype, device, target precision, and a lossy method's options)
+is refused with one line before any weights are loaded, since the file would then mix two runs. Records
+written before ``settings`` existed are matched by id, method and text only.
 """
 from __future__ import annotations
 
@@ -19,9 +21,35 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..paths import cut_to_last_line
 from ..prompts import Prompt
+
+
+# a settings key -> the flag that sets it (how a refusal names it)
+SETTING_FLAGS = {"model": "--model", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                 "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "sampling_rule": "--sampling-rule",
+                 "stop": "--stop", "chat_template": "--chat-template", "dtype": "--dtype", "device": "--device",
+                 "target_precision": "--target-precision", "method_options": "the method's options"}
+
+
+def run_settings(model: str, cfg: GenerationConfig, *, chat_template: bool, dtype: str, device: str,
+                 target_precision: str, lossy_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What decides a record's tokens besides its prompt and method: ``model`` as resolved (a converted
+    GGUF's directory is named by the file's hash), the generation config, and how the weights are read;
+    sampling's seed and rule only when sampling; a lossy method's options (``lossy_options``) too, since
+    its output depends on them (a lossless method's options change its speed, not its tokens)."""
+    s = cfg.sampling
+    out: dict[str, Any] = {"model": model, "max_new_tokens": cfg.max_new_tokens, "temperature": s.temperature,
+                           "stop": list(cfg.stop_strings), "chat_template": chat_template, "dtype": dtype,
+                           "device": device, "target_precision": target_precision}
+    if not s.greedy:
+        out.update(top_k=s.top_k, top_p=s.top_p, seed=s.seed, sampling_rule=s.rule)
+    if lossy_options is not None:
+        out["method_options"] = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                                 for k, v in sorted(lossy_options.items())}
+    return out
 
 
 def prompt_sha(prompt: Prompt) -> str:
@@ -48,9 +76,10 @@ def kept_partials(path: Path) -> list[Path]:
     return sorted(path.parent.glob(f"{glob.escape(path.name)}.*.partial"), key=lambda p: p.stat().st_mtime)
 
 
-def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt], int]:
+def resume(path: Path, prompts: list[Prompt], method: str, settings: dict[str, Any]) -> tuple[list[Prompt], int]:
     """Move the newest kept partial's new records into ``path`` and return the prompts whose
-    records ``path`` does not hold yet, with the number of records it holds."""
+    records ``path`` does not hold yet, with the number of records it holds (each checked against
+    ``method`` and :func:`run_settings`' ``settings``)."""
     by_id = {str(p.id): p for p in prompts}
     if path.exists():
         cut_to_last_line(path)  # a record torn by an interrupted --append run: decoded again, not kept half
@@ -59,9 +88,9 @@ def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt]
     have = {str(r["id"]) for r in done}
     carried = [(rec, line) for rec, line in (_records(partials[-1]) if partials else []) if str(rec["id"]) not in have]
     for rec in done:
-        _check(rec, by_id, method, path)
+        _check(rec, by_id, method, settings, path)
     for rec, _ in carried:
-        _check(rec, by_id, method, partials[-1])
+        _check(rec, by_id, method, settings, partials[-1])
     if partials:  # its records, as written, move into the output; then it has nothing the output lacks
         with path.open("a", encoding="utf-8") as f:
             for _, line in carried:
@@ -72,7 +101,7 @@ def resume(path: Path, prompts: list[Prompt], method: str) -> tuple[list[Prompt]
     return [p for p in prompts if str(p.id) not in have], len(have)
 
 
-def _check(rec: dict[str, Any], by_id: dict[str, Prompt], method: str, where: Path) -> None:
+def _check(rec: dict[str, Any], by_id: dict[str, Prompt], method: str, settings: dict[str, Any], where: Path) -> None:
     p = by_id.get(str(rec["id"]))
     fix = "pass --force to start over, or another --output"
     if p is None:
@@ -81,3 +110,13 @@ def _check(rec: dict[str, Any], by_id: dict[str, Prompt], method: str, where: Pa
         raise ConfigError(f"--resume: '{where}' holds records of --method {rec.get('method')}, not {method}; {fix}")
     if "prompt_sha256" in rec and rec["prompt_sha256"] != prompt_sha(p):
         raise ConfigError(f"--resume: '{where}' holds a record for another text of prompt id {rec['id']}; {fix}")
+    held = rec.get("settings")
+    if isinstance(held, dict) and held != settings:
+        diff = [k for k in SETTING_FLAGS if held.get(k) != settings.get(k)]
+        said = "; ".join(f"{SETTING_FLAGS[k]} {_shown(held.get(k))} there, {_shown(settings.get(k))} now" for k in diff[:3])
+        raise ConfigError(f"--resume: '{where}' holds records made with other settings ({said}); "
+                          f"rerun with the settings it was made with, or {fix}")
+
+
+def _shown(value: Any) -> str:
+    return "(not set)" if value is None else json.dumps(value, ensure_ascii=False)

@@ -188,11 +188,11 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
     import gguf
 
     if not Path(gguf_file).is_file():
-        raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file}); use int8")
+        raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file})")
     try:
         reader = gguf.GGUFReader(gguf_file)
     except (OSError, ValueError) as exc:
-        raise GGUFDraftError(f"cannot read {gguf_file} ({exc}); use int8") from None
+        raise GGUFDraftError(f"cannot read {gguf_file} ({exc})") from None
     tensors = {t.name: t for t in reader.tensors}
     fallback: list[str] = []
     exact = 0
@@ -347,7 +347,7 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
     else:
         if precision == "gguf":
             if not gguf_file:
-                raise GGUFDraftError("--draft-precision gguf needs a model loaded from a GGUF file; use int8")
+                raise GGUFDraftError("the model was not loaded from a GGUF file")
             layers, head, extra = _gguf(adapter, gguf_file)
         else:
             layers, head, extra = _int8(adapter, 32 if precision == "int8-g32" else None)

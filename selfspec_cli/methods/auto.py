@@ -29,7 +29,8 @@ from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError, FieldError
 from . import fr_spec
 from .asd import ASD
-from .base import DRAFT_PRECISIONS, LayerSkipMethod, SelfProposing, method_precision, option, require, resolve_precision
+from .base import (AUTO_PRECISION_HELP, DRAFT_PRECISIONS, LayerSkipMethod, SelfProposing, method_precision, option, require,
+                   resolve_precision)
 from .pld import PLDConfig, PromptLookup
 from .self_sd import SelfSD, SkipSet
 from .specqd import SpecQD
@@ -38,9 +39,8 @@ from .specqd import SpecQD
 @dataclass(frozen=True)
 class AutoConfig:
     ngram_only: bool = option(False, "n-gram drafts only, no layer-skip or quantized drafts")
-    draft_precision: str = option("auto", "weights of the quantized and layer-skip drafts: auto (the GGUF's own "
-                                          "blocks when the model came from one, else int8), int8, int8-g32, gguf, or "
-                                          "target (no quantized chains)")
+    draft_precision: str = option("auto", f"weights of the quantized and layer-skip drafts: {AUTO_PRECISION_HELP}, "
+                                          "int8, int8-g32, gguf, w4a8, or target (no quantized chains)")
     hybrid: bool = option(True, "when layer-skip drafts are chosen, merge the n-gram continuation into the same "
                                 "tree (--no-hybrid: one source per round)")
 

@@ -25,6 +25,9 @@ from ..engine.target import QUANT_TARGETS
 from ..errors import ConfigError, FieldError
 
 DRAFT_PRECISIONS = ("auto", "target", *PRECISIONS)
+# what --draft-precision auto picks (resolve_precision), said once for every method's help
+AUTO_PRECISION_HELP = ("auto (on a GGUF model's block target, the default there: its own codes times int8 activations, "
+                       "w4a8; on a float target converted from a GGUF: its blocks, gguf; else int8)")
 # --draft-window N: StreamingLLM's four attention sinks plus the newest N keys. Off by default: on SmolLM2 a
 # 256-key window cut the GGUF-block draft's one-token agreement from 1.00 to 0.65 (summarization, 364-token
 # prompt) and 0.81 (rag, 779) while saving 0.13 of a step at 1500 tokens (docs/engine.md, "Long contexts")
@@ -56,7 +59,8 @@ def resolve_precision(engine: Engine, precision: str, *, strict: bool = True) ->
     except GGUFDraftError as exc:
         if not strict:
             return resolve_precision(engine, "auto")
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"--draft-precision {precision} needs the model's GGUF blocks, and {exc}; "
+                          "use --draft-precision int8 or auto") from None
     return precision
 
 
@@ -174,9 +178,9 @@ class LayerSkipOptions:
                                              "the newest this many only, as StreamingLLM and MagicDec drafts do (0, "
                                              "the default: the whole context; ignored with --paper-drafting); "
                                              "verification always attends to everything")
-    draft_precision: str = option("auto", "the draft's weights: auto (the GGUF's own blocks when the model was "
-                                          "converted from a GGUF, else int8), int8 (per channel), int8-g32, gguf, or "
-                                          "target (the model's own float weights); verification always uses the target's")
+    draft_precision: str = option("auto", f"the draft's weights: {AUTO_PRECISION_HELP}, int8 (per channel), int8-g32, "
+                                          "gguf, w4a8, or target (the target's own weights); verification always uses "
+                                          "the target's")
 
     def __post_init__(self) -> None:
         require(self.max_draft >= 1, "max_draft", ">= 1", self.max_draft)

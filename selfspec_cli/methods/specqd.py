@@ -34,8 +34,8 @@ class SpecQDConfig(LayerSkipOptions):
 
     def __post_init__(self) -> None:
         LayerSkipOptions.__post_init__(self)
-        require(self.draft_precision != "target", "draft_precision", "a quantized precision (auto, int8, int8-g32 or "
-                "gguf): a full-depth draft at the target's own precision is the target", self.draft_precision)
+        require(self.draft_precision != "target", "draft_precision", "a quantized precision (auto, int8, int8-g32, "
+                "gguf or w4a8): a full-depth draft at the target's own precision is the target", self.draft_precision)
 
 
 class SpecQD(LayerSkipMethod):

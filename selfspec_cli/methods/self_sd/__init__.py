@@ -67,9 +67,8 @@ class CalibrateOptions:
     worker_group: str | None = field(default=None, metadata={"help": "set by --workers: the first process's worker name",
                                                              "hidden": True})
     draft_precision: str | None = option(None, "draft weights searched together with the skip set: auto (the target's "
-                                               "own and the quantized copy generate would use: the GGUF's own blocks for "
-                                               "a GGUF model, else int8), target (the target's only), int8, int8-g32 or "
-                                               "gguf (that one only)")
+                                               "own and the copy generate's --draft-precision auto picks), target (the "
+                                               "target's only), int8, int8-g32, gguf or w4a8 (that one only)")
 
 
 CALIBRATE = OfflineStep("calibrate", "self-sd", SKIP_SET, "selfspec_cli.methods.self_sd.calibrate",
