@@ -578,10 +578,10 @@ def test_describe_hides_only_a_urls_credentials():
     assert describe("/tmp/plain.db") == "/tmp/plain.db"
 
 
-def test_the_confirmation_chooses_a_starting_point_that_decodes_faster_than_the_search_best():
-    """faster_starting_point (methods/self_sd/search.py): the confirmation's fastest starting point replaces
-    the search's best set only when it re-measured faster, and only with a trial that completed; the trial
-    given back is that point's best one (real Optuna trials)."""
+def test_the_confirmation_names_a_starting_point_that_re_measured_faster_than_the_search_best():
+    """faster_starting_point (methods/self_sd/search.py), what calibrate's warning names (it never changes the
+    result): the fastest re-measured starting point past the margin, only one whose trial completed, with
+    that point's best trial (real Optuna trials)."""
     import optuna
 
     from selfspec_cli.methods.self_sd.search import faster_starting_point
@@ -608,3 +608,4 @@ def test_the_confirmation_chooses_a_starting_point_that_decodes_faster_than_the_
     assert name == "uniform-50"
     assert faster_starting_point(tps(best=12.0, full_depth=9.0, uniform_50=11.0, never_ran=20.0), seeds, finished, L,
                                  "target") is None
+    assert faster_starting_point(tps(best=12.0, full_depth=13.0), seeds, finished, L, "target", 1.1) is None
