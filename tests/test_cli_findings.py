@@ -489,6 +489,14 @@ def test_chat_answers_each_turn_as_generate_does(capsys, tiny_model_dir, tmp_pat
     assert out == "".join(t["text"] + "\n" for t in recs[0]["turns"]) + recs[1]["text"] + "\n"
     assert "a new conversation" in err and "Traceback" not in err
     assert_user_error(capsys, ["chat", "-m", str(tiny_model_dir), "--method", "nope"], "--method")
+    # an answer length no turn can fit beside is refused before the first turn, not at every turn
+    assert_user_error(capsys, ["chat", "-m", str(tiny_model_dir), "--device", "cpu", "-n", "100000"],
+                      "--max-new-tokens 100000 leaves no room", "pass a smaller --max-new-tokens")
+    # a lossy method says so, and the artifacts it loads are named (the shipped code model has specee's)
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n"))
+    assert main(["chat", "-m", "pystdlib", "--device", "cpu", "-n", "4", "--method", "specee"]) == 0
+    err = capsys.readouterr().err
+    assert "--method specee is lossy" in err and "using " in err
 
 
 def test_resume_finds_the_partial_of_an_output_whose_name_has_glob_characters(tmp_path):
@@ -522,3 +530,29 @@ def test_a_model_directory_without_a_tokenizer_is_one_line(capsys, tiny_model_di
             shutil.copy(f, bare / f.name)
     pf = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt": "hello"}])
     assert_user_error(capsys, gen_args(bare, pf, "-n", "2"), "has no tokenizer", "copy the model's tokenizer files")
+
+
+def test_exit_predictors_that_never_fire_do_not_become_the_default(capsys, tiny_model_dir, tmp_path, selfspec_home):
+    """Predictors none of which fires at its threshold go beside the default path as .unusable with one
+    warning, as useless heads do; named explicitly, they are written there, and a schedule of no early exit from
+    them says so."""
+    prompts = write_lines(tmp_path / "p.txt", ["prompt number one is", "prompt number two is", "the third prompt says",
+                                               "four", "five five five", "six is here"])
+    base = ["-m", str(tiny_model_dir), "-p", str(prompts), "-n", "8", "--device", "cpu"]
+    assert main(["train-heads", "--kind", "lm-heads", *base, "--epochs", "1", "--rank", "2"]) == 0
+    capsys.readouterr()
+    assert main(["train-heads", "--kind", "exit-mlp", *base, "--epochs", "1"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert all(r["fire_share_at_threshold"] == 0 for r in summary["report"])  # the premise, on this random model
+    art = Path(summary["artifact"])
+    assert art.name.endswith(".unusable") and summary["usable"] is False and "SpecEE would never exit" in err
+    default = art.with_name(art.name.removesuffix(".unusable"))
+    assert not (default / "manifest.json").exists()
+    # written where the user names it (the warning says it is of no use), a schedule from it exits nowhere
+    assert main(["train-heads", "--kind", "exit-mlp", *base, "--epochs", "1", "-o", str(default)]) == 0
+    assert "is of no use" in capsys.readouterr().err
+    assert main(["calibrate", "--method", "specee", *base]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["exit_rate"] == 0 and "no token exited early" in err and "--specee-threshold" in err

@@ -86,6 +86,10 @@ def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
     # a second run into the same directory needs --force
     assert_user_error(capsys, ["profile", "-m", str(model_dir), "-p", str(prompts), "-o", str(out)],
                       "already holds a profile", "--force")
+    # ... and --force replaces the whole profile: no plot of the earlier one stays beside the new profile.json
+    assert main(["profile", "-m", str(model_dir), "-p", str(prompts), "-o", str(out), "--rounds", "1", "--force",
+                 "--redundancy-prompts", "0", "--predict", "", "--no-plots", "--device", "cpu"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["profile.json"]
 
 
 def test_profile_bad_inputs(capsys, tiny_model_dir, tmp_path):

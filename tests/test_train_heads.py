@@ -87,8 +87,11 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
     assert not artifacts_dir.exists()  # nothing written into the shipped tree
     manifest = json.loads((heads_dir / "manifest.json").read_text())
     assert manifest["kind"] == "adadecode-heads" and manifest["model_fingerprint"] and manifest["rank"] == 4
-    out, _ = _ok(["train-heads", "--kind", "exit-mlp", *common, "--epochs", "3"])
-    assert json.loads(out)["drafter_layer"] == 0
+    # this random model's predictors meet no threshold's precision bound, so they are written to the default path
+    # only when named (tests/test_cli_findings.py has the .unusable path), with the warning; threshold 0 below exits
+    exit_dir = heads_dir.parent.parent / "specee" / heads_dir.name
+    out, err = _ok(["train-heads", "--kind", "exit-mlp", *common, "--epochs", "3", "-o", str(exit_dir)])
+    assert json.loads(out)["drafter_layer"] == 0 and json.loads(out)["usable"] is False and "of no use" in err
 
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("def main():\nimport sys\n")

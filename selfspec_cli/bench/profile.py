@@ -102,7 +102,11 @@ def _calibrated(layers: Path | None, model: Any, log: Callable[[str], None]) -> 
 
 def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
         progress: Callable[[], Any]) -> dict[str, Any]:
-    """Load the model, measure, write profile.json (and the plots); returns what profile.json holds."""
+    """Load the model, measure, write profile.json (and the plots); returns what profile.json holds. Under
+    ``--force`` an earlier profile's files go first, so no plot of it stays beside the new profile.json."""
+    if req.force:
+        for name in PROFILE_FILES:
+            (req.output_dir / name).unlink(missing_ok=True)
     session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template, lite=True)
     mdl = session.model
     engine = session.engine(req.target_precision)

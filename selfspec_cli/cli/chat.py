@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 import typer
 
+from ..artifacts import recording_loads
 from ..config import GenerationConfig, check_choice, check_seed
+from ..errors import ConfigError
 from ..engine.target import TARGET_PRECISIONS
 from ..methods import METHODS, build
 from ..prompts import encode_turn
@@ -51,10 +53,19 @@ def chat(
     check_device(dtype, device)
     session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
     cfg = session.generation(cfg)
+    if cfg.max_new_tokens >= session.context_length:  # no turn could ever fit: refused now, not at every turn
+        raise ConfigError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a turn in the model's context of "
+                          f"{session.context_length} tokens; pass a smaller --max-new-tokens")
     engine = session.engine(target_precision)
-    meth = build(method, engine, session.tokenizer, None)
+    with recording_loads() as used:
+        meth = build(method, engine, session.tokenizer, None)
     engine.release_float_weights(panels=True)  # every draft is built: the float matrices the target no longer reads go
-    log(f"[dim]chat with {session.model.config.model_type}, method {method}; /reset starts over, /exit ends[/dim]")
+    for kind, path in used.items():
+        log(f"[dim]using {kind} {path}[/dim]")
+    if not meth.lossless:
+        log(f"[yellow]--method {method} is lossy: its answers can differ from plain decoding's[/yellow]")
+    log(f"[dim]chat with {session.model.config.model_type}, method {method}; /reset starts over, /exit (or /quit) "
+        "ends[/dim]")
     converse(meth, session, cfg, sys.stdin)
 
 

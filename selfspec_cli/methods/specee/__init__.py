@@ -103,6 +103,25 @@ def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, A
         raise SCHEDULE.error(p, model, "field 'selected_layers' must be a list of layer ids")
     return layers, manifest
 
+def _check_made_together(heads: dict[str, Any], predictors: dict[str, Any], schedule: dict[str, Any]) -> None:
+    """Refuse artifacts that were not made from each other: exit predictors learn the drafts of one heads
+    artifact, and a schedule counts the exits of one predictor set with those heads (each manifest names the
+    artifacts it was made from; each artifact is looked up on its own, the user's first, then the shipped)."""
+    hid, pid = heads.get("artifact_id"), predictors.get("artifact_id")
+    trained_on = (predictors.get("drafter") or {}).get("heads_artifact_id")
+    if None not in (hid, trained_on) and trained_on != hid:
+        raise ArtifactError(f"the exit predictors were trained on the drafts of another heads artifact ({trained_on}) "
+                            f"than the heads loaded ({hid}); retrain them on these heads with `selfspec train-heads "
+                            "--kind exit-mlp` (then `selfspec calibrate --method specee`), or pass --heads and "
+                            "--exit-mlps that belong together")
+    for key, have, what in (("exit_mlps_artifact_id", pid, "exit predictors"), ("heads_artifact_id", hid, "heads")):
+        made_with = schedule.get(key)
+        if None not in (have, made_with) and made_with != have:
+            raise ArtifactError(f"the SpecEE schedule was made with other {what} ({made_with}) than those loaded "
+                                f"({have}); remake it with `selfspec calibrate --method specee`, or pass "
+                                "--specee-schedule one made with these")
+
+
 KV_MODES = ("empty", "deferred")
 
 
@@ -173,6 +192,7 @@ class SpecEE(SelfProposing):
             raise ArtifactError(f"specee needs {len(problems)} artifacts that are missing or unusable (make them in this order): "
                                 + " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
         (heads, hman), (predictors, pman), (schedule, sman) = loaded
+        _check_made_together(hman, pman, sman)
         drafter = int(pman.get("drafter", {}).get("layer", min(heads)))
         if drafter not in heads:
             raise ArtifactError(f"the exit predictors draft with a head after layer {drafter}, which the heads artifact lacks; "

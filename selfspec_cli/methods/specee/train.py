@@ -237,4 +237,9 @@ def run(job: OfflineJob) -> dict[str, Any]:
              f"{r.precision:.3f}, recall {r.recall:.3f}, fires {r.fire_share:.3f}; threshold {r.threshold:.3f}: precision "
              f"{r.precision_at_threshold:.3f}, recall {r.recall_at_threshold:.3f}, fires {r.fire_share_at_threshold:.3f}"
              for r in reports]
-    return finish(job, EXIT_MLPS, predictors, manifest, train_s, lines, kind="exit-mlp", drafter_layer=drafter_layer)
+    # a set none of whose predictors fires at its threshold on the test prompts never exits (a threshold of 1.0:
+    # no threshold met the precision bound): of no use as the default (a lower --specee-threshold exits imprecisely)
+    unusable = (None if any(r.fire_share_at_threshold > 0 for r in reports) else
+                "no exit predictor fires at its threshold on the test prompts (SpecEE would never exit)")
+    return finish(job, EXIT_MLPS, predictors, manifest, train_s, lines, unusable, kind="exit-mlp",
+                  drafter_layer=drafter_layer)
