@@ -121,7 +121,7 @@ def read_json_artifact(path: Path, what: str, create_hint: str, again_hint: str 
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{what} '{path}' is not valid JSON ({exc.msg} at line {exc.lineno}); {again}") from None
+        raise ArtifactError(f"{what} '{path}' is not valid JSON ({exc.msg}: line {exc.lineno}); {again}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"cannot read {what} '{path}' ({exc.__class__.__name__}); check permissions") from None
     if not isinstance(obj, dict):
@@ -341,7 +341,8 @@ class ArtifactSpec:
         except (OSError, ValueError, AttributeError):
             kind = None
         if kind != self.kind:
-            raise ArtifactError(f"{option} '{path}' is not a {self.what} (no manifest of kind {self.kind!r} in it); "
+            article = "an" if self.what[:1].upper() in "AEIOU" else "a"
+            raise ArtifactError(f"{option} '{path}' is not {article} {self.what} (no manifest of kind {self.kind!r} in it); "
                                 f"pass one made by `{self.make}`")
 
     def load(self, path: str | os.PathLike | None, model: torch.nn.Module) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:

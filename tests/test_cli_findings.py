@@ -181,7 +181,7 @@ def test_offline_steps_refuse_bad_paths_before_loading(capsys, tmp_path):
     missing = str(tmp_path / "no-model")
     (tmp_path / "notamodel").mkdir()
     assert_user_error(capsys, ["train-heads", "--kind", "exit-mlp", "-m", missing, "-p", str(prompts), "--heads",
-                               str(tmp_path / "notamodel")], "--heads", "not a AdaDecode heads artifact",
+                               str(tmp_path / "notamodel")], "--heads", "not an AdaDecode heads artifact",
                       "selfspec train-heads --kind lm-heads")
     assert_user_error(capsys, ["calibrate", "--method", "self-sd", "-m", missing, "-p", str(prompts), "--storage",
                                "bogus://x"], "--storage", "neither a database URL")

@@ -28,7 +28,7 @@ def calibrate(
     dataset_field: str = opt.dataset_field(),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use at most this many prompts (in file order; default 8, fr-spec 64)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens generated per prompt in each trial (default 32, fr-spec 128)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/self-sd/<model name>-<fingerprint>.json (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact path. Default: <selfspec home>/artifacts/<kind>/<model name>-<fingerprint> plus .json (self-sd), .schedule.json (specee: kind specee) or a directory (fr-spec: kind fr-spec-vocab) (home: $SELFSPEC_HOME, else ~/.local/share/selfspec); never the shipped artifacts."),
     force: bool = opt.force("Replace an existing artifact at the output path."),
     threads: Optional[str] = opt.threads(),
     chat_template: bool = opt.chat_template(),

@@ -92,7 +92,8 @@ def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> 
         ids = encode_turn(session.tokenizer, history, session.chat_template)
         if len(ids) + cfg.max_new_tokens > session.context_length:
             history.pop()
-            log(f"the conversation ({len(ids)} tokens) and an answer of {cfg.max_new_tokens} no longer fit the model's "
+            log(f"the conversation ({len(ids)} token{'s' if len(ids) != 1 else ''}) and an answer of {cfg.max_new_tokens} "
+                "no longer fit the model's "
                 "context; /reset starts a new one")
             continue
         printer = TextStreamer(session.tokenizer, write_out)

@@ -463,11 +463,13 @@ def open_study(search: Any, sampler: Any, setup: dict[str, Any]):
         study.set_user_attr("setup", setup)
     elif saved != setup:
         diff = sorted(k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k))
-        raise ConfigError(
-            f"the study '{shown}' was made with another {', '.join(diff)} "
-            f"({', '.join(f'{k}: {saved.get(k)} then, {setup.get(k)} now' for k in diff if k != 'prompts_sha256') or 'other prompts'}); "
-            f"pass another {option} (or --output) or delete that file to start over"
-        )
+        implied = {"precisions": ["target"], "draft_vocab": "none"}  # what a setup without the key means
+        said = ", ".join(f"{k}: {saved.get(k, implied.get(k))} then, {setup.get(k, implied.get(k))} now"
+                         for k in diff if k != "prompts_sha256") or "other prompts"
+        hint = (" (an FR-Spec draft vocabulary of this model was made or removed since: move it aside to resume)"
+                if "draft_vocab" in diff else "")
+        raise ConfigError(f"the study '{shown}' was made with another {', '.join(diff)} ({said}){hint}; "
+                          f"pass another {option} (or --output) or delete that file to start over")
     if search.objective == "throughput":  # measured tokens/s from two machines do not compare
         here = machine_id()
         timed_on = study.user_attrs.get("machine")
