@@ -318,6 +318,11 @@ class ArtifactSpec:
     def find(self, model: torch.nn.Module) -> tuple[Path | None, list[Path]]:
         """``(first existing default or None, every default looked at)``: the user's, then the shipped one."""
         cands = [self.default_path(model), shipped_artifact_path(self.folder, model, self.suffix)]
+        user = cands[0]
+        if not self.is_json and user.is_dir() and any(user.iterdir()) and not self.exists(user):
+            # what an interrupted first write leaves (the tensors go before the manifest): never a silent fallback
+            raise ArtifactError(f"'{user}' holds no manifest (an interrupted write?), so it is not a {self.what}; "
+                                f"remake it with `{self.command(model)}`, or delete it to use the shipped one")
         return next((c for c in cands if self.exists(c)), None), cands
 
     def resolve(self, path: str | os.PathLike | None, model: torch.nn.Module) -> Path:

@@ -556,3 +556,19 @@ def test_exit_predictors_that_never_fire_do_not_become_the_default(capsys, tiny_
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["exit_rate"] == 0 and "no token exited early" in err and "--specee-threshold" in err
+
+
+def test_a_user_artifact_directory_without_its_manifest_is_one_line_not_a_fallback(capsys, tiny_model_dir, tmp_path,
+                                                                                selfspec_home):
+    """An interrupted first write leaves the tensors without the manifest: generate says so and how to remake it,
+    instead of reading the shipped artifact (or none) as if the user had made nothing."""
+    from selfspec_cli.loading import load_model
+    from selfspec_cli.methods.adadecode import HEADS
+
+    model, _ = load_model(str(tiny_model_dir), device="cpu")
+    user = HEADS.default_path(model)
+    user.mkdir(parents=True)
+    (user / "tensors.safetensors").write_bytes(b"\0" * 16)
+    pf = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt": "hello"}])
+    assert_user_error(capsys, gen_args(tiny_model_dir, pf, "-n", "2", "--method", "adadecode"), "holds no manifest",
+                      "an interrupted write", "--force", "delete it")
