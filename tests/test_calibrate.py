@@ -199,6 +199,15 @@ def test_resume_refuses_another_setup(calibrated, tiny_model_dir, prompt_file, t
     argv[argv.index("--max-new-tokens") + 1] = "9"
     user_error(argv, "max_new_tokens", "--study-path")
     assert complete_trials(db) == 4
+    if kernels.load_extension() is not None:  # the verify curve and draft costs are the target's: another target
+        user_error([*calib_args(tiny_model_dir, *args), "--target-precision", "bf16"], "target_precision", "fp32 then")
+    # a study made before the setup held the target precision resumes as before
+    import optuna
+
+    from selfspec_cli.methods.self_sd.study import STUDY_NAME, sqlite_url
+    study = optuna.load_study(study_name=STUDY_NAME, storage=sqlite_url(db))
+    study.set_user_attr("setup", {k: v for k, v in study.user_attrs["setup"].items() if k != "target_precision"})
+    assert main(calib_args(tiny_model_dir, *args)) == 0 and complete_trials(db) == 6
 
 
 def test_interrupt_keeps_finished_trials(tiny_model_dir, prompt_file, tmp_path, monkeypatch):

@@ -39,7 +39,8 @@ from .study import DEFAULT_HEARTBEAT_S, STUDY_NAME, TrialReport, check_storage, 
 
 
 def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: GenerationConfig,
-                   search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any]) -> dict[str, Any]:
+                   search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any],
+                   target_precision: str | None = None) -> dict[str, Any]:
     """The ``self-sd-layers`` manifest (:data:`~selfspec_cli.methods.self_sd.SKIP_SET`)."""
     ar, best_c = result.confirm["ar"]["tokens_per_s"], result.confirm["best"]["tokens_per_s"]
     proxy = search.objective == "proxy"
@@ -69,6 +70,7 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
             "space": f"{2 * result.num_layers} categorical 0/1 parameters attn_<l>, mlp_<l>"
                      + (f", precision in {list(search.precisions)}" if len(search.precisions) > 1 else ""),
             "precisions": list(search.precisions), "draft_vocab": result.draft_vocab,
+            "target_precision": target_precision,
             "seed_points": result.seed_points, "study_path": describe(str(result.study_path)), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
@@ -163,7 +165,7 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
                 "new_trials": result.new_trials, "best_trial": result.best_trial, "writer": False}
     environment = job.environment()
     manifest = build_manifest(result, model=job.model, cfg=job.gen, search=search, prompts=job.prompts,
-                              environment=environment)
+                              environment=environment, target_precision=engine.target_precision)
     obj, out = manifest["objective"], job.output
     vs_ar = result.best_value if search.objective == "proxy" else obj.get("speedup_vs_ar")
     below_ar = vs_ar is not None and vs_ar < 1.0

@@ -45,8 +45,9 @@ Optuna study and one worker's loop over it; this module joins them (the study's 
 starting points, the best trial, the confirmation) and knows no job, no command line and no
 artifact: :mod:`.calibrate` is the offline step around it. Invariants: the search decodes
 greedily (a sampling configuration is refused); two runs share a study only with the same
-setup (model, prompts, tokens, passes, objective, draft settings, precisions and draft
-vocabularies); a worker that did not finish the study last returns no skip set (``writer``
+setup (model, prompts, tokens, passes, objective, draft settings, precisions, draft
+vocabularies and the target's precision, whose costs the proxy reads; a study made before the setup
+held it resumes on any); a worker that did not finish the study last returns no skip set (``writer``
 False).
 """
 from __future__ import annotations
@@ -165,6 +166,7 @@ def calibrate_self_sd(
     setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
              "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
              "repeats": search.repeats, "objective": search.objective,
+             "target_precision": engine.target_precision,  # the verify curve and the drafts' costs are this target's
              "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
     if precisions != ("target",):
         setup["precisions"] = list(precisions)

@@ -364,6 +364,9 @@ def seed_points(num_layers: int, ratios: Sequence[float] = SEED_RATIOS,
     return out
 
 
+LATER_KEYS = frozenset({"target_precision"})  # setup keys older studies do not hold
+
+
 def make_sampler(name: str, seed: int):
     import optuna
 
@@ -459,10 +462,13 @@ def open_study(search: Any, sampler: Any, setup: dict[str, Any]):
         raise ConfigError(f"cannot open the Optuna study '{shown}' ({first_line(exc)[:200]}); "
                           f"pass another {option} or delete that file") from None
     saved = study.user_attrs.get("setup")
+    # keys added to the setup since a study was made: such a study's values were taken without them being
+    # recorded, so their absence there matches anything (the study resumes as before)
+    diff = [] if saved is None else sorted(
+        k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k) and not (k in LATER_KEYS and k not in saved))
     if saved is None:
         study.set_user_attr("setup", setup)
-    elif saved != setup:
-        diff = sorted(k for k in set(saved) | set(setup) if saved.get(k) != setup.get(k))
+    elif diff:
         implied = {"precisions": ["target"], "draft_vocab": "none"}  # what a setup without the key means
         said = ", ".join(f"{k}: {saved.get(k, implied.get(k))} then, {setup.get(k, implied.get(k))} now"
                          for k in diff if k != "prompts_sha256") or "other prompts"
