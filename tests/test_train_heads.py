@@ -78,6 +78,9 @@ def test_cli_train_calibrate_generate(tiny_model_dir, tmp_path, artifacts_dir):
     for lr in ("0", "-1e-3"):  # a learning rate of 0 once fell back to the default silently
         rc, out, err = run_cli(["train-heads", "--kind", "lm-heads", *common, "--lr", lr])
         assert rc == 2 and "--lr must be > 0" in err and len(err.strip().splitlines()) == 1
+    for bad, said in ((["--rank", "100000"], "above the model's width"), (["--layers", ""], "names no layer")):
+        rc, out, err = run_cli(["train-heads", "--kind", "lm-heads", *common, *bad])
+        assert rc == 2 and said in err and len(err.strip().splitlines()) == 1, err
     out, _ = _ok(["train-heads", "--kind", "lm-heads", *common, "--rank", "4", "--epochs", "2"])
     summary = json.loads(out)
     assert summary["layers"] == [0, 1, 2] and len(summary["report"]) == 3

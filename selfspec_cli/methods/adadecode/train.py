@@ -182,8 +182,12 @@ def head_vocabulary(spec: str | None, model: Any) -> tuple[torch.Tensor | None, 
 def run(job: OfflineJob) -> dict[str, Any]:
     """Collect the on-policy data, train the heads, save :data:`~selfspec_cli.methods.adadecode.HEADS`."""
     s: TrainSetting = job.setting
-    L = job.engine.num_layers
-    if s.layers is not None and not (s.layers and all(0 <= k < L - 1 for k in s.layers)):
+    L, width = job.engine.num_layers, job.engine.adapter.hidden_size
+    if s.layers is not None and not s.layers:
+        raise ConfigError("--layers names no layer; give layer ids such as 2,5, or leave it out for the default")
+    if s.rank > width:  # a correction of a width-wide state has rank at most width
+        raise ConfigError(f"--rank {s.rank} is above the model's width ({width}); pass --rank {width} or less")
+    if s.layers is not None and not all(0 <= k < L - 1 for k in s.layers):
         raise ConfigError(f"--layers {list(s.layers)}: head layers must be in 0..{L - 2} for a {L}-layer model")
     vocab, vocab_note = head_vocabulary(s.draft_vocab, job.model)  # a bad path costs no data collection
     data, common = collect(job)
