@@ -140,6 +140,7 @@ def test_calibrate_writes_artifact(calibrated, tiny_model):
     assert len({v["tokens"] for v in obj["confirm"].values()}) == 1
     s = man["search"]
     assert s["sampler"] == "tpe" and s["seed"] == 0 and s["max_new_tokens"] == 8
+    assert s["target_precision"] == "fp32"  # random float32 weights: no bf16, fp16 or block target holds them
     assert s["prompts"]["num_prompts"] == len(PROMPTS)
     assert Path(s["study_path"]) == out.with_name("tiny.optuna.db")
     assert [p["name"] for p in s["seed_points"]] == ["uniform-0.3", "uniform-0.45"]

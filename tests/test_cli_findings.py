@@ -556,6 +556,10 @@ def test_exit_predictors_that_never_fire_do_not_become_the_default(capsys, tiny_
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["exit_rate"] == 0 and "no token exited early" in err and "--specee-threshold" in err
+    # heads retrained after the predictors and the schedule were made from the old ones: specee refuses the mix
+    assert main(["train-heads", "--kind", "lm-heads", *base, "--epochs", "1", "--rank", "2", "--force"]) == 0
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompts, "-n", "3", "--method", "specee"),
+                      "trained on the drafts of another heads artifact", "selfspec train-heads --kind exit-mlp")
 
 
 def test_a_user_artifact_directory_without_its_manifest_is_one_line_not_a_fallback(capsys, tiny_model_dir, tmp_path,

@@ -104,6 +104,17 @@ def test_asd_and_swift_run_on_the_fixed_path():
     assert eng.static.eager_fallbacks == 0
 
 
+def test_the_fixed_path_refuses_the_cpu_kernels_matrices():
+    """Its sublayers read the model's own float matrices: an engine whose products are packed for the CPU kernel
+    (or a block target) cannot take it."""
+    from selfspec_cli.engine import kernels
+
+    if kernels.load_extension() is None:
+        pytest.skip("no CPU kernel on this host")
+    with pytest.raises(ValueError, match="fast_kernels=False"):
+        Engine(make_tiny_model("llama-gqa"), static_rows=ROWS)
+
+
 def test_what_the_fixed_path_does_not_take_runs_eagerly():
     """A residual-stream input (AdaDecode's deferred layers) and a cache with holes go to the eager loop."""
     eng = _static("llama-gqa")

@@ -50,7 +50,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "specqd-int8": ("specqd", {"draft_precision": "int8"}, " [int8 per-channel draft weights]"),
 }
 # plain decoding on another target than the run's (engine/target.py): the fp32 row beside a block or bf16 target,
-# so every run shows what the faster target is worth; added by itself when the run's target is not fp32
+# so a run can show what the faster target is worth; in the default list, and left out where the run's target is fp32
 TARGET_PEERS: dict[str, str] = {"ar-fp32": "fp32"}
 DEFAULT_METHODS = "ar,ar-fp32,hf,hf-pld," + ",".join(m for m in METHODS if m != "ar")
 REFERENCE, BASELINE = "ar", "hf"

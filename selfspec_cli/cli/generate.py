@@ -92,8 +92,9 @@ def _settings(model: str | None, method: str, method_cfg: Any, given: dict[str, 
     """The options checked against the model's config.json (no weights loaded yet), then the run's settings,
     which every record keeps and --resume checks (cli/resume.py)."""
     check_device(dtype, device)  # a bad --dtype or --device before anything is read
-    check_layer_ids(method_cfg, config_num_layers(model))
-    return run_settings(resolve_model_path(model, log), cfg, chat_template=chat_template, dtype=dtype, device=device,
+    where = resolve_model_path(model, log)  # a GGUF is converted here, once (the first time)
+    check_layer_ids(method_cfg, config_num_layers(where))
+    return run_settings(where, cfg, chat_template=chat_template, dtype=dtype, device=device,
                         target_precision=target_precision, lossy_options=None if METHODS[method].lossless else given)
 
 

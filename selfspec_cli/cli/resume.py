@@ -112,8 +112,10 @@ def _check(rec: dict[str, Any], by_id: dict[str, Prompt], method: str, settings:
         raise ConfigError(f"--resume: '{where}' holds a record for another text of prompt id {rec['id']}; {fix}")
     held = rec.get("settings")
     if isinstance(held, dict) and held != settings:
-        diff = [k for k in SETTING_FLAGS if held.get(k) != settings.get(k)]
-        said = "; ".join(f"{SETTING_FLAGS[k]} {_shown(held.get(k))} there, {_shown(settings.get(k))} now" for k in diff[:3])
+        keys = [*SETTING_FLAGS, *sorted((set(held) | set(settings)) - set(SETTING_FLAGS))]  # flags first, then any other
+        diff = [k for k in keys if held.get(k) != settings.get(k)]
+        said = "; ".join(f"{SETTING_FLAGS.get(k, k)} {_shown(held.get(k))} there, {_shown(settings.get(k))} now"
+                         for k in diff[:3])
         raise ConfigError(f"--resume: '{where}' holds records made with other settings ({said}); "
                           f"rerun with the settings it was made with, or {fix}")
 

@@ -389,7 +389,6 @@ class Engine:
         normed = self._norm(qkv[:, :self._qk_width].reshape(t * heads, d), self._unit_d)
         return (normed.view(t, heads, d) * w.qk_norm).view(t, self._qk_width)
 
-
     @property
     def rope_length(self) -> int:
         """Positions the rotary tables cover."""

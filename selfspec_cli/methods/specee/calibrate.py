@@ -82,17 +82,16 @@ def run(job: OfflineJob) -> dict[str, Any]:
         task = bar.add_task("calibrate specee", total=len(job.prompt_ids), info="")
         st = exit_statistics(method, job.prompt_ids, job.gen, on_prompt=lambda i, n: bar.update(task, completed=i))
     stats = st.as_dict()
-    out = job.output
-    SCHEDULE.save(out, mdl, {**stats, "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
+    SCHEDULE.save(job.output, mdl, {**stats, "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
                                     "heads_artifact_id": heads_manifest.get("artifact_id"),
                                     "prompts": {**job.prompts, "max_new_tokens": job.gen.max_new_tokens},
                                     "environment": job.environment(), "search_time_s": round(time.perf_counter() - t0, 3)})
     job.log(f"exit probability per layer: {', '.join(f'{k}: {v:.2f}' for k, v in st.exit_probability.items())}; "
             f"exit rate {stats['exit_rate']:.3f}")
     job.log(f"[bold]selected predictor layers {st.selected_layers} ({stats['selected_exit_share']:.0%} of exits)[/bold]")
-    job.log(f"wrote {out}")
+    job.log(f"wrote {job.output}")
     if stats["exit_rate"] == 0:  # still written: a --specee-threshold below the artifact's may exit with it
         job.log("[bold yellow]warning: no token exited early on these prompts at the exit predictors' thresholds, so "
                 "specee with this schedule decodes as ar does (plus the predictors' cost) unless --specee-threshold "
                 "is lower; calibrate on more prompts and tokens, or retrain the exit predictors[/bold yellow]")
-    return {"method": "specee", "artifact": str(out), **stats}
+    return {"method": "specee", "artifact": str(job.output), **stats}
