@@ -101,6 +101,109 @@ def test_qlinear_is_batch_invariant_and_isa_independent(fmt):
             assert torch.equal(lin(x[:rows]), singles[:rows]), rows
 
 
+def _k_quant(qtype: str, rows: int, cols: int, seed: int = 3) -> QuantWeight:
+    """A GGUF K-quant tensor of random blocks (gguf-py cannot quantize them) with finite float16 d and dmin,
+    read by ``_gguf_block``."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
+
+    kind = Q[qtype]
+    per, size = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for at in {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[qtype]:
+        raw[:, :, at:at + 2] = rng.uniform(0.001, 0.1, (rows, cols // per)).astype(np.float16).view(np.uint8).reshape(
+            rows, cols // per, 2)
+    raw[0, 0, :4] = 0  # a zero d and dmin: every product of the block's groups is +-0
+
+    class Tensor:
+        tensor_type, data = kind, raw.reshape(rows, -1)
+
+    return quant._gguf_block(Tensor())
+
+
+def _unfactored(q: QuantWeight) -> QuantWeight:
+    """The representation before factored scales: the same codes with the float32 products as scales."""
+    return dataclasses.replace(q, sc=None, m=None, d=None, dmin=None)
+
+
+KQ_ISAS = ["avx2"] + (["avx512"] if HAS_AVX512 else [])
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_factored_k_quant_scales_give_the_stored_products_bits(qtype):
+    """A K-quant's scales read as d (float16 per 256 weights) times a small integer per group, formed in the
+    kernel, give bit for bit the outputs of the float32 products stored per group: every row count 1..64 (so
+    batch-invariant too), both instruction sets, with a bias; and the panels stream the file's factors, not
+    the products."""
+    new = _k_quant(qtype, 150, 768)
+    assert new.factored and torch.equal(new.d.repeat_interleave(256 // new.group, 1) * new.sc.float(), new.scales)
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(150, generator=g)
+    fac, old = QLinear.make(new, bias, ext), QLinear.make(_unfactored(new), bias, ext)
+    assert fac.scales.dim() == 4 and old.scales.dim() == 3
+    x = torch.randn(64, 768, generator=g)
+    for isa in KQ_ISAS:
+        fac.isa = old.isa = isa
+        singles = torch.cat([fac(x[i:i + 1]) for i in range(64)])
+        assert torch.equal(singles, old(x)), isa
+        for rows in range(1, 65):
+            assert torch.equal(fac(x[:rows]), singles[:rows]), (isa, rows)
+        assert torch.equal(fac(x[7:12]), singles[7:12])
+    weights = 150 * 768
+    per_256 = {"Q4_K": 128 + 2 * (8 + 2), "Q5_K": 256 + 2 * (8 + 2), "Q6_K": 256 + 16 + 2}[qtype]
+    assert kernels.stream_bytes(fac) == weights // 256 * per_256 < kernels.stream_bytes(old)
+    back = fac.quant  # unpacked from the panels: the same codes, products and factors
+    for name in ("codes", "scales", "mins", "sc", "m", "d", "dmin"):
+        a, b = getattr(back, name), getattr(new, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
+    assert torch.equal(back.dequantize(), new.dequantize())
+
+
+@needs_kernel
+def test_factored_panels_round_trip_the_cache_and_keep_w4a8():
+    """Factored panels saved as the draft cache saves them load back to the same outputs (no repacking), and
+    the W4A8 product over Q4_K's codes gives the same bits with factored scales as with the stored products."""
+    from safetensors.torch import load_file, save_file
+
+    new = _k_quant("Q4_K", 100, 512, seed=5)
+    fac, old = QLinear.make(new, None, ext), QLinear.make(_unfactored(new), None, ext)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    path = quant.cache_path("f" * 16, "gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"codes": fac.codes, "scales": fac.scales, "mins": fac.mins}, str(path))
+    t = load_file(str(path))
+    again = QLinear.from_panels(fac.meta.fmt, fac.meta.group, fac.meta.bits, t["codes"], t["scales"], t["mins"], None,
+                                ext, 100, kernels.stream_bytes(fac))
+    assert torch.equal(again(x), fac(x)) and torch.equal(fac(x), old(x))
+    for isa in KQ_ISAS:
+        fac.isa = old.isa = isa
+        a8, a8_old = kernels.A8Linear(fac), kernels.A8Linear(old)
+        got = a8(x)
+        assert torch.equal(got, a8_old(x)), isa
+        assert torch.equal(torch.cat([a8(x[i:i + 1]) for i in range(9)]), got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K"), ("Q5_K", "Q5_1")])
+def test_rows_and_fused_parts_keep_their_factors_where_all_have_them(kinds):
+    parts = [_k_quant(kinds[0], 70, 512, seed=1)]
+    if kinds[1] == "Q4_K":
+        parts.append(_k_quant("Q4_K", 30, 512, seed=2))
+    else:  # a Q5_1-like part of the same layout (byte codes, a scale and minimum per 32) has no factors
+        parts.append(_unfactored(_k_quant("Q5_K", 30, 512, seed=2)))
+    fused = quant._cat_rows(parts)
+    assert fused.factored == (kinds[1] == "Q4_K") and fused.codes.shape == (100, 512)
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(0))
+    rows = quant._take_rows(fused, order)
+    assert torch.equal(rows.dequantize(), fused.dequantize()[order]) and rows.factored == fused.factored
+    lin, ref = QLinear.make(rows, None, ext), QLinear.make(_unfactored(rows), None, ext)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(lin(x), ref(x))
+
+
 @pytest.mark.parametrize("group", [None, 32])
 def test_int8_error_is_within_half_a_step(group):
     w = torch.randn(97, 128, generator=torch.Generator().manual_seed(5)) * 3

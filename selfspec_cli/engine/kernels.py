@@ -172,11 +172,20 @@ class Linear:
         return self.module.linear(x.float(), self.packed, self.n, self.bias_f32, self.isa).to(x.dtype)
 
 
+SUPER = 256  # weights per GGUF K-quant super-block: the span of one factored scale's d (QuantWeight.d)
+
+
 @dataclass(slots=True)
 class QuantWeight:
     """A matrix as integer codes with per-group scales (and minimums): ``W[n, k] = scale[n, g] *
     codes[n, k] (+ mins[n, g])`` for ``g = k // group``. ``bits`` 8: signed codes; 4: codes in
-    0..15, ``W = s q + m`` with minimums (GGUF Q4_1) or ``W = s (q - 8)`` without (GGUF Q4_0)."""
+    0..15, ``W = s q + m`` with minimums (GGUF Q4_1) or ``W = s (q - 8)`` without (GGUF Q4_0).
+
+    Factored scales (GGUF K-quants; ``d`` not None): each scale is ``d[n, k // 256] * sc[n, g]`` and each
+    minimum ``-(dmin[n, k // 256] * m[n, g])``, with ``d``, ``dmin`` float16 values and ``sc``, ``m`` integers
+    of at most 8 bits, so the products are exact in float32: ``scales`` and ``mins`` hold them as those
+    float32 values, and :class:`QLinear` streams the factors instead (a byte a group and 2 bytes per 256
+    weights), computing the same float32 values in registers."""
 
     fmt: str
     codes: torch.Tensor  # (N, K) int8 (8-bit) or uint8 (4-bit)
@@ -184,6 +193,31 @@ class QuantWeight:
     mins: torch.Tensor | None  # (N, K // group) float32 or None
     group: int
     bits: int
+    sc: torch.Tensor | None = None  # (N, K // group) int8: factored scales' integer factors
+    m: torch.Tensor | None = None  # (N, K // group) int8: factored minimums' integer factors (with mins)
+    d: torch.Tensor | None = None  # (N, K // 256) float32 of float16 values: factored scales' d
+    dmin: torch.Tensor | None = None  # (N, K // 256) float32 of float16 values (with mins)
+
+    @property
+    def factored(self) -> bool:
+        return self.d is not None
+
+    def _parts(self) -> dict[str, torch.Tensor | None]:
+        return {"codes": self.codes, "scales": self.scales, "mins": self.mins, "sc": self.sc, "m": self.m,
+                "d": self.d, "dmin": self.dmin}
+
+    def take_rows(self, order: torch.Tensor) -> "QuantWeight":
+        """The rows ``order`` (factors and all)."""
+        return QuantWeight(self.fmt, group=self.group, bits=self.bits,
+                           **{k: None if t is None else t[order].contiguous() for k, t in self._parts().items()})
+
+    @staticmethod
+    def cat(parts: list["QuantWeight"], fmt: str) -> "QuantWeight":
+        """Row-concatenation of weights of one layout; factored only where every part is."""
+        first, fac = parts[0], all(p.factored for p in parts)
+        cols = {k: None if first._parts()[k] is None or (k in ("sc", "m", "d", "dmin") and not fac)
+                else torch.cat([p._parts()[k] for p in parts]) for k in first._parts()}
+        return QuantWeight(fmt, group=first.group, bits=first.bits, **cols)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights these codes stand for, computed as the file formats define them
@@ -203,9 +237,13 @@ class QuantWeight:
 
     def nbytes(self) -> int:
         """Bytes a decode step streams: codes at their bit width plus scales and minimums (2 bytes each where
-        all are float16 values, as :class:`QLinear` then stores them, else 4)."""
+        all are float16 values, as :class:`QLinear` then stores them, else 4; factored: a byte a group and 2
+        bytes per 256 weights, each)."""
+        codes = (self.codes.numel() * self.bits) // 8
+        if self.factored:
+            return codes + (self.sc.numel() + 2 * self.d.numel()) * (2 if self.mins is not None else 1)
         per = 2 if self.half_scales() else 4
-        return (self.codes.numel() * self.bits) // 8 + per * self.scales.numel() * (2 if self.mins is not None else 1)
+        return codes + per * self.scales.numel() * (2 if self.mins is not None else 1)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
@@ -248,7 +286,7 @@ class QLinear:
         k = self.codes.shape[1] * (2 if m.bits == 4 else 1)
 
         def rows(t: torch.Tensor) -> torch.Tensor:  # (np, C, 64) -> (N, C)
-            return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].float().contiguous()
+            return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].contiguous()
 
         if m.bits == 4:
             words = self.codes.view(torch.int32).view(-1, k // 8, 64).to(torch.int64) & 0xFFFFFFFF
@@ -256,7 +294,23 @@ class QLinear:
             codes = nib.permute(0, 2, 1, 3).reshape(-1, k)[:n].to(torch.uint8).contiguous()
         else:
             codes = self.codes.view(torch.int8).transpose(1, 2).reshape(-1, k)[:n].contiguous()
-        return QuantWeight(m.fmt, codes, rows(self.scales), None if self.mins is None else rows(self.mins), m.group, m.bits)
+        if self.scales.dim() == 4:  # factored: (np, K/256, 2 + G, 64) int8, d's float16 then the G integer lines
+            g = SUPER // m.group
+
+            def factors(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                ints = rows(t[:, :, 2:].reshape(t.shape[0], -1, 64))
+                d = rows(t[:, :, :2].contiguous().view(torch.float16).reshape(t.shape[0], -1, 64)).float()
+                return ints, d
+
+            sc, d = factors(self.scales)
+            scales = d.repeat_interleave(g, dim=1) * sc.float()  # exact: a float16 times an 8-bit integer
+            mm = dmin = mins = None
+            if self.mins is not None:
+                mm, dmin = factors(self.mins)
+                mins = -(dmin.repeat_interleave(g, dim=1) * mm.float())
+            return QuantWeight(m.fmt, codes, scales, mins, m.group, m.bits, sc, mm, d, dmin)
+        return QuantWeight(m.fmt, codes, rows(self.scales).float(), None if self.mins is None else rows(self.mins).float(),
+                           m.group, m.bits)
 
     @classmethod
     def make(cls, quant: QuantWeight, bias: torch.Tensor | None, module: Any) -> "QLinear":
@@ -276,6 +330,17 @@ class QLinear:
             codes = pairs.view(np_, 64, k // 8, 4).transpose(1, 2).contiguous().view(np_, k // 2, 64)
         else:
             codes = panels(quant.codes).view(torch.uint8)
+        if quant.factored:  # (np, K/256, 2 + G, 64) int8: per super-block d's float16, then G lines of factors
+            g = SUPER // quant.group
+
+            def factored(ints: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+                lines = panels(ints.to(torch.int8)).view(np_, -1, g, 64)
+                halves = panels(d.to(torch.float16)).view(torch.int8).view(np_, -1, 2, 64)
+                return torch.cat([halves, lines], dim=2).contiguous()
+
+            return cls.from_panels(quant.fmt, quant.group, quant.bits, codes, factored(quant.sc, quant.d),
+                                   factored(quant.m, quant.dmin) if quant.mins is not None else None, bias, module, n,
+                                   quant.nbytes())
         # float16 scales (and minimums) where each is a float16 value, as the GGUF's blocks store them: 2 bytes
         # a group less to stream, widened exactly in the kernel
         sdt = torch.float16 if quant.half_scales() else torch.float32

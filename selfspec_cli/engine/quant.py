@@ -79,8 +79,10 @@ def _gguf_block(t: Any) -> QuantWeight | None:
     """A GGUF tensor's blocks as a QuantWeight (rows = the tensor's rows as stored), or None for a
     type the kernel does not take. The codes and per-group scales (and minimums) reproduce gguf-py's
     dequantization exactly (the same float32 products): Q8_0, Q4_0 and Q4_1 as they are; Q5_0, Q5_1,
-    Q5_K and Q6_K as bytes (5- and 6-bit codes, 1 byte a weight); Q4_K as 4-bit codes whose groups of
-    32 carry their sub-block's ``d * sc`` and ``-(dmin * m)`` as float32 scale and minimum."""
+    Q5_K and Q6_K as bytes (5- and 6-bit codes, 1 byte a weight); Q4_K as 4-bit codes. The K-quants' groups
+    (32 weights; Q6_K's 16) carry their sub-block's ``d * sc`` and ``-(dmin * m)`` as float32 scale and
+    minimum, and their factors too (``sc``, ``m`` per group, ``d``, ``dmin`` per 256 weights: the kernel
+    streams those and forms the same products, :class:`~selfspec_cli.engine.kernels.QuantWeight`)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
@@ -97,11 +99,14 @@ def _gguf_block(t: Any) -> QuantWeight | None:
     def f16(at: int) -> np.ndarray:  # (n, blocks) float32 from the float16 at byte ``at`` of each block
         return b[:, :, at: at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
 
-    def qw(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, group: int, bits: int) -> QuantWeight:
-        return QuantWeight(kind.name.lower(), torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)),
-                           torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(n, -1)),
-                           None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(n, -1)),
-                           group, bits)
+    def rows(a: np.ndarray | None, dtype: Any = None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(n, -1))
+
+    def qw(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, group: int, bits: int,
+           factors: tuple[np.ndarray, ...] = (None, None, None, None)) -> QuantWeight:
+        sc, m, d, dmin = factors
+        return QuantWeight(kind.name.lower(), rows(codes), rows(scales, np.float32), rows(mins, np.float32), group, bits,
+                           rows(sc, np.int8), rows(m, np.int8), rows(d, np.float32), rows(dmin, np.float32))
 
     def high_bits(qh: np.ndarray, count: int) -> np.ndarray:  # (n, nb, 4) bytes -> (n, nb, count) bits, LE
         word = qh.copy().view(np.uint32)  # (n, nb, 1)
@@ -124,23 +129,26 @@ def _gguf_block(t: Any) -> QuantWeight | None:
         from gguf.quants import Q4_K as _Q4K
 
         sc, mn = _Q4K.get_scale_min(b[:, :, 4:16].reshape(n * nb, 12))
-        d = f16(0)[..., None] * sc.reshape(n, nb, 8).astype(np.float32)  # (n, nb, 8): gguf-py's products
-        dm = f16(2)[..., None] * mn.reshape(n, nb, 8).astype(np.float32)
+        sc, mn = sc.reshape(n, nb, 8), mn.reshape(n, nb, 8)  # 6-bit integers
+        d = f16(0)[..., None] * sc.astype(np.float32)  # (n, nb, 8): gguf-py's products (exact in float32)
+        dm = f16(2)[..., None] * mn.astype(np.float32)
+        factors = (sc, mn, f16(0), f16(2))  # the kernel reads these and forms the same products
         qs = b[:, :, size - 128:].reshape(n, nb, 4, 32)
         q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, 8, 32)  # sub-block 2i: low, 2i + 1: high
         if kind == Q.Q4_K:
-            return qw(q, d, -dm, 32, 4)
+            return qw(q, d, -dm, 32, 4, factors)
         qh = b[:, :, 16:48]  # bit i of byte j: the fifth bit of weight j of sub-block i
         q = q | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1) << 4)
-        return qw(q.astype(np.int8), d, -dm, 32, 8)
+        return qw(q.astype(np.int8), d, -dm, 32, 8, factors)
     # Q6_K: ql 128, qh 64, 16 int8 scales, d; sub-blocks of 16
     ql = b[:, :, :128].reshape(n, nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     ql = (ql & 0x0F).reshape(n, nb, 8, 32)
     qh = b[:, :, 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
     qh = (qh & 0x03).reshape(n, nb, 8, 32)
     q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
-    d = f16(208)[..., None] * b[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # (n, nb, 16)
-    return qw(q, d, None, 16, 8)
+    sc = b[:, :, 192:208].copy().view(np.int8)  # (n, nb, 16) int8
+    d = f16(208)[..., None] * sc.astype(np.float32)  # exact in float32
+    return qw(q, d, None, 16, 8, (sc, None, f16(208), None))
 
 
 def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None:
@@ -159,8 +167,7 @@ def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None
 
 
 def _take_rows(q: QuantWeight, order: torch.Tensor) -> QuantWeight:
-    return QuantWeight(q.fmt, q.codes[order].contiguous(), q.scales[order].contiguous(),
-                       None if q.mins is None else q.mins[order].contiguous(), q.group, q.bits)
+    return q.take_rows(order)
 
 
 def _layout(q: QuantWeight) -> tuple[int, int, bool]:
@@ -172,10 +179,7 @@ def _layout(q: QuantWeight) -> tuple[int, int, bool]:
 def _cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Row-concatenate blocks of one layout (q/k/v or gate/up, fused as the engine fuses them); parts of
     several GGUF types (a Q4_K_M file's Q5_0 q/k with a Q8_0 v) are named together, ``q5_0+q8_0``."""
-    first = parts[0]
-    fmt = "+".join(dict.fromkeys(p.fmt for p in parts))
-    return QuantWeight(fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                       None if first.mins is None else torch.cat([p.mins for p in parts]), first.group, first.bits)
+    return QuantWeight.cat(parts, "+".join(dict.fromkeys(p.fmt for p in parts)))
 
 
 class GGUFDraftError(ValueError):
@@ -185,15 +189,15 @@ class GGUFDraftError(ValueError):
 def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
     """The GGUF's own blocks for every matrix, rows matched to the target's. A tensor whose
     type the kernel does not take is quantized to int8 per channel instead (reported)."""
-    import gguf
+    from .gguf_file import GGUFTensors, row_order
 
     if not Path(gguf_file).is_file():
         raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file})")
     try:
-        reader = gguf.GGUFReader(gguf_file)
+        source = GGUFTensors(gguf_file)
     except (OSError, ValueError) as exc:
         raise GGUFDraftError(f"cannot read {gguf_file} ({exc})") from None
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = source.tensors
     fallback: list[str] = []
     exact = 0
 
@@ -206,6 +210,10 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
         if block is None:
             fallback.append(f"{name} ({t.tensor_type.name})")
             return quantize_int8(target)
+        if target.is_meta:  # a model read from these very blocks (lite.load_gguf_model): rows in the file's order,
+            exact += 1  # but a Llama's q/k, which llama.cpp stores permuted
+            order = row_order(source.architecture, name, target.shape[0], adapter.num_heads, adapter.num_kv_heads)
+            return block if order is None else _take_rows(block, order)
         order = _match_rows(block, target.detach().float())
         if order is None:
             raise GGUFDraftError(f"the weights of '{name}' in {gguf_file} are not the model's (the target was not "
@@ -220,19 +228,21 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
             target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
             pieces = target.split(_split_sizes(adapter, name, target))
             got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
-            if len(got) == 1:
+            if len(got) == 1 and got[0].fmt == "int8" and target.is_meta:
+                row[name] = quantize_int8(adapter.float_matrix(l, name))
+            elif len(got) == 1:
                 row[name] = got[0]
             elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
                 row[name] = _cat_rows(got)
             else:  # parts of different layouts cannot share one fused matrix's kernel call
                 fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
                 exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
-                row[name] = quantize_int8(target)
+                row[name] = quantize_int8(adapter.float_matrix(l, name))
         layers.append(row)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = load(head_name, adapter.lm_head)
     info = {"gguf_file": gguf_file, "exact_matrices": exact, "int8_fallback": fallback,
-            "types": sorted({t.tensor_type.name for t in reader.tensors if t.name.endswith(".weight")})}
+            "types": sorted({t.tensor_type.name for t in tensors.values() if t.name.endswith(".weight")})}
     return layers, head, info
 
 
@@ -256,9 +266,10 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-CACHE_FORMAT = 3  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
+CACHE_FORMAT = 4  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
 # not read (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks;
-# 3: the kernel's packed panels, read without repacking)
+# 3: the kernel's packed panels, read without repacking; 4: K-quants' scales as their factors, d per 256 weights
+# and an integer per group)
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:

@@ -574,8 +574,10 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
 // (ns, K/8, 64) uint32 (as (ns, K/2, 64) bytes): dword [b, o] = sum over n < 8 of q(o, 8b + n) << 4n, so one
 // 64-byte load gives 16 outputs x 8 codes: the FMA paths shift a code into each dword's low bits, and the
-// int8-activation path (qlinear_a8) masks even and odd codes into bytes for vpdpbusd. Scales and minimums (ns, K/gs, 64) float32, or float16
-// float32. Rows are tiled by up to 6 (AVX-512) or 4 (AVX2): a k-row call decodes each line once per tile.
+// int8-activation path (qlinear_a8) masks even and odd codes into bytes for vpdpbusd. Scales and minimums
+// (ns, K/gs, 64) float32, or float16 where every one is a float16 value, or (GGUF K-quants) factored: d (float16)
+// per 256 weights and an integer per group, multiplied in registers into the same float32 values (Fac below).
+// Rows are tiled by up to 6 (AVX-512) or 4 (AVX2): a k-row call decodes each line once per tile.
 // Arithmetic, per output and row, in float32 with FMA and a fixed order:
 //     p_g = sum over k in g (ascending) of float(q[n, k]) * x[k]     (one FMA chain)
 //     y   = sum over g (ascending) of  s[n, g] * p_g (+ m[n, g] * xs_g)   (one FMA chain)
@@ -599,6 +601,61 @@ __attribute__((target("avx512f"))) inline __m512 ld16(const uint16_t* p) {
 inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 ld8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// Factored scales (GGUF K-quants: a group's scale is d * sc, its minimum -(dmin * m), with d, dmin float16 per
+// super-block of 256 weights and sc, m small integers per group): per super-panel and super-block, two lines
+// of the float16 d of the 64 outputs, then G = 256 / gs lines of one int8 factor per output (group i of the
+// super-block: line 2 + i), as (ns, K/256, 2 + G, 64) int8, read in address order. A float16 times an integer
+// of at most 8 bits is exact in float32, so the scale computed here, float(d) * float(sc), is the very float32
+// value a stored product would be, and the minimum (-dmin) * float(m) the very value of -(dmin * m).
+struct Fac { int8_t v; };
+
+template <typename S> inline int64_t sstride_of(int64_t ng, int64_t G) {  // scale elements per super-panel
+  return std::is_same_v<S, Fac> ? (ng / G) * (G + 2) * SP : ng * SP;
+}
+// Group g's scales (or minimums), found once per group and tile: its line of 64 values, or its line of 64
+// integer factors and the super-block's d (G, a power of two, gives a shift and a mask). A tile widens each
+// super-block's float16 d and dmin once (widen_d: into `dq`, an L1 buffer of 64 floats, the minimums' d negated:
+// -(dmin * m) = (-dmin) * m exactly, sign and all), so a group's scale costs a convert and a multiply.
+template <typename S> struct GroupScales { const S* p; const float* d; };
+template <typename S> inline GroupScales<S> group_scales(const S* base, int64_t g, int64_t G, const float* dq) {
+  if constexpr (std::is_same_v<S, Fac>) {
+    const int sh = __builtin_ctzll(static_cast<unsigned long long>(G));
+    const int8_t* b = reinterpret_cast<const int8_t*>(base) + (g >> sh) * (G + 2) * SP;
+    return {reinterpret_cast<const Fac*>(b + (2 + (g & (G - 1))) * SP), dq};
+  } else {
+    return {base + g * SP, nullptr};
+  }
+}
+template <typename S> inline void widen_d(const S* base, int64_t g, int64_t G, float* dq, bool negate) {
+  if constexpr (std::is_same_v<S, Fac>) {
+    if ((g & (G - 1)) != 0) return;  // not the first group of a super-block
+    const int8_t* b = reinterpret_cast<const int8_t*>(base) + (g / G) * (G + 2) * SP;
+    for (int64_t l = 0; l < G + 2; ++l)  // the next super-block's lines: 256 k-steps ahead
+      _mm_prefetch(reinterpret_cast<const char*>(b + (G + 2 + l) * SP), _MM_HINT_T0);
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(b);
+    const __m256 sign = _mm256_set1_ps(negate ? -0.0f : 0.0f);
+    for (int64_t o = 0; o < SP; o += 8)
+      _mm256_store_ps(dq + o, _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + o))), sign));
+  }
+}
+template <typename S>
+__attribute__((target("avx512f"))) inline __m512 scale16(GroupScales<S> gs, int64_t o) {  // scales and minimums
+  if constexpr (std::is_same_v<S, Fac>) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gs.p + o))));
+    return _mm512_mul_ps(_mm512_load_ps(gs.d + o), f);
+  } else {
+    return ld16(gs.p + o);
+  }
+}
+template <typename S> inline __m256 scale8(GroupScales<S> gs, int64_t o) {
+  if constexpr (std::is_same_v<S, Fac>) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gs.p + o))));
+    return _mm256_mul_ps(_mm256_load_ps(gs.d + o), f);
+  } else {
+    return ld8(gs.p + o);
+  }
+}
+
 // R rows x one super-panel, AVX-512: lane i of p[r][j] is output 16 j + i of row r. The group
 // partial sums p live in registers (R x 4 zmm; R <= 6 leaves room for the decode); the running
 // sums acc live in an L1 buffer, touched once per group. 4-bit codes are decoded with one
@@ -607,10 +664,11 @@ inline __m256 ld8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(re
 // lookup. Each output's chain is the same as the AVX2 path's (below) whatever R is.
 template <int R, bool Q4, bool MIN, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, const float* x,
+void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, int64_t G, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n_valid, const float* bias) {
   alignas(64) float acc[R][SP];
   std::memset(acc, 0, sizeof(acc));
+  alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
   const int64_t ng = k_n / gs;
   alignas(64) float tab[16];
   for (int i = 0; i < 16; ++i) tab[i] = float(MIN ? i : i - 8);  // Q4_1: q; Q4_0: q - 8 (exact)
@@ -649,10 +707,13 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
         }
       }
     }
+    widen_d(sc, g, G, dq[0], false);
+    if constexpr (MIN) widen_d(mn, g, G, dq[1], true);
+    const GroupScales<S> gsc = group_scales(sc, g, G, dq[0]), gmn = MIN ? group_scales(mn, g, G, dq[1]) : gsc;
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 s = ld16(sc + g * SP + 16 * j);
-      const __m512 m = MIN ? ld16(mn + g * SP + 16 * j) : _mm512_setzero_ps();
+      const __m512 s = scale16(gsc, 16 * j);
+      const __m512 m = MIN ? scale16(gmn, 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512 a = _mm512_fmadd_ps(s, p[r][j], _mm512_load_ps(acc[r] + 16 * j));
@@ -675,11 +736,12 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
 // them in L1/L2), more rows 16 (four passes) so that R x NQ partial sums fit the 16 ymm registers.
 // The same chain per output as qtile512.
 template <int R, int NQ, bool Q4, bool MIN, typename S>
-void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, const float* x,
+void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, int64_t G, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t o0, int64_t n_valid,
               const float* bias) {
   alignas(32) float acc[R][8 * NQ];
   std::memset(acc, 0, sizeof(acc));
+  alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
   const int64_t ng = k_n / gs;
   const __m256i lo4 = _mm256_set1_epi32(0x0F), off = _mm256_set1_epi32(MIN ? 0 : 8);
   for (int64_t g = 0; g < ng; ++g) {
@@ -710,9 +772,12 @@ void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
         }
       }
     }
+    widen_d(sc, g, G, dq[0], false);
+    if constexpr (MIN) widen_d(mn, g, G, dq[1], true);
+    const GroupScales<S> gsc = group_scales(sc, g, G, dq[0]), gmn = MIN ? group_scales(mn, g, G, dq[1]) : gsc;
     for (int j = 0; j < NQ; ++j) {
-      const __m256 s = ld8(sc + g * SP + o0 + 8 * j);
-      const __m256 m = MIN ? ld8(mn + g * SP + o0 + 8 * j) : _mm256_setzero_ps();
+      const __m256 s = scale8(gsc, o0 + 8 * j);
+      const __m256 m = MIN ? scale8(gmn, o0 + 8 * j) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         __m256 a = _mm256_fmadd_ps(s, p[r][j], _mm256_load_ps(acc[r] + 8 * j));
         if constexpr (MIN) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * ldxs + g), a);
@@ -747,7 +812,8 @@ constexpr int QROWS256 = 4;  // rows per AVX2 tile (16 outputs): 8 partial-sum r
 
 template <bool Q4, bool MIN, bool AVX512, typename S>
 void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
-  const int64_t cstride = (Q4 ? a.k_n / 2 : a.k_n) * SP, sstride = (a.k_n / a.gs) * SP;
+  const int64_t G = 256 / a.gs;  // groups per super-block (factored scales only)
+  const int64_t cstride = (Q4 ? a.k_n / 2 : a.k_n) * SP, sstride = sstride_of<S>(a.k_n / a.gs, G);
   const uint8_t* codes = a.codes + sp * cstride;
   const S* sc = static_cast<const S*>(a.sc) + sp * sstride;
   const S* mn = MIN ? static_cast<const S*>(a.mn) + sp * sstride : nullptr;
@@ -763,7 +829,7 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
     const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
     float* yt = a.y + r * a.n + n0;
     if constexpr (AVX512) {
-#define QT(RR) qtile512<RR, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
+#define QT(RR) qtile512<RR, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
       switch (size) {
         case 6: QT(6); break; case 5: QT(5); break; case 4: QT(4); break;
         case 3: QT(3); break; case 2: QT(2); break; default: QT(1);
@@ -771,9 +837,9 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
 #undef QT
     } else if (size == 1) {
       for (int64_t o0 = 0; o0 < SP; o0 += 32)
-        qtile256<1, 4, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
+        qtile256<1, 4, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
     } else {
-#define QT(RR) qtile256<RR, 2, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
+#define QT(RR) qtile256<RR, 2, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
       for (int64_t o0 = 0; o0 < SP; o0 += 16)
         switch (size) { case 4: QT(4); break; case 3: QT(3); break; default: QT(2); }
 #undef QT
@@ -827,7 +893,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 void a8tile512(const A8Args& a, const uint8_t* codes, const S* sc, const S* mn, int64_t r0, int64_t n0, int64_t n_valid) {
   alignas(64) float acc[R][SP];
   std::memset(acc, 0, sizeof(acc));
-  const int64_t ng = a.k_n / a.gs;
+  alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
+  const int64_t ng = a.k_n / a.gs, G = 256 / a.gs;
   const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
   for (int64_t g = 0; g < ng; ++g) {
     __m512i is[R][4];
@@ -850,10 +917,13 @@ void a8tile512(const A8Args& a, const uint8_t* codes, const S* sc, const S* mn, 
         }
       }
     }
+    widen_d(sc, g, G, dq[0], false);
+    if constexpr (MIN) widen_d(mn, g, G, dq[1], true);
+    const GroupScales<S> gsc = group_scales(sc, g, G, dq[0]), gmn = MIN ? group_scales(mn, g, G, dq[1]) : gsc;
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 s = ld16(sc + g * SP + 16 * j);
-      const __m512 m = MIN ? ld16(mn + g * SP + 16 * j) : _mm512_setzero_ps();
+      const __m512 s = scale16(gsc, 16 * j);
+      const __m512 m = MIN ? scale16(gmn, 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const float dg = a.dx[(r0 + r) * ng + g], sx = a.sxf[(r0 + r) * ng + g];
@@ -878,7 +948,8 @@ void a8tile256(const A8Args& a, const uint8_t* codes, const S* sc, const S* mn, 
                int64_t n_valid) {
   alignas(32) float acc[16];
   std::memset(acc, 0, sizeof(acc));
-  const int64_t ng = a.k_n / a.gs;
+  alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
+  const int64_t ng = a.k_n / a.gs, G = 256 / a.gs;
   const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < ng; ++g) {
     __m256i is[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -894,12 +965,15 @@ void a8tile256(const A8Args& a, const uint8_t* codes, const S* sc, const S* mn, 
       }
     }
     const float dg = a.dx[r * ng + g], sx = a.sxf[r * ng + g];
+    widen_d(sc, g, G, dq[0], false);
+    if constexpr (MIN) widen_d(mn, g, G, dq[1], true);
+    const GroupScales<S> gsc = group_scales(sc, g, G, dq[0]), gmn = MIN ? group_scales(mn, g, G, dq[1]) : gsc;
     for (int j = 0; j < 2; ++j) {
-      const __m256 s = ld8(sc + g * SP + o0 + 8 * j);
+      const __m256 s = scale8(gsc, o0 + 8 * j);
       __m256 sum = _mm256_cvtepi32_ps(is[j]);
       if constexpr (!MIN) sum = _mm256_sub_ps(sum, _mm256_set1_ps(8.0f * sx));
       __m256 t = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_set1_ps(dg), sum), _mm256_load_ps(acc + 8 * j));
-      if constexpr (MIN) t = _mm256_fmadd_ps(ld8(mn + g * SP + o0 + 8 * j), _mm256_set1_ps(dg * sx), t);
+      if constexpr (MIN) t = _mm256_fmadd_ps(scale8(gmn, o0 + 8 * j), _mm256_set1_ps(dg * sx), t);
       _mm256_store_ps(acc + 8 * j, t);
     }
   }
@@ -913,7 +987,7 @@ void a8run(const A8Args& a, int64_t rows) {
   const int64_t supers = (a.n + SP - 1) / SP;
   const int64_t bytes = (a.k_n / 2) * SP;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
-  const int64_t sstride = (a.k_n / a.gs) * SP;
+  const int64_t sstride = sstride_of<S>(a.k_n / a.gs, 256 / a.gs);
   at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
     for (int64_t sp = s0; sp < s1; ++sp) {
       const uint8_t* codes = a.codes + sp * bytes;
@@ -946,6 +1020,23 @@ bool cpu_has_vnni512() {
 
 }  // namespace
 
+// The packed scales' kind, checked against the codes: 0 float32, 1 float16, each (ns, K/gs, 64); 2 factored
+// (Fac above: (ns, K/256, 2 + 256/gs, 64) int8). Minimums, where given, must be of the same kind and shape.
+int scale_kind(const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins, int64_t np, int64_t k,
+               int64_t gs, const char* who) {
+  int kind = -1;
+  if (scales.dim() == 3 && scales.size(0) == np && scales.size(1) == k / gs && scales.size(2) == SP)
+    kind = scales.scalar_type() == torch::kFloat32 ? 0 : scales.scalar_type() == torch::kHalf ? 1 : -1;
+  else if (scales.dim() == 4 && scales.scalar_type() == torch::kInt8 && 256 % gs == 0 && k % 256 == 0 &&
+           scales.size(0) == np && scales.size(1) == k / 256 && scales.size(2) == 256 / gs + 2 && scales.size(3) == SP)
+    kind = 2;
+  TORCH_CHECK(kind >= 0 && scales.is_contiguous(), who, ": packed scales expected");
+  TORCH_CHECK(!mins.has_value() || !mins->defined() ||
+                  (mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == scales.scalar_type()),
+              who, ": mins must match scales");
+  return kind;
+}
+
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
 std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 
@@ -963,13 +1054,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
               "qlinear: packed codes expected");
   const int64_t np = codes.size(0);
   TORCH_CHECK(np * SP >= n && np * SP - n < SP, "qlinear: bad output size");
-  const bool half = scales.scalar_type() == torch::kHalf;
-  TORCH_CHECK((half || scales.scalar_type() == torch::kFloat32) && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == np && scales.size(1) == k / gs && scales.size(2) == SP,
-              "qlinear: packed scales expected");
+  const int skind = scale_kind(scales, mins, np, k, gs, "qlinear");
   const bool has_min = mins.has_value() && mins->defined();
-  TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
-                           mins->scalar_type() == scales.scalar_type()), "qlinear: mins must match scales");
   const bool avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
   TORCH_CHECK(!avx512 || cpu_has_avx512(), "qlinear: this CPU has no AVX-512");
   torch::Tensor xc = x.contiguous();
@@ -998,8 +1084,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
           has_min ? mins->data_ptr() : nullptr, k, gs, n, xc.data_ptr<float>(),
           has_min ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b};
 #define QDISPATCH(Q4, MIN)                                                                        \
-  if (half) {                                                                                      \
+  if (skind == 1) {                                                                                \
     if (avx512) qrun<Q4, MIN, true, uint16_t>(a, rows); else qrun<Q4, MIN, false, uint16_t>(a, rows); \
+  } else if (skind == 2) {                                                                         \
+    if (avx512) qrun<Q4, MIN, true, Fac>(a, rows); else qrun<Q4, MIN, false, Fac>(a, rows);           \
   } else {                                                                                         \
     if (avx512) qrun<Q4, MIN, true, float>(a, rows); else qrun<Q4, MIN, false, float>(a, rows);       \
   }
@@ -1027,9 +1115,7 @@ torch::Tensor qlinear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == SP && codes.size(1) == k / 2 && codes.is_contiguous(),
               "qlinear_a8: packed 4-bit codes expected");
   const int64_t np = codes.size(0), ng = k / gs;
-  const bool half = scales.scalar_type() == torch::kHalf;
-  TORCH_CHECK((half || scales.scalar_type() == torch::kFloat32) && scales.is_contiguous() &&
-              scales.size(0) == np && scales.size(1) == ng, "qlinear_a8: packed scales expected");
+  const int skind = scale_kind(scales, mins, np, k, gs, "qlinear_a8");
   const bool has_min = mins.has_value() && mins->defined();
   const bool avx512 = (isa == "avx512" || (isa == "auto" && cpu_has_avx512())) && cpu_has_vnni512();
   TORCH_CHECK(isa != "avx512" || avx512, "qlinear_a8: this CPU has no AVX-512 VNNI");
@@ -1063,7 +1149,8 @@ torch::Tensor qlinear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   A8Args a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(), has_min ? mins->data_ptr() : nullptr,
            k, gs, n, q, dp, sp, out.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr};
 #define A8D(MIN)                                                                                   \
-  if (half) { if (avx512) a8run<MIN, true, uint16_t>(a, rows); else a8run<MIN, false, uint16_t>(a, rows); } \
+  if (skind == 1) { if (avx512) a8run<MIN, true, uint16_t>(a, rows); else a8run<MIN, false, uint16_t>(a, rows); } \
+  else if (skind == 2) { if (avx512) a8run<MIN, true, Fac>(a, rows); else a8run<MIN, false, Fac>(a, rows); } \
   else { if (avx512) a8run<MIN, true, float>(a, rows); else a8run<MIN, false, float>(a, rows); }
   if (has_min) { A8D(true) } else { A8D(false) }
 #undef A8D
