@@ -189,15 +189,15 @@ class GGUFDraftError(ValueError):
 def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
     """The GGUF's own blocks for every matrix, rows matched to the target's. A tensor whose
     type the kernel does not take is quantized to int8 per channel instead (reported)."""
-    from .gguf_file import GGUFTensors, row_order
+    import gguf
 
     if not Path(gguf_file).is_file():
         raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file})")
     try:
-        source = GGUFTensors(gguf_file)
+        reader = gguf.GGUFReader(gguf_file)
     except (OSError, ValueError) as exc:
         raise GGUFDraftError(f"cannot read {gguf_file} ({exc})") from None
-    tensors = source.tensors
+    tensors = {t.name: t for t in reader.tensors}
     fallback: list[str] = []
     exact = 0
 
@@ -210,10 +210,6 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
         if block is None:
             fallback.append(f"{name} ({t.tensor_type.name})")
             return quantize_int8(target)
-        if target.is_meta:  # a model read from these very blocks (lite.load_gguf_model): rows in the file's order,
-            exact += 1  # but a Llama's q/k, which llama.cpp stores permuted
-            order = row_order(source.architecture, name, target.shape[0], adapter.num_heads, adapter.num_kv_heads)
-            return block if order is None else _take_rows(block, order)
         order = _match_rows(block, target.detach().float())
         if order is None:
             raise GGUFDraftError(f"the weights of '{name}' in {gguf_file} are not the model's (the target was not "
@@ -228,21 +224,19 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
             target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
             pieces = target.split(_split_sizes(adapter, name, target))
             got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
-            if len(got) == 1 and got[0].fmt == "int8" and target.is_meta:
-                row[name] = quantize_int8(adapter.float_matrix(l, name))
-            elif len(got) == 1:
+            if len(got) == 1:
                 row[name] = got[0]
             elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
                 row[name] = _cat_rows(got)
             else:  # parts of different layouts cannot share one fused matrix's kernel call
                 fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
                 exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
-                row[name] = quantize_int8(adapter.float_matrix(l, name))
+                row[name] = quantize_int8(target)
         layers.append(row)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     head = load(head_name, adapter.lm_head)
     info = {"gguf_file": gguf_file, "exact_matrices": exact, "int8_fallback": fallback,
-            "types": sorted({t.tensor_type.name for t in tensors.values() if t.name.endswith(".weight")})}
+            "types": sorted({t.tensor_type.name for t in reader.tensors if t.name.endswith(".weight")})}
     return layers, head, info
 
 
