@@ -11,7 +11,7 @@ model's top-2 logit gap at that position (a near-tie in fp32 shows as a small ga
     python scripts/gguf_parity.py --methods ar,self-sd,asd,swift,adadecode -n 64 \
         --suite spec-bench-mini [--target-precision auto] --output docs/bench/gguf-parity.json
 
-``--model gemma3-270m`` (or a .gguf path) checks another GGUF model the same way; ``--no-chat-template``
+``--model gemma3-270m``, ``qwen2.5-coder-1.5b`` (or a .gguf path) checks another GGUF model the same way; ``--no-chat-template``
 feeds the questions as raw text (a base model such as Gemma 3 270M has no template: raw text either way).
 """
 from __future__ import annotations
@@ -80,14 +80,19 @@ def main() -> int:
     ap.add_argument("--target-precision", default="auto")
     ap.add_argument("--model", default=None, help="the default model, gemma3-270m, or a .gguf file")
     ap.add_argument("--no-chat-template", dest="chat_template", action="store_false")
+    ap.add_argument("--limit", type=int, default=None, help="the suite's first N prompts")
     args = ap.parse_args()
     prompts = load_suite(args.suite)
+    if args.limit:
+        prompts = prompts[:args.limit]
     t0 = time.perf_counter()
     gguf = (loading.default_model_gguf() if args.model in (None, "smollm2") else
-            loading.gemma_model_gguf() if args.model == loading.GEMMA_MODEL_NAME else Path(args.model))
+            loading.gemma_model_gguf() if args.model == loading.GEMMA_MODEL_NAME else
+            loading.chunked_model_gguf(loading.CHUNKED_MODELS[args.model]) if args.model in loading.CHUNKED_MODELS else
+            Path(args.model))
     ref, inputs, ref_model = reference_turns(gguf, prompts, args.max_new_tokens, args.chat_template)
     ref_s = time.perf_counter() - t0
-    model, tok = loading.load_model(args.model, dtype="float32", device="cpu")
+    model, tok = loading.load_model(args.model, dtype="float32", device="cpu", lite=True)  # as generate loads it
     engine = Engine(model, target_precision=args.target_precision)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, tok))
     results = {}

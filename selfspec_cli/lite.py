@@ -62,7 +62,7 @@ def lite_reason(where: str | os.PathLike) -> str | None:
     if not d.is_dir():
         return "not a local directory"
     try:
-        cfg, tok_cfg = _read_json(d / "config.json"), _read_json(d / "tokenizer_config.json")
+        cfg = _read_json(d / "config.json")
     except (OSError, ValueError) as exc:  # transformers' loader says what is wrong with the file
         return f"unreadable config ({type(exc).__name__})"
     if cfg.get("model_type") not in LITE_TYPES:
@@ -76,14 +76,26 @@ def lite_reason(where: str | os.PathLike) -> str | None:
     for name in ("model.safetensors", "tokenizer.json"):
         if not (d / name).is_file():
             return f"no {name}"
+    return lite_tokenizer_reason(d) or (None if _available("safetensors") else "safetensors is not installed")
+
+
+def lite_tokenizer_reason(where: str | os.PathLike) -> str | None:
+    """Why the tokenizer of the directory ``where`` does not load without transformers (None: it does)."""
+    d = Path(where)
+    try:
+        cfg, tok_cfg = _read_json(d / "config.json"), _read_json(d / "tokenizer_config.json")
+    except (OSError, ValueError) as exc:
+        return f"unreadable config ({type(exc).__name__})"
+    if not (d / "tokenizer.json").is_file():
+        return "no tokenizer.json"
     # the tokenizers library's own pipeline is transformers' only for its generic backend; a class of its
     # own (Qwen2Tokenizer, LlamaTokenizer, ...) may build another pre-tokenizer from the vocabulary, and
     # transformers 5 tokenizes every qwen2 model with Qwen2Tokenizer whatever the file names
     tok_class = tok_cfg.get("tokenizer_class")
     if tok_class not in GENERIC_TOKENIZERS or cfg.get("model_type") == "qwen2":
         return f"tokenizer class {tok_class!r} with model type {cfg.get('model_type')!r} (lite: the generic backend)"
-    if not (_available("tokenizers") and _available("safetensors")):
-        return "tokenizers or safetensors is not installed"
+    if not _available("tokenizers"):
+        return "tokenizers is not installed"
     return None
 
 
@@ -215,12 +227,12 @@ class LiteLlama(nn.Module):
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
 
     @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+    def device(self) -> torch.device:  # the final norm's: a model read from its GGUF holds its embedding there
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("a lite model runs in selfspec's engine only (SELFSPEC_LITE=0 loads transformers')")
@@ -313,3 +325,112 @@ def _jinja_env() -> Any:
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     return env
+
+
+# ---------------------------------------------------------------- a model read straight from its GGUF blocks
+
+GGUF_SOURCE_FILE = "selfspec-source.json"  # a model directory's record of the GGUF it was made from
+
+
+def gguf_weights_file(where: str | os.PathLike) -> str | None:
+    """The GGUF file whose blocks are the weights of the model directory ``where``: a directory that holds only
+    the GGUF's config and tokenizer (``"weights": "gguf"`` in its source record) and no weights of its own.
+    None for any other directory."""
+    src = _read_json(Path(where) / GGUF_SOURCE_FILE) if Path(where).is_dir() else {}
+    return src.get("gguf_file") if src.get("weights") == "gguf" else None
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Parameter ``name`` of ``model`` becomes ``value`` (a meta parameter cannot take another device's data)."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+    if owner == "model.embed_tokens" and getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.device, log: Any = None) -> LiteLlama:
+    """The model of the directory ``where`` (config and tokenizer only; :func:`gguf_weights_file`) over its GGUF:
+
+    * every matrix of a type the block kernel reads (Q4_K, Q6_K, Q8_0, ...) and the embedding stay in the
+      file: their parameters are shapes on the meta device, the engine reads the blocks (engine/quant.py) and
+      looks embedding rows up from them (``_selfspec_embed_rows``), so no float copy of them is made;
+    * norms, biases and matrices of float types (F32, F16, BF16) are float32 tensors, as transformers' loader
+      dequantizes them;
+    * ``_selfspec_materialize()`` dequantizes every matrix into the parameters (a float target, an int8
+      draft), the very values a converted model holds; ``_selfspec_sample`` gives the fingerprint its
+      samples without it (the same id as the converted model's).
+    """
+    from .engine.gguf_file import BLOCK_TYPES, GGUFTensors, gguf_name
+
+    d = Path(where)
+    path = gguf_weights_file(d)
+    if path is None or not Path(path).is_file():
+        raise ValueError(f"the GGUF file the model directory {d} reads ({path}) is gone")
+    g = GGUFTensors(path)
+    cfg = LiteConfig({**_read_json(d / "config.json"), "name_or_path": str(where), "_name_or_path": str(where)})
+    gen = _read_json(d / "generation_config.json")
+    model = LiteLlama(cfg, gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
+    tied = bool(cfg.tie_word_embeddings)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    floats: list[str] = []
+    params = dict(model.named_parameters())
+    # a fused product (q/k/v, gate/up) with a part of a float type runs as one float matrix: all its parts float
+    whole = set()
+    for layer in range(cfg.num_hidden_layers):
+        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            names = [f"model.layers.{layer}.{part}.weight" for part in group]
+            if any(g.type_name(gguf_name(n)) not in BLOCK_TYPES for n in names if gguf_name(n) in g):
+                whole.update(names)
+    for name, p in params.items():  # a tied head is the embedding's parameter, listed once
+        gname = gguf_name(name, tied)
+        if gname not in g:
+            raise ValueError(f"tensor '{gname}' ({name}) is missing from {path}")
+        if g.shape(gname) != tuple(p.shape):
+            raise ValueError(f"tensor '{gname}' in {path} has shape {g.shape(gname)}, the config says {tuple(p.shape)}")
+        blocks = g.type_name(gname) in BLOCK_TYPES
+        if p.dim() == 2 and blocks and name not in whole:
+            continue  # read from the file's blocks
+        if p.dim() == 2:
+            floats.append(f"{gname} ({g.type_name(gname)})")
+        _set(model, name, g.dequantize_rows(gname).reshape(p.shape).to(device=device, dtype=dtype))
+    if floats and log is not None:
+        log(f"{len(floats)} matrices of {Path(path).name} are float types and run as float matrices: "
+            f"{', '.join(floats[:3])}{', ...' if len(floats) > 3 else ''}")
+    embed = "token_embd.weight"
+
+    def embed_rows(ids: torch.Tensor) -> torch.Tensor:
+        return g.dequantize_rows(embed, ids.reshape(-1).cpu().numpy()).to(device=device, dtype=dtype)
+
+    def sample(name: str, index: torch.Tensor) -> torch.Tensor:
+        """Elements ``index`` of parameter ``name`` flattened (the fingerprint's strided sample)."""
+        p = dict(model.named_parameters())[name]
+        k = p.shape[-1]
+        rows, cols = index // k, index % k
+        wanted = torch.unique(rows)
+        values = g.dequantize_rows(gguf_name(name, tied), wanted.numpy())
+        return values[torch.searchsorted(wanted, rows), cols]
+
+    def materialize() -> None:
+        """Every matrix still in the file as float32 values in the model (once)."""
+        for name, p in list(model.named_parameters()):
+            if p.is_meta:
+                _set(model, name, g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype))
+        model._selfspec_embed_rows = None  # the float table is there now
+
+    if tied:  # the head is the embedding's parameter, whichever it now is
+        model.lm_head.weight = model.model.embed_tokens.weight
+    def materialize_param(p: torch.Tensor) -> None:
+        """The one parameter ``p`` (still in the file) as float values in the model."""
+        name = next(n for n, q in model.named_parameters() if q is p)
+        _set(model, name, g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype))
+
+    model._selfspec_materialize_param = materialize_param
+    model._selfspec_gguf = g
+    model._selfspec_embed_rows = embed_rows
+    model._selfspec_sample = sample
+    model._selfspec_materialize = materialize
+    model.model.rotary_emb.to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

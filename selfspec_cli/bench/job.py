@@ -27,7 +27,7 @@ from ..config import GenerationConfig, SamplingConfig, check_choice, check_sampl
 from ..decoding.cost import VerifyCurve, measure_fresh
 from ..engine import Engine, threads as governor
 from ..engine.target import TARGET_PRECISIONS
-from ..errors import ConfigError
+from ..errors import ConfigError, count
 from ..jsonio import dumps
 from ..methods import METHODS, Method, build, config_for
 from ..paths import atomic_write, check_not_input, cut_to_last_line
@@ -346,6 +346,7 @@ class _Run:
     prompts: list[Prompt]  # this rank's share (every prompt in one process)
     records_dir: Path
     done: dict[str, dict[tuple[int, Any], dict]] = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict)  # the model's load and the memory then (Session.startup)
 
     @property
     def dev(self) -> torch.device:
@@ -374,7 +375,9 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
         why = "is the float32 weights already" if engine.dtype == torch.float32 else f"is loaded in {engine.dtype}"
         plan.say(f"[dim]ar-fp32 left out: the target {why}[/dim]")
     contenders = build_contenders(names, session, engine, req, assistant)
-    r = _Run(req, plan, io, session, engine, names, contenders, prompts, records_dir)
+    r = _Run(req, plan, io, session, engine, names, contenders, prompts, records_dir, startup=session.startup())
+    plan.say(f"[dim]model loaded in {r.startup['model_load_s']:.1f} s; peak RSS {r.startup['peak_rss_mb']:.0f} MB "
+             "after building the contenders[/dim]")
     _start(r)
     engine_costs = _engine_costs(r) if req.costs and ranks.lead else None
     rk.barrier(ranks)  # every rank starts timing together, after rank 0's cost measurement
@@ -411,8 +414,8 @@ def _start(r: _Run) -> None:
         say(f"[dim]torchrun: {ranks.world} ranks, every {ranks.world}th prompt each; records per rank in "
             f"{req.output_dir}/records/rank<r>/[/dim]")
     say(f"[dim]model {model_name(mdl)} ({mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {r.dev}, "
-        f"{torch.get_num_threads()} threads{' per rank' if ranks.many else ''}); {len(plan.prompts)} prompts "
-        f"({', '.join(f'{c} {k}' for c, k in cats.items())}) x {req.max_new_tokens} tokens; warm-up {req.warmup}, "
+        f"{count(torch.get_num_threads(), 'thread')}{' per rank' if ranks.many else ''}); {count(len(plan.prompts), 'prompt')} "
+        f"({', '.join(f'{c} {k}' for c, k in cats.items())}) x {count(req.max_new_tokens, 'token')}; warm-up {req.warmup}, "
         f"repeats {req.repeats}; contenders {', '.join(r.names)}[/dim]")
     say(f"[dim]target: {engine.target_precision} ({engine.target_info.get('why') or 'asked'}); every speedup is "
         f"against ar on it[/dim]")
@@ -517,7 +520,8 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str
              "command": r.io.invocation, "complete": True, "early_exit_layer": req.early_exit_layer,
              "assistant_model": req.assistant_model, "ranks": plan.ranks.world}
     model_info = {"name": model_name(mdl), "architecture": mdl.config.model_type, "num_layers": engine.num_layers,
-                  "fingerprint": r.session.fingerprint, "parameters": r.session.parameters}
+                  "fingerprint": r.session.fingerprint, "parameters": r.session.parameters,
+                  "startup": r.startup}
     out = req.output_dir
     file_map: dict[str, Any] = {"results": str(out / "results.json"),
                                 "records": {n: str(out / "records" / f"{n}.jsonl") for n in r.names},
@@ -535,8 +539,8 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str
     if engine.static is not None:  # GPU: the fixed-shape forwards (graphs captured, replays, eager fallbacks)
         doc["fixed_forwards"] = engine.static.describe()
     atomic_write(out / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))
-    title = (f"selfspec bench: {plan.source.get('suite') or plan.source.get('prompt_file')}, {len(r.prompts)} prompts x "
-             f"{req.max_new_tokens} tokens, {r.dev}, {str(engine.dtype).replace('torch.', '')}, {plan.decoding}, "
+    title = (f"selfspec bench: {plan.source.get('suite') or plan.source.get('prompt_file')}, {count(len(r.prompts), 'prompt')} x "
+             f"{count(req.max_new_tokens, 'token')}, {r.dev}, {str(engine.dtype).replace('torch.', '')}, {plan.decoding}, "
              f"median of {req.repeats} pass{'es' if req.repeats > 1 else ''}")
     return BenchOutcome(summary, doc, title, ref, base)
 

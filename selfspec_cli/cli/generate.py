@@ -12,7 +12,7 @@ import typer
 from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, check_seed
 from ..engine.target import TARGET_PRECISIONS
-from ..errors import ConfigError, FieldError
+from ..errors import ConfigError, FieldError, count
 from ..loading import config_num_layers, resolve_model_path
 from ..methods import METHODS, Method, build
 from ..prompts import PROMPT_FORMATS, Prompt, prompts_from_texts, read_prompts
@@ -82,7 +82,7 @@ def generate(
     else:
         with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
             pace = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used, settings)
-    _log_pace(meth, method, engine.target_precision, pace)
+    _log_pace(meth, method, engine.target_precision, pace, session)
     if save_layers is not None:
         _save_layers(meth, save_layers)
 
@@ -110,7 +110,7 @@ def _build(method: str, engine: Any, session: Session, method_cfg: Any, n_prompt
     mdl = session.model
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
         f"target {engine.target_precision}{f' ({freed / 2**20:.0f} MB of float matrices freed)' if freed else ''}; "
-        f"method {method}; {n_prompts} prompts[/dim]")
+        f"method {method}; {count(n_prompts, 'prompt')}[/dim]")
     for kind, path in used.items():
         log(f"[dim]using {kind} {path}[/dim]")
     return meth, dict(used)
@@ -231,7 +231,7 @@ class Pace:
     def line(self, curve: Any) -> str:
         """Tokens/s with the prefill, and, given the stored verify curve, the decoding's pace against what
         ar takes for the same tokens at the same contexts here (one stored T(1) per token, at its context)."""
-        out = f"{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens / self.seconds:.1f} tok/s (prefill included)"
+        out = f"{count(self.tokens, 'token')} in {self.seconds:.1f} s, {self.tokens / self.seconds:.1f} tok/s (prefill included)"
         n, secs = sum(d[1] for d in self.decoded), sum(d[2] for d in self.decoded)
         if curve is None or n == 0 or secs <= 0:
             return out
@@ -240,11 +240,15 @@ class Pace:
                       f"same tokens at in this machine's stored costs (T(1) {curve.t1_s * 1e3:.1f} ms)")
 
 
-def _log_pace(meth: Method, method: str, target: str, pace: Pace) -> None:
+def _log_pace(meth: Method, method: str, target: str, pace: Pace, session: Session) -> None:
+    up = session.startup()
+    start = (f"model loaded in {up['model_load_s']:.1f} s (ready {up['model_ready_s']:.1f} s after the process "
+             f"started), peak RSS {up['peak_rss_mb']:.0f} MB")
     if pace.seconds <= 0:
+        log(f"[dim]{method}, target {target}: {start}[/dim]")
         return
     curve = getattr(meth, "curve", None) if method != "ar" else None  # the stored costs, when the method plans with them
-    log(f"[dim]{method}, target {target}: {pace.line(curve)}[/dim]")
+    log(f"[dim]{method}, target {target}: {pace.line(curve)}; {start}[/dim]")
 
 
 def _save_layers(meth: Method, save_layers: Path) -> None:

@@ -64,11 +64,14 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     h.update(json.dumps(keep, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // 64)
+            step = max(1, p.numel() // 64)
+            if p.is_meta:  # a matrix still in its GGUF blocks (lite.load_gguf_model): the same elements, read there
+                picked = model._selfspec_sample(name, torch.arange(0, p.numel(), step)[:64])
+            else:
+                picked = p.detach().reshape(-1)[::step][:64]
             h.update(name.encode())
             # bfloat16-rounded samples: the same checkpoint loaded as fp32, fp16 or bf16 gives one id
-            h.update(flat[::step][:64].to(torch.bfloat16).float().cpu().numpy().tobytes())
+            h.update(picked.to(torch.bfloat16).float().cpu().numpy().tobytes())
     model._selfspec_fingerprint = h.hexdigest()[:16]
     return model._selfspec_fingerprint
 
@@ -170,6 +173,7 @@ class ModelAdapter:
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
         model_type = check_supported(cfg)
+        self._model = model
         inner = model.model
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
@@ -202,8 +206,9 @@ class ModelAdapter:
         self.lm_head: torch.Tensor = model.lm_head.weight
         self.head_rows: int = self.lm_head.shape[0]  # kept: a released head is empty (the block cache checks it)
         self.rotary = inner.rotary_emb
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
+        # the final norm's (a model read from its GGUF blocks holds its embedding there, on the meta device)
+        self.dtype = inner.norm.weight.dtype
+        self.device = inner.norm.weight.device
         # Gemma: embeddings times sqrt(hidden), a float32 scalar cast to the weights' dtype (as transformers does)
         scale = getattr(inner.embed_tokens, "embed_scale", None) if gemma else None
         self.embed_scale: torch.Tensor | None = None if scale is None else scale.detach().to(self.dtype).to(self.device)
@@ -244,6 +249,18 @@ class ModelAdapter:
                 rope_kind=layer_types[idx] if gemma else None, **norms))
         self._out_features = [{n: sum(t.shape[0] for t in w.held(n)) for n in LINEARS} for w in self.layers]
         self.rope_kinds: list[str | None] = sorted({w.rope_kind for w in self.layers}, key=str)
+
+    def float_matrix(self, layer: int, name: str) -> torch.Tensor:
+        """Layer ``layer``'s matrix ``name`` as float values: a model read from its GGUF blocks
+        (lite.load_gguf_model) holds none for a block matrix, so one that must run as a float matrix (parts of
+        mixed block layouts) is dequantized into the model here, once."""
+        w = self.layers[layer]
+        attr = getattr(w, name) if name in ("qkv", "gate_up") else None
+        for m in attr.parts if isinstance(attr, Fused) else []:
+            if m.weight.is_meta:
+                self._model._selfspec_materialize_param(m.weight)
+                attr.tensor = None
+        return getattr(w, f"w_{name}")
 
     def out_features(self, layer: int, name: str) -> int:
         """Rows of layer ``layer``'s matrix ``name`` (:data:`LINEARS`), read from the model's shapes as loaded

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import ArtifactError
 from ..paths import atomic_write, cache_root
-from . import kernels
+from . import kernels, panel_file
 from .adapter import LINEARS, ModelAdapter
 from .kernels import QLinear, QuantWeight, quantize_int8
 
@@ -186,18 +186,20 @@ class GGUFDraftError(ValueError):
     """The model's GGUF blocks cannot serve as its draft (no GGUF source, or other weights)."""
 
 
-def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
-    """The GGUF's own blocks for every matrix, rows matched to the target's. A tensor whose
-    type the kernel does not take is quantized to int8 per channel instead (reported)."""
-    import gguf
+def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[str, Any]], Any, dict]:
+    """The GGUF's own blocks for every matrix, rows matched to the target's, each handed to ``pack(layer, name,
+    QuantWeight)`` as soon as it is read (so the unpacked codes of one matrix at a time are held; the head of a
+    model read from the file, the largest matrix, in super-panels of rows). A tensor whose type the kernel does
+    not take is quantized to int8 per channel instead (reported)."""
+    from .gguf_file import GGUFTensors, row_order
 
     if not Path(gguf_file).is_file():
         raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file})")
     try:
-        reader = gguf.GGUFReader(gguf_file)
+        source = GGUFTensors(gguf_file)
     except (OSError, ValueError) as exc:
         raise GGUFDraftError(f"cannot read {gguf_file} ({exc})") from None
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = source.tensors
     fallback: list[str] = []
     exact = 0
 
@@ -210,6 +212,10 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
         if block is None:
             fallback.append(f"{name} ({t.tensor_type.name})")
             return quantize_int8(target)
+        if target.is_meta:  # a model read from these very blocks (lite.load_gguf_model): rows in the file's order,
+            exact += 1  # but a Llama's q/k, which llama.cpp stores permuted
+            order = row_order(source.architecture, name, target.shape[0], adapter.num_heads, adapter.num_kv_heads)
+            return block if order is None else _take_rows(block, order)
         order = _match_rows(block, target.detach().float())
         if order is None:
             raise GGUFDraftError(f"the weights of '{name}' in {gguf_file} are not the model's (the target was not "
@@ -224,20 +230,64 @@ def _gguf(adapter: ModelAdapter, gguf_file: str) -> tuple[list[dict[str, QuantWe
             target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
             pieces = target.split(_split_sizes(adapter, name, target))
             got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
-            if len(got) == 1:
-                row[name] = got[0]
+            if len(got) == 1 and got[0].fmt == "int8" and target.is_meta:
+                q = quantize_int8(adapter.float_matrix(l, name))
+            elif len(got) == 1:
+                q = got[0]
             elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
-                row[name] = _cat_rows(got)
+                q = _cat_rows(got)
             else:  # parts of different layouts cannot share one fused matrix's kernel call
                 fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
                 exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
-                row[name] = quantize_int8(target)
+                q = quantize_int8(adapter.float_matrix(l, name))
+            del got
+            row[name] = pack(l, name, q)
         layers.append(row)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    head = load(head_name, adapter.lm_head)
+    t = tensors[head_name]
+    if adapter.lm_head.is_meta and _gguf_block(_Rows(t, 0, 64)) is not None:  # no row order to match: by chunks
+        chunks = [pack(None, "head", _gguf_block(_Rows(t, i, i + HEAD_CHUNK)))
+                  for i in range(0, adapter.lm_head.shape[0], HEAD_CHUNK)]
+        exact += 1
+        head = _stack(chunks)
+    else:
+        head = pack(None, "head", load(head_name, adapter.lm_head))
     info = {"gguf_file": gguf_file, "exact_matrices": exact, "int8_fallback": fallback,
-            "types": sorted({t.tensor_type.name for t in reader.tensors if t.name.endswith(".weight")})}
+            "types": sorted({t.tensor_type.name for t in tensors.values() if t.name.endswith(".weight")})}
     return layers, head, info
+
+
+def _stack(chunks: list[QLinear]) -> QLinear:
+    """One product over the rows of ``chunks`` (each but the last a whole number of 64-output super-panels, so
+    their packed panels follow each other)."""
+    first = chunks[0]
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[0] is None else torch.cat(parts)
+
+    return QLinear.from_panels(first.meta.fmt, first.meta.group, first.meta.bits, cat([c.codes for c in chunks]),
+                               cat([c.scales for c in chunks]), cat([c.mins for c in chunks]), None, first.module,
+                               sum(c.out_features for c in chunks), sum(kernels.stream_bytes(c) for c in chunks))
+
+
+HEAD_CHUNK = 8192  # rows of a head read at a time (a multiple of the kernel's 64-output super-panels)
+
+
+@dataclass
+class _Rows:
+    """Rows [start, stop) of a GGUF tensor, as :func:`_gguf_block` reads a tensor."""
+
+    whole: Any
+    start: int
+    stop: int
+
+    @property
+    def tensor_type(self) -> Any:
+        return self.whole.tensor_type
+
+    @property
+    def data(self) -> Any:
+        return self.whole.data[self.start:self.stop]
 
 
 def _split_sizes(adapter: ModelAdapter, name: str, fused: torch.Tensor) -> list[int]:
@@ -260,10 +310,10 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-CACHE_FORMAT = 4  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
+CACHE_FORMAT = 5  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
 # not read (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks;
 # 3: the kernel's packed panels, read without repacking; 4: K-quants' scales as their factors, d per 256 weights
-# and an integer per group)
+# and an integer per group; 5: engine/panel_file's 64-byte aligned file, memory-mapped back)
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:
@@ -279,9 +329,8 @@ def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, d
 
 def _save(path: Path, draft: DraftWeights, meta: dict[str, Any]) -> None:
     """The copy's packed panels as the kernel reads them (codes, scales, minimums), so that a load
-    repacks nothing; per matrix its format, group, bits, outputs and streamed bytes."""
-    from safetensors.torch import save_file
-
+    repacks nothing; per matrix its format, group, bits, outputs and streamed bytes (engine/panel_file.py:
+    64-byte aligned, read back memory-mapped)."""
     tensors: dict[str, torch.Tensor] = {}
     formats: list[str] = []
     for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(draft.layers) for n, q in d.items()), ("head", draft.head)]:
@@ -289,38 +338,28 @@ def _save(path: Path, draft: DraftWeights, meta: dict[str, Any]) -> None:
         tensors.update({f"{key}.{part}": t.contiguous() for part, t in parts.items() if t is not None})
         m = q.meta
         formats.append(f"{key}={m.fmt}:{m.group}:{m.bits}:{q.out_features}:{kernels.stream_bytes(q)}")
-    atomic_write(path, lambda f: save_file(tensors, f.name, metadata={"info": json.dumps(meta), "formats": ";".join(formats)}))
+    panel_file.save(path, tensors, {"info": json.dumps(meta), "formats": ";".join(formats)})
 
 
 def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str, QLinear]], QLinear, dict[str, Any]] | None:
-    """The copy :func:`_save` wrote, or None when the file is absent, partial, foreign or of other shapes."""
-    from safetensors import safe_open
-
+    """The copy :func:`_save` wrote, or None when the file is absent, partial, foreign or of other shapes. The
+    panels alias the file's pages (no copy: a warm start holds the copy once, in the page cache)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            formats = dict(item.split("=", 1) for item in meta.get("formats", "").split(";") if "=" in item)
-            names = set(f.keys())
+        tensors, meta = panel_file.load(path)
+        formats = dict(item.split("=", 1) for item in meta.get("formats", "").split(";") if "=" in item)
 
-            def tensor(name: str) -> torch.Tensor:
-                # safetensors hands back tensors 32 bytes into a buffer: a panel's 64-byte lines would each straddle
-                # two cache lines (2-4 % of a decode step); torch's own allocations are 64-byte aligned
-                t = f.get_tensor(name)
-                return t if t.data_ptr() % 64 == 0 else t.clone()
+        def get(key: str, bias: torch.Tensor | None, rows: int) -> QLinear:
+            fmt, group, bits, n, nbytes = formats[key].split(":")
+            codes = tensors[f"{key}.codes"]
+            if int(n) != rows or codes.dim() != 3 or codes.shape[0] * 64 < rows:
+                raise ValueError(f"{key}: {n} outputs stored, {rows} in the model")
+            return QLinear.from_panels(fmt, int(group), int(bits), codes, tensors[f"{key}.scales"],
+                                       tensors.get(f"{key}.mins"), bias, module, rows, int(nbytes))
 
-            def get(key: str, bias: torch.Tensor | None, rows: int) -> QLinear:
-                fmt, group, bits, n, nbytes = formats[key].split(":")
-                codes = tensor(f"{key}.codes")
-                if int(n) != rows or codes.dim() != 3 or codes.shape[0] * 64 < rows:
-                    raise ValueError(f"{key}: {n} outputs stored, {rows} in the model")
-                mins = tensor(f"{key}.mins") if f"{key}.mins" in names else None
-                return QLinear.from_panels(fmt, int(group), int(bits), codes, tensor(f"{key}.scales"), mins, bias,
-                                           module, rows, int(nbytes))
-
-            layers = [{n: get(f"{l}.{n}", getattr(w, f"b_{n}"), adapter.out_features(l, n)) for n in LINEARS}
-                      for l, w in enumerate(adapter.layers)]
-            return layers, get("head", None, adapter.head_rows), json.loads(meta.get("info", "{}"))
-    except Exception:  # noqa: BLE001  absent, partial or foreign (safetensors raises its own types): rebuild
+        layers = [{n: get(f"{l}.{n}", getattr(w, f"b_{n}"), adapter.out_features(l, n)) for n in LINEARS}
+                  for l, w in enumerate(adapter.layers)]
+        return layers, get("head", None, adapter.head_rows), json.loads(meta.get("info", "{}"))
+    except Exception:  # noqa: BLE001  absent, partial or foreign: rebuild
         return None
 
 
@@ -350,15 +389,19 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
         draft = DraftWeights(precision, layers_q, head_q)
         info = {"cache": "hit", **meta}
     else:
+        def pack(layer: int | None, name: str, q: QuantWeight) -> QLinear:
+            return QLinear.make(q, None if layer is None else getattr(adapter.layers[layer], f"b_{name}"), module)
+
         if precision == "gguf":
             if not gguf_file:
                 raise GGUFDraftError("the model was not loaded from a GGUF file")
-            layers, head, extra = _gguf(adapter, gguf_file)
+            layers, head, extra = _gguf(adapter, gguf_file, pack)
         else:
-            layers, head, extra = _int8(adapter, 32 if precision == "int8-g32" else None)
+            layers_q, head_q, extra = _int8(adapter, 32 if precision == "int8-g32" else None)
+            layers = [{n: pack(l, n, q) for n, q in d.items()} for l, d in enumerate(layers_q)]
+            head = pack(None, "head", head_q)
         meta = {"precision": precision, "built_s": round(time.perf_counter() - t0, 2), **extra}
-        draft = DraftWeights(precision, [{n: QLinear.make(q, getattr(adapter.layers[l], f"b_{n}"), module)
-                                          for n, q in d.items()} for l, d in enumerate(layers)], QLinear.make(head, None, module))
+        draft = DraftWeights(precision, layers, head)
         if path is not None:
             try:
                 _save(path, draft, meta)

@@ -122,8 +122,13 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, *, fast_kernels: bool = True, target_precision: str | None = None,
                  static_rows: int | None = None) -> None:
-        self.adapter = a = ModelAdapter(model)
         self.model = model
+        if getattr(model, "_selfspec_gguf", None) is not None:  # read from its GGUF blocks (lite.load_gguf_model)
+            if target_precision is None:
+                target_precision = "auto"  # the weights as loaded are the blocks
+            elif target_precision not in ("auto", "gguf"):
+                self._float_matrices()  # a float target is the float values, dequantized once
+        self.adapter = a = ModelAdapter(model)
         self.governor = governor_for_new_engine()  # --threads auto (engine/threads.py), else None
         self.num_layers, self.dtype, self.device, self.vocab_size = a.num_layers, a.dtype, a.device, a.vocab_size
         self._hq, self._hkv, self._d = a.num_heads, a.num_kv_heads, a.head_dim
@@ -140,10 +145,13 @@ class Engine:
             reason = kernels.status()["reason"]  # the build failed
         self._module, self._kernel_reason = module, reason
         self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
-        self._embed_rows: Any = None  # set by release_float_weights()
+        # embedding rows from blocks: a model read from its GGUF (lite.load_gguf_model), or release_float_weights()
+        self._embed_rows: Any = getattr(model, "_selfspec_embed_rows", None)
         self._float_released = False
         # the target's weights (engine/target.py): the model's own tensors, bf16 panels, or the GGUF's blocks
         self.target_precision, self.target_info = resolve_target(self, target_precision)
+        if self.target_precision not in QUANT_TARGETS:  # a model read from its GGUF then runs its float values
+            self._float_matrices()
         if self.target_precision in QUANT_TARGETS:
             self._lin, self.lm_head = target_linears(self, self.target_precision)  # no float panels are packed
         else:
@@ -183,6 +191,14 @@ class Engine:
         chain's in the last bits, so drafts are verified as chains there (decoding/stack.py)."""
         return self._ops is not None and self.static is None
 
+    def _float_matrices(self) -> None:
+        """Dequantize a model read from its GGUF blocks into float matrices (the very values a converted model
+        holds), for what reads float matrices: a float target, an int8 draft."""
+        if any(p.is_meta for p in self.model.parameters()):
+            self.model._selfspec_materialize()
+            if hasattr(self, "adapter"):
+                self.adapter = ModelAdapter(self.model)
+
     def quantized(self, precision: str) -> DraftWeights:
         """The quantized copy of the matrices at ``precision`` (engine/quant.py) that drafts read,
         built on first use (or read from the disk cache) and kept; ``forward(..., weights=precision)``
@@ -195,6 +211,8 @@ class Engine:
             if self._float_released and precision not in QUANT_TARGETS:
                 raise RuntimeError(f"the {precision} draft copy is built from the float matrices, which "
                                    "release_float_weights() freed: build every draft before releasing")
+            if precision not in QUANT_TARGETS:
+                self._float_matrices()
             where = getattr(self.model, "name_or_path", "") or ""
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)
             gguf_file = (gguf_source(where) or {}).get("gguf_file") if self.dtype == torch.float32 else None
@@ -233,6 +251,7 @@ class Engine:
         if self._float_released:
             raise RuntimeError("plain_linear() needs the float matrices, which release_float_weights() freed")
         saved = self._lin, self.lm_head, self._norm_kernel, self._ops
+        self._float_matrices()
         self._lin, self.lm_head = self._linears(None)
         self._norm_kernel = self._ops = None
         try:
@@ -285,8 +304,8 @@ class Engine:
         model_fingerprint(self.model)  # the model's id, kept on it before its weights go (artifacts check it)
         a, gone = self.adapter, []
         head = self.lm_head
-        tied = a.lm_head.untyped_storage().data_ptr() == a.embed.untyped_storage().data_ptr()
-        if tied and isinstance(head, kernels.QLinear):
+        tied = a.lm_head.untyped_storage().data_ptr() == a.embed.untyped_storage().data_ptr() and not a.embed.is_meta
+        if tied and isinstance(head, kernels.QLinear) and self._embed_rows is None:
             probe = torch.arange(0, a.embed.shape[0], max(1, a.embed.shape[0] // 257), device=self.device)
             rows = _block_rows(head)
             if torch.equal(rows(probe), F.embedding(probe, a.embed)):
@@ -298,6 +317,7 @@ class Engine:
                  for t in w.held(name)]  # an unfused q/k/v: its parts (fusing them only to free them would cost)
         if not tied and isinstance(head, kernels.QLinear):
             gone.append(a.lm_head)
+        gone = [t for t in gone if not t.is_meta]  # a model read from its GGUF holds those in the file, not here
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gone}  # a tied table counts once
         ptrs, freed = storages.keys(), sum(st.nbytes() for st in storages.values())
         # drop every reference: the module's parameters (views into the fused matrices, or the loaded
@@ -311,7 +331,7 @@ class Engine:
                     setattr(w, f"w_{name}", w.held(name)[0].new_empty(0))
                     if isinstance(lin, kernels.Linear):
                         lin.weight = lin.weight.new_empty(0)
-        if self._embed_rows is not None:
+        if self._embed_rows is not None and not a.embed.is_meta:
             a.embed = a.embed.new_empty(0)
             if tied:
                 a.lm_head = a.embed
@@ -324,7 +344,7 @@ class Engine:
         moved: dict[int, torch.Tensor] = {}
         replaced: list[torch.Tensor] = []
         for p in self.model.parameters():
-            if p.numel():
+            if p.numel() and not p.is_meta:
                 replaced.append(p.data)
                 moved[p.data_ptr()] = p.data = p.data.clone()
         for w in a.layers:

@@ -125,6 +125,6 @@ def target_linears(engine: Engine, precision: str) -> tuple[list[dict[str, Any]]
         exact = next((dt for dt in PANEL_DTYPES.values() if _exact(w, dt)), None)
         return Linear.make(w, b, engine._module, exact)
 
-    layers = [{n: pick(d.layers[l][n], lambda w=w, n=n: getattr(w, f"w_{n}"), getattr(w, f"b_{n}")) for n in LINEARS}
+    layers = [{n: pick(d.layers[l][n], lambda l=l, n=n: a.float_matrix(l, n), getattr(w, f"b_{n}")) for n in LINEARS}
               for l, w in enumerate(a.layers)]
     return layers, pick(d.head, lambda: a.lm_head, None)

