@@ -31,8 +31,14 @@ def _read_text(source: str) -> tuple[str, str]:
     """The text of a prompt file (or of stdin, ``-``), without a leading UTF-8 byte order mark (the
     BOM Windows editors put first: it would make a JSONL file's first line invalid JSON, and be
     sent to the model as the first prompt's first character)."""
-    if source == "-":
-        return sys.stdin.read().removeprefix("\ufeff"), "stdin"
+    if source == "-":  # bytes, decoded as a file's are: strict UTF-8, a leading BOM dropped, CRLF and CR as newlines
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise PromptFileError(f"stdin is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+                                  "convert it first, e.g. with iconv -t UTF-8") from None
+        return text.replace("\r\n", "\n").replace("\r", "\n"), "stdin"
     path = Path(source)
     if not path.exists():
         raise PromptFileError(f"prompt file '{source}' does not exist; pass --prompt-file an existing file or - for stdin")

@@ -18,7 +18,7 @@ import typer
 
 from ..artifacts import recording_loads
 from ..config import GenerationConfig, check_choice, check_seed
-from ..errors import ConfigError
+from ..errors import ConfigError, PromptFileError, count
 from ..engine.target import TARGET_PRECISIONS
 from ..methods import METHODS, build
 from ..prompts import encode_turn
@@ -66,7 +66,16 @@ def chat(
         log(f"[yellow]--method {method} is lossy: its answers can differ from plain decoding's[/yellow]")
     log(f"[dim]chat with {session.model.config.model_type}, method {method}; /reset starts over, /exit (or /quit) "
         "ends[/dim]")
-    converse(meth, session, cfg, sys.stdin)
+    converse(meth, session, cfg, stdin_lines())
+
+
+def stdin_lines() -> Any:
+    """stdin as text decoded as a prompt file is (prompts.py): strict UTF-8, a leading BOM dropped, CRLF as newlines."""
+    import io
+
+    if not hasattr(sys.stdin, "buffer"):  # already text (a test's stream)
+        return sys.stdin
+    return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", errors="strict", newline=None)
 
 
 def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> int:
@@ -78,7 +87,11 @@ def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> 
         if tty:
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = lines.readline()
+        try:
+            line = lines.readline()
+        except UnicodeDecodeError as exc:
+            raise PromptFileError(f"a line of stdin is not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r}); "
+                                  "convert it first, e.g. with iconv -t UTF-8") from None
         if not line or line.strip() in ("/exit", "/quit"):
             return answers
         text = line.rstrip("\n")
@@ -105,4 +118,4 @@ def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> 
         answer = session.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         history.append({"role": "assistant", "content": answer.rstrip("\ufffd") if res.finish_reason == "length" else answer})
         answers += 1
-        log(f"[dim]{len(res.token_ids)} tokens in {wall:.1f} s ({len(res.token_ids) / max(wall, 1e-9):.1f} tok/s)[/dim]")
+        log(f"[dim]{count(len(res.token_ids), 'token')} in {wall:.1f} s ({len(res.token_ids) / max(wall, 1e-9):.1f} tok/s)[/dim]")

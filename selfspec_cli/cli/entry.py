@@ -36,6 +36,11 @@ def set_wait_policy(argv: list[str]) -> None:
 
 
 def run() -> None:
+    if sys.argv[1:] in (["--version"], ["-V"]):  # answered before torch loads (4 s on some hosts)
+        from .. import __version__
+
+        print(f"selfspec {__version__}")
+        sys.exit(0)
     from ..heap import bound_heap
 
     bound_heap()  # before the first large allocation (selfspec_cli/heap.py)

@@ -1,0 +1,53 @@
+"""stdin is decoded as a prompt file is (issue 50, point 4): strict UTF-8 with one line for bad bytes (no
+traceback), a leading BOM dropped, CRLF as newlines; for generate's ``-p -`` and for chat's lines."""
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from selfspec_cli.errors import PromptFileError
+from selfspec_cli.prompts import read_prompts
+
+
+def _stdin(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+def test_invalid_utf8_on_stdin_is_one_line(monkeypatch, tmp_path):
+    _stdin(monkeypatch, b"Hi\n\xff\xfe bad\n")
+    with pytest.raises(PromptFileError, match="stdin is not UTF-8 text"):
+        read_prompts("-")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"Hi\n\xff\xfe bad\n")
+    with pytest.raises(PromptFileError, match="UTF-8"):  # the same bytes in a file: refused too
+        read_prompts(str(bad))
+
+
+@pytest.mark.parametrize("data", [b"\xef\xbb\xbfone\r\ntwo\r\n", b"one\ntwo\n", b"\xef\xbb\xbfone\ntwo"])
+def test_bom_and_crlf_read_as_a_file_reads_them(monkeypatch, tmp_path, data):
+    _stdin(monkeypatch, data)
+    from_stdin = read_prompts("-")
+    f = tmp_path / "p.txt"
+    f.write_bytes(data)
+    assert [p.turns for p in from_stdin] == [p.turns for p in read_prompts(str(f))] == [("one",), ("two",)]
+
+
+def test_chat_lines_are_decoded_strictly(monkeypatch):
+    from selfspec_cli.cli.chat import converse, stdin_lines
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbf/reset\r\n\xff bad\n"), encoding="utf-8"))
+    lines = stdin_lines()
+    with pytest.raises(PromptFileError, match="a line of stdin is not UTF-8"):
+        converse(None, None, None, lines)  # /reset is read (BOM and CR gone), then the bad line is refused
+
+
+def test_version_answers_without_importing_torch():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "selfspec_cli", "--version"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("selfspec ")
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "transformers" not in imported
