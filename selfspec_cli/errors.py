@@ -40,3 +40,8 @@ class FieldError(ConfigError):
         super().__init__(f"{field} {message}")
         self.field = field
         self.detail = message
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: ``1 prompt``, ``2 prompts``, ``0 threads``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

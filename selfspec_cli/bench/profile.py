@@ -16,7 +16,7 @@ from ..decoding import cost_store
 from ..decoding.cost import CURVE_ROWS, engine_key, measure_fresh
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError, ConfigError, count
 from ..methods import METHODS, fr_spec
 from ..methods.self_sd import SkipSet
 from ..prompts import PROMPT_FORMATS, Prompt
@@ -113,7 +113,7 @@ def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
     ids = session.encode_first_turns(plan.prompts)
     calibrated = _calibrated(req.layers, mdl, log)
     log(f"[dim]model {mdl.config.model_type}, {engine.num_layers} layers, {engine.dtype}, {engine.device}, "
-        f"{plan.threads} thread(s); matrix products: {engine.kernel_info['backend']}"
+        f"{count(plan.threads, 'thread')}; matrix products: {engine.kernel_info['backend']}"
         f"{' (' + engine.kernel_info['reason'] + ')' if engine.kernel_info.get('reason') else ''}[/dim]")
     t_start = time.perf_counter()
     before = cost_store.describe(engine_key(engine))

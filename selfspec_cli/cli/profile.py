@@ -22,6 +22,7 @@ from rich.table import Table
 from ..bench import profile as run_profile
 from ..bench.engine_profile import PREDICT_METHODS
 from ..bench.suite_loader import DEFAULT_SUITE
+from ..errors import count
 from . import options as opt
 from .common import err_console, log, print_json, progress, table
 
@@ -62,7 +63,7 @@ def profile(
 
 
 def _table(r: dict[str, Any]) -> Table:
-    t = table(f"profile: {r['model']} (target {r['target_precision']}, {r['environment']['threads']} thread(s), "
+    t = table(f"profile: {r['model']} (target {r['target_precision']}, {count(r['environment']['threads'], 'thread')}, "
               f"kernel {r['kernel']['backend']})", ("figure", "value"), left=("figure",))
     t.add_row("weights read per step", f"{r['weight_bytes'] / 1e6:.0f} MB")
     t.add_row("read bandwidth", f"{r['bandwidth_gbs']:.1f} GB/s")

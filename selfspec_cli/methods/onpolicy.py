@@ -34,7 +34,7 @@ from ..decoding.state import DecodeState
 from ..decoding.drafts import Round
 from ..engine import Engine, ForwardOutput
 from .ar import AR
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError, ConfigError, count
 from ..paths import atomic_write, cache_root
 
 
@@ -221,7 +221,7 @@ def collect(job: Any) -> tuple[OnPolicyData, dict[str, Any]]:
         raise ConfigError(f"train-heads needs at least {MIN_PROMPTS} prompts (disjoint training, validation and test "
                           f"prompts), got {len(job.prompt_ids)}; pass more prompts")
     n, new = len(job.prompt_ids), job.gen.max_new_tokens
-    job.log(f"[dim]model {job.model.config.model_type} {job.engine.num_layers} layers; {n} prompts x {new} greedy "
+    job.log(f"[dim]model {job.model.config.model_type} {job.engine.num_layers} layers; {count(n, 'prompt')} x {new} greedy "
             f"tokens (on-policy data, cached)[/dim]")
     t0 = time.perf_counter()
     with job.progress() as bar:

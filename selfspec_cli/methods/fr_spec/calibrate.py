@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ...config import GenerationConfig
+from ...errors import count
 from ...decoding.cost import timed
 from ...engine import Engine
 from ..ar import AR
@@ -152,7 +153,7 @@ def artifact_tensors(res: Any) -> dict[str, torch.Tensor]:
 def run(job: OfflineJob) -> dict[str, Any]:
     """Count the model's greedy output tokens, rank, choose the size by measurement; save the artifact."""
     engine = job.engine
-    job.log(f"[dim]FR-Spec draft vocabulary: {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens, greedy, "
+    job.log(f"[dim]FR-Spec draft vocabulary: {count(len(job.prompt_ids), 'prompt')} x {count(job.gen.max_new_tokens, 'token')}, greedy, "
             f"vocabulary {engine.vocab_size}[/dim]")
     with job.progress() as bar:
         task = bar.add_task("calibrate fr-spec", total=len(job.prompt_ids), info="")
@@ -165,7 +166,7 @@ def run(job: OfflineJob) -> dict[str, Any]:
     for r in res.candidates:
         job.log(f"  n {r['n']:>6}: held-out coverage {r['held_out_coverage']:.4f}, head {r['head_ms']:.2f} ms "
                 f"({r['head_share_of_step']:.1%} of a step), draft cost at half body {r['draft_cost_half_body']:.3f}")
-    job.log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({res.tokens} tokens counted, "
+    job.log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({count(res.tokens, 'token')} counted, "
             f"{int((res.counts > 0).sum())} distinct)[/bold]")
     job.log(f"wrote {job.output}")
     return {"method": "fr-spec", "artifact": str(job.output), **res.summary()}

@@ -26,7 +26,7 @@ import torch
 
 from ...artifacts import check_writable
 from ...config import GenerationConfig
-from ...errors import ConfigError
+from ...errors import ConfigError, count
 from ...loading import model_fingerprint
 from ..base import resolve_precision
 from ..offline import OfflineJob
@@ -134,7 +134,7 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     unit = "x ar (predicted)" if search.objective == "proxy" else "tok/s"
     say = (lambda _m: None) if helper else job.log  # the helpers of --workers report through the first process
     say(f"[dim]model {job.model.config.model_type} {engine.num_layers} layers ({2 * engine.num_layers} sublayers), "
-        f"{engine.dtype}, {engine.device}; {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens"
+        f"{engine.dtype}, {engine.device}; {count(len(job.prompt_ids), 'prompt')} x {count(job.gen.max_new_tokens, 'token')}"
         f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
         f"draft weights {', '.join(precisions)}; study {where}{f'; {s.workers} workers' if s.workers > 1 else ''}[/dim]")
     with contextlib.ExitStack() as stack:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config import GenerationConfig
+from ...errors import count
 from ..offline import OfflineJob
 from . import SCHEDULE, SpecEE, load_exit_mlps, load_heads
 
@@ -75,7 +76,7 @@ def run(job: OfflineJob) -> dict[str, Any]:
     thresholds = {int(k): float(v) for k, v in (pman.get("thresholds") or {}).items()}
     method = SpecEE(job.engine, job.tokenizer, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
                     offline_layers=list(predictors), thresholds=thresholds)  # every predictor on
-    job.log(f"[dim]SpecEE exit statistics: {len(job.prompt_ids)} prompts x {job.gen.max_new_tokens} tokens, every "
+    job.log(f"[dim]SpecEE exit statistics: {count(len(job.prompt_ids), 'prompt')} x {count(job.gen.max_new_tokens, 'token')}, every "
             f"predictor on (layers {min(predictors)}..{max(predictors)}), kv mode {method.config.specee_kv_mode}[/dim]")
     t0 = time.perf_counter()
     with job.progress() as bar:
