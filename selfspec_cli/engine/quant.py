@@ -24,7 +24,7 @@ Invariants:
 * the target's weights are never modified; the draft copy is built once per model and
   precision, cached on disk (beside a converted GGUF model, in its ``drafts/`` folder, else in
   ``drafts/`` of selfspec's cache, :func:`selfspec_cli.paths.cache_root`;
-  ``<fingerprint>-<dtype>-<precision>-v<format>.safetensors``, written atomically; an
+  ``<fingerprint>-<dtype>-<precision>-v<format>.panels`` (engine/panel_file.py), written atomically; an
   unreadable file is rebuilt),
   and a second load reads the cache instead of re-quantizing;
 * every quantized weight is within its format's bound of the float weight it stands for
@@ -321,7 +321,7 @@ def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, d
     ``drafts/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`); keyed by the
     model's fingerprint (dtype-independent), the dtype the weights were loaded in (an int8
     copy of bf16-rounded weights is another copy), the precision and :data:`CACHE_FORMAT`."""
-    name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.safetensors"
+    name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.panels"
     if model_dir and (Path(model_dir) / "selfspec-source.json").is_file() and os.access(model_dir, os.W_OK):
         return Path(model_dir) / "drafts" / name
     return cache_root() / "drafts" / name
@@ -366,8 +366,8 @@ def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str
 def _drop_older_formats(path: Path) -> None:
     """Remove the copies of older cache formats beside ``path`` (and the agreement readings kept beside
     them): no load reads them again."""
-    stem = path.name.removesuffix(f"-v{CACHE_FORMAT}.safetensors")
-    for old in path.parent.glob(f"{stem}-v*.safetensors*"):
+    stem = path.name.removesuffix(f"-v{CACHE_FORMAT}.panels")
+    for old in path.parent.glob(f"{stem}-v*"):  # (formats up to 4 were .safetensors files)
         version = old.name[len(stem) + 2:].split(".", 1)[0]
         if version.isdigit() and int(version) < CACHE_FORMAT:
             with contextlib.suppress(OSError):
