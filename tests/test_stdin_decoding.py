@@ -51,3 +51,31 @@ def test_version_answers_without_importing_torch():
     assert out.returncode == 0 and out.stdout.startswith("selfspec ")
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "transformers" not in imported
+
+
+def test_unwritable_output_is_refused_before_the_model_loads(monkeypatch, capsys):
+    from selfspec_cli import loading
+    from selfspec_cli.cli.app import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    assert main(["generate", "-P", "hi", "-n", "2", "-o", "/proc/selfspec-out.jsonl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write --output" in err[0]
+
+
+def test_append_refuses_held_ids_and_numbers_prompt_texts_after_them(tmp_path):
+    from selfspec_cli.cli.resume import check_append
+    from selfspec_cli.errors import ConfigError
+    from selfspec_cli.prompts import Prompt
+
+    out = tmp_path / "a.jsonl"
+    out.write_text('{"id": 1, "text": "a"}\n{"id": "q7", "text": "b"}\n{"id": 3, "text": "c"}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="already holds a record of prompt id 'q7'"):
+        check_append(out, [Prompt(id="q7", turns=("x",))])
+    fresh = [Prompt(id="q8", turns=("x",))]
+    assert check_append(out, fresh) == fresh
+    texts = check_append(out, [Prompt(id=1, turns=("x",)), Prompt(id=2, turns=("y",))], numbered=True)
+    assert [p.id for p in texts] == [4, 5] and [p.turns for p in texts] == [("x",), ("y",)]

@@ -376,8 +376,6 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
         plan.say(f"[dim]ar-fp32 left out: the target {why}[/dim]")
     contenders = build_contenders(names, session, engine, req, assistant)
     r = _Run(req, plan, io, session, engine, names, contenders, prompts, records_dir, startup=session.startup())
-    plan.say(f"[dim]model loaded in {r.startup['model_load_s']:.1f} s; peak RSS {r.startup['peak_rss_mb']:.0f} MB "
-             "after building the contenders[/dim]")
     _start(r)
     engine_costs = _engine_costs(r) if req.costs and ranks.lead else None
     rk.barrier(ranks)  # every rank starts timing together, after rank 0's cost measurement
@@ -418,7 +416,8 @@ def _start(r: _Run) -> None:
         f"({', '.join(f'{c} {k}' for c, k in cats.items())}) x {count(req.max_new_tokens, 'token')}; warm-up {req.warmup}, "
         f"repeats {req.repeats}; contenders {', '.join(r.names)}[/dim]")
     say(f"[dim]target: {engine.target_precision} ({engine.target_info.get('why') or 'asked'}); every speedup is "
-        f"against ar on it[/dim]")
+        f"against ar on it; model loaded in {r.startup['model_load_s']:.1f} s, peak RSS {r.startup['peak_rss_mb']:.0f} "
+        "MB with the contenders built[/dim]")
 
 
 def _engine_costs(r: _Run) -> dict[str, Any]:

@@ -164,6 +164,24 @@ def check_output(path: Path | None, *, force: bool = False, append: bool = False
     if path.exists() and not (force or append):
         raise ConfigError(f"--output '{path}' already exists; pass --force to replace it, --append to add to it, "
                           "or choose another --output")
+    _probe_writable(path, append)
+
+
+def _probe_writable(path: Path, append: bool) -> None:
+    """Refuse, before the model loads, an --output that cannot be written: a file is made and removed beside it
+    (permission bits do not tell: root may write anywhere but /sys, /proc or a read-only mount), and a file to
+    append to is opened for appending."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.",
+                                         suffix=".probe"):
+            pass
+        if append and path.is_file():
+            with path.open("a", encoding="utf-8"):
+                pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write --output '{path}' ({exc.strerror or exc}); choose a writable path") from None
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .method_options import check_layer_ids, flag_error, generation_config, given_options, method_config, with_method_options
 from ..config import check_choice
-from .resume import prompt_sha, resume as resume_output, run_settings
+from .resume import check_append, prompt_sha, resume as resume_output, run_settings
 from .streaming import TextStreamer, write_out
 from .common import OutputClosed, check_output, log, output_stream, progress, write_record
 
@@ -72,6 +72,8 @@ def generate(
     settings = _settings(model, method, method_cfg, given, cfg, chat_template, dtype, device, target_precision)
     if resume and not (prompts := _resumed(output, prompts, method, settings)):
         return
+    if append and not resume:
+        prompts = check_append(output, prompts, numbered=bool(prompt_texts))
     session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
     cfg = session.generation(cfg)
     session.check_fits(prompts, cfg)

@@ -15,6 +15,7 @@ written before ``settings`` existed are matched by id, method and text only.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -69,6 +70,24 @@ def _records(path: Path) -> list[tuple[dict[str, Any], str]]:
         if isinstance(rec, dict) and "id" in rec:
             out.append((rec, line))
     return out
+
+
+def check_append(path: Path | None, prompts: list[Prompt], numbered: bool = False) -> list[Prompt]:
+    """--append: refuse prompt ids the file already holds (a file with an id twice can never be resumed).
+    ``numbered``: the prompts' ids are only their places (``--prompt`` texts, 1, 2, ...): they continue after
+    the file's largest integer id instead."""
+    if path is None or str(path) == "-" or not path.is_file():
+        return prompts
+    held = {rec["id"] for rec, _ in _records(path)}
+    if numbered:
+        start = max([i for i in held if isinstance(i, int) and not isinstance(i, bool)], default=0)
+        return [dataclasses.replace(p, id=start + k) for k, p in enumerate(prompts, start=1)]
+    again = [p.id for p in prompts if p.id in held]
+    if again:
+        more = f" and {len(again) - 1} more" if len(again) > 1 else ""
+        raise ConfigError(f"--append: '{path}' already holds a record of prompt id {again[0]!r}{more}; --resume "
+                          "finishes an interrupted run, or give the new prompts other ids")
+    return prompts
 
 
 def kept_partials(path: Path) -> list[Path]:
