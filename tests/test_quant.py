@@ -124,8 +124,9 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int = 3) -> QuantWeight:
 
 
 def _unfactored(q: QuantWeight) -> QuantWeight:
-    """The representation before factored scales: the same codes with the float32 products as scales."""
-    return dataclasses.replace(q, sc=None, m=None, d=None, dmin=None)
+    """The representation before factored scales and 6-bit panels: the same codes (Q6_K's as bytes) with the
+    float32 products as scales."""
+    return dataclasses.replace(q, sc=None, m=None, d=None, dmin=None, bits=8 if q.bits == 6 else q.bits)
 
 
 KQ_ISAS = ["avx2"] + (["avx512"] if HAS_AVX512 else [])
@@ -137,7 +138,8 @@ def test_factored_k_quant_scales_give_the_stored_products_bits(qtype):
     """A K-quant's scales read as d (float16 per 256 weights) times a small integer per group, formed in the
     kernel, give bit for bit the outputs of the float32 products stored per group: every row count 1..64 (so
     batch-invariant too), both instruction sets, with a bias; and the panels stream the file's factors, not
-    the products."""
+    the products (and Q6_K's codes in 6 bits, not a byte): Q6_K then reads exactly the file's 210 bytes per
+    256 weights."""
     new = _k_quant(qtype, 150, 768)
     assert new.factored and torch.equal(new.d.repeat_interleave(256 // new.group, 1) * new.sc.float(), new.scales)
     g = torch.Generator().manual_seed(1)
@@ -153,28 +155,39 @@ def test_factored_k_quant_scales_give_the_stored_products_bits(qtype):
             assert torch.equal(fac(x[:rows]), singles[:rows]), (isa, rows)
         assert torch.equal(fac(x[7:12]), singles[7:12])
     weights = 150 * 768
-    per_256 = {"Q4_K": 128 + 2 * (8 + 2), "Q5_K": 256 + 2 * (8 + 2), "Q6_K": 256 + 16 + 2}[qtype]
+    per_256 = {"Q4_K": 128 + 2 * (8 + 2), "Q5_K": 256 + 2 * (8 + 2), "Q6_K": 192 + 16 + 2}[qtype]
     assert kernels.stream_bytes(fac) == weights // 256 * per_256 < kernels.stream_bytes(old)
     back = fac.quant  # unpacked from the panels: the same codes, products and factors
     for name in ("codes", "scales", "mins", "sc", "m", "d", "dmin"):
         a, b = getattr(back, name), getattr(new, name)
         assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
     assert torch.equal(back.dequantize(), new.dequantize())
+    ids = torch.tensor([0, 149, 64, 3, 3, 127, 128])  # rows read from the panels alone (a tied embedding's)
+    assert torch.equal(fac.rows(ids), new.dequantize()[ids]) and torch.equal(old.rows(ids), new.dequantize()[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rows_from_the_panels_are_the_dequantized_rows(fmt):
+    qw = FORMATS[fmt](300, 192, torch.Generator().manual_seed(7))
+    ids = torch.tensor([299, 0, 63, 64, 5, 5, 200])
+    assert torch.equal(QLinear.make(qw, None, ext).rows(ids), qw.dequantize()[ids])
 
 
 @needs_kernel
 def test_factored_panels_round_trip_the_cache_and_keep_w4a8():
-    """Factored panels saved as the draft cache saves them load back to the same outputs (no repacking), and
-    the W4A8 product over Q4_K's codes gives the same bits with factored scales as with the stored products."""
-    from safetensors.torch import load_file, save_file
+    """Factored panels saved as the draft cache saves them (engine/panel_file) load back to the same outputs (no
+    repacking), and the W4A8 product over Q4_K's codes gives the same bits with factored scales as with the
+    stored products."""
+    from selfspec_cli.engine import panel_file
 
     new = _k_quant("Q4_K", 100, 512, seed=5)
     fac, old = QLinear.make(new, None, ext), QLinear.make(_unfactored(new), None, ext)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
     path = quant.cache_path("f" * 16, "gguf")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"codes": fac.codes, "scales": fac.scales, "mins": fac.mins}, str(path))
-    t = load_file(str(path))
+    panel_file.save(path, {"codes": fac.codes, "scales": fac.scales, "mins": fac.mins}, {})
+    t, _ = panel_file.load(path)
     again = QLinear.from_panels(fac.meta.fmt, fac.meta.group, fac.meta.bits, t["codes"], t["scales"], t["mins"], None,
                                 ext, 100, kernels.stream_bytes(fac))
     assert torch.equal(again(x), fac(x)) and torch.equal(fac(x), old(x))

@@ -21,8 +21,9 @@ Invariants:
   ``selfspec profile`` as ``kernel_max_logit_diff``.
 * float panels hold float32, bfloat16 or float16 weights (16-bit panels: a bf16/fp16 target,
   engine/target.py; widened exactly, so a row's products equal fp32 panels' of the same values);
-  quantized panels (:class:`QLinear`) hold 8-bit or 4-bit codes with float32 or float16 scales and
-  only their packed form; :class:`A8Linear` multiplies a QLinear's own 4-bit codes by int8-rounded
+  quantized panels (:class:`QLinear`) hold 8-bit, 6-bit (GGUF Q6_K) or 4-bit codes with float32 or float16
+  scales, or a K-quant's scales as their factors (float16 d per 256 weights, an integer per group: the same
+  float32 products, formed in the kernel), and only their packed form; :class:`A8Linear` multiplies a QLinear's own 4-bit codes by int8-rounded
   activations (a draft's product, deterministic and batch-invariant, not the target's arithmetic).
 * without a C++ compiler, AVX2/FMA, or on a GPU, every call is plain ``F.linear``
   (same results as before this module existed); ``SELFSPEC_KERNELS=0`` forces that.
@@ -260,10 +261,50 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
     return QuantWeight("int8" if g == k else f"int8-g{g}", codes, scales.contiguous(), None, g, 8)
 
 
+def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """(np * 64, K) codes 0..15 -> (np, K/8, 64, 4) bytes: dword [b, o] = sum_n q(o, 8b + n) << 4n."""
+    pairs = u[:, 0::2] | (u[:, 1::2] << 4)  # byte i of a dword: codes 2i and 2i + 1
+    # four consecutive bytes are one little-endian dword: (np, 64, K/8, 4) -> (np, K/8, 64, 4)
+    return pairs.view(-1, 64, u.shape[1] // 8, 4).transpose(1, 2).contiguous()
+
+
+def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """(np, K/8, 64) int32 dwords of :func:`_pack_nibbles` -> (np * 64, K) int64 codes."""
+    nib = ((words.to(torch.int64) & 0xFFFFFFFF)[..., None] >> (4 * torch.arange(8))) & 15  # (np, K/8, 64, 8)
+    return nib.permute(0, 2, 1, 3).reshape(words.shape[0] * 64, -1)
+
+
+# 6-bit codes (GGUF Q6_K, q in -32..31, u = q + 32): per 4 k, three lines of 64 outputs (csrc: unpack6_512): the
+# low nibbles of k and k + 1 in one byte, of k + 2 and k + 3 in the next line's, and the four high bit pairs in a
+# third, at bits 0, 2, 4, 6; (np, 3K/4, 64) bytes.
+def _pack6(q: torch.Tensor) -> torch.Tensor:
+    """(np * 64, K) int8 codes -32..31 -> (np, 3K/4, 64) bytes."""
+    rows, k = q.shape
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(-1, 64, k // 4, 4)
+    lo, hi = u & 15, u >> 4
+    lines = torch.stack([lo[..., 0] | (lo[..., 1] << 4), lo[..., 2] | (lo[..., 3] << 4),
+                         hi[..., 0] | (hi[..., 1] << 2) | (hi[..., 2] << 4) | (hi[..., 3] << 6)], dim=-1)
+    return lines.permute(0, 2, 3, 1).contiguous().view(-1, 3 * k // 4, 64)  # (np, K/4, 3, 64)
+
+
+def _decode6(v: torch.Tensor) -> torch.Tensor:
+    """(..., 3) bytes of one output's 4 k -> (..., 4) int8 codes."""
+    v = v.to(torch.int16)
+    u = torch.stack([v[..., 0] & 15, v[..., 0] >> 4, v[..., 1] & 15, v[..., 1] >> 4], dim=-1)
+    hi = (v[..., 2:3] >> torch.tensor([0, 2, 4, 6], dtype=torch.int16)) & 3
+    return (u + 16 * hi - 32).to(torch.int8)
+
+
+def _unpack6(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """(np, 3K/4, 64) bytes of :func:`_pack6` -> (np * 64, K) int8 codes."""
+    v = codes.view(-1, k // 4, 3, 64).permute(0, 3, 1, 2)  # (np, 64, K/4, 3)
+    return _decode6(v).reshape(-1, k)
+
+
 @dataclass(slots=True)
 class QLinear:
     """``y = x W^T + b`` over a :class:`QuantWeight`, packed for the kernel's ``qlinear``
-    (csrc/small_gemm.cpp: 8-bit and 4-bit panels, per-group scales, fp32 accumulation,
+    (csrc/small_gemm.cpp: 8-bit, 6-bit and 4-bit panels, per-group or factored scales, fp32 accumulation,
     batch-invariant; AVX-512 where the CPU has it, else AVX2). Only the packed form is held
     (:meth:`make` drops the unpacked codes): :attr:`quant` unpacks them again when asked (FR-Spec's
     subsets, the F.linear fallback, tests), so a copy costs its streamed bytes and no more."""
@@ -283,15 +324,15 @@ class QLinear:
         """The :class:`QuantWeight` these panels hold, unpacked from them (exactly: codes, and scales
         widened from float16 where they were stored so)."""
         n, m = self.out_features, self.meta
-        k = self.codes.shape[1] * (2 if m.bits == 4 else 1)
+        k = self.codes.shape[1] * 8 // m.bits if m.bits in (4, 6) else self.codes.shape[1]
 
         def rows(t: torch.Tensor) -> torch.Tensor:  # (np, C, 64) -> (N, C)
             return t.transpose(1, 2).reshape(-1, t.shape[1])[:n].contiguous()
 
         if m.bits == 4:
-            words = self.codes.view(torch.int32).view(-1, k // 8, 64).to(torch.int64) & 0xFFFFFFFF
-            nib = (words[..., None] >> (4 * torch.arange(8))) & 15  # (np, K/8, 64, 8)
-            codes = nib.permute(0, 2, 1, 3).reshape(-1, k)[:n].to(torch.uint8).contiguous()
+            codes = _unpack_nibbles(self.codes.view(torch.int32).view(-1, k // 8, 64))[:n].to(torch.uint8).contiguous()
+        elif m.bits == 6:
+            codes = _unpack6(self.codes, k)[:n].contiguous()
         else:
             codes = self.codes.view(torch.int8).transpose(1, 2).reshape(-1, k)[:n].contiguous()
         if self.scales.dim() == 4:  # factored: (np, K/256, 2 + G, 64) int8, d's float16 then the G integer lines
@@ -312,6 +353,38 @@ class QLinear:
         return QuantWeight(m.fmt, codes, rows(self.scales).float(), None if self.mins is None else rows(self.mins).float(),
                            m.group, m.bits)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``ids`` (T, K) of the matrix, read from the panels alone (a tied embedding's rows from
+        its LM head's blocks) and computed as :meth:`QuantWeight.dequantize` computes them, whatever the format."""
+        m, sp, lane = self.meta, ids // 64, ids % 64
+        t, ng = len(ids), self.scales.shape[1] if self.scales.dim() == 3 else self.scales.shape[1] * SUPER // self.meta.group
+        k = ng * m.group
+        if m.bits == 8:
+            q = self.codes.view(torch.int8)[sp, :, lane].float()
+        elif m.bits == 4:
+            words = self.codes.view(torch.int32).view(-1, k // 8, 64)[sp, :, lane].to(torch.int64) & 0xFFFFFFFF
+            q = ((words[..., None] >> (4 * torch.arange(8))) & 15).reshape(t, k).float()
+        else:
+            q = _decode6(self.codes.view(-1, k // 4, 3, 64)[sp, :, :, lane]).reshape(t, k).float()
+
+        def per_group(p: torch.Tensor) -> torch.Tensor:  # (T, K / group) float32 scales or minimums
+            if p.dim() == 3:
+                return p[sp, :, lane].float()
+            g = SUPER // m.group
+            ints = p[:, :, 2:][sp, :, :, lane].reshape(t, ng).float()
+            halves = p[:, :, :2].reshape(p.shape[0], p.shape[1], 128)
+            d = torch.stack([halves[sp, :, 2 * lane], halves[sp, :, 2 * lane + 1]], -1).view(torch.float16)[..., 0]
+            return d.float().repeat_interleave(g, dim=1) * ints
+
+        q = q.view(t, ng, m.group)
+        if m.bits == 4 and self.mins is None:
+            q = q - 8.0
+        w = q * per_group(self.scales)[:, :, None]
+        if self.mins is not None:
+            mins = per_group(self.mins)
+            w = w + (-mins if self.mins.dim() == 4 else mins)[:, :, None]
+        return w.view(t, k)
+
     @classmethod
     def make(cls, quant: QuantWeight, bias: torch.Tensor | None, module: Any) -> "QLinear":
         n, k = quant.codes.shape
@@ -325,9 +398,11 @@ class QLinear:
         if quant.bits == 4:  # dword [b, o] = sum_n q(o, 8b + n) << 4n, as (np, K/2, 64) bytes (csrc: qlinear)
             padded = quant.codes.new_zeros(np_ * 64, k, dtype=torch.uint8)
             padded[:n] = quant.codes
-            pairs = padded[:, 0::2] | (padded[:, 1::2] << 4)  # byte i of a dword: codes 2i and 2i + 1
-            # four consecutive bytes are one little-endian dword: (np, 64, K/8, 4) -> (np, K/8, 64, 4)
-            codes = pairs.view(np_, 64, k // 8, 4).transpose(1, 2).contiguous().view(np_, k // 2, 64)
+            codes = _pack_nibbles(padded).view(np_, k // 2, 64)
+        elif quant.bits == 6:
+            padded = torch.zeros(np_ * 64, k, dtype=torch.int8)
+            padded[:n] = quant.codes
+            codes = _pack6(padded)
         else:
             codes = panels(quant.codes).view(torch.uint8)
         if quant.factored:  # (np, K/256, 2 + G, 64) int8: per super-block d's float16, then G lines of factors

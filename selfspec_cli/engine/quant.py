@@ -78,8 +78,9 @@ def _int8(adapter: ModelAdapter, group: int | None) -> tuple[list[dict[str, Quan
 def _gguf_block(t: Any) -> QuantWeight | None:
     """A GGUF tensor's blocks as a QuantWeight (rows = the tensor's rows as stored), or None for a
     type the kernel does not take. The codes and per-group scales (and minimums) reproduce gguf-py's
-    dequantization exactly (the same float32 products): Q8_0, Q4_0 and Q4_1 as they are; Q5_0, Q5_1,
-    Q5_K and Q6_K as bytes (5- and 6-bit codes, 1 byte a weight); Q4_K as 4-bit codes. The K-quants' groups
+    dequantization exactly (the same float32 products): Q8_0, Q4_0 and Q4_1 as they are; Q5_0, Q5_1 and
+    Q5_K as bytes (5-bit codes, 1 byte a weight); Q6_K as 6-bit codes (``bits`` 6: int8 values -32..31,
+    which the kernel's panels hold in 6 bits); Q4_K as 4-bit codes. The K-quants' groups
     (32 weights; Q6_K's 16) carry their sub-block's ``d * sc`` and ``-(dmin * m)`` as float32 scale and
     minimum, and their factors too (``sc``, ``m`` per group, ``d``, ``dmin`` per 256 weights: the kernel
     streams those and forms the same products, :class:`~selfspec_cli.engine.kernels.QuantWeight`)."""
@@ -148,7 +149,7 @@ def _gguf_block(t: Any) -> QuantWeight | None:
     q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
     sc = b[:, :, 192:208].copy().view(np.int8)  # (n, nb, 16) int8
     d = f16(208)[..., None] * sc.astype(np.float32)  # exact in float32
-    return qw(q, d, None, 16, 8, (sc, None, f16(208), None))
+    return qw(q, d, None, 16, 6, (sc, None, f16(208), None))
 
 
 def _match_rows(block: QuantWeight, target: torch.Tensor) -> torch.Tensor | None:
@@ -310,10 +311,11 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-CACHE_FORMAT = 5  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
+CACHE_FORMAT = 6  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
 # not read (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks;
 # 3: the kernel's packed panels, read without repacking; 4: K-quants' scales as their factors, d per 256 weights
-# and an integer per group; 5: engine/panel_file's 64-byte aligned file, memory-mapped back)
+# and an integer per group; 5: engine/panel_file's 64-byte aligned file, memory-mapped back; 6: Q6_K's codes in 6
+# bits)
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:

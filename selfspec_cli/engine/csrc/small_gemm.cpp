@@ -568,10 +568,10 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // minimum) per group of `gs` consecutive weights along K (gs = K: one scale per output channel):
 //     W[n, k] = s[n, g] * q[n, k] (+ m[n, g]),  g = k / gs   (Q4_0: q - 8 for q).
 // Formats: 8-bit signed codes, with or without minimums (int8 per channel or per group; GGUF Q8_0, and
-// Q5_0, Q5_1, Q5_K, Q6_K held as bytes); 4-bit codes 0..15 with a minimum (GGUF Q4_1, Q4_K: W = s q + m)
-// or without one (GGUF Q4_0: W = s (q - 8)).
+// Q5_0, Q5_1, Q5_K held as bytes); 6-bit signed codes -32..31 (GGUF Q6_K; unpack6_512 below); 4-bit codes
+// 0..15 with a minimum (GGUF Q4_1, Q4_K: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
 // Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
-// sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 4-bit
+// sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 6-bit (ns, 3K/4, 64); 4-bit
 // (ns, K/8, 64) uint32 (as (ns, K/2, 64) bytes): dword [b, o] = sum over n < 8 of q(o, 8b + n) << 4n, so one
 // 64-byte load gives 16 outputs x 8 codes: the FMA paths shift a code into each dword's low bits, and the
 // int8-activation path (qlinear_a8) masks even and odd codes into bytes for vpdpbusd. Scales and minimums
@@ -656,19 +656,79 @@ template <typename S> inline __m256 scale8(GroupScales<S> gs, int64_t o) {
   }
 }
 
+// 6-bit codes (GGUF Q6_K: q in -32..31, u = q + 32), packed by kernels.py per 4 k in 3 lines of 64 outputs:
+// line 0 byte o = lo(o, k) | lo(o, k + 1) << 4, line 1 the same for k + 2, k + 3 (lo = u & 15), line 2 byte o =
+// the four hi = u >> 4 at bits 0, 2, 4, 6. unpack6 turns 16 k (12 lines) into 16 lines of signed bytes q (byte
+// ops: a code's low nibble and its two high bits masked into one byte, 32 taken off), which the 8-bit loop then
+// reads: the same float(q) per weight as byte codes give, so the same chain.
+// (a & 0x0F) | (hb & 0x30), then - 32; the 16-bit shifts that line hb up carry bits across bytes: masked off
+__attribute__((target("avx512f,avx512bw"))) inline __m512i code6_512(__m512i a, __m512i hb) {
+  return _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi8(0x0F)), _mm512_and_si512(hb, _mm512_set1_epi8(0x30))),
+                         _mm512_set1_epi8(32));
+}
+__attribute__((target("avx512f,avx512bw"))) inline void unpack6_512(const uint8_t* src, int8_t* dst) {
+  for (int b = 0; b < 4; ++b) {
+    const uint8_t* l = src + 3 * b * SP;
+#pragma GCC unroll 3
+    for (int i = 0; i < 3; ++i) _mm_prefetch(reinterpret_cast<const char*>(l + i * SP) + QPF * SP, _MM_HINT_T0);
+    const __m512i l0 = _mm512_loadu_si512(l), l1 = _mm512_loadu_si512(l + SP), h = _mm512_loadu_si512(l + 2 * SP);
+    int8_t* o = dst + 4 * b * SP;
+    _mm512_store_si512(o, code6_512(l0, _mm512_slli_epi16(h, 4)));
+    _mm512_store_si512(o + SP, code6_512(_mm512_srli_epi16(l0, 4), _mm512_slli_epi16(h, 2)));
+    _mm512_store_si512(o + 2 * SP, code6_512(l1, h));
+    _mm512_store_si512(o + 3 * SP, code6_512(_mm512_srli_epi16(l1, 4), _mm512_srli_epi16(h, 2)));
+  }
+}
+// AVX2: the same bytes for the NQ x 8 outputs from o0 (32 outputs: ymm; 16: xmm), into dst's lines at o0.
+template <int NQ> inline void unpack6_256(const uint8_t* src, int64_t o0, int8_t* dst) {
+  for (int b = 0; b < 4; ++b) {
+    const uint8_t* l = src + 3 * b * SP + o0;
+    if (o0 == 0)
+      for (int i = 0; i < 3; ++i)
+        for (int z = 0; z < SP; z += 64) _mm_prefetch(reinterpret_cast<const char*>(l + i * SP + z) + QPF * SP, _MM_HINT_T0);
+    int8_t* o = dst + 4 * b * SP + o0;
+    if constexpr (NQ == 4) {
+      const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), b32 = _mm256_set1_epi8(32);
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + SP));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 2 * SP));
+      auto q = [&](__m256i a, __m256i hb) {
+        return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m0f), _mm256_and_si256(hb, m30)), b32);
+      };
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), q(l0, _mm256_slli_epi16(h, 4)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + SP), q(_mm256_srli_epi16(l0, 4), _mm256_slli_epi16(h, 2)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * SP), q(l1, h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 3 * SP), q(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(h, 2)));
+    } else {
+      const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
+      const __m128i l0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l));
+      const __m128i l1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + SP));
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * SP));
+      auto q = [&](__m128i a, __m128i hb) {
+        return _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, m0f), _mm_and_si128(hb, m30)), b32);
+      };
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), q(l0, _mm_slli_epi16(h, 4)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + SP), q(_mm_srli_epi16(l0, 4), _mm_slli_epi16(h, 2)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * SP), q(l1, h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 3 * SP), q(_mm_srli_epi16(l1, 4), _mm_srli_epi16(h, 2)));
+    }
+  }
+}
+
 // R rows x one super-panel, AVX-512: lane i of p[r][j] is output 16 j + i of row r. The group
 // partial sums p live in registers (R x 4 zmm; R <= 6 leaves room for the decode); the running
 // sums acc live in an L1 buffer, touched once per group. 4-bit codes are decoded with one
 // vpmovzxbd per 16 bytes (both nibbles of a byte in one dword) and a 16-entry float table
 // (vpermps reads each dword's low 4 bits): the low nibble is a lookup, the high one a shift and a
 // lookup. Each output's chain is the same as the AVX2 path's (below) whatever R is.
-template <int R, bool Q4, bool MIN, typename S>
+template <int R, int CB, bool MIN, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, int64_t G, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n_valid, const float* bias) {
   alignas(64) float acc[R][SP];
   std::memset(acc, 0, sizeof(acc));
   alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
+  alignas(64) int8_t q6[16 * SP];  // 6-bit codes: 16 k decoded (unpack6_512)
   const int64_t ng = k_n / gs;
   alignas(64) float tab[16];
   for (int i = 0; i < 16; ++i) tab[i] = float(MIN ? i : i - 8);  // Q4_1: q; Q4_0: q - 8 (exact)
@@ -680,7 +740,7 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) p[r][j] = _mm512_setzero_ps();
     const int64_t k0 = g * gs;
-    if constexpr (!Q4) {
+    if constexpr (CB == 8) {
       for (int64_t k = k0; k < k0 + gs; ++k) {
         const uint8_t* c = codes + k * SP;
         _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
@@ -689,6 +749,19 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
           const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k]), p[r][j]);
+        }
+      }
+    } else if constexpr (CB == 6) {  // 16 k at a time decoded into signed bytes (unpack6), then as 8-bit codes
+      for (int64_t kc = k0; kc < k0 + gs; kc += 16) {
+        unpack6_512(codes + (kc / 4) * 3 * SP, q6);
+        for (int64_t kk = 0; kk < 16; ++kk) {
+          const uint8_t* c = reinterpret_cast<const uint8_t*>(q6) + kk * SP;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + kc + kk]), p[r][j]);
+          }
         }
       }
     } else {
@@ -735,13 +808,14 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
 // o0 + 8 j + i. One row takes 32 outputs (two passes over the super-panel's lines; the second finds
 // them in L1/L2), more rows 16 (four passes) so that R x NQ partial sums fit the 16 ymm registers.
 // The same chain per output as qtile512.
-template <int R, int NQ, bool Q4, bool MIN, typename S>
+template <int R, int NQ, int CB, bool MIN, typename S>
 void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, int64_t G, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t o0, int64_t n_valid,
               const float* bias) {
   alignas(32) float acc[R][8 * NQ];
   std::memset(acc, 0, sizeof(acc));
   alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
+  alignas(64) int8_t q6[16 * SP];  // 6-bit codes: 16 k decoded (unpack6_256)
   const int64_t ng = k_n / gs;
   const __m256i lo4 = _mm256_set1_epi32(0x0F), off = _mm256_set1_epi32(MIN ? 0 : 8);
   for (int64_t g = 0; g < ng; ++g) {
@@ -749,13 +823,24 @@ void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NQ; ++j) p[r][j] = _mm256_setzero_ps();
     const int64_t k0 = g * gs;
-    if constexpr (!Q4) {
+    if constexpr (CB == 8) {
       for (int64_t k = k0; k < k0 + gs; ++k) {
         const uint8_t* c = codes + k * SP + o0;
         if (o0 == 0) _mm_prefetch(reinterpret_cast<const char*>(c + QPF * SP), _MM_HINT_T0);
         for (int j = 0; j < NQ; ++j) {
           const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j))));
           for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k), p[r][j]);
+        }
+      }
+    } else if constexpr (CB == 6) {  // 16 k at a time decoded into signed bytes (unpack6), then as 8-bit codes
+      for (int64_t kc = k0; kc < k0 + gs; kc += 16) {
+        unpack6_256<NQ>(codes + (kc / 4) * 3 * SP, o0, q6);
+        for (int64_t kk = 0; kk < 16; ++kk) {
+          const uint8_t* c = reinterpret_cast<const uint8_t*>(q6) + kk * SP + o0;
+          for (int j = 0; j < NQ; ++j) {
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j))));
+            for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + kc + kk), p[r][j]);
+          }
         }
       }
     } else {
@@ -807,13 +892,16 @@ struct QArgs {
   const float* bias;
 };
 
+// Bytes of packed codes per output and super-panel: 8-bit K, 4-bit K/2, 6-bit 3K/4 (unpack6_512's layout).
+inline int64_t code_bytes(int cb, int64_t k_n) { return cb == 8 ? k_n : cb == 4 ? k_n / 2 : 3 * k_n / 4; }
+
 constexpr int QROWS512 = 6;  // rows per AVX-512 tile: 24 partial-sum registers + the decode
 constexpr int QROWS256 = 4;  // rows per AVX2 tile (16 outputs): 8 partial-sum registers + the decode
 
-template <bool Q4, bool MIN, bool AVX512, typename S>
+template <int CB, bool MIN, bool AVX512, typename S>
 void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   const int64_t G = 256 / a.gs;  // groups per super-block (factored scales only)
-  const int64_t cstride = (Q4 ? a.k_n / 2 : a.k_n) * SP, sstride = sstride_of<S>(a.k_n / a.gs, G);
+  const int64_t cstride = code_bytes(CB, a.k_n) * SP, sstride = sstride_of<S>(a.k_n / a.gs, G);
   const uint8_t* codes = a.codes + sp * cstride;
   const S* sc = static_cast<const S*>(a.sc) + sp * sstride;
   const S* mn = MIN ? static_cast<const S*>(a.mn) + sp * sstride : nullptr;
@@ -829,7 +917,7 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
     const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
     float* yt = a.y + r * a.n + n0;
     if constexpr (AVX512) {
-#define QT(RR) qtile512<RR, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
+#define QT(RR) qtile512<RR, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
       switch (size) {
         case 6: QT(6); break; case 5: QT(5); break; case 4: QT(4); break;
         case 3: QT(3); break; case 2: QT(2); break; default: QT(1);
@@ -837,9 +925,9 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
 #undef QT
     } else if (size == 1) {
       for (int64_t o0 = 0; o0 < SP; o0 += 32)
-        qtile256<1, 4, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
+        qtile256<1, 4, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
     } else {
-#define QT(RR) qtile256<RR, 2, Q4, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
+#define QT(RR) qtile256<RR, 2, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
       for (int64_t o0 = 0; o0 < SP; o0 += 16)
         switch (size) { case 4: QT(4); break; case 3: QT(3); break; default: QT(2); }
 #undef QT
@@ -848,13 +936,13 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   }
 }
 
-template <bool Q4, bool MIN, bool AVX512, typename S>
+template <int CB, bool MIN, bool AVX512, typename S>
 void qrun(const QArgs& a, int64_t rows) {
   const int64_t supers = (a.n + SP - 1) / SP;
-  const int64_t bytes = (Q4 ? a.k_n / 2 : a.k_n) * SP;
+  const int64_t bytes = code_bytes(CB, a.k_n) * SP;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
   at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) qsuper<Q4, MIN, AVX512, S>(a, rows, s);
+    for (int64_t s = s0; s < s1; ++s) qsuper<CB, MIN, AVX512, S>(a, rows, s);
   });
 }
 
@@ -1040,16 +1128,19 @@ int scale_kind(const torch::Tensor& scales, const c10::optional<torch::Tensor>& 
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
 std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 
-// x (R, K) float32; codes packed (ns, K or K/2, 64) uint8/int8; scales (ns, K/gs, 64) float32 or float16; mins the same or
-// None; bits 8 or 4; isa "auto", "avx2" or "avx512". Returns (R, N) float32.
+// x (R, K) float32; codes packed (ns, K, K/2 or 3K/4, 64) uint8/int8 for bits 8, 4 or 6 (6: signed codes -32..31,
+// no minimums); scales (ns, K/gs, 64) float32 or float16, or factored (scale_kind); mins the same or None; isa
+// "auto", "avx2" or "avx512". Returns (R, N) float32.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                       int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear: x must be 2-D float32");
-  TORCH_CHECK(bits == 8 || bits == 4, "qlinear: bits must be 8 or 4");
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 6, "qlinear: bits must be 8, 6 or 4");
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(gs > 0 && k % gs == 0 && (bits == 8 || gs % 8 == 0), "qlinear: group size ", gs, " must divide K=", k,
-              bits == 4 ? " and be a multiple of 8" : "");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == SP && codes.size(1) == (bits == 4 ? k / 2 : k) &&
+  const int64_t step = bits == 8 ? 1 : bits == 4 ? 8 : 16;  // k-steps of a code word
+  TORCH_CHECK(gs > 0 && k % gs == 0 && gs % step == 0, "qlinear: group size ", gs, " must divide K=", k,
+              " and be a multiple of ", step);
+  TORCH_CHECK(bits != 6 || !(mins.has_value() && mins->defined()), "qlinear: 6-bit codes take no minimums");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == SP && codes.size(1) == code_bytes(bits, k) &&
                   codes.element_size() == 1 && codes.is_contiguous(),
               "qlinear: packed codes expected");
   const int64_t np = codes.size(0);
@@ -1083,22 +1174,24 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
           has_min ? mins->data_ptr() : nullptr, k, gs, n, xc.data_ptr<float>(),
           has_min ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b};
-#define QDISPATCH(Q4, MIN)                                                                        \
+#define QDISPATCH(CB, MIN)                                                                        \
   if (skind == 1) {                                                                                \
-    if (avx512) qrun<Q4, MIN, true, uint16_t>(a, rows); else qrun<Q4, MIN, false, uint16_t>(a, rows); \
+    if (avx512) qrun<CB, MIN, true, uint16_t>(a, rows); else qrun<CB, MIN, false, uint16_t>(a, rows); \
   } else if (skind == 2) {                                                                         \
-    if (avx512) qrun<Q4, MIN, true, Fac>(a, rows); else qrun<Q4, MIN, false, Fac>(a, rows);           \
+    if (avx512) qrun<CB, MIN, true, Fac>(a, rows); else qrun<CB, MIN, false, Fac>(a, rows);           \
   } else {                                                                                         \
-    if (avx512) qrun<Q4, MIN, true, float>(a, rows); else qrun<Q4, MIN, false, float>(a, rows);       \
+    if (avx512) qrun<CB, MIN, true, float>(a, rows); else qrun<CB, MIN, false, float>(a, rows);       \
   }
   if (bits == 8 && has_min) {  // GGUF Q5_1 / Q5_K: 5-bit codes held as bytes, with minimums
-    QDISPATCH(false, true)
+    QDISPATCH(8, true)
   } else if (bits == 8) {
-    QDISPATCH(false, false)
+    QDISPATCH(8, false)
+  } else if (bits == 6) {  // GGUF Q6_K
+    QDISPATCH(6, false)
   } else if (has_min) {
-    QDISPATCH(true, true)
+    QDISPATCH(4, true)
   } else {
-    QDISPATCH(true, false)
+    QDISPATCH(4, false)
   }
 #undef QDISPATCH
   return out;
