@@ -19,6 +19,7 @@ float model's order; values are gguf-py's float32 dequantization, bit for bit.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ class GGUFTensors:
     architecture: str = ""
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    _fd: int = -1
 
     def __init__(self, path: str | Path) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
@@ -148,6 +150,7 @@ class GGUFTensors:
         if short:
             raise ValueError(f"tensor data of {short[0]} lies past the end of the file (truncated)")
         mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._fd = os.open(self.path, os.O_RDONLY)  # for a few rows at a time (dequantize_rows)
         for t in infos:  # as gguf-py's reader shapes them
             raw = mapped[t.data_offset:t.data_offset + t.n_bytes]
             rows = tuple(reversed(t.shape))
@@ -161,6 +164,11 @@ class GGUFTensors:
         arch = self.architecture
         self.num_heads = meta.get(f"{arch}.attention.head_count")
         self.num_kv_heads = meta.get(f"{arch}.attention.head_count_kv") or self.num_heads
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -181,17 +189,21 @@ class GGUFTensors:
         from gguf.quants import dequantize
 
         t = self.tensors[name]
-        raw = np.asarray(t.data)
         n_rows = self.shape(name)[0]
-        raw = raw.reshape(n_rows, -1) if raw.ndim != 2 or raw.shape[0] != n_rows else raw
         order = self.order(name)
         if rows is None:
+            raw = np.asarray(t.data)
+            raw = raw.reshape(n_rows, -1) if raw.ndim != 2 or raw.shape[0] != n_rows else raw
             idx = np.arange(n_rows) if order is None else order.numpy()
-        else:
+            values = dequantize(raw[idx], t.tensor_type)
+        else:  # a few rows: read with pread, not through the mapping, whose faults map 64 KB around each page touched
             idx = np.asarray(rows, dtype=np.int64).reshape(-1)
             if order is not None:
                 idx = order.numpy()[idx]
-        values = dequantize(raw[idx], t.tensor_type)
+            size = t.n_bytes // n_rows
+            buf = b"".join(os.pread(self._fd, size, t.data_offset + int(i) * size) for i in idx)
+            raw = np.frombuffer(buf, dtype=t.data.dtype).reshape(len(idx), -1)
+            values = dequantize(raw, t.tensor_type)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(idx), -1))
 
 

@@ -91,30 +91,8 @@ def _trim_heap() -> None:
 
 def _block_rows(head: kernels.QLinear) -> Any:
     """Embedding rows from a head's packed panels, computed as :meth:`QuantWeight.dequantize` (the file
-    format) defines them: ``s q`` (8-bit codes), ``s (q - 8)`` (Q4_0), ``s q + m`` (with minimums)."""
-    meta, group = head.meta, head.meta.group
-    if meta.bits == 8:
-        codes = head.codes.view(torch.int8)  # (np, K, 64)
-    else:
-        codes = head.codes.view(torch.int32).view(head.codes.shape[0], -1, 64)  # (np, K/8, 64) words
-
-    def rows(ids: torch.Tensor) -> torch.Tensor:
-        sp, lane = ids // 64, ids % 64
-        if meta.bits == 8:
-            q = codes[sp, :, lane].float()  # (T, K)
-        else:
-            words = codes[sp, :, lane].to(torch.int64) & 0xFFFFFFFF  # (T, K/8)
-            q = ((words[..., None] >> (4 * torch.arange(8, device=ids.device))) & 15).reshape(len(ids), -1).float()
-        t = q.shape[0]
-        q = q.view(t, -1, group)
-        if meta.bits == 4 and head.mins is None:
-            q = q - 8.0
-        w = q * head.scales[sp, :, lane].float()[:, :, None]
-        if head.mins is not None:
-            w = w + head.mins[sp, :, lane].float()[:, :, None]
-        return w.view(t, -1)
-
-    return rows
+    format) defines them, whatever the format (:meth:`kernels.QLinear.rows`)."""
+    return head.rows
 
 
 class Engine:
