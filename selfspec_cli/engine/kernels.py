@@ -468,9 +468,42 @@ class A8Linear:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def stream_bytes(lin: Linear | QLinear | A8Linear) -> int:
+@dataclass(slots=True)
+class PartsLinear:
+    """Products side by side: a fused matrix (q/k/v) whose parts a GGUF stores in blocks of different layouts
+    (a Q4_K_M file's Q4_K q/k with a Q6_K v), each part its own :class:`QLinear` (or :class:`A8Linear`) over its
+    own blocks, outputs concatenated. Each output keeps its part's chain, so the product stays exact and
+    batch-invariant like its parts; csrc's ``mat_parts`` runs it inside a DecoderStack."""
+
+    parts: list[Any]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def meta(self) -> QuantWeight:
+        """The parts' format names joined (``q4_k|q6_k``); group and bits of the first part."""
+        first = self.parts[0].meta
+        empty = torch.empty(0)
+        return QuantWeight("|".join(dict.fromkeys(p.meta.fmt for p in self.parts)), empty, empty, None, first.group,
+                           first.bits)
+
+    @property
+    def quant(self) -> QuantWeight:
+        """The parts' weights, dequantized and concatenated as int8-free float rows (tests, the F.linear path)."""
+        w = torch.cat([p.quant.dequantize() for p in self.parts])
+        return QuantWeight(self.meta.fmt, w, torch.ones(w.shape[0], 1), None, w.shape[1], 32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def stream_bytes(lin: Linear | QLinear | A8Linear | PartsLinear) -> int:
     """Bytes one call reads of a matrix: its codes, scales and minimums, its packed panels (bf16
     panels: 2 per weight), or the weight tensor itself on the F.linear path."""
+    if isinstance(lin, PartsLinear):
+        return sum(stream_bytes(p) for p in lin.parts)
     if isinstance(lin, A8Linear):
         lin = lin.base  # the same codes
     if isinstance(lin, QLinear):

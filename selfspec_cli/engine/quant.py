@@ -47,7 +47,7 @@ from ..errors import ArtifactError
 from ..paths import atomic_write, cache_root
 from . import kernels, panel_file
 from .adapter import LINEARS, ModelAdapter
-from .kernels import QLinear, QuantWeight, quantize_int8
+from .kernels import PartsLinear, QLinear, QuantWeight, quantize_int8
 
 PRECISIONS = ("int8", "int8-g32", "gguf", "w4a8")
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
@@ -237,7 +237,12 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
                 q = got[0]
             elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
                 q = _cat_rows(got)
-            else:  # parts of different layouts cannot share one fused matrix's kernel call
+            elif "int8" not in {g.fmt for g in got}:  # parts of different layouts: each its own product, side by side
+                bias = getattr(w, f"b_{name}")
+                biases = [None] * len(got) if bias is None else bias.split([g.codes.shape[0] for g in got])
+                row[name] = PartsLinear([pack(None, name, g, b) for g, b in zip(got, biases)])
+                continue
+            else:  # a part of a float type: the fused matrix runs as a float matrix (target_linears)
                 fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
                 exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
                 q = quantize_int8(adapter.float_matrix(l, name))
@@ -335,7 +340,14 @@ def _save(path: Path, draft: DraftWeights, meta: dict[str, Any]) -> None:
     64-byte aligned, read back memory-mapped)."""
     tensors: dict[str, torch.Tensor] = {}
     formats: list[str] = []
+    items = []
     for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(draft.layers) for n, q in d.items()), ("head", draft.head)]:
+        if isinstance(q, PartsLinear):  # a product of parts: each part its own entry, ``<key>.part<i>``
+            items += [(f"{key}.part{i}", p) for i, p in enumerate(q.parts)]
+            formats.append(f"{key}=parts:{len(q.parts)}")
+        else:
+            items.append((key, q))
+    for key, q in items:
         parts = {"codes": q.codes, "scales": q.scales, "mins": q.mins}
         tensors.update({f"{key}.{part}": t.contiguous() for part, t in parts.items() if t is not None})
         m = q.meta
@@ -350,8 +362,17 @@ def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str
         tensors, meta = panel_file.load(path)
         formats = dict(item.split("=", 1) for item in meta.get("formats", "").split(";") if "=" in item)
 
-        def get(key: str, bias: torch.Tensor | None, rows: int) -> QLinear:
+        def get(key: str, bias: torch.Tensor | None, rows: int) -> QLinear | PartsLinear:
+            if formats[key].startswith("parts:"):
+                got = [get(f"{key}.part{i}", None, -1) for i in range(int(formats[key].split(":")[1]))]
+                if sum(g.out_features for g in got) != rows:
+                    raise ValueError(f"{key}: {sum(g.out_features for g in got)} outputs stored, {rows} in the model")
+                if bias is not None:
+                    for g, b in zip(got, bias.split([g.out_features for g in got])):
+                        g.bias = b.detach().float().contiguous()
+                return PartsLinear(got)
             fmt, group, bits, n, nbytes = formats[key].split(":")
+            rows = int(n) if rows == -1 else rows
             codes = tensors[f"{key}.codes"]
             if int(n) != rows or codes.dim() != 3 or codes.shape[0] * 64 < rows:
                 raise ValueError(f"{key}: {n} outputs stored, {rows} in the model")
@@ -391,8 +412,9 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
         draft = DraftWeights(precision, layers_q, head_q)
         info = {"cache": "hit", **meta}
     else:
-        def pack(layer: int | None, name: str, q: QuantWeight) -> QLinear:
-            return QLinear.make(q, None if layer is None else getattr(adapter.layers[layer], f"b_{name}"), module)
+        def pack(layer: int | None, name: str, q: QuantWeight, bias: torch.Tensor | None = None) -> QLinear:
+            """``q`` packed, with layer ``layer``'s bias of matrix ``name`` (None: ``bias``)."""
+            return QLinear.make(q, bias if layer is None else getattr(adapter.layers[layer], f"b_{name}"), module)
 
         if precision == "gguf":
             if not gguf_file:

@@ -183,7 +183,10 @@ class Engine:
         runs on it."""
         if precision == "w4a8" and precision not in self.drafts:  # the gguf copy's own codes, int8 activations
             base = self.quantized("gguf")
-            self.drafts[precision] = DraftWeights(precision, [{n: A8Linear(q) for n, q in d.items()} for d in base.layers],
+            def a8(q: Any) -> Any:
+                return kernels.PartsLinear([A8Linear(p) for p in q.parts]) if isinstance(q, kernels.PartsLinear) else A8Linear(q)
+
+            self.drafts[precision] = DraftWeights(precision, [{n: a8(q) for n, q in d.items()} for d in base.layers],
                                                   A8Linear(base.head), {**base.info, "precision": precision, "shares": "gguf"})
         if precision not in self.drafts:
             if self._float_released and precision not in QUANT_TARGETS:
@@ -343,7 +346,8 @@ class Engine:
     @staticmethod
     def _own_weights(lin: Any) -> bool:
         """Whether a matrix product reads weights of its own (blocks, or packed panels), not the float tensor."""
-        return isinstance(lin, kernels.QLinear) or (isinstance(lin, kernels.Linear) and lin.packed is not None)
+        return (isinstance(lin, (kernels.QLinear, kernels.PartsLinear))
+                or (isinstance(lin, kernels.Linear) and lin.packed is not None))
 
     def final_logits(self, hidden: torch.Tensor, head: Any = None, weights: str | None = None) -> torch.Tensor:
         """Final norm + LM head on residual-stream rows (R, H) -> float32 logits (R, V), or
@@ -421,6 +425,9 @@ class Engine:
         ops = self._ops
 
         def mat(lin: Any) -> Any | None:
+            if isinstance(lin, kernels.PartsLinear):
+                parts = [mat(p) for p in lin.parts]
+                return None if any(p is None for p in parts) else ops.mat_parts(parts)
             if isinstance(lin, A8Linear) and lin.base.meta.bits == 4 and lin.base.module is not None:
                 b = lin.base
                 return ops.mat(2, b.codes, b.scales, b.mins, b.bias, b.out_features, b.meta.group, 4, b.isa)

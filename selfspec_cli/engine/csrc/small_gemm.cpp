@@ -1269,17 +1269,37 @@ torch::Tensor qlinear_a8(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 // says where each layer appends, and the caller checks order and capacity first.
 
 struct Mat {  // one matrix product as the engine packed it
-  int64_t kind = 0;  // 0: float panels (linear), 1: quantized codes (qlinear), 2: 4-bit codes x int8 rows (qlinear_a8)
+  // 0: float panels (linear), 1: quantized codes (qlinear), 2: 4-bit codes x int8 rows (qlinear_a8), 3: the row
+  // concatenation of `parts` (a fused q/k/v whose parts a GGUF stores in blocks of different layouts, such as a
+  // Q4_K_M file's Q4_K q/k with a Q6_K v): each part is its own product, outputs side by side, so each output
+  // keeps its part's chain
+  int64_t kind = 0;
   torch::Tensor w, scales;
   c10::optional<torch::Tensor> mins, bias;
   int64_t n = 0, gs = 0, bits = 0;
   std::string isa = "auto";
+  std::vector<Mat> parts;
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == 0) return linear(x, w, n, bias, isa);
     if (kind == 1) return qlinear(x, w, scales, mins, n, gs, bits, bias, isa);
+    if (kind == 3) {
+      std::vector<torch::Tensor> ys;
+      ys.reserve(parts.size());
+      for (const Mat& p : parts) ys.push_back(p(x));
+      return torch::cat(ys, 1);
+    }
     return qlinear_a8(x, w, scales, mins, n, gs, bias, isa);
   }
 };
+
+Mat make_parts(std::vector<Mat> parts) {
+  TORCH_CHECK(!parts.empty(), "Mat: a concatenation needs parts");
+  Mat m;
+  m.kind = 3;
+  for (const Mat& p : parts) m.n += p.n;
+  m.parts = std::move(parts);
+  return m;
+}
 
 Mat make_mat(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> mins,
              c10::optional<torch::Tensor> bias, int64_t n, int64_t gs, int64_t bits, std::string isa) {
@@ -1425,6 +1445,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Mat>(m, "Mat");
   m.def("mat", &make_mat, "one packed matrix product for a DecoderStack (kind 0 linear, 1 qlinear, 2 qlinear_a8)");
+  m.def("mat_parts", &make_parts, "the row concatenation of products (kind 3): a fused matrix of several layouts");
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, bool>())
       .def("add", &DecoderStack::add, "append a layer: its norms' weights, rotary table and four products")
