@@ -19,6 +19,7 @@ float model's order; values are gguf-py's float32 dequantization, bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,7 @@ class GGUFTensors:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     _fd: int = -1
+    _mapped: Any = None
 
     def __init__(self, path: str | Path) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
@@ -149,7 +151,7 @@ class GGUFTensors:
         short = [t.name for t in infos if t.data_offset + t.n_bytes > size]
         if short:
             raise ValueError(f"tensor data of {short[0]} lies past the end of the file (truncated)")
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._mapped = mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._fd = os.open(self.path, os.O_RDONLY)  # for a few rows at a time (dequantize_rows)
         for t in infos:  # as gguf-py's reader shapes them
             raw = mapped[t.data_offset:t.data_offset + t.n_bytes]
@@ -169,6 +171,16 @@ class GGUFTensors:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def drop(self, name: str) -> None:
+        """Unmap tensor ``name``'s pages from this process (they stay in the page cache): a block copy built from the
+        file (engine/quant.py) then holds one matrix of the file at a time, not the whole file."""
+        import mmap
+
+        t, page = self.tensors[name], mmap.PAGESIZE
+        start = t.data_offset // page * page
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            self._mapped._mmap.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -231,6 +231,8 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
             target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
             pieces = target.split(_split_sizes(adapter, name, target))
             got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
+            for p in parts:
+                source.drop(f"blk.{l}.{p}.weight")  # read: its pages leave the process (the page cache keeps them)
             if len(got) == 1 and got[0].fmt == "int8" and target.is_meta:
                 q = quantize_int8(adapter.float_matrix(l, name))
             elif len(got) == 1:
@@ -254,6 +256,7 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
     if adapter.lm_head.is_meta and _gguf_block(_Rows(t, 0, 64)) is not None:  # no row order to match: by chunks
         chunks = [pack(None, "head", _gguf_block(_Rows(t, i, i + HEAD_CHUNK)))
                   for i in range(0, adapter.lm_head.shape[0], HEAD_CHUNK)]
+        source.drop(head_name)
         exact += 1
         head = _stack(chunks)
     else:
