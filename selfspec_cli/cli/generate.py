@@ -70,10 +70,8 @@ def generate(
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
     settings = _settings(model, method, method_cfg, given, cfg, chat_template, dtype, device, target_precision)
-    if resume and not (prompts := _resumed(output, prompts, method, settings)):
+    if not (prompts := _to_decode(output, prompts, method, settings, resume, append, bool(prompt_texts))):
         return
-    if append and not resume:
-        prompts = check_append(output, prompts, numbered=bool(prompt_texts))
     session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
     cfg = session.generation(cfg)
     session.check_fits(prompts, cfg)
@@ -126,6 +124,15 @@ def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_te
         raise ConfigError("--prompt-file and --prompt both give the prompts; pass one of them")
     if prompt_texts and prompt_format != "auto":
         raise ConfigError("--prompt-format is an option of --prompt-file, not of --prompt; drop it")
+
+
+def _to_decode(output: Path | None, prompts: list[Prompt], method: str, settings: dict[str, Any], resume: bool,
+               append: bool, numbered: bool) -> list[Prompt]:
+    """The prompts still to decode: --resume's remainder, or with --append the prompts checked against the ids the
+    file holds (``numbered``: --prompt texts, numbered after them)."""
+    if resume:
+        return _resumed(output, prompts, method, settings)
+    return check_append(output, prompts, numbered=numbered) if append else prompts
 
 
 def _resumed(output: Path, prompts: list[Prompt], method: str, settings: dict[str, Any]) -> list[Prompt]:
