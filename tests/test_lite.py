@@ -32,12 +32,12 @@ def _both(where):
     return (hf_model, hf_tok), (load_lite_model(where, torch.float32, torch.device("cpu")), LiteTokenizer(where))
 
 
-def _check_same_model(hf_model, lite_model, ids: list[int]) -> None:
+def _check_same_model(hf_model, lite_model, ids: list[int], target: str | None = None) -> None:
     from selfspec_cli.artifacts import model_name
 
     assert model_fingerprint(lite_model) == model_fingerprint(hf_model)
     assert model_name(lite_model) == model_name(hf_model)  # artifacts are named after it
-    a, b = Engine(hf_model), Engine(lite_model)
+    a, b = Engine(hf_model, target_precision=target), Engine(lite_model, target_precision=target)
     for kind in a.adapter.rope_kinds:
         assert all(torch.equal(x, y) for x, y in zip(a.adapter.rope_table(300, kind), b.adapter.rope_table(300, kind)))
     ta = torch.tensor(ids)
@@ -88,11 +88,15 @@ def test_the_code_model_reads_the_same_without_transformers():
 def test_the_default_model_reads_the_same_without_transformers():
     from selfspec_cli.loading import resolve_model_path
 
-    where = Path(resolve_model_path(None))
-    (hf_model, hf_tok), (lite_model, lite_tok) = _both(where)
+    from selfspec_cli.lite import load_gguf_model
+
+    where = Path(resolve_model_path(None))  # the GGUF's config and tokenizer; its blocks are the weights
+    hf_model, hf_tok = load_model(str(where), dtype="float32", device="cpu")  # transformers', from the GGUF
+    lite_model, lite_tok = load_gguf_model(where, torch.float32, torch.device("cpu")), LiteTokenizer(where)
     assert lite_tok.chat_template and lite_tok.chat_template == hf_tok.chat_template
     _check_same_tokenizer(hf_tok, lite_tok, chat=True)
-    _check_same_model(hf_model, lite_model, encode_turn(hf_tok, CHATS[0], True))
+    # the float target: the lite model's blocks dequantized, the values transformers' loader gives, bit for bit
+    _check_same_model(hf_model, lite_model, encode_turn(hf_tok, CHATS[0], True), target="fp32")
 
 
 def test_what_does_not_read_without_transformers_says_why(tmp_path, tiny_tokenizer, monkeypatch):
