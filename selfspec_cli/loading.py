@@ -28,6 +28,7 @@ import torch
 # model_fingerprint lives with the engine, which keys its draft cache by it; it is re-exported
 # here, where the library, the artifacts and the docs have always named it
 from .engine.adapter import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, check_supported, model_fingerprint  # noqa: F401 (model_fingerprint re-exported under its public name)
+from .engine.gguf_file import BLOCK_TYPES
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
 from .lite import (LITE_TYPES, LiteTokenizer, gguf_weights_file, lite_reason, lite_tokenizer_reason, load_gguf_model,
                    load_lite_model)
@@ -353,7 +354,7 @@ def _check_tensor_data(path: Path) -> None:
 
 
 # the GGUF tensor types selfspec reads: as blocks (engine/gguf_file.BLOCK_TYPES) or as float tensors
-_READABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+_READABLE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)
 
 
 def _gguf_header_dir(path: Path, target: Path, digest: str, arch: str, log: Any) -> Path:

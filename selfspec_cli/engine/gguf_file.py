@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,18 +129,11 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo], int
     return meta, infos, start
 
 
-@dataclass
 class GGUFTensors:
     """The tensors of one GGUF file by name (memory-mapped: a tensor's bytes are read when touched), and the
     facts about it the engine needs."""
 
-    path: str
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
-    architecture: str = ""
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    _fd: int = -1
-    _mapped: Any = None
+    _fd = -1  # (set first in __init__; __del__ reads it even when __init__ failed)
 
     def __init__(self, path: str | Path) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q

@@ -489,12 +489,6 @@ class PartsLinear:
         return QuantWeight("|".join(dict.fromkeys(p.meta.fmt for p in self.parts)), empty, empty, None, first.group,
                            first.bits)
 
-    @property
-    def quant(self) -> QuantWeight:
-        """The parts' weights, dequantized and concatenated as int8-free float rows (tests, the F.linear path)."""
-        w = torch.cat([p.quant.dequantize() for p in self.parts])
-        return QuantWeight(self.meta.fmt, w, torch.ones(w.shape[0], 1), None, w.shape[1], 32)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
