@@ -320,22 +320,28 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _write_model_dir(target, [model, tokenizer], {"gguf_file": str(path.resolve()), "sha256": digest,
+                                                  "architecture": arch, "dtype": "float32"}, t0)
+    log(f"converted in {time.perf_counter() - t0:.0f} s")
+    return target
+
+
+def _write_model_dir(target: Path, parts: list[Any], source: dict[str, Any], t0: float) -> None:
+    """``parts`` (each with ``save_pretrained``) and ``selfspec-source.json`` written into a temporary directory
+    beside ``target``, renamed into place only when complete (a stale, incomplete one is replaced)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        source = {"gguf_file": str(path.resolve()), "sha256": digest, "architecture": arch,
-                  "convert_seconds": round(time.perf_counter() - t0, 1), "dtype": "float32"}
+        for part in parts:
+            part.save_pretrained(tmp)
+        source = {**source, "convert_seconds": round(time.perf_counter() - t0, 1)}
         (tmp / "selfspec-source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
-        if target.exists():  # a stale, incomplete conversion
+        if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"converted in {time.perf_counter() - t0:.0f} s")
-    return target
 
 
 def _check_tensor_data(path: Path) -> None:
@@ -377,21 +383,9 @@ def _gguf_header_dir(path: Path, target: Path, digest: str, arch: str, log: Any)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = "float32"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        source = {"gguf_file": str(path.resolve()), "sha256": digest, "architecture": arch, "weights": "gguf",
-                  "convert_seconds": round(time.perf_counter() - t0, 1), "dtype": "float32"}
-        (tmp / "selfspec-source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
-        if target.exists():  # a stale, incomplete directory
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_model_dir(target, [config, GenerationConfig.from_model_config(config), tokenizer],
+                     {"gguf_file": str(path.resolve()), "sha256": digest, "architecture": arch, "weights": "gguf",
+                      "dtype": "float32"}, t0)
     log(f"read in {time.perf_counter() - t0:.1f} s")
     return target
 
