@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import ArtifactError
-from ..paths import atomic_write, cache_root
+from ..paths import cache_root
 from . import kernels, panel_file
 from .adapter import LINEARS, ModelAdapter
 from .kernels import PartsLinear, QLinear, QuantWeight, quantize_int8
@@ -254,11 +255,11 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     t = tensors[head_name]
     if adapter.lm_head.is_meta and _gguf_block(_Rows(t, 0, 64)) is not None:  # no row order to match: by chunks
-        chunks = [pack(None, "head", _gguf_block(_Rows(t, i, i + HEAD_CHUNK)))
-                  for i in range(0, adapter.lm_head.shape[0], HEAD_CHUNK)]
+        rows = adapter.lm_head.shape[0]
+        head = _stacked((pack(None, "head", _gguf_block(_Rows(t, i, i + HEAD_CHUNK))) for i in range(0, rows, HEAD_CHUNK)),
+                        rows)
         source.drop(head_name)
         exact += 1
-        head = _stack(chunks)
     else:
         head = pack(None, "head", load(head_name, adapter.lm_head))
     info = {"gguf_file": gguf_file, "exact_matrices": exact, "int8_fallback": fallback,
@@ -266,17 +267,25 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
     return layers, head, info
 
 
-def _stack(chunks: list[QLinear]) -> QLinear:
-    """One product over the rows of ``chunks`` (each but the last a whole number of 64-output super-panels, so
-    their packed panels follow each other)."""
-    first = chunks[0]
-
-    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        return None if parts[0] is None else torch.cat(parts)
-
-    return QLinear.from_panels(first.meta.fmt, first.meta.group, first.meta.bits, cat([c.codes for c in chunks]),
-                               cat([c.scales for c in chunks]), cat([c.mins for c in chunks]), None, first.module,
-                               sum(c.out_features for c in chunks), sum(kernels.stream_bytes(c) for c in chunks))
+def _stacked(chunks: Iterator[QLinear], rows: int) -> QLinear:
+    """One product over the ``rows`` rows of ``chunks`` (each but the last a whole number of 64-output super-panels,
+    so their packed panels follow each other), copied into the whole matrix's panels as each chunk is made: one
+    chunk is held beside the result, not all of them."""
+    supers = (rows + 63) // 64
+    out: dict[str, torch.Tensor | None] = {}
+    at, n, nbytes, first = 0, 0, 0, None
+    for c in chunks:
+        first = first or c
+        for key in ("codes", "scales", "mins"):
+            t = getattr(c, key)
+            if key not in out:
+                out[key] = None if t is None else t.new_empty((supers, *t.shape[1:]))
+            if t is not None:
+                out[key][at:at + t.shape[0]] = t
+        at, n, nbytes = at + c.codes.shape[0], n + c.out_features, nbytes + kernels.stream_bytes(c)
+    assert first is not None and at == supers and n == rows
+    return QLinear.from_panels(first.meta.fmt, first.meta.group, first.meta.bits, out["codes"], out["scales"],
+                               out["mins"], None, first.module, rows, nbytes)
 
 
 HEAD_CHUNK = 8192  # rows of a head read at a time (a multiple of the kernel's 64-output super-panels)
