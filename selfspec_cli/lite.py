@@ -79,8 +79,39 @@ def lite_reason(where: str | os.PathLike) -> str | None:
     return lite_tokenizer_reason(d) or (None if _available("safetensors") else "safetensors is not installed")
 
 
+# texts a GGUF's saved tokenizer is checked on (:func:`same_tokenizer`): code, punctuation, whitespace runs,
+# digits, accents and symbols, CJK, emoji, special-token text, and a chat of two turns
+PROBE_TEXTS = ("def main():\n    return value  # 42\n", "Hello, world! It's 3.14 -- isn't it?  Yes...",
+               "  spaces\tand\ttabs\n\n\n   end", "naïve café — ünïcödé ✓ ½ ∑", "中文分词测试，日本語のテキスト",
+               "emoji 🚀🔥 and <|im_start|> text", "12345678901234567890 1,234.5e-10", "", "\r\n\u00a0x")
+PROBE_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort [3, 1, 2] in Python."},
+              {"role": "assistant", "content": "sorted([3, 1, 2])"}, {"role": "user", "content": "And reversed?"}]
+
+
+def same_tokenizer(hf_tok: Any, lite_tok: LiteTokenizer) -> bool:
+    """Whether ``lite_tok`` gives ``hf_tok``'s token ids and text on :data:`PROBE_TEXTS` and its chat template's ids
+    on :data:`PROBE_CHAT` (evidence, checked once when a GGUF's tokenizer is saved, that transformers' own class
+    adds nothing to the saved tokenizer.json pipeline)."""
+    try:
+        for text in PROBE_TEXTS:
+            for special in (True, False):
+                ids = hf_tok(text, add_special_tokens=special)["input_ids"]
+                if lite_tok.encode(text, add_special_tokens=special) != list(ids):
+                    return False
+                if lite_tok.decode(ids) != hf_tok.decode(ids):
+                    return False
+        if getattr(hf_tok, "chat_template", None):
+            want = hf_tok.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+            return lite_tok.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False) == want
+    except Exception:  # noqa: BLE001  any failure of either side: not the same
+        return False
+    return True
+
+
 def lite_tokenizer_reason(where: str | os.PathLike) -> str | None:
     """Why the tokenizer of the directory ``where`` does not load without transformers (None: it does)."""
+    if os.environ.get("SELFSPEC_LITE") == "0":
+        return "SELFSPEC_LITE=0"
     d = Path(where)
     try:
         cfg, tok_cfg = _read_json(d / "config.json"), _read_json(d / "tokenizer_config.json")
@@ -88,6 +119,8 @@ def lite_tokenizer_reason(where: str | os.PathLike) -> str | None:
         return f"unreadable config ({type(exc).__name__})"
     if not (d / "tokenizer.json").is_file():
         return "no tokenizer.json"
+    if _read_json(d / GGUF_SOURCE_FILE).get("lite_tokenizer") == "checked" and _available("tokenizers"):
+        return None  # checked against transformers' own tokenizer when the directory was written
     # the tokenizers library's own pipeline is transformers' only for its generic backend; a class of its
     # own (Qwen2Tokenizer, LlamaTokenizer, ...) may build another pre-tokenizer from the vocabulary, and
     # transformers 5 tokenizes every qwen2 model with Qwen2Tokenizer whatever the file names

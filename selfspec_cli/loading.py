@@ -31,7 +31,7 @@ from .engine.adapter import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, check_sup
 from .engine.gguf_file import BLOCK_TYPES
 from .errors import ArtifactError, ConfigError, ModelLoadError, UnsupportedModelError, first_line
 from .lite import (LITE_TYPES, LiteTokenizer, gguf_weights_file, lite_reason, lite_tokenizer_reason, load_gguf_model,
-                   load_lite_model)
+                   load_lite_model, same_tokenizer)
 from .paths import atomic_write, cache_root, check_cache_writable, umask
 
 # Files shipped inside the package (pyproject's package-data): the read-only artifacts and the
@@ -326,15 +326,28 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     return target
 
 
-def _write_model_dir(target: Path, parts: list[Any], source: dict[str, Any], t0: float) -> None:
+def _lite_tokenizer_checked(tokenizer: Any, where: Path) -> dict[str, str]:
+    """``{"lite_tokenizer": "checked"}`` when the tokenizer saved in ``where`` reads without transformers into the
+    same ids, text and chat as ``tokenizer`` (lite.same_tokenizer), so that later loads skip transformers' import;
+    else nothing."""
+    try:
+        lite = LiteTokenizer(where)
+    except Exception:  # noqa: BLE001  a tokenizer.json the tokenizers library cannot read: transformers reads it
+        return {}
+    return {"lite_tokenizer": "checked"} if same_tokenizer(tokenizer, lite) else {}
+
+
+def _write_model_dir(target: Path, parts: list[Any], source: dict[str, Any], t0: float,
+                     check: Any = None) -> None:
     """``parts`` (each with ``save_pretrained``) and ``selfspec-source.json`` written into a temporary directory
-    beside ``target``, renamed into place only when complete (a stale, incomplete one is replaced)."""
+    beside ``target``, renamed into place only when complete (a stale, incomplete one is replaced); ``check(tmp)``
+    adds its fields to the record once the parts are written."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         for part in parts:
             part.save_pretrained(tmp)
-        source = {**source, "convert_seconds": round(time.perf_counter() - t0, 1)}
+        source = {**source, **(check(tmp) if check else {}), "convert_seconds": round(time.perf_counter() - t0, 1)}
         (tmp / "selfspec-source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
         if target.exists():
             shutil.rmtree(target)
@@ -385,7 +398,7 @@ def _gguf_header_dir(path: Path, target: Path, digest: str, arch: str, log: Any)
     config.dtype = "float32"
     _write_model_dir(target, [config, GenerationConfig.from_model_config(config), tokenizer],
                      {"gguf_file": str(path.resolve()), "sha256": digest, "architecture": arch, "weights": "gguf",
-                      "dtype": "float32"}, t0)
+                      "dtype": "float32"}, t0, check=lambda tmp: _lite_tokenizer_checked(tokenizer, tmp))
     log(f"read in {time.perf_counter() - t0:.1f} s")
     return target
 
@@ -499,10 +512,13 @@ def _load_from_blocks(where: str, gguf: str, dt: torch.dtype, dev: torch.device,
     if not Path(gguf).is_file():
         raise ModelLoadError(f"the GGUF file behind '{where}' is gone ({gguf}); pass --model the .gguf file again "
                              f"(or remove {where})")
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = LiteTokenizer(where) if lite and lite_tokenizer_reason(where) is None else AutoTokenizer.from_pretrained(where)
+        if lite and lite_tokenizer_reason(where) is None:
+            tokenizer = LiteTokenizer(where)  # (transformers is not imported: about 1.5 s on a 2-core host)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(where)
         if lite:
             model = load_gguf_model(where, torch.float32, dev, log)
             if dt != torch.float32:  # another dtype is another model: the float values, cast

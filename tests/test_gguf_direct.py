@@ -6,6 +6,7 @@ modules for the chunked models."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 import sys
 import types
 
@@ -182,3 +183,32 @@ def test_fused_parts_of_two_layouts_run_side_by_side_exactly(cache, tmp_path):
     assert torch.equal(again.forward(again.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits, stacked)
     w4a8 = Engine(model, target_precision="auto").quantized("w4a8")  # a draft over the same parts
     assert all(isinstance(d["qkv"], PartsLinear) for d in w4a8.layers)
+
+
+def test_a_gguf_tokenizer_checked_once_loads_without_transformers(cache, tmp_path, monkeypatch):
+    """The tokenizer saved from a GGUF is compared with transformers' own on probe texts and a chat when the
+    directory is written; when they agree (recorded), later loads read it with the tokenizers library alone."""
+    import json
+
+    from selfspec_cli.lite import LiteTokenizer, same_tokenizer
+
+    path, _, hf_tok = make_tiny_gguf(tmp_path / "src", seed=4, qtype="Q8_0")
+    where = loading.resolve_model_path(str(path))
+    source = json.loads((Path(where) / "selfspec-source.json").read_text())
+    assert source["lite_tokenizer"] == "checked"
+    _, tok = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    assert isinstance(tok, LiteTokenizer) and same_tokenizer(hf_tok, tok)
+    monkeypatch.setenv("SELFSPEC_LITE", "0")  # transformers' tokenizer on request
+    _, tok = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    assert not isinstance(tok, LiteTokenizer)
+
+    class Other:  # a tokenizer that splits differently is not the same
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1] + hf_tok(text, add_special_tokens=add_special_tokens)["input_ids"]}
+
+        def decode(self, ids):
+            return hf_tok.decode(ids)
+
+    assert not same_tokenizer(Other(), LiteTokenizer(where))
