@@ -437,8 +437,7 @@ def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
 
     def sample(name: str, index: torch.Tensor) -> torch.Tensor:
         """Elements ``index`` of parameter ``name`` flattened (the fingerprint's strided sample)."""
-        p = dict(model.named_parameters())[name]
-        k = p.shape[-1]
+        k = model.get_parameter(name).shape[-1]
         rows, cols = index // k, index % k
         wanted = torch.unique(rows)
         values = g.dequantize_rows(gguf_name(name, tied), wanted.numpy())
@@ -451,8 +450,6 @@ def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
                 _set(model, name, g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype))
         model._selfspec_embed_rows = None  # the float table is there now
 
-    if tied:  # the head is the embedding's parameter, whichever it now is
-        model.lm_head.weight = model.model.embed_tokens.weight
     def materialize_param(p: torch.Tensor) -> None:
         """The one parameter ``p`` (still in the file) as float values in the model."""
         name = next(n for n, q in model.named_parameters() if q is p)

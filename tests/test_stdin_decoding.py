@@ -79,3 +79,22 @@ def test_append_refuses_held_ids_and_numbers_prompt_texts_after_them(tmp_path):
     assert check_append(out, fresh) == fresh
     texts = check_append(out, [Prompt(id=1, turns=("x",)), Prompt(id=2, turns=("y",))], numbered=True)
     assert [p.id for p in texts] == [4, 5] and [p.turns for p in texts] == [("x",), ("y",)]
+
+
+def test_counts_take_their_plural():
+    from selfspec_cli.cli.generate import Pace
+    from selfspec_cli.errors import count
+
+    assert (count(1, "prompt"), count(2, "prompt"), count(0, "thread")) == ("1 prompt", "2 prompts", "0 threads")
+    pace = Pace()
+    pace.add({"new_tokens": 1, "wall_time_s": 0.5, "prompt_tokens": 3, "stats": {"prefill_s": 0.5}})
+    assert pace.line(None).startswith("1 token in 0.5 s")
+
+
+def test_the_startup_figures_are_measured(monkeypatch):
+    from selfspec_cli.session import Session, peak_rss_mb, process_age_s
+
+    s = Session(model=None, tokenizer=None, load_s=1.234, ready_s=2.5)
+    up = s.startup()
+    assert up["model_load_s"] == 1.23 and up["model_ready_s"] == 2.5 and up["peak_rss_mb"] > 10
+    assert 0 < process_age_s() < 3600 and peak_rss_mb() >= up["peak_rss_mb"] - 1

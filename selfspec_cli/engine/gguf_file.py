@@ -4,8 +4,9 @@ The block target and the block drafts (engine/quant.py) read a GGUF's matrices a
 them; a model loaded straight from the file (lite.py, :func:`selfspec_cli.lite.load_gguf_model`) holds
 no float copy of those matrices at all. What both need of the file lives here:
 
-* :class:`GGUFTensors`: the file opened once (gguf-py's reader memory-maps it, so a tensor's bytes are
-  read from disk when touched and are never copied whole), its tensors by name, its architecture;
+* :func:`read_header` and :class:`GGUFTensors`: the file's header read without decoding its metadata arrays,
+  and the file memory-mapped (a tensor's bytes are read from disk when touched, never copied whole), its
+  tensors by name (shaped as gguf-py's reader shapes them), its architecture and head counts;
 * :func:`row_order`: the row permutation that maps a file's q/k rows back to the Hugging Face order
   (llama.cpp stores a Llama's q and k heads with their two rotary halves interleaved; transformers'
   GGUF loader reverses it, ``LlamaTensorProcessor``), so a block matrix's row ``i`` is the float model's

@@ -234,9 +234,7 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
             got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
             for p in parts:
                 source.drop(f"blk.{l}.{p}.weight")  # read: its pages leave the process (the page cache keeps them)
-            if len(got) == 1 and got[0].fmt == "int8" and target.is_meta:
-                q = quantize_int8(adapter.float_matrix(l, name))
-            elif len(got) == 1:
+            if len(got) == 1:
                 q = got[0]
             elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
                 q = _cat_rows(got)

@@ -89,12 +89,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _block_rows(head: kernels.QLinear) -> Any:
-    """Embedding rows from a head's packed panels, computed as :meth:`QuantWeight.dequantize` (the file
-    format) defines them, whatever the format (:meth:`kernels.QLinear.rows`)."""
-    return head.rows
-
-
 class Engine:
     """The shared execution engine. Batch size 1; rows are the sequence axis."""
 
@@ -260,7 +254,7 @@ class Engine:
         """The LM head's float rows for the tokens ``ids`` (R, H); after :meth:`release_float_weights` freed
         a tied table, dequantized from the head's own blocks (the very values, as :meth:`embed` reads them)."""
         if self.adapter.lm_head.numel() == 0 and isinstance(self.lm_head, kernels.QLinear):
-            return _block_rows(self.lm_head)(ids)
+            return self.lm_head.rows(ids)
         return self.adapter.lm_head[ids]
 
     def release_float_weights(self, panels: bool = False) -> int:
@@ -288,7 +282,7 @@ class Engine:
         tied = a.lm_head.untyped_storage().data_ptr() == a.embed.untyped_storage().data_ptr() and not a.embed.is_meta
         if tied and isinstance(head, kernels.QLinear) and self._embed_rows is None:
             probe = torch.arange(0, a.embed.shape[0], max(1, a.embed.shape[0] // 257), device=self.device)
-            rows = _block_rows(head)
+            rows = head.rows
             if torch.equal(rows(probe), F.embedding(probe, a.embed)):
                 self._embed_rows = rows
                 gone.append(a.embed)
