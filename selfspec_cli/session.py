@@ -33,32 +33,44 @@ from .loading import load_model, model_fingerprint, resolve_device, resolve_dtyp
 from .prompts import Prompt, encode_turn
 from .runtime import check_prompt_fits, context_length, eos_token_ids
 
-DEFAULT_THREADS = 1  # measured: docs/engine.md, "Threads"
+def default_threads() -> int:
+    """``--threads``' default: the physical cores this process may use (affinity mask, cgroup quota;
+    engine/cores.py), as llama.cpp's ``-t``. Token ids do not depend on it (docs/engine.md, "Threads")."""
+    from .engine.cores import usable_cores
+
+    return usable_cores()
 
 
 def apply_threads(threads: str | int | None) -> int:
-    """Set torch's intra-op thread count (``None``: :data:`DEFAULT_THREADS`; ``auto``: the usable
-    cores under the thread governor of engine/threads.py, for engines made after this call);
-    returns it. A bad value is one line naming ``--threads``."""
+    """Set the thread count of the kernel pool and of torch's intra-op threads (``None``:
+    :func:`default_threads`; ``auto``: the usable cores under the thread governor of
+    engine/threads.py, for engines made after this call); returns it. A bad value is one line
+    naming ``--threads``; more threads than usable cores run, and say so once on stderr."""
     import torch
 
+    from .engine import kernels
     from .engine import threads as governor
+    from .engine.cores import cores as machine_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    usable = machine_cores().usable
     governor.AUTO.clear()
     if str(threads).strip().lower() == "auto":
-        governor.AUTO["threads"] = cores
-        torch.set_num_threads(cores)
-        return cores
+        governor.AUTO["threads"] = usable
+        torch.set_num_threads(usable)
+        kernels.set_threads(usable)
+        return usable
     try:
-        n = DEFAULT_THREADS if threads is None else int(threads)
+        n = usable if threads is None else int(str(threads).strip())
     except ValueError:
-        raise ConfigError(f"--threads must be a number or auto, got '{threads}'") from None
+        raise ConfigError(f"--threads must be a whole number or auto, got '{threads}'") from None
     if n < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
-    if n > cores:  # more threads than cores only make them wait on each other
-        raise ConfigError(f"--threads {n} is more than the {cores} CPU cores this process may use; pass at most {cores}")
+    if n > usable:  # more threads than cores only make them wait on each other
+        print(f"selfspec: note: --threads {n} oversubscribes the {usable} physical "
+              f"{'core' if usable == 1 else 'cores'} this process may use; threads will wait on each other",
+              file=sys.stderr)
     torch.set_num_threads(n)
+    kernels.set_threads(n)
     return n
 
 

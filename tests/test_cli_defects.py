@@ -119,8 +119,25 @@ def test_a_conversation_that_may_overflow_the_context_is_refused_up_front(capsys
     assert len(recs) == 1
 
 
-def test_more_threads_than_cores_is_refused(capsys, tiny_model_dir, prompt_file):
-    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--threads", "1000"), "--threads 1000", "pass at most")
+def test_more_threads_than_cores_run_and_say_so(capsys, tiny_model_dir, prompt_file):
+    from selfspec_cli.engine import kernels
+    from selfspec_cli.engine.cores import usable_cores
+    from selfspec_cli.session import apply_threads
+
+    n = usable_cores() + 1
+    try:
+        capsys.readouterr()
+        assert main(gen_args(tiny_model_dir, prompt_file, "-n", "4", "--threads", str(n))) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() and err.count("oversubscribes") == 1 and "Traceback" not in err
+        assert kernels.pool_threads() == n
+    finally:
+        apply_threads(None)
+
+
+@pytest.mark.parametrize("value,fragment", [("0", ">= 1"), ("-2", ">= 1"), ("two", "whole number or auto")])
+def test_bad_thread_counts_are_one_line(capsys, tiny_model_dir, prompt_file, value, fragment):
+    assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--threads", value), "--threads", fragment)
 
 
 def test_version_and_short_help(capsys):

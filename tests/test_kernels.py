@@ -234,7 +234,10 @@ def test_a_fresh_cache_says_it_builds_the_kernel(monkeypatch, tmp_path, capsys):
         pytest.skip(kernels.unavailable_reason())
     built = []
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpp, "load", lambda **kw: built.append(kw["build_directory"]) or object())
+    import types
+
+    fake = types.SimpleNamespace(set_threads=lambda *a: None)  # stands for the built module
+    monkeypatch.setattr(cpp, "load", lambda **kw: built.append(kw["build_directory"]) or fake)
     monkeypatch.setattr(kernels, "_state", {})
     capsys.readouterr()
     assert kernels.load_extension() is not None and built

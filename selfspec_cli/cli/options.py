@@ -14,9 +14,9 @@ TARGET_HELP = ("The target's weights, which plain decoding and verification read
                "a GGUF model's blocks, a bf16 or fp16 checkpoint's own values, else fp32), fp32, bf16 or fp16 (16-bit "
                "weight panels, fp32 activations and accumulation) or gguf (the GGUF file's own blocks). Every speedup is against "
                "ar on this target (docs/engine.md, \"The target's weights\").")
-THREADS_HELP = ("CPU threads for torch: a number, or auto (every core while the machine is otherwise idle, one "
-                "thread the moment another process takes a core; engine/threads.py). Default 1: a lone thread "
-                "degrades gracefully when other work shares the cores (docs/engine.md, Threads).")
+THREADS_HELP = ("CPU threads: a number, or auto (every core while the machine is otherwise idle, one thread the "
+                "moment another process takes a core; engine/threads.py). Default: the physical cores this process "
+                "may use (affinity mask, cgroup quota). Token ids are the same at every count (docs/engine.md, Threads).")
 SAMPLING_RULE_HELP = ("With --temperature > 0: gumbel (the default; a token's sample depends on the seed, its "
                       "position and the target's distribution only, so every lossless method gives ar's tokens "
                       "for a seed) or speculative (standard speculative sampling: the same law, accepts a little "

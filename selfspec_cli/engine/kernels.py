@@ -132,7 +132,35 @@ def load_extension() -> Any | None:
                 print(f"selfspec: {reason}; using F.linear (slower). Set SELFSPEC_KERNELS=0 to silence.", file=sys.stderr)
             _state["load_s"] = round(time.perf_counter() - t0, 3)
         _state.update(module=module, reason=reason)
+        if module is not None:
+            module.set_threads(_pool_threads(), -1, -1)
         return module
+
+
+def _pool_threads() -> int:
+    n = _state.get("threads")
+    if n is None:  # a library caller that never chose: the CLI's default (engine/cores.py)
+        from .cores import usable_cores
+
+        n = _state["threads"] = usable_cores()
+    return int(n)
+
+
+def set_threads(n: int) -> None:
+    """The kernel pool's size: ``n`` threads in all run every product, attention and row-wise op
+    (csrc: ``par_for``; docs/engine.md, "Threads"). Token ids do not depend on it. Applied now if the
+    kernel is loaded, else when it loads."""
+    if int(n) < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    _state["threads"] = int(n)
+    module = _state.get("module")
+    if module is not None:
+        module.set_threads(int(n), -1, -1)
+
+
+def pool_threads() -> int:
+    """The pool's size now (the value :func:`set_threads` last set, or the default it will get)."""
+    return _pool_threads()
 
 
 def status() -> dict[str, Any]:

@@ -4,8 +4,8 @@ On a 2-core machine a second torch thread makes a decode step about 1.4-1.8x fas
 machine is idle, but only if the waiting thread spins between the many small parallel regions
 of a step; and a spinning team collapses to 0.2-0.4x as soon as another process runs, since
 every region then waits for a descheduled thread (docs/engine.md, "Threads"; README, "Threads").
-The governor watches the engine's own forwards and switches ``torch.set_num_threads`` at run
-time:
+The governor watches the engine's own forwards and switches the thread count (the kernel pool's and
+torch's) at run time:
 
 * it starts at one thread for ``warm`` forwards, then goes to ``n``; per thread count and
   row-count bucket (powers of two) it keeps the best forward time; at ``n`` threads, two
@@ -32,6 +32,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+def set_both(n: int) -> None:
+    """The kernel pool's size (every product of a forward runs on it) and torch's intra-op threads."""
+    from . import kernels
+
+    torch.set_num_threads(n)
+    kernels.set_threads(n)
+
+
 @dataclass
 class ThreadGovernor:
     threads: int
@@ -41,7 +49,7 @@ class ThreadGovernor:
     max_interval: int = 1600
     warm: int = 8  # forwards at one thread first, so that a team slowed from the start is seen as slow
     one_margin: float = 1.25  # "slower than one thread": than its best x this (the context grows meanwhile)
-    set_threads: object = torch.set_num_threads  # injectable for tests
+    set_threads: object = None  # injectable for tests; None: the kernel pool and torch (set_both)
     current: int = 0
     switches: int = 0
     _best: dict[tuple[int, int], float] = field(default_factory=dict)  # (threads, bucket) -> best seconds
@@ -52,6 +60,8 @@ class ThreadGovernor:
     _settle: bool = False  # skip the next forward: the team's first after a switch up
 
     def __post_init__(self) -> None:
+        if self.set_threads is None:
+            self.set_threads = set_both
         self._base_interval, self.current = self.interval, 1
         self.set_threads(1)
 

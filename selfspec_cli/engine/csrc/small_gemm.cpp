@@ -32,6 +32,198 @@
 #include <algorithm>
 #include <vector>
 #include <type_traits>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+
+// ---- one persistent pool of threads for every product of a forward (issue 48; docs/engine.md, "Threads")
+//
+// Every parallel loop of this file (products by output panels, attention by (row, head), the row-wise
+// small ops of a prefill) runs through par_for() on one process-wide pool of n - 1 workers plus the
+// calling thread, created once by set_threads(n) and kept. A loop is posted by bumping a generation
+// counter; its index range is cut into chunks of at least `grain` that every thread claims from one
+// atomic counter (so a thread that is descheduled simply claims fewer: the others take its chunks);
+// the caller claims chunks too and returns when every worker has seen the loop through (the barrier
+// between a layer's steps). DecoderStack::forward runs a whole forward so, without returning to Python.
+// Waiting, as ggml's threadpool does: a worker that finds no loop spins with `pause` for `spin_us`,
+// then yields its core (sched_yield) until `yield_us`, then parks on a condition variable; the next
+// loop wakes it. So a busy core is handed back to another process within microseconds, and an idle
+// process holds no core at all.
+// Invariants: a chunk's outputs are computed by one thread with the same chain whatever thread that is,
+// so every result is bit-identical at every thread count (tests/test_threads_pool.py); one loop runs at a
+// time (a second caller, or a loop started inside a worker, runs serially on its own thread); after a
+// fork() the child, which has no workers, rebuilds the pool on first use.
+namespace pool {
+
+using Body = void (*)(const void* ctx, int64_t b, int64_t e);
+
+struct Pool {
+  std::vector<pthread_t> workers;
+  int nth = 1;
+  pid_t pid = 0;
+  std::atomic<uint64_t> gen{0};
+  std::atomic<int64_t> next{0};
+  std::atomic<int> pending{0};
+  std::atomic<int> sleepers{0};
+  std::atomic<bool> stop{false};
+  Body body = nullptr;  // the posted loop: written before `gen` is bumped, read after it is seen
+  const void* ctx = nullptr;
+  int64_t begin = 0, end = 0, chunk = 1, chunks = 0;
+  std::mutex m;
+  std::condition_variable cv;
+  std::mutex busy;  // held by the one thread posting loops
+  int64_t spin_us = 50, yield_us = 2000;
+  uint64_t loops = 0;  // loops posted to workers (a counter for tests and profiles)
+  uint64_t start_gen = 0;  // gen when the workers were created (written before pthread_create)
+};
+
+inline std::atomic<bool> g_split_all{false};  // tests: every loop of two or more indices goes to the pool
+
+inline thread_local bool t_worker = false;
+inline Pool* g_pool = nullptr;
+inline std::mutex g_config;
+
+inline int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline void claim(Pool& p) {  // run chunks of the posted loop until none is left
+  for (;;) {
+    const int64_t c = p.next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= p.chunks) return;
+    const int64_t b = p.begin + c * p.chunk;
+    p.body(p.ctx, b, std::min(p.end, b + p.chunk));
+  }
+}
+
+inline void* worker_main(void* arg) {
+  Pool& p = *static_cast<Pool*>(arg);
+  t_worker = true;
+  uint64_t seen = p.start_gen;  // not gen now: a loop may have been posted before this thread first ran
+  for (;;) {
+    const int64_t t0 = now_us();
+    for (uint64_t i = 1;; ++i) {
+      if (p.gen.load(std::memory_order_acquire) != seen || p.stop.load(std::memory_order_relaxed)) break;
+      if (i % 64) { _mm_pause(); continue; }
+      const int64_t idle = now_us() - t0;
+      if (idle < p.spin_us) continue;
+      if (idle < p.yield_us) { sched_yield(); continue; }
+      std::unique_lock<std::mutex> lk(p.m);
+      p.sleepers.fetch_add(1);
+      p.cv.wait(lk, [&] { return p.gen.load() != seen || p.stop.load(); });
+      p.sleepers.fetch_sub(1);
+      break;
+    }
+    if (p.stop.load()) return nullptr;
+    seen = p.gen.load(std::memory_order_acquire);
+    claim(p);
+    p.pending.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+inline void stop_workers(Pool& p) {
+  {
+    std::lock_guard<std::mutex> lk(p.m);
+    p.stop.store(true);
+  }
+  p.cv.notify_all();
+  for (pthread_t t : p.workers) pthread_join(t, nullptr);
+  p.workers.clear();
+  p.stop.store(false);
+}
+
+inline Pool& get() {  // the process's pool (a forked child's is rebuilt: its parent's workers are not its own)
+  if (g_pool == nullptr || g_pool->pid != getpid()) {
+    std::lock_guard<std::mutex> lk(g_config);
+    if (g_pool == nullptr || g_pool->pid != getpid()) {
+      const int n = g_pool ? g_pool->nth : 1;
+      const int64_t spin = g_pool ? g_pool->spin_us : 50, yield = g_pool ? g_pool->yield_us : 2000;
+      g_pool = new Pool();  // a forked child's old pool is left as it is (its mutexes may be held)
+      g_pool->pid = getpid();
+      g_pool->spin_us = spin;
+      g_pool->yield_us = yield;
+      g_pool->nth = n;
+      g_pool->start_gen = g_pool->gen.load();
+      for (int i = 1; i < n; ++i) {
+        pthread_t t;
+        TORCH_CHECK(pthread_create(&t, nullptr, worker_main, g_pool) == 0, "selfspec pool: cannot start a thread");
+        g_pool->workers.push_back(t);
+      }
+    }
+  }
+  return *g_pool;
+}
+
+inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end, int64_t grain) {
+  const int64_t total = end - begin;
+  // about four chunks a thread, none smaller than grain: a late thread costs a chunk, not a share
+  const int64_t chunk = std::max<int64_t>(grain, (total + 4 * p.nth - 1) / (4 * p.nth));
+  p.body = body;
+  p.ctx = ctx;
+  p.begin = begin;
+  p.end = end;
+  p.chunk = chunk;
+  p.chunks = (total + chunk - 1) / chunk;
+  p.next.store(0, std::memory_order_relaxed);
+  p.pending.store(static_cast<int>(p.workers.size()), std::memory_order_relaxed);
+  ++p.loops;
+  p.gen.fetch_add(1);  // seq_cst: pairs with a parking worker's sleepers increment
+  if (p.sleepers.load() > 0) {
+    { std::lock_guard<std::mutex> lk(p.m); }
+    p.cv.notify_all();
+  }
+  claim(p);
+  const int64_t t0 = now_us();
+  for (uint64_t i = 1; p.pending.load(std::memory_order_acquire) != 0; ++i) {
+    if (i % 64) { _mm_pause(); continue; }
+    if (now_us() - t0 >= p.spin_us) sched_yield();  // a worker is descheduled: let it run
+  }
+}
+
+}  // namespace pool
+
+// f(b, e) over [begin, end) in chunks of at least `grain`, on the pool (serially where it has one thread, the
+// range is one grain, or the caller is a worker or another thread holds the pool). Returns when all are done.
+template <typename F>
+void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (end <= begin) return;
+  grain = pool::g_split_all.load(std::memory_order_relaxed) ? 1 : std::max<int64_t>(1, grain);
+  if (pool::t_worker || end - begin <= grain) { f(begin, end); return; }
+  pool::Pool& p = pool::get();
+  if (p.nth <= 1) { f(begin, end); return; }
+  std::unique_lock<std::mutex> lk(p.busy, std::try_to_lock);
+  if (!lk.owns_lock()) { f(begin, end); return; }
+  pool::post(p, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &f, begin, end,
+             grain);
+}
+
+// The pool's size: n threads in all (the caller and n - 1 workers); 1 runs every loop on the caller.
+void set_threads(int64_t n, int64_t spin_us, int64_t yield_us) {
+  TORCH_CHECK(n >= 1 && n <= 1024, "set_threads: n must be in 1..1024, got ", n);
+  pool::Pool& p = pool::get();
+  std::lock_guard<std::mutex> busy(p.busy);
+  if (spin_us >= 0) p.spin_us = spin_us;
+  if (yield_us >= 0) p.yield_us = std::max(yield_us, p.spin_us);
+  if (p.nth == n) return;
+  pool::stop_workers(p);
+  p.nth = static_cast<int>(n);
+  p.start_gen = p.gen.load();
+  for (int64_t i = 1; i < n; ++i) {
+    pthread_t t;
+    TORCH_CHECK(pthread_create(&t, nullptr, pool::worker_main, &p) == 0, "set_threads: cannot start a thread");
+    p.workers.push_back(t);
+  }
+}
+
+int64_t get_threads() { return pool::get().nth; }
+void pool_split_all(bool on) { pool::g_split_all.store(on); }
+int64_t pool_loops() { return static_cast<int64_t>(pool::get().loops); }
 
 namespace {
 
@@ -237,7 +429,7 @@ void run_on(const W* packed, int64_t n, int64_t k_n, const float* x, int64_t row
   const int64_t group = rows == 1 ? 4 : rows == 2 ? 2 : AVX512 ? 2 : 1;
   const int64_t groups = (panels + group - 1) / group;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (group * pstride * int64_t(sizeof(W))));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  par_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t p = g * group;
       const int64_t p_end = std::min(panels, p + group);
@@ -326,7 +518,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
+  par_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, h)), [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* xr = xp + r * h;
     float* yr = yp + r * h;
     __m256 acc = _mm256_setzero_ps();
@@ -346,6 +539,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
       _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), sv), _mm256_loadu_ps(wp + i)));
     for (; i < h; ++i) yr[i] = (xr[i] * scale) * wp[i];
   }
+  });
   return y;
 }
 
@@ -482,7 +676,7 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
   const int64_t group = hq / hkv;
   const float scale = 1.0f / std::sqrt(float(d));
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n_keys));
-  at::parallel_for(0, t_n * hq, grain, [&](int64_t begin, int64_t end) {
+  par_for(0, t_n * hq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> s(n_keys + 8);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t t = idx / hq, h = idx % hq, g = h / group;
@@ -546,7 +740,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const float* gp = g.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-  for (int64_t t = 0; t < t_n; ++t) {
+  par_for(0, t_n, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n)), [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
     const float* a = gp + t * 2 * n;
     const float* u = a + n;
     float* o = yp + t * n;
@@ -558,6 +753,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     }
     for (; i < n; ++i) o[i] = (a[i] / (1.0f + exp1(-a[i]))) * u[i];
   }
+  });
   return y;
 }
 
@@ -941,7 +1137,7 @@ void qrun(const QArgs& a, int64_t rows) {
   const int64_t supers = (a.n + SP - 1) / SP;
   const int64_t bytes = code_bytes(CB, a.k_n) * SP;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
-  at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
+  par_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) qsuper<CB, MIN, AVX512, S>(a, rows, s);
   });
 }
@@ -1076,7 +1272,7 @@ void a8run(const A8Args& a, int64_t rows) {
   const int64_t bytes = (a.k_n / 2) * SP;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 17) / std::max<int64_t>(1, bytes));
   const int64_t sstride = sstride_of<S>(a.k_n / a.gs, 256 / a.gs);
-  at::parallel_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
+  par_for(0, supers, grain, [&](int64_t s0, int64_t s1) {
     for (int64_t sp = s0; sp < s1; ++sp) {
       const uint8_t* codes = a.codes + sp * bytes;
       const S* sc = static_cast<const S*>(a.sc) + sp * sstride;
@@ -1326,9 +1522,12 @@ struct Layer {
 };
 
 inline void add_into(float* h, const float* x, int64_t n) {  // h += x, elementwise (one rounding each)
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, _mm256_add_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(x + i)));
-  for (; i < n; ++i) h[i] += x[i];
+  par_for(0, (n + 7) / 8, 4096, [&](int64_t b, int64_t e) {
+    int64_t i = 8 * b;
+    const int64_t stop = std::min(n, 8 * e);
+    for (; i + 8 <= stop; i += 8) _mm256_storeu_ps(h + i, _mm256_add_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(x + i)));
+    for (; i < stop; ++i) h[i] += x[i];
+  });
 }
 
 struct DecoderStack {
@@ -1434,6 +1633,10 @@ struct DecoderStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "y = x W^T (+ b) with W quantized (8-bit or 4-bit codes, per-group scales), batch-invariant");
   m.def("qlinear_a8", &qlinear_a8, "y = x W^T (+ b): 4-bit codes times int8-quantized x (W4A8), a draft's product");
+  m.def("set_threads", &set_threads, "the pool's size (threads in all), and its idle workers' spin and yield times (us; -1 keeps)");
+  m.def("get_threads", &get_threads, "the pool's size");
+  m.def("pool_split_all", &pool_split_all, "tests: post every loop of two or more indices to the pool, whatever its grain");
+  m.def("pool_loops", &pool_loops, "loops the pool has run on its workers so far");
   m.def("qisa", &qisa, "the instruction set qlinear dispatches to on this CPU");
 
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
