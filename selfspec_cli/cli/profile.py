@@ -25,6 +25,7 @@ from ..bench.suite_loader import DEFAULT_SUITE
 from ..errors import count
 from . import options as opt
 from .common import err_console, log, print_json, progress, table
+from .summary import age_text
 
 
 def profile(
@@ -93,7 +94,7 @@ def _table(r: dict[str, Any]) -> Table:
     if s := r.get("cost_store"):
         t.add_row("costs on disk", f"{s['path']}" + (
             f" ({'read' if s['curve'] == 'read' else 'measured now and stored'}; rows {','.join(map(str, s['rows']))}, "
-            f"{s['readings']} reading(s), updated {_age(s['age_s'])} ago, created {_age(s['created_age_s'])} ago)"
+            f"{s['readings']} reading(s), updated {age_text(s['age_s'])} ago, created {age_text(s['created_age_s'])} ago)"
             if s["stored"] else " (not writable: nothing stored)"))
         t.add_row("costs key", ", ".join(f"{k} {v}" for k, v in s["key"].items()))
     for name, p in (r.get("predicted_speedup") or {}).items():
@@ -101,10 +102,3 @@ def _table(r: dict[str, Any]) -> Table:
                   if p.get("predicted_speedup") is None
                   else f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
     return t
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
