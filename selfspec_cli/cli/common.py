@@ -116,6 +116,37 @@ class FigureTable:
 
 # ---------------------------------------------------------------- exit notes
 
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive in the block are handled when it ends (by the handlers they had): a record's
+    write and the exit note that counts it happen together, so an interrupt never names one record too few. (Python
+    runs signal handlers in the main thread; blocking the signal there would not do: the kernel hands it to
+    another thread, a progress bar's or torch's, and Python still raises it in the main one.)"""
+    import signal
+
+    arrived: list[int] = []
+
+    def later(signum: int, frame: object) -> None:
+        arrived.append(signum)
+
+    try:
+        old = {s: signal.signal(s, later) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: nothing to hold
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in arrived[:1]:  # one is enough: the first unwinds the command
+            if callable(handler := old[s]):
+                handler(s, None)
+            else:
+                signal.raise_signal(s)
+
+
 _EXIT_NOTE: list[str] = []
 
 

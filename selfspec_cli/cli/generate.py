@@ -24,7 +24,7 @@ from .method_options import check_layer_ids, flag_error, generation_config, give
 from ..config import check_choice
 from .resume import check_append, prompt_sha, resume as resume_output, run_settings
 from .streaming import TextStreamer, write_out
-from .common import OutputClosed, check_output, log, output_stream, progress, write_record
+from .common import OutputClosed, check_output, log, output_stream, progress, set_exit_note, signals_held, write_record
 from .summary import Pace, no_draft_note
 
 @with_method_options
@@ -184,8 +184,13 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
             rec["settings"] = settings  # and what it checks the record was made with (cli/resume.py)
             if used:
                 rec["artifacts"] = dict(used)
-            write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
-            pace.add(rec)
+            with signals_held():  # the record and the note that counts it, together
+                write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
+                pace.add(rec)
+                # what an interrupt keeps (cli/exits.py); an --output's partial file says it itself (output_stream)
+                where = "stdout" if out is sys.stdout else f"'{getattr(out, 'name', 'the output')}'"
+                set_exit_note(f"{count(pace.records, 'finished record')} {'was' if pace.records == 1 else 'were'} "
+                              f"written to {where}")
             bar.update(task, advance=1, info=f"{pace.tokens / max(pace.seconds, 1e-9):.1f} tok/s")
     return pace
 
@@ -219,6 +224,7 @@ def _stream_all(session: Session, meth: Method, method: str, prompts: list[Promp
         rec = run_prompt(generate, tok, p, cfg, device, method, session.chat_template, meth.lossless)
         write_out("\n")
         pace.add(rec)
+        set_exit_note(f"the text of {count(pace.records, 'finished prompt')} was printed (--stream keeps no records)")
     return pace
 
 

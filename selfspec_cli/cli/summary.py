@@ -38,6 +38,7 @@ class Pace:
     the prefill's seconds and tokens, and the rounds after each prefill: how many drafted, the drafted tokens
     and those accepted; the last cost model a proposer reported (its ``stats.cost_model``)."""
 
+    records: int = 0
     tokens: int = 0
     seconds: float = 0.0
     decoded: list[tuple[int, int, float]] = field(default_factory=list)  # (context, tokens, seconds) per turn
@@ -50,6 +51,7 @@ class Pace:
     cost_model: dict[str, Any] | None = None
 
     def add(self, rec: dict[str, Any]) -> None:
+        self.records += 1
         self.tokens += rec["new_tokens"]
         self.seconds += rec["wall_time_s"]
         for turn in rec.get("turns") or [rec]:
