@@ -99,10 +99,16 @@ def _metavars(group: Any) -> None:
                 (m for t, m in (("int", "N"), ("float", "X"), ("path", "PATH")) if t in shown), "TEXT")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (also used by tests)."""
+def cli_command() -> Any:
+    """The app's click command with its help's metavars (:func:`main`, and the kept help texts: cli/helptext.py)."""
     command = typer.main.get_command(app)
     _metavars(command)
+    return command
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (also used by tests)."""
+    command = cli_command()
     set_invocation(sys.argv[1:] if argv is None else argv)
     _signals.clear()
     pop_exit_note()

@@ -42,6 +42,11 @@ def run() -> None:
 
         print(f"selfspec {__version__}")
         sys.exit(0)
+    from .helptext import help_request, stored
+
+    if (asked := help_request(sys.argv[1:])) is not None and (text := stored(asked)) is not None:
+        print(text, file=sys.stdout if sys.argv[1:] else sys.stderr)  # bare `selfspec`: help on stderr, status 2
+        sys.exit(0 if sys.argv[1:] else 2)
     from ..heap import bound_heap
 
     bound_heap()  # before the first large allocation (selfspec_cli/heap.py)
