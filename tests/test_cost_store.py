@@ -229,6 +229,7 @@ def test_profile_shows_the_store_and_remeasure_takes_a_fresh_full_reading(tiny_m
     assert second["curve"] == "read" and timings["curve"] == n and second["path"] == first["path"]
     err = capsys.readouterr().err
     assert "costs on disk" in err and "costs key" in err
+    assert f"costs on disk: {first['path']}" in err.splitlines()  # the path whole, on a line of its own (issue 50)
     third = _profile(tiny_model_dir, prompts, tmp_path / "a", "--remeasure")
     assert third["curve"] == "measured" and timings["curve"] == n + 1
     assert third["readings"] == 1 and third["rows"] == list(CURVE_ROWS)
