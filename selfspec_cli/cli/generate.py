@@ -27,6 +27,9 @@ from .streaming import TextStreamer, write_out
 from .common import OutputClosed, check_output, log, output_stream, progress, set_exit_note, signals_held, write_record
 from .summary import Pace, no_draft_note
 
+LONG_PROMPT = 256  # prompt tokens from which a turn's prefill is said on stderr before it starts (issue 50)
+
+
 @with_method_options
 def generate(
     ctx: typer.Context,
@@ -176,6 +179,9 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
                     made[0] += len(tokens)
                     bar.update(task, info=f"{p.id}: {made[0]} tokens")
 
+                if len(ids) >= LONG_PROMPT:  # its prefill takes a while (82 s for 6,034 tokens on a busy 2-core host)
+                    bar.update(task, info=f"{p.id}: prefilling {len(ids)} tokens")
+                    log(f"[dim]{p.id}: prefilling {count(len(ids), 'prompt token')} before the first new token[/dim]")
                 return meth.generate(ids, c, kept)
 
             rec = run_prompt(generate, session.tokenizer, p, cfg, device, method, session.chat_template, meth.lossless)
