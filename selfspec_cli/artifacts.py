@@ -378,6 +378,12 @@ class ArtifactSpec:
         full = {**self.header(model), **manifest, "created": manifest.get("created") or now_iso()}
         return save_json_artifact(path, full) if self.is_json else save_tensors_artifact(path, tensors or {}, full)
 
+    def set_aside(self, path: Path, tag: str) -> Path:
+        """Where a result that may not become the default is written, beside ``path`` and named by ``tag``
+        (``below-ar``, ``unusable``, ``too-little-data``): ``x.json`` -> ``x.<tag>.json``, a directory ``x``
+        -> ``x.<tag>``. No loader looks there (:meth:`find` reads the default paths only)."""
+        return path.with_name(f"{path.stem}.{tag}.json" if self.is_json else f"{path.name}.{tag}")
+
     def check_output(self, path: Path, force: bool) -> Path:
         """Refuse an output path that exists (without ``--force``), is shipped, or cannot be written."""
         check_new_artifact(path, force)

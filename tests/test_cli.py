@@ -67,13 +67,14 @@ def test_generate_defaults_to_auto(capsys, tiny_model_dir, prompt_file):
     assert "auto, target" in err and "tok/s" in err  # the summary line on stderr
     # the float32 checkpoint's target streams its packed panels: the float matrices are freed once auto is built
     assert "target fp32 (" in err and "MB of float matrices freed" in err
-    assert "decoding" in err and "x the" in err and "ar decodes the same tokens at" in err
+    assert "then decoding" in err and "tokens/s over the decode only" in err
+    assert "ar PREDICTED, not measured" in err and "stored costs" in err and " ago" in err  # labelled, with its age
 
 
 def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
     """The pace line sets the decoding after each prefill against the stored T(1) at every token's context
     (not the rate with the prefill against ar's decode-only rate, which understated every method)."""
-    from selfspec_cli.cli.generate import Pace
+    from selfspec_cli.cli.summary import Pace
     from selfspec_cli.decoding.cost import VerifyCurve
 
     pace = Pace()
@@ -84,10 +85,42 @@ def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
                         {"new_tokens": 5, "wall_time_s": 1.03, "prompt_tokens": 100, "stats": stats}]})  # 4 in 0.53 s
     assert pace.tokens == 11 and pace.decoded == [(64, 4, pytest.approx(0.02)), (100, 4, pytest.approx(0.53))]
     curve = VerifyCurve(t1_s=0.01, ratios={1: 1.0}, context=64, slope_s=0.001)
-    line = pace.line(curve)
+    store = {"stored": True, "t1_samples": 7, "age_s": 5400.0, "settled": True}
+    line = pace.line(curve, store)
     ar_s = sum(0.01 + 0.001 * (ctx + i - 64) for ctx in (64, 100) for i in range(4))  # T(1) at each token's context
-    assert f"decoding {8 / 0.55:.1f} tok/s, {ar_s / 0.55:.2f}x the {8 / ar_s:.1f} tok/s" in line
+    assert f"then decoding {8 / 0.55:.1f} tok/s (tokens/s over the decode only: 8 tokens in 0.55 s)" in line
+    assert "prefill 1.5 s (264 prompt tokens)" in line  # three prefills of 0.5 s: 64 + 100 + 100 tokens
+    assert (f"ar PREDICTED, not measured: {8 / ar_s:.1f} tok/s for the same tokens at their contexts from this "
+            f"machine's stored costs (T(1) 10.0 ms, median of 7 readings, stored 1.5 h ago), so about {ar_s / 0.55:.2f}x") in line
+    assert "PREDICTED" not in pace.line(None)  # no stored costs (ar itself): measured figures only
     assert "decoding" not in Pace(tokens=3, seconds=1.0).line(curve)  # nothing decoded after a prefill: no comparison
+
+
+def test_a_method_that_drafted_in_no_round_says_so_once_with_the_reason(capsys, tiny_model_dir, tmp_path, selfspec_home):
+    """Issue 50: self-sd, asd, swift and specqd drafted in no round on the default model and silently ran as ar.
+    Here this machine's stored costs make every verification dear (v(2) a thousand steps), so no draft pays."""
+    from selfspec_cli.decoding import cost, cost_store
+
+    prompts = write_lines(tmp_path / "p.txt", ["one two three four", "five six seven eight"])
+    args = gen_args(tiny_model_dir, prompts, "-n", "8", "--method", "self-sd", "--skip-attn", "1", "--skip-mlp", "0")
+    capsys.readouterr()
+    assert main(args) == 0  # stores this machine's costs (a short reading)
+    [path] = (selfspec_home / "cache" / "costs").glob("*.json")
+    rec = json.loads(path.read_text())
+    rec["curve"]["times_s"] = {m: t * (1 if m == "1" else 1000) for m, t in rec["curve"]["times_s"].items()}
+    path.write_text(json.dumps(rec))
+    cost._CURVES.clear(), cost._READINGS.clear(), cost_store._ONLINE.clear()  # what a new process starts with
+    capsys.readouterr()
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert len(recs) == 2 and all(r["stats"]["draft_round_share"] == 0.0 for r in recs)  # the premise
+    notes = [line for line in err.splitlines() if "drafted in none of its" in line]
+    assert len(notes) == 1, err  # once for the call, not per prompt
+    rounds = sum(len(r["stats"]["accept_lengths"]) - 1 for r in recs)
+    assert f"self-sd drafted in none of its {rounds} rounds, so it decoded as ar does" in notes[0]
+    assert "predicts no draft pays" in notes[0] and "a draft step costs" in notes[0] and "--paper-drafting" in notes[0]
+    assert "drafted in 0 of" in err  # and the summary line counts the rounds
 
 
 def run_generate(capsys, model: Path, prompts: Path | str, *extra: str) -> list[dict]:
@@ -653,3 +686,23 @@ def test_option_metavars_without_typers_display_type(monkeypatch):
     app_mod._metavars(cmd)
     shown = {p.name: p.metavar for p in cmd.commands["generate"].params}
     assert shown["max_new_tokens"] == "N" and shown["temperature"] == "X" and shown["model"] == "TEXT"
+
+
+def test_a_long_prompt_says_its_prefill_and_the_rate_is_over_the_decode(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 50: a 6,034-token prompt prefilled for 82 s while the bar sat at 0/1, and the summary then read
+    '4 tokens in 82.4 s, 0.0 tok/s'. A long prompt's prefill is said before it starts; the rate is the decode's.
+    (The tiny model's context is 256 tokens: the threshold is lowered to fit it.)"""
+    from selfspec_cli.cli import generate
+
+    monkeypatch.setattr(generate, "LONG_PROMPT", 64)
+    LONG_PROMPT = generate.LONG_PROMPT
+    long_text = " ".join(f"word{i}" for i in range(20))
+    short = write_lines(tmp_path / "p.txt", [long_text, "short prompt"])
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, short, "-n", "4", "--no-chat-template")) == 0
+    out, err = capsys.readouterr()
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert recs[0]["prompt_tokens"] >= LONG_PROMPT > recs[1]["prompt_tokens"]  # the premise
+    said = [line for line in err.splitlines() if "prefilling" in line]
+    assert len(said) == 1 and said[0].startswith(f"1: prefilling {recs[0]['prompt_tokens']} prompt tokens")
+    assert "tokens/s over the decode only" in err

@@ -555,7 +555,14 @@ def test_exit_predictors_that_never_fire_do_not_become_the_default(capsys, tiny_
     assert main(["calibrate", "--method", "specee", *base]) == 0
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["exit_rate"] == 0 and "no token exited early" in err and "--specee-threshold" in err
+    assert summary["exit_rate"] == 0 and "exited early" in err and "--specee-threshold" in err
+    # issue 50: a schedule that rests on no exit is too little data: beside the default, never the default
+    sched = Path(summary["artifact"])
+    assert sched.name.endswith(".too-little-data.json") and summary["too_little_data"] is True
+    assert sched.is_file() and not sched.with_name(sched.name.replace(".too-little-data", "")).exists()
+    assert main(["calibrate", "--method", "specee", *base, "--force"]) == 0  # --force makes it the default on purpose
+    forced = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert forced["artifact"] == str(sched.with_name(sched.name.replace(".too-little-data", "")))
     # heads retrained after the predictors and the schedule were made from the old ones: specee refuses the mix
     assert main(["train-heads", "--kind", "lm-heads", *base, "--epochs", "1", "--rank", "2", "--force"]) == 0
     assert_user_error(capsys, gen_args(tiny_model_dir, prompts, "-n", "3", "--method", "specee"),

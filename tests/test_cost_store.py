@@ -153,13 +153,53 @@ def test_blend_moves_each_observed_figure_towards_the_process_reading():
     # plain steps 0.01 s dearer per token past the context; four rows seen too seldom to count
     new = cost_store.blend(rec, {1: [2.0] * 3, 2: [2.8] * 3, 8: [6.0] * 5, 4: [9.0] * 2}, {"int8/attn[]/mlp[]": [0.6] * 3},
                            [(0, 2.0), (50, 2.5), (100, 3.0)])
-    t1 = 1.0 + (2.0 - 1.0) / 4
+    t1 = (1.0 + 2.0) / 2  # the median of the stored T(1) (one sample: the curve kept none) and this process's
     times = {int(m): t for m, t in new["curve"]["times_s"].items()}
     assert times[1] == pytest.approx(t1) and times[2] / t1 == pytest.approx(1.2 + (1.4 - 1.2) / 4)
     assert times[4] / t1 == pytest.approx(1.6) and times[8] / t1 == pytest.approx(3.0)
     assert new["curve"]["readings"] == 4 and new["curve"]["slope_s"] == pytest.approx(0.01 / 2.0 / 4 * t1)
     assert new["draft_costs"]["int8/attn[]/mlp[]"] == {"c": pytest.approx(0.5 + (0.3 - 0.5) / 2), "readings": 2}
     assert cost_store.blend(rec, {1: [2.0] * 2}, {}) is None  # too few to count
+    assert new["curve"]["t1_samples"] == [1.0, 2.0]
+
+
+def test_one_loaded_process_does_not_move_the_stored_step_time():
+    """Issue 50: each call moved the stored T(1) a tenth of the way to its own, so a loaded afternoon drifted it
+    from 16.4 to 26.1 ms and the same call read 0.62x to 1.10x ar. T(1) is the median of the processes' readings."""
+    rec = {"curve": {"context": 64, "slope_s": 0.0, "times_s": {"1": 1.0, "2": 1.2}, "readings": 5,
+                     "t1_samples": [1.0, 0.98, 1.02, 1.0, 0.99]}, "draft_costs": {}}
+    slow = cost_store.blend(rec, {1: [1.6] * 3}, {})  # one process on a loaded minute: 60 % slower
+    assert float(slow["curve"]["times_s"]["1"]) == pytest.approx(1.0)
+    assert slow["curve"]["t1_samples"][-1] == 1.6 and len(slow["curve"]["t1_samples"]) == 6
+    # the samples are bounded: the newest T1_KEEP
+    many = {**rec, "curve": {**rec["curve"], "t1_samples": [1.0] * cost_store.T1_KEEP}}
+    assert len(cost_store.blend(many, {1: [2.0] * 3}, {})["curve"]["t1_samples"]) == cost_store.T1_KEEP
+
+
+def test_a_settled_store_is_refreshed_deliberately_not_by_every_process(timings):
+    """Once the stored curve holds BLEND_CAP readings, a process's rounds change it only when it is REFRESH_S old."""
+    eng = Engine(make_tiny_model("llama-gqa"))
+    VerifyCurve.for_engine(eng)
+    path = cost_store.path_for(cost.engine_key(eng))
+    rec = json.loads(path.read_text())
+    rec["curve"]["readings"] = cost_store.BLEND_CAP
+    path.write_text(json.dumps(rec))
+    before = path.read_text()
+    assert cost_store.describe(cost.engine_key(eng))["settled"]
+    for _ in range(2):  # two later processes: the store is left as it was
+        _fresh_process()
+        again = Engine(make_tiny_model("llama-gqa"))
+        VerifyCurve.for_engine(again)
+        build("ar", again).generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
+        assert cost_store.flush() == [] and path.read_text() == before
+    rec["updated"] -= cost_store.REFRESH_S  # the same store, REFRESH_S older: the next process refreshes it
+    path.write_text(json.dumps(rec))
+    _fresh_process()
+    again = Engine(make_tiny_model("llama-gqa"))
+    VerifyCurve.for_engine(again)
+    build("ar", again).generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
+    assert path in cost_store.flush()
+    assert json.loads(path.read_text())["curve"]["readings"] == cost_store.BLEND_CAP + 1
 
 
 def test_an_engine_in_fresh_mode_measures_in_full_and_stores_it(timings):
@@ -189,6 +229,7 @@ def test_profile_shows_the_store_and_remeasure_takes_a_fresh_full_reading(tiny_m
     assert second["curve"] == "read" and timings["curve"] == n and second["path"] == first["path"]
     err = capsys.readouterr().err
     assert "costs on disk" in err and "costs key" in err
+    assert f"costs on disk: {first['path']}" in err.splitlines()  # the path whole, on a line of its own (issue 50)
     third = _profile(tiny_model_dir, prompts, tmp_path / "a", "--remeasure")
     assert third["curve"] == "measured" and timings["curve"] == n + 1
     assert third["readings"] == 1 and third["rows"] == list(CURVE_ROWS)

@@ -198,3 +198,45 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
     sd_measure.measure_self_sd(eng, None, [_prompt(6, 0)], GenerationConfig(max_new_tokens=8), attn, mlp,
                                vocab=vocabs["target"])
     assert made and all(v is not None and torch.equal(v, ids) for v in made)
+
+
+def test_a_vocabulary_from_too_little_data_never_becomes_the_default(capsys, tiny_model_dir, tmp_path, selfspec_home):
+    """Issue 50: `calibrate --method fr-spec --num-prompts 2 -n 8` (16 tokens counted) wrote the default vocabulary,
+    which auto then used. Now it goes beside the default as .too-little-data (one warning); --force makes it the
+    default on purpose; enough tokens (MIN_TOKENS) make the default as before. Real calibrations of a tiny model."""
+    import json
+    from pathlib import Path
+
+    from selfspec_cli.cli.app import main
+    from selfspec_cli.methods.fr_spec.calibrate import MIN_TOKENS
+
+    from .test_cli import write_lines
+
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i} says" for i in range(8)])
+    base = ["calibrate", "--method", "fr-spec", "-m", str(tiny_model_dir), "-p", str(prompts), "--device", "cpu"]
+
+    def run(*extra: str) -> tuple[dict, str]:
+        capsys.readouterr()
+        rc = main([*base, *extra])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        return json.loads(out.strip().splitlines()[-1]), err
+
+    thin, err = run("--num-prompts", "2", "-n", "8")
+    art = Path(thin["artifact"])
+    default = art.with_name(art.name.removesuffix(".too-little-data"))
+    assert thin["tokens_counted"] < MIN_TOKENS and thin["too_little_data"] is True
+    assert art.name.endswith(".too-little-data") and (art / "manifest.json").is_file()
+    assert not default.exists()  # what generate would load is untouched
+    warnings = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "not made this model's default" in warnings[0] and "--force" in warnings[0]
+    again, _ = run("--num-prompts", "2", "-n", "8")  # the same command replaces its own set-aside result
+    assert again["artifact"] == str(art)
+    forced, err = run("--num-prompts", "2", "-n", "8", "--force")
+    assert forced["artifact"] == str(default) and (default / "manifest.json").is_file()
+    assert "made this model's default because of --force" in err
+    enough, err = run("--num-prompts", "8", "-n", str(-(-MIN_TOKENS // 8)), "--force")
+    assert enough["tokens_counted"] >= MIN_TOKENS and enough["too_little_data"] is False
+    assert enough["artifact"] == str(default) and "warning:" not in err
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    assert f"fewer than {MIN_TOKENS} tokens counted" in readme  # the one place the rule is stated, with this figure

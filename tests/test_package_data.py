@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "selfspec_cli"
 # tracked directories whose every file a wheel must hold
 SHIPPED_TREES = ("artifacts", "examples", "selfspec_cli/bench/suites", "selfspec_cli/bench/data",
-                 "selfspec_cli/engine/csrc")
+                 "selfspec_cli/engine/csrc", "selfspec_cli/cli/help.json")
 
 
 def _tracked(tree: str) -> list[str]:

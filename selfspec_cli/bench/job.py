@@ -359,6 +359,10 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
     # without transformers where no Hugging Face peer runs in this process (selfspec_cli/lite.py): its
     # modules and tokenizer hold about 170 MB that no selfspec contender reads
     lite = not any(n in PEERS for n in plan.names)
+    # what an interrupt keeps before the first record (cli/exits.py); _start and _time say more once they have it
+    io.set_exit_note(f"the run stopped before its first record and wrote nothing to '{req.output_dir}'; "
+                     + ("the same command with --resume carries on the earlier run there" if req.resume else
+                        "there is nothing to resume: run the same command again"))
     session = Session.open(req.model, dtype=req.dtype, device=req.device, chat_template=req.chat_template, lite=lite)
     cfg = session.generation(plan.cfg)
     session.check_fits(plan.prompts, cfg)
@@ -404,6 +408,10 @@ def _start(r: _Run) -> None:
                           "directory") from None
     if ranks.lead:
         atomic_write(req.output_dir / "run.json", lambda f: f.write((dumps(key, indent=2) + "\n").encode()))
+    held = sum(len(v) for v in r.done.values())
+    r.io.set_exit_note((f"{count(held, 'earlier record')} kept" if held else "no record was finished yet")
+                       + f"; '{req.output_dir}' holds the run's setup (run.json), so the same command with --resume "
+                       "carries on from there")
     say, engine, mdl = plan.say, r.engine, r.session.model
     if r.done:
         say(f"[dim]resuming: {sum(len(v) for v in r.done.values())} finished records kept[/dim]")

@@ -13,7 +13,7 @@ import typer
 from .. import __version__
 from ..errors import SelfSpecError
 from .bench import bench
-from .exits import INTERRUPTED, SIGTERM_STATUS, TERMINATED
+from .exits import interrupt_line, interrupt_status
 from .common import OutputClosed, OutputWriteError, invocation_args, pop_exit_note, set_invocation
 from .calibrate import calibrate
 from .chat import chat
@@ -57,9 +57,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _interrupted() -> int:
-    note = pop_exit_note()
-    print((TERMINATED if _signals else INTERRUPTED) + (f"; {note}" if note else ""), file=sys.stderr)
-    return SIGTERM_STATUS if _signals else 130
+    print(interrupt_line(bool(_signals), pop_exit_note()), file=sys.stderr)
+    return interrupt_status(bool(_signals))
 
 
 def _rank_prefix() -> str:
@@ -100,10 +99,16 @@ def _metavars(group: Any) -> None:
                 (m for t, m in (("int", "N"), ("float", "X"), ("path", "PATH")) if t in shown), "TEXT")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (also used by tests)."""
+def cli_command() -> Any:
+    """The app's click command with its help's metavars (:func:`main`, and the kept help texts: cli/helptext.py)."""
     command = typer.main.get_command(app)
     _metavars(command)
+    return command
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (also used by tests)."""
+    command = cli_command()
     set_invocation(sys.argv[1:] if argv is None else argv)
     _signals.clear()
     pop_exit_note()

@@ -24,7 +24,7 @@ from ..methods import METHODS, build
 from ..prompts import encode_turn
 from ..session import Session, apply_threads, check_device
 from . import options as opt
-from .common import log
+from .common import log, set_exit_note
 from .method_options import generation_config
 from .streaming import TextStreamer, write_out
 
@@ -62,6 +62,7 @@ def chat(
     engine.release_float_weights(panels=True)  # every draft is built: the float matrices the target no longer reads go
     for kind, path in used.items():
         log(f"[dim]using {kind} {path}[/dim]")
+    set_exit_note("chat keeps no file: the answers so far were printed as they came")  # what an interrupt keeps
     if not meth.lossless:
         log(f"[yellow]--method {method} is lossy: its answers can differ from plain decoding's[/yellow]")
     log(f"[dim]chat with {session.model.config.model_type}, method {method}; /reset starts over, /exit (or /quit) "

@@ -19,8 +19,11 @@ from ..jsonio import dumps
 from ..paths import atomic_open
 from ..paths import check_not_input, cut_to_last_line
 
-# piped stderr (CI logs, `2> file`) gets wide tables instead of rich's 80-column default, unless COLUMNS says otherwise
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS", "").isdigit() else 200)
+# piped stderr (CI logs, `2> file`) gets PIPED_WIDTH columns instead of rich's 80-column default, unless COLUMNS says
+# otherwise: wide enough for a profile's rows, narrow enough to read in a log (a new user's 200 made ~200-column tables)
+PIPED_WIDTH = 100
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS", "").isdigit()
+                      else PIPED_WIDTH)
 
 
 _INVOCATION: list[str] | None = None
@@ -55,17 +58,18 @@ def progress(disable: bool = False) -> Progress:
 
 
 def table(title: str, columns: Collection[str], left: Collection[str] = ("method",)) -> Table:
-    """A rich table titled at the left: the ``left`` columns left-aligned, the figures right-aligned."""
+    """A rich table titled at the left: the ``left`` columns left-aligned, the figures right-aligned; a cell too long
+    for its column wraps at spaces and folds a longer word, never cut with an ellipsis."""
     t = Table(title=title, title_justify="left")
     for c in columns:
-        t.add_column(c, justify="left" if c in left else "right")
+        t.add_column(c, justify="left" if c in left else "right", overflow="fold")
     return t
 
 
 class FigureTable:
-    """A table of figures that no width cuts: rendered (it is a rich renderable) as one table when
-    it fits the console, else with its columns split over as many tables as the width needs, each
-    repeating the first column (the row's name). Cells of the ``wrap`` columns (text) wrap at
+    """A table of figures that no width cuts: rendered (it is a rich renderable) as its title, once, and one
+    table when it fits the console, else with its columns split over as many tables as the width needs,
+    each repeating the first column (the row's name). Cells of the ``wrap`` columns (text) wrap at
     spaces; every other cell is kept whole on one line."""
 
     def __init__(self, title: str, columns: Sequence[str], left: Collection[str] = ("method",),
@@ -97,11 +101,14 @@ class FigureTable:
             used += w
         return out
 
-    def __rich_console__(self, console: Console, options: Any) -> Iterator[Table]:
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Text | Table]:
+        """The title once, as a line of its own that wraps at the console's width (as a table's caption it wrapped
+        at the table's, 20 characters for a one-column part), then the parts, untitled."""
         groups = self.groups(options.max_width)
-        for n, cols in enumerate(groups, 1):
-            part = f" ({n}/{len(groups)})" if len(groups) > 1 else ""
-            t = Table(title=self.title + part, title_justify="left")
+        yield Text.from_markup(self.title + (f" ({len(groups)} parts, each led by its first column)"
+                                             if len(groups) > 1 else ""), style="italic")
+        for cols in groups:
+            t = Table()
             for i in (0, *cols):
                 c = self.columns[i]
                 t.add_column(c, justify="left" if c in self.left else "right", no_wrap=c not in self.wrap)
@@ -115,6 +122,37 @@ class FigureTable:
 
 
 # ---------------------------------------------------------------- exit notes
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive in the block are handled when it ends (by the handlers they had): a record's
+    write and the exit note that counts it happen together, so an interrupt never names one record too few. (Python
+    runs signal handlers in the main thread; blocking the signal there would not do: the kernel hands it to
+    another thread, a progress bar's or torch's, and Python still raises it in the main one.)"""
+    import signal
+
+    arrived: list[int] = []
+
+    def later(signum: int, frame: object) -> None:
+        arrived.append(signum)
+
+    try:
+        old = {s: signal.signal(s, later) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: nothing to hold
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in arrived[:1]:  # one is enough: the first unwinds the command
+            if callable(handler := old[s]):
+                handler(s, None)
+            else:
+                signal.raise_signal(s)
+
 
 _EXIT_NOTE: list[str] = []
 

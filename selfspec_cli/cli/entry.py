@@ -1,6 +1,6 @@
-"""The console script: ``selfspec``. Kept free of heavy imports, so that a Ctrl-C while
-torch and transformers load (the first second or two) ends with the one interrupt line
-and status 130 rather than a traceback; and a signal that arrives after the command
+"""The console script: ``selfspec``. Kept free of heavy imports, so that a Ctrl-C (or a SIGTERM)
+while torch and transformers load (the first second or two) ends with the one interrupt line
+and status 130 (143) rather than a traceback or a silent exit; and a signal that arrives after the command
 finished (while the interpreter exits) is ignored, since the work is done."""
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import os
 import signal
 import sys
 
-from .exits import INTERRUPTED
+from .exits import interrupt_line, interrupt_status
 
 
 _seen: list[int] = []
 
 
-def _on_sigint(signum: int, frame: object) -> None:
+def _on_signal(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM while the command's modules import: unwind (nothing was done yet)."""
     _seen.append(signum)  # remembered: some import-time code catches every exception and would lose it
     raise KeyboardInterrupt
 
@@ -41,11 +42,17 @@ def run() -> None:
 
         print(f"selfspec {__version__}")
         sys.exit(0)
+    from .helptext import help_request, stored
+
+    if (asked := help_request(sys.argv[1:])) is not None and (text := stored(asked)) is not None:
+        print(text, file=sys.stdout if sys.argv[1:] else sys.stderr)  # bare `selfspec`: help on stderr, status 2
+        sys.exit(0 if sys.argv[1:] else 2)
     from ..heap import bound_heap
 
     bound_heap()  # before the first large allocation (selfspec_cli/heap.py)
     set_wait_policy(sys.argv[1:])
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)  # app.main installs its own for the command itself
     try:
         from .app import main
 
@@ -54,8 +61,9 @@ def run() -> None:
     except BaseException:
         if not _seen:
             raise
-        print(INTERRUPTED, file=sys.stderr)  # whatever the swallowed interrupt left behind
-        sys.exit(130)
+        terminated = signal.SIGTERM in _seen
+        print(interrupt_line(terminated), file=sys.stderr)  # nothing was done yet: nothing kept
+        sys.exit(interrupt_status(terminated))
     status = main()
     for sig in (signal.SIGINT, signal.SIGTERM):  # the command has finished: exit whatever arrives now
         signal.signal(sig, signal.SIG_IGN)

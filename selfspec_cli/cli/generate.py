@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,6 +10,8 @@ import typer
 
 from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, check_seed
+from ..decoding import cost_store
+from ..decoding.cost import engine_key
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError, count
 from ..loading import config_num_layers, resolve_model_path
@@ -23,7 +24,11 @@ from .method_options import check_layer_ids, flag_error, generation_config, give
 from ..config import check_choice
 from .resume import check_append, prompt_sha, resume as resume_output, run_settings
 from .streaming import TextStreamer, write_out
-from .common import OutputClosed, check_output, log, output_stream, progress, write_record
+from .common import OutputClosed, check_output, log, output_stream, progress, set_exit_note, signals_held, write_record
+from .summary import Pace, no_draft_note
+
+LONG_PROMPT = 256  # prompt tokens from which a turn's prefill is said on stderr before it starts (issue 50)
+
 
 @with_method_options
 def generate(
@@ -82,7 +87,7 @@ def generate(
     else:
         with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
             pace = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used, settings)
-    _log_pace(meth, method, engine.target_precision, pace, session)
+    _log_pace(meth, method, engine, pace, session, cfg.max_new_tokens)
     if save_layers is not None:
         _save_layers(meth, save_layers)
 
@@ -174,6 +179,9 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
                     made[0] += len(tokens)
                     bar.update(task, info=f"{p.id}: {made[0]} tokens")
 
+                if len(ids) >= LONG_PROMPT:  # its prefill takes a while (82 s for 6,034 tokens on a busy 2-core host)
+                    bar.update(task, info=f"{p.id}: prefilling {len(ids)} tokens")
+                    log(f"[dim]{p.id}: prefilling {count(len(ids), 'prompt token')} before the first new token[/dim]")
                 return meth.generate(ids, c, kept)
 
             rec = run_prompt(generate, session.tokenizer, p, cfg, device, method, session.chat_template, meth.lossless)
@@ -182,8 +190,13 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
             rec["settings"] = settings  # and what it checks the record was made with (cli/resume.py)
             if used:
                 rec["artifacts"] = dict(used)
-            write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
-            pace.add(rec)
+            with signals_held():  # the record and the note that counts it, together
+                write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
+                pace.add(rec)
+                # what an interrupt keeps (cli/exits.py); an --output's partial file says it itself (output_stream)
+                where = "stdout" if out is sys.stdout else f"'{getattr(out, 'name', 'the output')}'"
+                set_exit_note(f"{count(pace.records, 'finished record')} {'was' if pace.records == 1 else 'were'} "
+                              f"written to {where}")
             bar.update(task, advance=1, info=f"{pace.tokens / max(pace.seconds, 1e-9):.1f} tok/s")
     return pace
 
@@ -217,47 +230,40 @@ def _stream_all(session: Session, meth: Method, method: str, prompts: list[Promp
         rec = run_prompt(generate, tok, p, cfg, device, method, session.chat_template, meth.lossless)
         write_out("\n")
         pace.add(rec)
+        set_exit_note(f"the text of {count(pace.records, 'finished prompt')} was printed (--stream keeps no records)")
     return pace
 
 
-@dataclass
-class Pace:
-    """The summary line's figures: every record's tokens and wall time, and per turn its decoding after the
-    prefill (the tokens after the prefill's one, the seconds after its prefill) with the context it began at."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    decoded: list[tuple[int, int, float]] = field(default_factory=list)  # (context, tokens, seconds) per turn
-
-    def add(self, rec: dict[str, Any]) -> None:
-        self.tokens += rec["new_tokens"]
-        self.seconds += rec["wall_time_s"]
-        for turn in rec.get("turns") or [rec]:
-            prefill = (turn.get("stats") or {}).get("prefill_s")
-            if prefill is not None and turn["new_tokens"] > 1:
-                self.decoded.append((turn["prompt_tokens"], turn["new_tokens"] - 1, turn["wall_time_s"] - prefill))
-
-    def line(self, curve: Any) -> str:
-        """Tokens/s with the prefill, and, given the stored verify curve, the decoding's pace against what
-        ar takes for the same tokens at the same contexts here (one stored T(1) per token, at its context)."""
-        out = f"{count(self.tokens, 'token')} in {self.seconds:.1f} s, {self.tokens / self.seconds:.1f} tok/s (prefill included)"
-        n, secs = sum(d[1] for d in self.decoded), sum(d[2] for d in self.decoded)
-        if curve is None or n == 0 or secs <= 0:
-            return out
-        ar_s = sum(curve.t1_at(ctx + i) for ctx, k, _ in self.decoded for i in range(k))
-        return (out + f"; decoding {n / secs:.1f} tok/s, {ar_s / secs:.2f}x the {n / ar_s:.1f} tok/s ar decodes the "
-                      f"same tokens at in this machine's stored costs (T(1) {curve.t1_s * 1e3:.1f} ms)")
-
-
-def _log_pace(meth: Method, method: str, target: str, pace: Pace, session: Session) -> None:
+def _log_pace(meth: Method, method: str, engine: Any, pace: Pace, session: Session, budget: int) -> None:
+    """The summary line (cli/summary.py): measured figures, ar's pace only as a labelled prediction; before it,
+    once, the note of a speculative method that drafted in no round."""
     up = session.startup()
     start = (f"model loaded in {up['model_load_s']:.1f} s (ready {up['model_ready_s']:.1f} s after the process "
              f"started), peak RSS {up['peak_rss_mb']:.0f} MB")
+    target = engine.target_precision
     if pace.seconds <= 0:
         log(f"[dim]{method}, target {target}: {start}[/dim]")
         return
-    curve = getattr(meth, "curve", None) if method != "ar" else None  # the stored costs, when the method plans with them
-    log(f"[dim]{method}, target {target}: {pace.line(curve)}; {start}[/dim]")
+    speculative = method != "ar" and meth.lossless
+    if speculative and (note := no_draft_note(method, pace, _best_gain(meth, budget),
+                                              hasattr(meth.config, "paper_drafting"))):
+        log(note)
+    # the stored costs, when the method plans with them (a layer-skip method's proposer holds them, not the method)
+    curve = (getattr(meth.proposer, "curve", None) or getattr(meth, "curve", None)) if method != "ar" else None
+    store = cost_store.describe(engine_key(engine)) if curve is not None else None
+    log(f"[dim]{method}, target {target}: {pace.line(curve, store, drafts=speculative)}; {start}[/dim]")
+
+
+def _best_gain(meth: Method, budget: int) -> float | None:
+    """The best expected gain of drafting the method's planner predicts now, at no particular context (None where
+    the proposer answers only for a decode state: prompt lookup's candidates come from the context)."""
+    ask = getattr(meth.proposer, "expected_gain", None)
+    if ask is None:
+        return None
+    try:
+        return ask(None, budget)
+    except AttributeError:  # a source that needs the decode state (pld inside auto)
+        return None
 
 
 def _save_layers(meth: Method, save_layers: Path) -> None:

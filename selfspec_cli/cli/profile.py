@@ -25,6 +25,7 @@ from ..bench.suite_loader import DEFAULT_SUITE
 from ..errors import count
 from . import options as opt
 from .common import err_console, log, print_json, progress, table
+from .summary import age_text
 
 
 def profile(
@@ -57,6 +58,8 @@ def profile(
         threads=threads, chat_template=chat_template, dtype=dtype, target_precision=target_precision, device=device)
     result = run_profile.run(req, run_profile.check(req), log=log, progress=progress)
     err_console.print(_table(result))
+    if s := result.get("cost_store"):
+        log(f"costs on disk: {s['path']}")
     log(f"wrote {output_dir / 'profile.json'}")
     print_json({k: result[k] for k in ("model", "floor_ms", "step_ms", "step_over_floor", "verify_cost", "draft_cost",
                                        "lm_head_share", "kernel_max_logit_diff")})
@@ -91,20 +94,13 @@ def _table(r: dict[str, Any]) -> Table:
     if v := r.get("draft_verdict"):
         t.add_row("full-depth drafts", v["summary"])
     if s := r.get("cost_store"):
-        t.add_row("costs on disk", f"{s['path']}" + (
-            f" ({'read' if s['curve'] == 'read' else 'measured now and stored'}; rows {','.join(map(str, s['rows']))}, "
-            f"{s['readings']} reading(s), updated {_age(s['age_s'])} ago, created {_age(s['created_age_s'])} ago)"
-            if s["stored"] else " (not writable: nothing stored)"))
+        t.add_row("costs on disk", (  # the file's path is its own line under the table, whole at any width
+            f"{'read' if s['curve'] == 'read' else 'measured now and stored'}; rows {','.join(map(str, s['rows']))}, "
+            f"{count(s['readings'], 'reading')}, updated {age_text(s['age_s'])} ago, created "
+            f"{age_text(s['created_age_s'])} ago" if s["stored"] else "not writable: nothing stored"))
         t.add_row("costs key", ", ".join(f"{k} {v}" for k, v in s["key"].items()))
     for name, p in (r.get("predicted_speedup") or {}).items():
         t.add_row(f"predicted speedup: {name}", p.get("unavailable", "no plans (not cost-aware)")
                   if p.get("predicted_speedup") is None
                   else f"{p['predicted_speedup']:.2f}x (drafts in {p['draft_round_share']:.0%} of rounds)")
     return t
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"

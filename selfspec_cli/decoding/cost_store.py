@@ -21,10 +21,20 @@ own verify forwards (the driver, one ``time.perf_counter`` pair per round; plain
 one-row forwards, T(1)) and its draft steps (the layer-skip proposer), each put at the
 curve's context. At its exit (:func:`flush`, also callable directly) the medians of what it
 saw, for each row count and draft variant seen at least :data:`ONLINE_MIN` times, are one
-more reading: T(1) moves towards the process's T(1), and each v(m) and c towards the
-process's ratio to its own T(1) (so that a process on a slower minute does not make every
-row look dearer), each by ``1 / min(readings + 1, BLEND_CAP)``: the mean of the readings so
-far, then an exponential average over about the last ten. A row count of the full curve the
+more reading. T(1) is the **median** of the last :data:`T1_KEEP` processes' T(1) (``t1_samples``
+in the stored curve; the first reading counts as one): one process on a loaded minute moves it
+not at all, where a running mean moved it by a tenth of the difference every call (a new user saw
+the stored T(1) drift from 16.4 to 26.1 ms over an afternoon, and the same ``generate`` call
+report 0.62x to 1.10x ``ar``; issue 50). Each v(m) and c moves towards the process's ratio to its
+own T(1) (so that a process on a slower minute does not make every row look dearer) by ``1 /
+min(readings + 1, BLEND_CAP)``: the mean of the readings so far, then an exponential average
+over about the last ten.
+
+**Refreshed deliberately, not on every call.** A process folds its reading in only while the
+stored curve holds fewer than :data:`BLEND_CAP` readings (it is still being established), or when
+it was last updated :data:`REFRESH_S` or more ago; otherwise the store is left as it is, so calls
+within a few hours read the same figures (and ``generate``'s summary line, which predicts ``ar``
+from them, says their age). ``selfspec profile --remeasure`` replaces them on purpose. A row count of the full curve the
 stored table lacks (a short first reading) is filled in from the rounds, and T(1)'s growth
 with the context from the process's plain steps (a least-squares slope, when they span at
 least :data:`SLOPE_SPAN` tokens; a share of T(1), blended the same way). Chains only: a tree's
@@ -67,6 +77,8 @@ ONLINE_MIN = 3  # observations of a row count or draft variant before a process'
 BLEND_CAP = 10  # a stored figure moves 1 / min(readings + 1, BLEND_CAP) of the way to a process's reading
 ONLINE_KEEP = 1024  # the newest observations kept per row count and draft variant
 SLOPE_SPAN = 64  # context tokens a process's plain steps must span before they give a slope
+T1_KEEP = 15  # the processes' T(1) readings whose median is the stored T(1)
+REFRESH_S = 6 * 3600  # a settled store (BLEND_CAP readings) takes a process's reading at most this often
 DRAFT_KEEP = 64  # draft variants kept per key, the newest (SWIFT's search times one per skip set it tries)
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[Engine, str]" = weakref.WeakKeyDictionary()
@@ -164,6 +176,7 @@ def describe(key: dict[str, str]) -> dict[str, Any]:
     return {"path": str(path), "key": key, "stored": True, "age_s": round(time.time() - float(rec["updated"]), 1),
             "created_age_s": round(time.time() - float(rec["created"]), 1),
             "rows": sorted(int(m) for m in curve.get("times_s", {})), "readings": curve.get("readings"),
+            "t1_samples": len(curve.get("t1_samples") or [1]), "settled": settled(rec),
             "draft_costs": {k: v.get("c") if isinstance(v, dict) else None for k, v in (rec.get("draft_costs") or {}).items()}}
 
 
@@ -200,11 +213,15 @@ def blend(rec: dict[str, Any], rows: dict[int, list[float]], drafts: dict[str, l
         return None
     n, t1 = int(curve.get("readings", 1)), times[1]
     t1_here = med.get(1, t1)  # this process's plain step (the stored one when it ran none)
-    t1_new = _blend(t1, t1_here, n)
+    samples = [float(x) for x in curve.get("t1_samples") or [t1]]  # a curve stored before the samples: one
+    if 1 in med:
+        samples = (samples + [t1_here])[-T1_KEEP:]
+    t1_new = statistics.median(samples)  # robust: one loaded minute does not move it (module docstring)
     ratios = {m: t / t1 for m, t in times.items()}
     for m, s in med.items():
         ratios[m] = _blend(ratios[m], s / t1_here, n) if m in ratios else s / t1_here
-    new_curve = {**curve, "times_s": {str(m): ratios[m] * t1_new for m in sorted(ratios)}, "readings": n + 1}
+    new_curve = {**curve, "times_s": {str(m): ratios[m] * t1_new for m in sorted(ratios)}, "readings": n + 1,
+                 "t1_samples": [round(x, 9) for x in samples]}
     if (slope := slope_fit(list(plain))) is not None:  # as a share of T(1), like the rows
         new_curve["slope_s"] = _blend(float(curve["slope_s"]) / t1, slope / t1_here, n) * t1_new
     costs = {k: dict(v) for k, v in (rec.get("draft_costs") or {}).items()}
@@ -212,6 +229,14 @@ def blend(rec: dict[str, Any], rows: dict[int, list[float]], drafts: dict[str, l
         r = int(costs[k].get("readings", 1))
         costs[k].update(c=round(_blend(float(costs[k]["c"]), s / t1_here, r), 5), readings=r + 1)
     return {**rec, "curve": new_curve, "draft_costs": costs}
+
+
+def settled(rec: dict[str, Any], now: float | None = None) -> bool:
+    """Whether a stored record takes no process's reading now: its curve holds :data:`BLEND_CAP` readings
+    and was updated less than :data:`REFRESH_S` ago (the module docstring's deliberate refresh)."""
+    curve = rec.get("curve") or {}
+    age = (time.time() if now is None else now) - float(rec.get("updated", 0))
+    return int(curve.get("readings", 1)) >= BLEND_CAP and age < REFRESH_S
 
 
 @dataclass
@@ -239,7 +264,9 @@ class Online:
         rows, drafts, plain = {m: list(v) for m, v in self.rows.items()}, {k: list(v) for k, v in self.drafts.items()}, list(self.plain)
         self.rows, self.drafts, self.plain = {}, {}, deque(maxlen=ONLINE_KEEP)
         rec = read(self.key, self.path)
-        new = blend(rec, rows, drafts, plain) if rec is not None else None
+        if rec is None or settled(rec):
+            return None
+        new = blend(rec, rows, drafts, plain)
         return write(self.key, new, self.path) if new is not None else None
 
 

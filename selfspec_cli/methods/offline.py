@@ -16,6 +16,14 @@ loads). That module has two functions:
 
 The commands are thin: they read prompts, load the model, check the output path, build the
 :class:`OfflineJob` and print what ``run`` returns; no manifest is written there.
+
+**Throwaway results never become the default** (:meth:`OfflineJob.destination`, the one rule every
+step follows; README, "Artifacts"). A result made from too little data, or one that does not beat
+``ar`` where the step can measure that, is written beside the default path and named so
+(:meth:`~selfspec_cli.artifacts.ArtifactSpec.set_aside`: ``*.below-ar.json``, ``*.unusable``,
+``*.too-little-data``), where no loader looks, with one warning line; ``--force`` makes it the
+default on purpose, and an explicit ``--output`` is written as asked (the warning still says what it
+is). The same command run again replaces its own set-aside file.
 """
 from __future__ import annotations
 
@@ -76,6 +84,23 @@ class OfflineJob:
     @property
     def model(self) -> Any:
         return self.engine.model
+
+    def destination(self, spec: ArtifactSpec, throwaway: str | None, tag: str) -> Path:
+        """Where this step's result goes (the module docstring's rule). ``throwaway``: why the result may not
+        become the default (None: it may); ``tag``: its name beside the default path."""
+        if throwaway is None or self.explicit_output or self.force:
+            return self.output
+        return spec.check_output(spec.set_aside(self.output, tag), True)  # its own earlier result is replaced
+
+    def warn_throwaway(self, out: Path, throwaway: str, advice: str) -> None:
+        """The one warning line of a throwaway result written to ``out`` (by :meth:`destination`)."""
+        where = (f"'{out}' is of no use as a default; it was written where --output asked" if self.explicit_output else
+                 "it was made this model's default because of --force" if self.force else
+                 "it was not made this model's default (generate keeps the previous one)")
+        rm = f"rm -r '{out}'" if out.is_dir() else f"rm '{out}'"
+        self.log(f"[bold yellow]warning: {throwaway}, so {where}; {advice}"
+                 + ("" if self.explicit_output or self.force else ", or pass --force to make it the default anyway")
+                 + f"; delete it with {rm}[/bold yellow]")
 
     def environment(self) -> dict[str, Any]:
         return environment_info(self.engine.device, self.engine.dtype)

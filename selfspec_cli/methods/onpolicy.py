@@ -248,7 +248,7 @@ def progress_callback(bar: Any) -> Progress:
     return on_progress
 
 
-UNUSABLE_SUFFIX = ".unusable"  # beside the default path: trained, but never loaded by default
+UNUSABLE_TAG = "unusable"  # beside the default path (<default>.unusable): trained, but never loaded by default
 
 
 def finish(job: Any, spec: Any, items: dict[int, Any], manifest: dict[str, Any], train_s: float, lines: list[str],
@@ -256,23 +256,20 @@ def finish(job: Any, spec: Any, items: dict[int, Any], manifest: dict[str, Any],
     """Log the per-layer report ``lines``, save the per-layer artifact (``manifest``: the fields of
     :func:`collect` and the trainer's own, its ``training`` completed with the two durations),
     say where; returns the command's summary. ``unusable`` (why the artifact has no usable quality):
-    without an explicit ``--output`` it is written beside the default path as ``<default>.unusable``,
-    which no command loads by default, and either way one warning line says so and how to remove it."""
+    without an explicit ``--output`` or ``--force`` it is written beside the default path as
+    ``<default>.unusable``, which no command loads by default (:meth:`OfflineJob.destination`, the one
+    rule), and either way one warning line says so and how to remove it."""
     from ..artifacts import save_layers
 
     for line in lines:
         job.log(line)
     collect_s = manifest["data"]["collect_seconds"]
     manifest["training"].update(collect_seconds=collect_s, train_seconds=train_s)
-    out = job.output
-    if unusable and not job.explicit_output:  # never make an artifact without a usable head this model's default
-        out = spec.check_output(out.with_name(out.name + UNUSABLE_SUFFIX), job.force)
+    out = job.destination(spec, unusable, UNUSABLE_TAG)  # never a default without a usable head (methods/offline.py)
     save_layers(spec, out, job.model, items, manifest)
     job.log(f"wrote {out} (data {collect_s:.1f}s, training {train_s:.1f}s)")
     if unusable:
-        job.log(f"[bold yellow]warning: {unusable}, so " + (f"'{out}' is of no use" if job.explicit_output else
-                "it was not made this model's default (generate keeps the previous one)")
-                + f"; train on more prompts and tokens, or delete it: rm -r '{out}'[/bold yellow]")
+        job.warn_throwaway(out, unusable, "train on more prompts and tokens")
     return {**summary, "artifact": str(out), "usable": unusable is None, "layers": sorted(items),
             "report": manifest["report"], "rows": manifest["data"]["rows"], "collect_seconds": collect_s,
             "train_seconds": train_s}

@@ -18,10 +18,19 @@ sublayers (``c_body = 0.5 (1 - head share)``; the assumed body only sets how muc
 smaller head is worth against lost coverage). Every candidate's figures are saved in
 the manifest and printed, and ``--draft-vocab-size`` picks another size at decode time.
 :func:`run` is the offline step.
+
+A vocabulary counted from fewer than :data:`MIN_TOKENS` tokens is **too little data**: the held-out
+coverage each size is chosen by would then be known to no better than :data:`COVERAGE_SE` (its
+standard error, at most ``0.5 / sqrt(tokens)`` for the two folds' mean), the scale of the differences
+between neighbouring sizes. Such a result is written beside the default path as
+``<default>.too-little-data`` and never becomes the default unless ``--force`` (methods/offline.py:
+the one rule; a new user's 2 prompts x 8 tokens, 16 tokens counted, once chose a 16,384-token
+vocabulary that ``auto`` then loaded instead of the shipped one).
 """
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +48,8 @@ from ..offline import OfflineJob
 from . import VOCAB, coverage, ranked_from_outputs
 
 BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
+COVERAGE_SE = 0.02  # the held-out coverage's standard error a vocabulary that may become the default is chosen at
+MIN_TOKENS = math.ceil((0.5 / COVERAGE_SE) ** 2)  # 625: the tokens counted that bound it there (module docstring)
 
 
 def candidate_sizes(vocab_size: int) -> list[int]:
@@ -160,7 +171,10 @@ def run(job: OfflineJob) -> dict[str, Any]:
         res = calibrate_draft_vocab(engine, job.tokenizer, job.prompt_ids, job.gen,
                                     on_prompt=lambda i, n: bar.update(task, completed=i))
     prompts = {**job.prompts, "max_new_tokens": job.gen.max_new_tokens}
-    VOCAB.save(job.output, job.model, {"vocab_size": engine.vocab_size, **res.summary(), "prompts": prompts,
+    thin = (f"the vocabulary was counted from {count(res.tokens, 'token')} (fewer than {MIN_TOKENS}: its held-out "
+            f"coverage is known to worse than {COVERAGE_SE:.0%})" if res.tokens < MIN_TOKENS else None)
+    out = job.destination(VOCAB, thin, "too-little-data")
+    VOCAB.save(out, job.model, {"vocab_size": engine.vocab_size, **res.summary(), "prompts": prompts,
                                        "environment": job.environment(), "search_time_s": round(res.decode_s, 1)},
                artifact_tensors(res))
     for r in res.candidates:
@@ -168,5 +182,7 @@ def run(job: OfflineJob) -> dict[str, Any]:
                 f"({r['head_share_of_step']:.1%} of a step), draft cost at half body {r['draft_cost_half_body']:.3f}")
     job.log(f"[bold]draft vocabulary: {res.n} of {engine.vocab_size} tokens ({count(res.tokens, 'token')} counted, "
             f"{int((res.counts > 0).sum())} distinct)[/bold]")
-    job.log(f"wrote {job.output}")
-    return {"method": "fr-spec", "artifact": str(job.output), **res.summary()}
+    job.log(f"wrote {out}")
+    if thin:
+        job.warn_throwaway(out, thin, "calibrate on more prompts and tokens (--num-prompts, --max-new-tokens)")
+    return {"method": "fr-spec", "artifact": str(out), "too_little_data": thin is not None, **res.summary()}

@@ -169,10 +169,15 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
     obj, out = manifest["objective"], job.output
     vs_ar = result.best_value if search.objective == "proxy" else obj.get("speedup_vs_ar")
     below_ar = vs_ar is not None and vs_ar < 1.0
-    if below_ar and not job.explicit_output:  # never install, as this model's default, a set slower than plain decoding
-        # the study's own latest result, not a file the user named: the same command run again (the study
-        # resumes, as the message below says) replaces it instead of stopping at "already exists"
-        out = SKIP_SET.check_output(out.with_name(out.stem + ".below-ar.json"), True)
+    said = ""
+    if below_ar:
+        measured = obj.get("speedup_vs_ar")
+        said = (f"predicted at {vs_ar:.2f}x ar by the search's proxy (the verdict; one short re-measurement read "
+                f"{measured:.2f}x)" if search.objective == "proxy" and measured is not None else f"{vs_ar:.2f}x ar")
+    # never install, as this model's default, a set slower than plain decoding (methods/offline.py: the one rule);
+    # the same command run again (the study resumes) replaces its own below-ar result
+    out = job.destination(SKIP_SET, f"the best set found is {said}, slower than plain decoding" if below_ar else None,
+                          "below-ar")
     SKIP_SET.save(out, job.model, manifest)
     base, conf = result.baseline, result.confirm  # baseline None: the model has no uniform starting set
     job.log(f"[bold]best (trial {result.best_trial}): {len(result.skip_attn)} attention + {len(result.skip_mlp)} MLP "
@@ -180,12 +185,8 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
             + ", ".join(f"{k} {v['tokens_per_s']:.1f}" for k, v in conf.items()) + " tok/s[/bold]")
     job.log(f"wrote {out}")
     if below_ar:
-        measured = obj.get("speedup_vs_ar")
-        said = (f"predicted at {vs_ar:.2f}x ar by the search's proxy (the verdict; one short re-measurement read "
-                f"{measured:.2f}x)" if search.objective == "proxy" and measured is not None else f"{vs_ar:.2f}x ar")
-        job.log(f"[bold yellow]the best set found is {said}, slower than plain decoding: "
-                + ("" if job.explicit_output else "not made this model's default (generate keeps the previous one); ")
-                + f"run more --trials (the study resumes), or pass --layers {out} to use it anyway[/bold yellow]")
+        job.warn_throwaway(out, f"the best set found is {said}, slower than plain decoding",
+                           f"run more --trials (the study resumes), pass --layers {out} to use it")
     return {"method": "self-sd", "artifact": str(out), "study": where, "model": manifest["model_name_or_path"],
             "model_fingerprint": manifest["model_fingerprint"], "num_layers": result.num_layers,
             "skip_attn": sorted(result.skip_attn), "skip_mlp": sorted(result.skip_mlp),

@@ -5,6 +5,11 @@ layers). The paper observes that the layers below the mean (about half of them)
 account for at most ~20% of exits, so dropping their predictors costs little
 while saving their overhead. The online window (the last 5 exits +-2 layers) is
 added at decode time. :func:`run` is the offline step (``selfspec calibrate --method specee``).
+
+A run in which no token exited early is **too little data**: the schedule would rest on no exit at
+all (it keeps every predictor), so it is written beside the default path as
+``<default>.too-little-data.json`` and never becomes the default unless ``--force`` (methods/offline.py:
+the one rule).
 """
 from __future__ import annotations
 
@@ -83,16 +88,18 @@ def run(job: OfflineJob) -> dict[str, Any]:
         task = bar.add_task("calibrate specee", total=len(job.prompt_ids), info="")
         st = exit_statistics(method, job.prompt_ids, job.gen, on_prompt=lambda i, n: bar.update(task, completed=i))
     stats = st.as_dict()
-    SCHEDULE.save(job.output, mdl, {**stats, "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
+    none = (f"no token of {count(st.tokens, 'token')} exited early at the exit predictors' thresholds, so the schedule "
+            "rests on no exit (specee with it decodes as ar does, plus the predictors' cost, unless --specee-threshold "
+            "is lower)" if stats["exit_rate"] == 0 else None)
+    out = job.destination(SCHEDULE, none, "too-little-data")
+    SCHEDULE.save(out, mdl, {**stats, "drafter_layer": drafter, "exit_mlps_artifact_id": pman.get("artifact_id"),
                                     "heads_artifact_id": heads_manifest.get("artifact_id"),
                                     "prompts": {**job.prompts, "max_new_tokens": job.gen.max_new_tokens},
                                     "environment": job.environment(), "search_time_s": round(time.perf_counter() - t0, 3)})
     job.log(f"exit probability per layer: {', '.join(f'{k}: {v:.2f}' for k, v in st.exit_probability.items())}; "
             f"exit rate {stats['exit_rate']:.3f}")
     job.log(f"[bold]selected predictor layers {st.selected_layers} ({stats['selected_exit_share']:.0%} of exits)[/bold]")
-    job.log(f"wrote {job.output}")
-    if stats["exit_rate"] == 0:  # still written: a --specee-threshold below the artifact's may exit with it
-        job.log("[bold yellow]warning: no token exited early on these prompts at the exit predictors' thresholds, so "
-                "specee with this schedule decodes as ar does (plus the predictors' cost) unless --specee-threshold "
-                "is lower; calibrate on more prompts and tokens, or retrain the exit predictors[/bold yellow]")
-    return {"method": "specee", "artifact": str(job.output), **stats}
+    job.log(f"wrote {out}")
+    if none:  # still written, beside the default: a --specee-schedule with a lower --specee-threshold may exit with it
+        job.warn_throwaway(out, none, "calibrate on more prompts and tokens, or retrain the exit predictors")
+    return {"method": "specee", "artifact": str(out), "too_little_data": none is not None, **stats}
