@@ -162,14 +162,16 @@ inline Pool& get() {  // the process's pool (a forked child's is rebuilt: its pa
 
 inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end, int64_t grain) {
   const int64_t total = end - begin;
-  // about four chunks a thread, none smaller than grain: a late thread costs a chunk, not a share
-  const int64_t chunk = std::max<int64_t>(grain, (total + 4 * p.nth - 1) / (4 * p.nth));
+  // about four chunks a thread (the grain only decides whether a loop is worth posting): shares within a
+  // chunk of equal, and a late thread costs a chunk, not a share
+  const int64_t chunk = std::max<int64_t>(1, (total + 4 * p.nth - 1) / (4 * p.nth));
   p.body = body;
   p.ctx = ctx;
   p.begin = begin;
   p.end = end;
   p.chunk = chunk;
   p.chunks = (total + chunk - 1) / chunk;
+  (void)grain;
   p.next.store(0, std::memory_order_relaxed);
   p.pending.store(static_cast<int>(p.workers.size()), std::memory_order_relaxed);
   ++p.loops;
@@ -675,7 +677,7 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
   const int64_t ldq = qkv.stride(0), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const int64_t group = hq / hkv;
   const float scale = 1.0f / std::sqrt(float(d));
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n_keys));
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, n_keys));
   par_for(0, t_n * hq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> s(n_keys + 8);
     for (int64_t idx = begin; idx < end; ++idx) {
