@@ -149,6 +149,11 @@ def environment_info(device: torch.device | str | None = None, dtype: torch.dtyp
         "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
     }
+    from .engine import kernels
+    from .engine.cores import cores
+
+    # the kernel pool's size (every product of a forward runs on it) and the cores the process saw
+    info.update(pool_threads=kernels.pool_threads(), cores=cores().describe())
     # the version only: optuna itself is imported where searches live (and it is a dependency)
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         info["optuna"] = importlib.metadata.version("optuna")

@@ -16,6 +16,7 @@ from ..decoding import cost_store
 from ..decoding.cost import CURVE_ROWS, engine_key, measure_fresh
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
+from ..engine.threads import set_both
 from ..errors import ArtifactError, ConfigError, count
 from ..methods import METHODS, fr_spec
 from ..methods.self_sd import SkipSet
@@ -149,6 +150,16 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
     with progress() as bar:
         task = bar.add_task("timing", total=req.rounds, info="")
         costs = prof.engine_costs(engine, ctx_ids, rounds=req.rounds, on_round=lambda i, n: bar.update(task, completed=i))
+        if plan.threads > 1:  # the same figures at one thread, beside the default's (issue 48: what threads buy)
+            otask = bar.add_task("timing at 1 thread", total=req.rounds, info="")
+            set_both(1)
+            try:
+                one = prof.engine_costs(engine, ctx_ids, rounds=req.rounds,
+                                        on_round=lambda i, n: bar.update(otask, completed=i))
+            finally:
+                set_both(plan.threads)
+            costs["one_thread"] = {k: one[k] for k in ("step_ms", "verify_cost", "bandwidth_gbs", "floor_ms",
+                                                       "step_over_floor") if k in one}
         diff = prof.kernel_logit_diff(engine, ctx_ids)
         # the redundancy map's prompts, evenly spread (at least one, for the predictions)
         n_sample = max(1, req.redundancy_prompts)

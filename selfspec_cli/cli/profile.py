@@ -73,6 +73,9 @@ def _table(r: dict[str, Any]) -> Table:
     t.add_row("floor (bytes / bandwidth)", f"{r['floor_ms']:.1f} ms")
     t.add_row("T(1): one decode step", f"{r['step_ms']:.1f} ms ({r['step_over_floor']:.2f}x floor)")
     t.add_row("v(k) k=2,4,8,16 (non-decreasing)", ", ".join(f"{r['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8, 16) if str(k) in r["verify_cost"]))
+    if one := r.get("one_thread"):
+        t.add_row("at 1 thread: T(1), v(k) k=2,4,8", f"{one['step_ms']:.1f} ms; " + ", ".join(
+            f"{one['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8) if str(k) in one["verify_cost"]))
     t.add_row("c(r) r=" + ",".join(r["draft_cost"]), ", ".join(f"{v:.2f}" for v in r["draft_cost"].values()))
     t.add_row("LM head share", f"{r['lm_head_share']:.0%}")
     if "non_product_share" in r:

@@ -45,85 +45,100 @@
 //
 // Every parallel loop of this file (products by output panels, attention by (row, head), the row-wise
 // small ops of a prefill) runs through par_for() on one process-wide pool of n - 1 workers plus the
-// calling thread, created once by set_threads(n) and kept. A loop is posted by bumping a generation
-// counter; its index range is cut into chunks of at least `grain` that every thread claims from one
-// atomic counter (so a thread that is descheduled simply claims fewer: the others take its chunks);
-// the caller claims chunks too and returns when every worker has seen the loop through (the barrier
-// between a layer's steps). DecoderStack::forward runs a whole forward so, without returning to Python.
+// calling thread, created once by set_threads(n) and kept. A loop's index range is cut into about four
+// chunks a thread; the loop is posted as one 64-bit word (generation 32 bits | chunks 16 | next chunk 16),
+// and every thread, the caller too, claims chunks from it by compare-and-swap until none is left. The
+// caller returns when every chunk is done (the barrier between a layer's steps): it waits for chunks,
+// never for a thread, so a worker that another process keeps off its core simply claims nothing, and
+// the loop costs one thread's time instead of a timeslice. DecoderStack::forward runs a whole forward
+// so, without returning to Python.
 // Waiting, as ggml's threadpool does: a worker that finds no loop spins with `pause` for `spin_us`,
 // then yields its core (sched_yield) until `yield_us`, then parks on a condition variable; the next
 // loop wakes it. So a busy core is handed back to another process within microseconds, and an idle
 // process holds no core at all.
 // Invariants: a chunk's outputs are computed by one thread with the same chain whatever thread that is,
-// so every result is bit-identical at every thread count (tests/test_threads_pool.py); one loop runs at a
-// time (a second caller, or a loop started inside a worker, runs serially on its own thread); after a
-// fork() the child, which has no workers, rebuilds the pool on first use.
+// so every result is bit-identical at every thread count (tests/test_threads_pool.py); a chunk runs once
+// (its claim is a CAS on the word that names its loop, and a loop's description is rewritten only after
+// all its chunks are done); one loop runs at a time (a second caller, or a loop started inside a worker,
+// runs serially on its own thread); after a fork() the child, which has no workers, rebuilds the pool.
 namespace pool {
 
 using Body = void (*)(const void* ctx, int64_t b, int64_t e);
+
+constexpr uint64_t IDX_MASK = 0xFFFF;
+inline uint32_t gen_of(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+inline uint64_t chunks_of(uint64_t w) { return (w >> 16) & IDX_MASK; }
 
 struct Pool {
   std::vector<pthread_t> workers;
   int nth = 1;
   pid_t pid = 0;
-  std::atomic<uint64_t> gen{0};
-  std::atomic<int64_t> next{0};
-  std::atomic<int> pending{0};
+  std::atomic<uint64_t> state{0};  // the posted loop: generation | chunks | next chunk to claim
+  std::atomic<int64_t> done{0};  // chunks of the posted loop finished
   std::atomic<int> sleepers{0};
   std::atomic<bool> stop{false};
-  Body body = nullptr;  // the posted loop: written before `gen` is bumped, read after it is seen
-  const void* ctx = nullptr;
-  int64_t begin = 0, end = 0, chunk = 1, chunks = 0;
+  Body body = nullptr;  // the posted loop's description: written before `state` names it, rewritten only
+  const void* ctx = nullptr;  // after all its chunks are done
+  int64_t begin = 0, end = 0, chunk = 1;
   std::mutex m;
   std::condition_variable cv;
   std::mutex busy;  // held by the one thread posting loops
   int64_t spin_us = 50, yield_us = 2000;
   uint64_t loops = 0;  // loops posted to workers (a counter for tests and profiles)
-  uint64_t start_gen = 0;  // gen when the workers were created (written before pthread_create)
 };
-
-inline std::atomic<bool> g_split_all{false};  // tests: every loop of two or more indices goes to the pool
 
 inline thread_local bool t_worker = false;
 inline Pool* g_pool = nullptr;
 inline std::mutex g_config;
+inline std::atomic<bool> g_split_all{false};  // tests: every loop of two or more indices goes to the pool
 
 inline int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
-inline void claim(Pool& p) {  // run chunks of the posted loop until none is left
+inline void claim(Pool& p, uint32_t gen) {  // run chunks of loop `gen` until none is left
+  uint64_t w = p.state.load(std::memory_order_acquire);
   for (;;) {
-    const int64_t c = p.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= p.chunks) return;
-    const int64_t b = p.begin + c * p.chunk;
+    if (gen_of(w) != gen || (w & IDX_MASK) >= chunks_of(w)) return;
+    if (!p.state.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    const int64_t b = p.begin + static_cast<int64_t>(w & IDX_MASK) * p.chunk;  // w: the word as claimed
     p.body(p.ctx, b, std::min(p.end, b + p.chunk));
+    p.done.fetch_add(1, std::memory_order_acq_rel);
+    w = p.state.load(std::memory_order_acquire);
   }
 }
 
 inline void* worker_main(void* arg) {
   Pool& p = *static_cast<Pool*>(arg);
   t_worker = true;
-  uint64_t seen = p.start_gen;  // not gen now: a loop may have been posted before this thread first ran
+  uint32_t seen = gen_of(p.state.load());
   for (;;) {
     const int64_t t0 = now_us();
     for (uint64_t i = 1;; ++i) {
-      if (p.gen.load(std::memory_order_acquire) != seen || p.stop.load(std::memory_order_relaxed)) break;
+      if (gen_of(p.state.load(std::memory_order_acquire)) != seen || p.stop.load(std::memory_order_relaxed)) break;
       if (i % 64) { _mm_pause(); continue; }
       const int64_t idle = now_us() - t0;
       if (idle < p.spin_us) continue;
       if (idle < p.yield_us) { sched_yield(); continue; }
       std::unique_lock<std::mutex> lk(p.m);
       p.sleepers.fetch_add(1);
-      p.cv.wait(lk, [&] { return p.gen.load() != seen || p.stop.load(); });
+      p.cv.wait(lk, [&] { return gen_of(p.state.load()) != seen || p.stop.load(); });
       p.sleepers.fetch_sub(1);
       break;
     }
     if (p.stop.load()) return nullptr;
-    seen = p.gen.load(std::memory_order_acquire);
-    claim(p);
-    p.pending.fetch_sub(1, std::memory_order_acq_rel);
+    seen = gen_of(p.state.load(std::memory_order_acquire));
+    claim(p, seen);  // a loop already finished (this worker woke late) claims nothing
+  }
+}
+
+inline void start_workers(Pool& p, int n) {
+  p.nth = n;
+  for (int i = 1; i < n; ++i) {
+    pthread_t t;
+    TORCH_CHECK(pthread_create(&t, nullptr, worker_main, &p) == 0, "selfspec pool: cannot start a thread");
+    p.workers.push_back(t);
   }
 }
 
@@ -142,49 +157,42 @@ inline Pool& get() {  // the process's pool (a forked child's is rebuilt: its pa
   if (g_pool == nullptr || g_pool->pid != getpid()) {
     std::lock_guard<std::mutex> lk(g_config);
     if (g_pool == nullptr || g_pool->pid != getpid()) {
-      const int n = g_pool ? g_pool->nth : 1;
-      const int64_t spin = g_pool ? g_pool->spin_us : 50, yield = g_pool ? g_pool->yield_us : 2000;
+      Pool* old = g_pool;
       g_pool = new Pool();  // a forked child's old pool is left as it is (its mutexes may be held)
       g_pool->pid = getpid();
-      g_pool->spin_us = spin;
-      g_pool->yield_us = yield;
-      g_pool->nth = n;
-      g_pool->start_gen = g_pool->gen.load();
-      for (int i = 1; i < n; ++i) {
-        pthread_t t;
-        TORCH_CHECK(pthread_create(&t, nullptr, worker_main, g_pool) == 0, "selfspec pool: cannot start a thread");
-        g_pool->workers.push_back(t);
+      if (old != nullptr) {
+        g_pool->spin_us = old->spin_us;
+        g_pool->yield_us = old->yield_us;
       }
+      start_workers(*g_pool, old ? old->nth : 1);
     }
   }
   return *g_pool;
 }
 
-inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end, int64_t grain) {
+inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end) {
   const int64_t total = end - begin;
-  // about four chunks a thread (the grain only decides whether a loop is worth posting): shares within a
-  // chunk of equal, and a late thread costs a chunk, not a share
+  // about four chunks a thread: shares within a chunk of equal, and a late thread costs a chunk, not a share
   const int64_t chunk = std::max<int64_t>(1, (total + 4 * p.nth - 1) / (4 * p.nth));
+  const uint64_t chunks = static_cast<uint64_t>((total + chunk - 1) / chunk);
   p.body = body;
   p.ctx = ctx;
   p.begin = begin;
   p.end = end;
   p.chunk = chunk;
-  p.chunks = (total + chunk - 1) / chunk;
-  (void)grain;
-  p.next.store(0, std::memory_order_relaxed);
-  p.pending.store(static_cast<int>(p.workers.size()), std::memory_order_relaxed);
+  p.done.store(0, std::memory_order_relaxed);
   ++p.loops;
-  p.gen.fetch_add(1);  // seq_cst: pairs with a parking worker's sleepers increment
+  const uint32_t gen = gen_of(p.state.load()) + 1;
+  p.state.store((uint64_t(gen) << 32) | (chunks << 16));  // seq_cst: pairs with a parking worker's sleepers
   if (p.sleepers.load() > 0) {
     { std::lock_guard<std::mutex> lk(p.m); }
     p.cv.notify_all();
   }
-  claim(p);
+  claim(p, gen);
   const int64_t t0 = now_us();
-  for (uint64_t i = 1; p.pending.load(std::memory_order_acquire) != 0; ++i) {
+  for (uint64_t i = 1; p.done.load(std::memory_order_acquire) != static_cast<int64_t>(chunks); ++i) {
     if (i % 64) { _mm_pause(); continue; }
-    if (now_us() - t0 >= p.spin_us) sched_yield();  // a worker is descheduled: let it run
+    if (now_us() - t0 >= p.spin_us) sched_yield();  // a worker was preempted inside a chunk: let it run
   }
 }
 
@@ -201,8 +209,7 @@ void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (p.nth <= 1) { f(begin, end); return; }
   std::unique_lock<std::mutex> lk(p.busy, std::try_to_lock);
   if (!lk.owns_lock()) { f(begin, end); return; }
-  pool::post(p, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &f, begin, end,
-             grain);
+  pool::post(p, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &f, begin, end);
 }
 
 // The pool's size: n threads in all (the caller and n - 1 workers); 1 runs every loop on the caller.
@@ -214,13 +221,7 @@ void set_threads(int64_t n, int64_t spin_us, int64_t yield_us) {
   if (yield_us >= 0) p.yield_us = std::max(yield_us, p.spin_us);
   if (p.nth == n) return;
   pool::stop_workers(p);
-  p.nth = static_cast<int>(n);
-  p.start_gen = p.gen.load();
-  for (int64_t i = 1; i < n; ++i) {
-    pthread_t t;
-    TORCH_CHECK(pthread_create(&t, nullptr, pool::worker_main, &p) == 0, "set_threads: cannot start a thread");
-    p.workers.push_back(t);
-  }
+  pool::start_workers(p, static_cast<int>(n));
 }
 
 int64_t get_threads() { return pool::get().nth; }
