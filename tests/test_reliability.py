@@ -20,7 +20,9 @@ import pytest
 from selfspec_cli import artifacts, loading
 from selfspec_cli.artifacts import save_json_artifact
 from selfspec_cli.cli.app import main
+from selfspec_cli.engine import kernels
 from selfspec_cli.methods.self_sd import SKIP_SET
+from selfspec_cli.session import default_threads
 
 from .test_cli import PROMPTS, assert_user_error, gen_args, run_generate, write_jsonl, write_lines
 
@@ -249,7 +251,8 @@ def test_bench_refuses_then_clears_only_its_own_stale_files(capsys, tiny_model_d
     assert not (out / "records" / "old-method.jsonl").exists()
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in (out / "records").iterdir()) == ["ar.jsonl"]
-    assert json.loads((out / "results.json").read_text())["environment"]["threads"] == 1
+    env = json.loads((out / "results.json").read_text())["environment"]
+    assert env["threads"] == env["pool_threads"] == default_threads() and env["cores"]["usable"] == default_threads()
 
 
 def test_calibrate_help_says_prompts_are_required(capsys):
@@ -272,10 +275,11 @@ def test_threads_are_applied_and_recorded(capsys, tiny_model_dir, prompt_file):
 
     saved = torch.get_num_threads()
     try:
+        n = default_threads()  # the physical cores this process may use
         recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "2")
-        assert {r["threads"] for r in recs} == {1} and torch.get_num_threads() == 1  # the default
-        recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "2", "--threads", "2")
-        assert {r["threads"] for r in recs} == {2} and torch.get_num_threads() == 2
+        assert {r["threads"] for r in recs} == {n} and torch.get_num_threads() == n == kernels.pool_threads()
+        recs = run_generate(capsys, tiny_model_dir, prompt_file, "-n", "2", "--threads", "1")
+        assert {r["threads"] for r in recs} == {1} and torch.get_num_threads() == 1 == kernels.pool_threads()
         assert_user_error(capsys, gen_args(tiny_model_dir, prompt_file, "--threads", "0"), "--threads")
     finally:
         torch.set_num_threads(saved)
