@@ -225,7 +225,7 @@ def test_attend_window_is_attention_over_sinks_and_recent_keys(d):
 
 
 def test_a_fresh_cache_says_it_builds_the_kernel(monkeypatch, tmp_path, capsys):
-    """A fresh cache compiles the C++ kernel (30-60 s): one stderr line says so before the wait; a
+    """A fresh cache compiles the C++ kernel (1-3 minutes): one stderr line says so before the wait; a
     cache that holds the built library says nothing. (The compiler itself is replaced here; the
     real build runs in `make setup` and scripts/check_install.sh.)"""
     import torch.utils.cpp_extension as cpp
@@ -252,7 +252,7 @@ def test_a_fresh_cache_says_it_builds_the_kernel(monkeypatch, tmp_path, capsys):
 @needs_kernel
 def test_a_moved_build_folder_is_loaded_not_rebuilt(tmp_path):
     """A cache copied or restored elsewhere holds this source's compiled library under its build id: it is
-    imported as it is (ninja would rebuild a moved folder: 30-60 s), and nothing in the folder is rewritten;
+    imported as it is (ninja would rebuild a moved folder: 1-3 minutes), and nothing in the folder is rewritten;
     a torn library is not loaded (the caller then builds)."""
     import shutil
     import subprocess

@@ -1,6 +1,6 @@
 """The engine's CPU fast path: prepacked weights and a small C++/AVX2 kernel
 (``csrc/small_gemm.cpp``) for every matrix product (prefill, decode steps, verification)
-and for float32 RMSNorm.
+and for float32 RMSNorm, on one persistent pool of threads (csrc ``par_for``; :func:`set_threads`).
 
 Why (measured on the 2-core AVX2 EPYC this project runs on; docs/engine.md, "The kernel"):
 ``F.linear`` with one row reads the 49152 x 576 LM head at about 11 GB/s and costs
@@ -27,7 +27,8 @@ Invariants:
   activations (a draft's product, deterministic and batch-invariant, not the target's arithmetic).
 * without a C++ compiler, AVX2/FMA, or on a GPU, every call is plain ``F.linear``
   (same results as before this module existed); ``SELFSPEC_KERNELS=0`` forces that.
-* the extension is compiled once per machine (about 30 s; ``make setup`` does it) into
+* the extension is compiled once per machine (64 s on the 2-core AVX-512 EPYC, 151 s on a 2-core AVX2
+  EPYC; ``make setup`` does it) into
   ``kernels/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`) and loaded from
   there afterwards (well under a second); packing costs one copy of the weights, once per model load.
 """
@@ -88,7 +89,7 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
 def _built(build: Path, name: str) -> Any | None:
     """The extension already compiled in ``build`` (its name holds the source's hash and torch's version, so a
     library there is this source's), imported without asking ninja: ninja rebuilds one whose folder moved
-    (a copied or restored cache: 30-60 s for nothing) and takes a tenth of a second to say it need not.
+    (a copied or restored cache: 1-3 minutes for nothing) and takes a tenth of a second to say it need not.
     None when there is none, or it does not load (a torn build): the caller builds."""
     import importlib.util
 
@@ -122,9 +123,9 @@ def load_extension() -> Any | None:
                 name = f"selfspec_small_gemm_{source_tag()}"
                 module = _built(build, name)
                 if module is None:
-                    if not any(build.glob("*.so")):  # a fresh cache compiles it: a silent wait of 30-60 s otherwise
+                    if not any(build.glob("*.so")):  # a fresh cache compiles it: a silent wait of 1-3 minutes otherwise
                         print(f"selfspec: building the C++ kernel for this machine into {build} (once per cache; "
-                              "30-60 s)", file=sys.stderr, flush=True)
+                              "about 1-3 minutes)", file=sys.stderr, flush=True)
                     module = load(name=name, sources=[str(_SOURCE)], build_directory=str(build),
                                   extra_cflags=_CFLAGS)
             except Exception as exc:  # no compiler, no headers, a failed build: fall back, say why once

@@ -153,10 +153,16 @@ inline void stop_workers(Pool& p) {
   p.stop.store(false);
 }
 
+inline std::atomic<bool> g_forked{false};  // set in a forked child (pthread_atfork), read by get()
+inline void on_fork_child() { g_forked.store(true); }
+
 inline Pool& get() {  // the process's pool (a forked child's is rebuilt: its parent's workers are not its own)
-  if (g_pool == nullptr || g_pool->pid != getpid()) {
+  if (g_pool == nullptr || g_forked.load(std::memory_order_relaxed)) {
+    static const bool registered = pthread_atfork(nullptr, nullptr, on_fork_child) == 0;
+    (void)registered;
     std::lock_guard<std::mutex> lk(g_config);
     if (g_pool == nullptr || g_pool->pid != getpid()) {
+      g_forked.store(false);
       Pool* old = g_pool;
       g_pool = new Pool();  // a forked child's old pool is left as it is (its mutexes may be held)
       g_pool->pid = getpid();
@@ -678,7 +684,7 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
   const int64_t ldq = qkv.stride(0), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const int64_t group = hq / hkv;
   const float scale = 1.0f / std::sqrt(float(d));
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, n_keys));
+  const int64_t grain = std::max<int64_t>(1, 512 / std::max<int64_t>(1, n_keys));  // posted from ~60 keys a head
   par_for(0, t_n * hq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> s(n_keys + 8);
     for (int64_t idx = begin; idx < end; ++idx) {
