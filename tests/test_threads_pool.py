@@ -65,6 +65,11 @@ def test_every_op_is_bit_identical_at_every_thread_count(split_all, rows):
                 ext.rms_norm(x, norm_w, 1e-6), ext.silu_mul(gu)]
 
     base, *rest = _at_each_count(ops)
+    try:  # and with many chunks a thread (claimed in any order)
+        ext.pool_chunks(5)
+        rest += _at_each_count(ops)[1:]
+    finally:
+        ext.pool_chunks(1)
     for other in rest:
         assert all(torch.equal(a, b) for a, b in zip(base, other))
 

@@ -45,8 +45,8 @@
 //
 // Every parallel loop of this file (products by output panels, attention by (row, head), the row-wise
 // small ops of a prefill) runs through par_for() on one process-wide pool of n - 1 workers plus the
-// calling thread, created once by set_threads(n) and kept. A loop's index range is cut into about four
-// chunks a thread; the loop is posted as one 64-bit word (generation 32 bits | chunks 16 | next chunk 16),
+// calling thread, created once by set_threads(n) and kept. A loop's index range is cut into one chunk
+// a thread (pool_chunks); the loop is posted as one 64-bit word (generation 32 bits | chunks 16 | next chunk 16),
 // and every thread, the caller too, claims chunks from it by compare-and-swap until none is left. The
 // caller returns when every chunk is done (the barrier between a layer's steps): it waits for chunks,
 // never for a thread, so a worker that another process keeps off its core simply claims nothing, and
@@ -91,6 +91,7 @@ inline thread_local bool t_worker = false;
 inline Pool* g_pool = nullptr;
 inline std::mutex g_config;
 inline std::atomic<bool> g_split_all{false};  // tests: every loop of two or more indices goes to the pool
+inline std::atomic<int64_t> g_chunks_per_thread{1};  // chunks a loop is cut into, per thread
 
 inline int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -178,8 +179,11 @@ inline Pool& get() {  // the process's pool (a forked child's is rebuilt: its pa
 
 inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end) {
   const int64_t total = end - begin;
-  // about four chunks a thread: shares within a chunk of equal, and a late thread costs a chunk, not a share
-  const int64_t chunk = std::max<int64_t>(1, (total + 4 * p.nth - 1) / (4 * p.nth));
+  // one chunk a thread by default: each chunk start costs a claim on a shared line and a cold prefetch stream
+  // (SmolLM2's one-row forward at 2 threads: 4.6 ms with one chunk a thread, 4.8-4.9 with two, 5.2-5.3 with four);
+  // a late thread's chunk is still claimed by whoever is free
+  const int64_t per = p.nth * g_chunks_per_thread.load(std::memory_order_relaxed);
+  const int64_t chunk = std::max<int64_t>(1, (total + per - 1) / per);
   const uint64_t chunks = static_cast<uint64_t>((total + chunk - 1) / chunk);
   p.body = body;
   p.ctx = ctx;
@@ -232,6 +236,10 @@ void set_threads(int64_t n, int64_t spin_us, int64_t yield_us) {
 
 int64_t get_threads() { return pool::get().nth; }
 void pool_split_all(bool on) { pool::g_split_all.store(on); }
+void pool_chunks(int64_t per_thread) {
+  TORCH_CHECK(per_thread >= 1 && per_thread <= 64, "pool_chunks: 1..64 chunks a thread, got ", per_thread);
+  pool::g_chunks_per_thread.store(per_thread);
+}
 int64_t pool_loops() { return static_cast<int64_t>(pool::get().loops); }
 
 namespace {
@@ -1645,6 +1653,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_threads", &set_threads, "the pool's size (threads in all), and its idle workers' spin and yield times (us; -1 keeps)");
   m.def("get_threads", &get_threads, "the pool's size");
   m.def("pool_split_all", &pool_split_all, "tests: post every loop of two or more indices to the pool, whatever its grain");
+  m.def("pool_chunks", &pool_chunks, "chunks a loop is cut into, per thread (default 1)");
   m.def("pool_loops", &pool_loops, "loops the pool has run on its workers so far");
   m.def("qisa", &qisa, "the instruction set qlinear dispatches to on this CPU");
 
