@@ -54,6 +54,10 @@ def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
     assert sorted(int(k) for k in doc["verify_cost"]) == list(CURVE_ROWS)  # the planners' curve, shared
     assert set(doc["draft_cost"]) == {"0.2", "0.3", "0.4", "0.5", "0.6"}
     assert doc["floor_ms"] > 0 and doc["step_ms"] > 0 and 0 < doc["lm_head_share"]
+    if doc["environment"]["threads"] > 1:  # the default thread count is the cores: T(1) and v(k) at one thread too
+        one = doc["one_thread"]
+        assert one["step_ms"] > 0 and sorted(int(k) for k in one["verify_cost"]) == list(CURVE_ROWS)
+        assert doc["environment"]["pool_threads"] == doc["environment"]["threads"]  # restored after the 1-thread timing
     # (the figures themselves, on a machine with known costs: test_engine_costs_on_a_machine_with_known_costs)
     assert doc["weight_bytes"] == fp32_step_bytes(model.config) == 772352
     red = doc["redundancy"]

@@ -13,7 +13,7 @@ from typing import Any
 from ..artifacts import environment_info, model_name, now_iso, save_json_artifact
 from ..config import check_choice
 from ..decoding import cost_store
-from ..decoding.cost import CURVE_ROWS, engine_key, measure_fresh
+from ..decoding.cost import CURVE_ROWS, VerifyCurve, engine_key, measure_fresh
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..engine.threads import set_both
@@ -150,16 +150,19 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
     with progress() as bar:
         task = bar.add_task("timing", total=req.rounds, info="")
         costs = prof.engine_costs(engine, ctx_ids, rounds=req.rounds, on_round=lambda i, n: bar.update(task, completed=i))
-        if plan.threads > 1:  # the same figures at one thread, beside the default's (issue 48: what threads buy)
-            otask = bar.add_task("timing at 1 thread", total=req.rounds, info="")
+        if plan.threads > 1:  # T(1) and v(k) timed afresh at one thread, beside the default's (what threads buy);
+            otask = bar.add_task("timing at 1 thread", total=1, info="")  # not stored, not the planners' curve
             set_both(1)
             try:
-                one = prof.engine_costs(engine, ctx_ids, rounds=req.rounds,
-                                        on_round=lambda i, n: bar.update(otask, completed=i))
+                one = prof.curve_fields(VerifyCurve.measure(engine, rounds=req.rounds))
+                bw1 = prof.read_bandwidth_gbs(device=engine.device)
             finally:
                 set_both(plan.threads)
-            costs["one_thread"] = {k: one[k] for k in ("step_ms", "verify_cost", "bandwidth_gbs", "floor_ms",
-                                                       "step_over_floor") if k in one}
+            floor1 = costs["weight_bytes"] / (bw1 * 1e9) * 1e3
+            costs["one_thread"] = {"step_ms": one["step_ms"], "verify_cost": one["verify_cost"],
+                                   "bandwidth_gbs": round(bw1, 2), "floor_ms": round(floor1, 3),
+                                   "step_over_floor": round(one["step_ms"] / floor1, 3)}
+            bar.update(otask, completed=1)
         diff = prof.kernel_logit_diff(engine, ctx_ids)
         # the redundancy map's prompts, evenly spread (at least one, for the predictions)
         n_sample = max(1, req.redundancy_prompts)
