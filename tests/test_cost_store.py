@@ -215,7 +215,8 @@ def test_an_engine_in_fresh_mode_measures_in_full_and_stores_it(timings):
 
 def _profile(model_dir, prompts, out, *extra: str) -> dict:
     rc = main(["profile", "-m", str(model_dir), "-p", str(prompts), "-o", str(out), "--rounds", "1", "--force",
-               "--redundancy-prompts", "0", "--predict", "", "--no-plots", "--device", "cpu", *extra])
+               "--redundancy-prompts", "0", "--predict", "", "--no-plots", "--device", "cpu",
+               "--threads", "1", *extra])  # one thread: no second, unstored 1-thread reading beside the store's
     assert rc == 0
     return json.loads((out / "profile.json").read_text())["cost_store"]
 
