@@ -182,7 +182,8 @@ inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end
   // one chunk a thread by default: each chunk start costs a claim on a shared line and a cold prefetch stream
   // (SmolLM2's one-row forward at 2 threads: 4.6 ms with one chunk a thread, 4.8-4.9 with two, 5.2-5.3 with four);
   // a late thread's chunk is still claimed by whoever is free
-  const int64_t per = p.nth * g_chunks_per_thread.load(std::memory_order_relaxed);
+  // (at most IDX_MASK chunks: the word holds the count in 16 bits; 1024 threads x 64 a thread would wrap it to 0)
+  const int64_t per = std::min<int64_t>(p.nth * g_chunks_per_thread.load(std::memory_order_relaxed), int64_t(IDX_MASK));
   const int64_t chunk = std::max<int64_t>(1, (total + per - 1) / per);
   const uint64_t chunks = static_cast<uint64_t>((total + chunk - 1) / chunk);
   p.body = body;
