@@ -1,9 +1,10 @@
 """``--threads auto``: two threads while they pay, one the moment another process takes a core.
 
-On a 2-core machine a second torch thread makes a decode step about 1.4-1.8x faster when the
-machine is idle, but only if the waiting thread spins between the many small parallel regions
-of a step; and a spinning team collapses to 0.2-0.4x as soon as another process runs, since
-every region then waits for a descheduled thread (docs/engine.md, "Threads"; README, "Threads").
+Written when every product was an OpenMP region: a spinning team ran a step 1.4-1.8x faster idle
+and collapsed to 0.2-0.4x next to another process. The kernel's own pool (csrc ``par_for``) waits
+for chunks, not threads, and yields its idle cores, so it degrades to one thread's pace by itself
+(docs/engine.md, "Threads"; README, "Threads"); the governor stays for hosts whose cores are taken
+for long stretches.
 The governor watches the engine's own forwards and switches the thread count (the kernel pool's and
 torch's) at run time:
 
@@ -21,9 +22,9 @@ torch's) at run time:
 
 Invariant: only the thread count changes, never the decoding rules; outputs at ``auto`` are
 checked equal to one thread's (tests/test_threads.py on a tiny model; on the default model,
-docs/engine.md, "Threads"). The spin itself is the wait policy,
-chosen before torch loads (``cli/entry.py``): libgomp's default policy with
-``GOMP_SPINCOUNT=10000``, so that an unused thread sleeps within microseconds.
+docs/engine.md, "Threads"). The kernel pool's waiting is its own (spin, yield, park); torch's threads
+keep the policy chosen before torch loads (``cli/entry.py``: libgomp's default with
+``GOMP_SPINCOUNT=10000``).
 """
 from __future__ import annotations
 
