@@ -101,6 +101,28 @@ def test_qlinear_is_batch_invariant_and_isa_independent(fmt):
             assert torch.equal(lin(x[:rows]), singles[:rows]), rows
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx512", "avx2"] if HAS_AVX512 else ["avx2"])
+def test_masked_decode_gives_the_shifted_decodes_bits(isa):
+    """4-bit codes with minimums and 6-bit codes are decoded by masking against a prescaled x (small_gemm.cpp,
+    mk_prescale); a call holding a value too small to prescale exactly shifts its codes down instead (4-bit: the
+    table decode). Rows are independent, so the other rows of that call are the shifted decode's bits for the
+    same x: they must equal the masked call's."""
+    g = torch.Generator().manual_seed(11)
+    for qw in (_q4(200, 256, g, True), _k_quant("Q4_K", 130, 512), _k_quant("Q6_K", 100, 512)):
+        lin = QLinear.make(qw, torch.randn(qw.codes.shape[0], generator=g), ext)
+        lin.isa = isa
+        k = qw.codes.shape[1]
+        x = torch.randn(7, k, generator=g) * torch.logspace(-20, 20, k).float()  # across the exponent range
+        assert float(x.abs().min()) > 2.0 ** -102  # so the first call is masked
+        tiny = torch.zeros(1, k)
+        tiny[0, 5] = 1e-33  # below 2^-102: not prescaled
+        masked = lin(x)
+        table = lin(torch.cat([x, tiny]))[:7]
+        assert torch.equal(masked, table)
+        for rows in (1, 2, 6):
+            assert torch.equal(lin(torch.cat([x[:rows], tiny])), torch.cat([table[:rows], lin(tiny)]))
+
 def _k_quant(qtype: str, rows: int, cols: int, seed: int = 3) -> QuantWeight:
     """A GGUF K-quant tensor of random blocks (gguf-py cannot quantize them) with finite float16 d and dmin,
     read by ``_gguf_block``."""
@@ -124,9 +146,13 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int = 3) -> QuantWeight:
 
 
 def _unfactored(q: QuantWeight) -> QuantWeight:
-    """The representation before factored scales and 6-bit panels: the same codes (Q6_K's as bytes) with the
-    float32 products as scales."""
-    return dataclasses.replace(q, sc=None, m=None, d=None, dmin=None, bits=8 if q.bits == 6 else q.bits)
+    """The representation before factored scales and 6-bit panels: the same codes with the float32 products as
+    scales; Q6_K's as bytes u = q + 32 with the minimum -32 s, the form the 6-bit panels are read in (csrc:
+    decode6_512), so the same chain."""
+    if q.bits != 6:
+        return dataclasses.replace(q, sc=None, m=None, d=None, dmin=None)
+    return dataclasses.replace(q, codes=(q.codes.to(torch.int16) + 32).to(torch.int8), mins=-32.0 * q.scales, sc=None,
+                               m=None, d=None, dmin=None, bits=8)
 
 
 KQ_ISAS = ["avx2"] + (["avx512"] if HAS_AVX512 else [])

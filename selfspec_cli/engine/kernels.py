@@ -303,31 +303,35 @@ def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
     return nib.permute(0, 2, 1, 3).reshape(words.shape[0] * 64, -1)
 
 
-# 6-bit codes (GGUF Q6_K, q in -32..31, u = q + 32): per 4 k, three lines of 64 outputs (csrc: unpack6_512): the
-# low nibbles of k and k + 1 in one byte, of k + 2 and k + 3 in the next line's, and the four high bit pairs in a
-# third, at bits 0, 2, 4, 6; (np, 3K/4, 64) bytes.
+# 6-bit codes (GGUF Q6_K, q in -32..31, u = q + 32): per 4 k, three lines of 16 dwords (csrc: decode6_512), byte b of
+# dword i for k + b: line A holds lo(u) of outputs i and 16 + i in its low and high nibble, line B those of 32 + i and
+# 48 + i, line C the four hi = u >> 4 of outputs i, 16 + i, 32 + i, 48 + i at bits 0, 2, 4, 6; (np, 3K/4, 64) bytes.
 def _pack6(q: torch.Tensor) -> torch.Tensor:
     """(np * 64, K) int8 codes -32..31 -> (np, 3K/4, 64) bytes."""
-    rows, k = q.shape
-    u = (q.to(torch.int16) + 32).to(torch.uint8).view(-1, 64, k // 4, 4)
+    k = q.shape[1]
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(-1, 4, 16, k // 4, 4)  # (np, j, i, K/4, b)
     lo, hi = u & 15, u >> 4
-    lines = torch.stack([lo[..., 0] | (lo[..., 1] << 4), lo[..., 2] | (lo[..., 3] << 4),
-                         hi[..., 0] | (hi[..., 1] << 2) | (hi[..., 2] << 4) | (hi[..., 3] << 6)], dim=-1)
-    return lines.permute(0, 2, 3, 1).contiguous().view(-1, 3 * k // 4, 64)  # (np, K/4, 3, 64)
+    lines = torch.stack([lo[:, 0] | (lo[:, 1] << 4), lo[:, 2] | (lo[:, 3] << 4),
+                         hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)], dim=2)  # (np, i, 3, K/4, b)
+    return lines.permute(0, 3, 2, 1, 4).contiguous().view(-1, 3 * k // 4, 64)  # (np, K/4, 3, i, b)
 
 
-def _decode6(v: torch.Tensor) -> torch.Tensor:
-    """(..., 3) bytes of one output's 4 k -> (..., 4) int8 codes."""
+def _decode6(v: torch.Tensor, j: torch.Tensor | int) -> torch.Tensor:
+    """(..., 3, 4) bytes (lines A, B, C of one dword, bytes b) of output group ``j`` (0..3, broadcast against
+    ``...``) -> (..., 4) int8 codes of k + b."""
     v = v.to(torch.int16)
-    u = torch.stack([v[..., 0] & 15, v[..., 0] >> 4, v[..., 1] & 15, v[..., 1] >> 4], dim=-1)
-    hi = (v[..., 2:3] >> torch.tensor([0, 2, 4, 6], dtype=torch.int16)) & 3
-    return (u + 16 * hi - 32).to(torch.int8)
+    j = torch.as_tensor(j, dtype=torch.int16)
+    line = torch.where(j < 2, v[..., 0, :], v[..., 1, :])
+    lo = (line >> (4 * (j % 2))) & 15
+    hi = (v[..., 2, :] >> (2 * j)) & 3
+    return (lo + 16 * hi - 32).to(torch.int8)
 
 
 def _unpack6(codes: torch.Tensor, k: int) -> torch.Tensor:
     """(np, 3K/4, 64) bytes of :func:`_pack6` -> (np * 64, K) int8 codes."""
-    v = codes.view(-1, k // 4, 3, 64).permute(0, 3, 1, 2)  # (np, 64, K/4, 3)
-    return _decode6(v).reshape(-1, k)
+    v = codes.view(-1, k // 4, 3, 16, 4).permute(0, 3, 1, 2, 4)[:, None]  # (np, 1, i, K/4, 3, b)
+    q = _decode6(v, torch.arange(4).view(1, 4, 1, 1, 1))  # (np, j, i, K/4, b)
+    return q.reshape(-1, k)
 
 
 @dataclass(slots=True)
@@ -394,7 +398,8 @@ class QLinear:
             words = self.codes.view(torch.int32).view(-1, k // 8, 64)[sp, :, lane].to(torch.int64) & 0xFFFFFFFF
             q = ((words[..., None] >> (4 * torch.arange(8))) & 15).reshape(t, k).float()
         else:
-            q = _decode6(self.codes.view(-1, k // 4, 3, 64)[sp, :, :, lane]).reshape(t, k).float()
+            v = self.codes.view(-1, k // 4, 3, 16, 4)[sp, :, :, lane % 16]  # (T, K/4, 3, b)
+            q = _decode6(v, (lane // 16).view(-1, 1, 1)).reshape(t, k).float()
 
         def per_group(p: torch.Tensor) -> torch.Tensor:  # (T, K / group) float32 scales or minimums
             if p.dim() == 3:

@@ -326,11 +326,11 @@ def gguf_source(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return None
 
 
-CACHE_FORMAT = 6  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
+CACHE_FORMAT = 7  # bump when the quantizers, the kernel's panel layout or the file layout change: older files are
 # not read (2: fused parts of different GGUF types but one layout, such as Q5_0 q/k with a Q8_0 v, stay blocks;
 # 3: the kernel's packed panels, read without repacking; 4: K-quants' scales as their factors, d per 256 weights
 # and an integer per group; 5: engine/panel_file's 64-byte aligned file, memory-mapped back; 6: Q6_K's codes in 6
-# bits)
+# bits; 7: Q6_K's 6-bit lines laid out per dword, four k to a dword, for the kernel's masked decode)
 
 
 def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, dtype: str = "float32") -> Path:

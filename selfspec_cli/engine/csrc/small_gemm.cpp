@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <cfloat>
 #include <algorithm>
 #include <vector>
 #include <type_traits>
@@ -782,7 +783,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // minimum) per group of `gs` consecutive weights along K (gs = K: one scale per output channel):
 //     W[n, k] = s[n, g] * q[n, k] (+ m[n, g]),  g = k / gs   (Q4_0: q - 8 for q).
 // Formats: 8-bit signed codes, with or without minimums (int8 per channel or per group; GGUF Q8_0, and
-// Q5_0, Q5_1, Q5_K held as bytes); 6-bit signed codes -32..31 (GGUF Q6_K; unpack6_512 below); 4-bit codes
+// Q5_0, Q5_1, Q5_K held as bytes); 6-bit signed codes -32..31 (GGUF Q6_K; read as
+// u = q + 32 with the minimum -32 s: decode6_512 below); 4-bit codes
 // 0..15 with a minimum (GGUF Q4_1, Q4_K: W = s q + m) or without one (GGUF Q4_0: W = s (q - 8)).
 // Packed (kernels.py packs): codes in super-panels of 64 outputs, k-major, so that a matrix is one
 // sequential stream (one 64-byte line per k for 8-bit codes): 8-bit (ns, K, 64) int8; 6-bit (ns, 3K/4, 64); 4-bit
@@ -870,63 +872,34 @@ template <typename S> inline __m256 scale8(GroupScales<S> gs, int64_t o) {
   }
 }
 
-// 6-bit codes (GGUF Q6_K: q in -32..31, u = q + 32), packed by kernels.py per 4 k in 3 lines of 64 outputs:
-// line 0 byte o = lo(o, k) | lo(o, k + 1) << 4, line 1 the same for k + 2, k + 3 (lo = u & 15), line 2 byte o =
-// the four hi = u >> 4 at bits 0, 2, 4, 6. unpack6 turns 16 k (12 lines) into 16 lines of signed bytes q (byte
-// ops: a code's low nibble and its two high bits masked into one byte, 32 taken off), which the 8-bit loop then
-// reads: the same float(q) per weight as byte codes give, so the same chain.
-// (a & 0x0F) | (hb & 0x30), then - 32; the 16-bit shifts that line hb up carry bits across bytes: masked off
-__attribute__((target("avx512f,avx512bw"))) inline __m512i code6_512(__m512i a, __m512i hb) {
-  return _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi8(0x0F)), _mm512_and_si512(hb, _mm512_set1_epi8(0x30))),
-                         _mm512_set1_epi8(32));
+// 6-bit codes (GGUF Q6_K: q in -32..31), held as u = q + 32 in 0..63 and read in the minimum form W = s u + m with
+// m = -32 s (exact: a power of two times s), so their chain is the 4-bit codes' (p_g over u, then s p_g + m xs_g).
+// Packed by kernels.py (_pack6) per 4 k in 3 lines of 64 bytes, each line 16 dwords, dword i holding byte b for
+// k + b: line A = lo(o, k + b) | lo(o + 16, k + b) << 4 for o = i, line B the same for outputs 32 + i and 48 + i
+// (lo = u & 15), line C the four hi = u >> 4 of outputs i, 16 + i, 32 + i, 48 + i at bits 0, 2, 4, 6. decode6 turns
+// the three lines into D_j (j = 0..3, outputs 16 j + i in dword i): byte b of dword i is u(16 j + i, k + b); the
+// products then mask byte b in place (float(u 2^8b), exact, against x prescaled by 2^-8b: mk_prescale) or shift
+// it down (against x itself, where x cannot be prescaled exactly). The 32-bit shifts that line C's pairs up carry
+// bits across bytes: masked off.
+// (x & 0x0F..) | (y & 0x30..): y masked, then vpternlogd's select (0x0F.. ? x : y)
+__attribute__((target("avx512f"))) inline __m512i pick6(__m512i x, __m512i y) {
+  return _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F0F0F0F), x, _mm512_and_si512(y, _mm512_set1_epi32(0x30303030)), 0xCA);
 }
-__attribute__((target("avx512f,avx512bw"))) inline void unpack6_512(const uint8_t* src, int8_t* dst) {
-  for (int b = 0; b < 4; ++b) {
-    const uint8_t* l = src + 3 * b * SP;
-#pragma GCC unroll 3
-    for (int i = 0; i < 3; ++i) _mm_prefetch(reinterpret_cast<const char*>(l + i * SP) + QPF * SP, _MM_HINT_T0);
-    const __m512i l0 = _mm512_loadu_si512(l), l1 = _mm512_loadu_si512(l + SP), h = _mm512_loadu_si512(l + 2 * SP);
-    int8_t* o = dst + 4 * b * SP;
-    _mm512_store_si512(o, code6_512(l0, _mm512_slli_epi16(h, 4)));
-    _mm512_store_si512(o + SP, code6_512(_mm512_srli_epi16(l0, 4), _mm512_slli_epi16(h, 2)));
-    _mm512_store_si512(o + 2 * SP, code6_512(l1, h));
-    _mm512_store_si512(o + 3 * SP, code6_512(_mm512_srli_epi16(l1, 4), _mm512_srli_epi16(h, 2)));
-  }
+__attribute__((target("avx512f,avx512bw"))) inline void decode6_512(const uint8_t* l, __m512i D[4]) {
+  const __m512i a = _mm512_loadu_si512(l), b = _mm512_loadu_si512(l + SP), c = _mm512_loadu_si512(l + 2 * SP);
+  D[0] = pick6(a, _mm512_slli_epi32(c, 4));
+  D[1] = pick6(_mm512_srli_epi32(a, 4), _mm512_slli_epi32(c, 2));
+  D[2] = pick6(b, c);
+  D[3] = pick6(_mm512_srli_epi32(b, 4), _mm512_srli_epi32(c, 2));
 }
-// AVX2: the same bytes for the NQ x 8 outputs from o0 (32 outputs: ymm; 16: xmm), into dst's lines at o0.
-template <int NQ> inline void unpack6_256(const uint8_t* src, int64_t o0, int8_t* dst) {
-  for (int b = 0; b < 4; ++b) {
-    const uint8_t* l = src + 3 * b * SP + o0;
-    if (o0 == 0)
-      for (int i = 0; i < 3; ++i)
-        for (int z = 0; z < SP; z += 64) _mm_prefetch(reinterpret_cast<const char*>(l + i * SP + z) + QPF * SP, _MM_HINT_T0);
-    int8_t* o = dst + 4 * b * SP + o0;
-    if constexpr (NQ == 4) {
-      const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), b32 = _mm256_set1_epi8(32);
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + SP));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 2 * SP));
-      auto q = [&](__m256i a, __m256i hb) {
-        return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m0f), _mm256_and_si256(hb, m30)), b32);
-      };
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), q(l0, _mm256_slli_epi16(h, 4)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + SP), q(_mm256_srli_epi16(l0, 4), _mm256_slli_epi16(h, 2)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 2 * SP), q(l1, h));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 3 * SP), q(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(h, 2)));
-    } else {
-      const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
-      const __m128i l0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l));
-      const __m128i l1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + SP));
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * SP));
-      auto q = [&](__m128i a, __m128i hb) {
-        return _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, m0f), _mm_and_si128(hb, m30)), b32);
-      };
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), q(l0, _mm_slli_epi16(h, 4)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + SP), q(_mm_srli_epi16(l0, 4), _mm_slli_epi16(h, 2)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * SP), q(l1, h));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 3 * SP), q(_mm_srli_epi16(l1, 4), _mm_srli_epi16(h, 2)));
-    }
-  }
+// AVX2: D for the 8 outputs from o (o a multiple of 8): dwords o % 16 .. + 7 of line A (o < 32) or B, nibble o / 16 % 2.
+inline __m256i decode6_256(const uint8_t* l, int64_t o) {
+  const int64_t j = o / 16, half = (o / 8) % 2;
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + (j < 2 ? 0 : SP) + 32 * half));
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 2 * SP + 32 * half));
+  const __m256i xl = (j & 1) ? _mm256_srli_epi32(x, 4) : x;
+  const __m256i ch = j == 0 ? _mm256_slli_epi32(c, 4) : j == 1 ? _mm256_slli_epi32(c, 2) : j == 2 ? c : _mm256_srli_epi32(c, 2);
+  return _mm256_or_si256(_mm256_and_si256(xl, _mm256_set1_epi32(0x0F0F0F0F)), _mm256_and_si256(ch, _mm256_set1_epi32(0x30303030)));
 }
 
 // R rows x one super-panel, AVX-512: lane i of p[r][j] is output 16 j + i of row r. The group
@@ -935,14 +908,13 @@ template <int NQ> inline void unpack6_256(const uint8_t* src, int64_t o0, int8_t
 // vpmovzxbd per 16 bytes (both nibbles of a byte in one dword) and a 16-entry float table
 // (vpermps reads each dword's low 4 bits): the low nibble is a lookup, the high one a shift and a
 // lookup. Each output's chain is the same as the AVX2 path's (below) whatever R is.
-template <int R, int CB, bool MIN, typename S>
+template <int R, int CB, bool MIN, typename S, bool MK = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, int64_t G, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t n_valid, const float* bias) {
   alignas(64) float acc[R][SP];
   std::memset(acc, 0, sizeof(acc));
   alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
-  alignas(64) int8_t q6[16 * SP];  // 6-bit codes: 16 k decoded (unpack6_512)
   const int64_t ng = k_n / gs;
   alignas(64) float tab[16];
   for (int i = 0; i < 16; ++i) tab[i] = float(MIN ? i : i - 8);  // Q4_1: q; Q4_0: q - 8 (exact)
@@ -965,16 +937,36 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
           for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k]), p[r][j]);
         }
       }
-    } else if constexpr (CB == 6) {  // 16 k at a time decoded into signed bytes (unpack6), then as 8-bit codes
-      for (int64_t kc = k0; kc < k0 + gs; kc += 16) {
-        unpack6_512(codes + (kc / 4) * 3 * SP, q6);
-        for (int64_t kk = 0; kk < 16; ++kk) {
-          const uint8_t* c = reinterpret_cast<const uint8_t*>(q6) + kk * SP;
+    } else if constexpr (CB == 6) {  // 4 k at a time: three lines decoded into D_j, one byte of a dword per k
+      for (int64_t k = k0; k < k0 + gs; k += 4) {
+        const uint8_t* l = codes + (k / 4) * 3 * SP;
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; ++i) _mm_prefetch(reinterpret_cast<const char*>(l + i * SP) + QPF * SP, _MM_HINT_T0);
+        __m512i D[4];
+        decode6_512(l, D);
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) {
-            const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(c + 16 * j))));
+        for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
+          for (int b = 0; b < 4; ++b) {
+            const __m512 w = _mm512_cvtepi32_ps(MK ? _mm512_and_si512(D[j], _mm512_set1_epi32(0xFF << (8 * b)))
+                                                   : _mm512_and_si512(_mm512_srli_epi32(D[j], 8 * b), _mm512_set1_epi32(0xFF)));
 #pragma GCC unroll 16
-            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + kc + kk]), p[r][j]);
+            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k + b]), p[r][j]);
+          }
+      }
+    } else if constexpr (MK) {  // masked codes against x prescaled (mk_prescale): no shift, no table
+      for (int64_t k = k0; k < k0 + gs; k += 8) {
+        const uint32_t* c = reinterpret_cast<const uint32_t*>(codes + (k / 2) * SP);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(c + 16 * j) + QPF * SP, _MM_HINT_T0);
+          const __m512i d = _mm512_loadu_si512(c + 16 * j);
+#pragma GCC unroll 8
+          for (int n = 0; n < 8; ++n) {  // float(q << 4n) exactly (n < 7), or float(q) from the top nibble
+            const __m512 w = _mm512_cvtepi32_ps(n < 7 ? _mm512_and_si512(d, _mm512_set1_epi32(0xF << (4 * n)))
+                                                      : _mm512_srli_epi32(d, 28));
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) p[r][j] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k + n]), p[r][j]);
           }
         }
       }
@@ -1000,11 +992,11 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512 s = scale16(gsc, 16 * j);
-      const __m512 m = MIN ? scale16(gmn, 16 * j) : _mm512_setzero_ps();
+      const __m512 m = CB == 6 ? _mm512_mul_ps(s, _mm512_set1_ps(-32.0f)) : MIN ? scale16(gmn, 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512 a = _mm512_fmadd_ps(s, p[r][j], _mm512_load_ps(acc[r] + 16 * j));
-        if constexpr (MIN) a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), a);
+        if constexpr (MIN || CB == 6) a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldxs + g]), a);
         _mm512_store_ps(acc[r] + 16 * j, a);
       }
     }
@@ -1022,14 +1014,13 @@ void qtile512(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
 // o0 + 8 j + i. One row takes 32 outputs (two passes over the super-panel's lines; the second finds
 // them in L1/L2), more rows 16 (four passes) so that R x NQ partial sums fit the 16 ymm registers.
 // The same chain per output as qtile512.
-template <int R, int NQ, int CB, bool MIN, typename S>
+template <int R, int NQ, int CB, bool MIN, typename S, bool MK = false>
 void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64_t gs, int64_t G, const float* x,
               int64_t ldx, const float* xs, int64_t ldxs, float* y, int64_t ldy, int64_t o0, int64_t n_valid,
               const float* bias) {
   alignas(32) float acc[R][8 * NQ];
   std::memset(acc, 0, sizeof(acc));
   alignas(64) float dq[2][SP];  // factored scales: the super-block's d and -dmin (widen_d)
-  alignas(64) int8_t q6[16 * SP];  // 6-bit codes: 16 k decoded (unpack6_256)
   const int64_t ng = k_n / gs;
   const __m256i lo4 = _mm256_set1_epi32(0x0F), off = _mm256_set1_epi32(MIN ? 0 : 8);
   for (int64_t g = 0; g < ng; ++g) {
@@ -1046,14 +1037,17 @@ void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
           for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k), p[r][j]);
         }
       }
-    } else if constexpr (CB == 6) {  // 16 k at a time decoded into signed bytes (unpack6), then as 8-bit codes
-      for (int64_t kc = k0; kc < k0 + gs; kc += 16) {
-        unpack6_256<NQ>(codes + (kc / 4) * 3 * SP, o0, q6);
-        for (int64_t kk = 0; kk < 16; ++kk) {
-          const uint8_t* c = reinterpret_cast<const uint8_t*>(q6) + kk * SP + o0;
-          for (int j = 0; j < NQ; ++j) {
-            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j))));
-            for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + kc + kk), p[r][j]);
+    } else if constexpr (CB == 6) {  // 4 k at a time, as decode6_512 but 8 outputs a register
+      for (int64_t k = k0; k < k0 + gs; k += 4) {
+        const uint8_t* l = codes + (k / 4) * 3 * SP;
+        if (o0 == 0)
+          for (int i = 0; i < 3; ++i) _mm_prefetch(reinterpret_cast<const char*>(l + i * SP) + QPF * SP, _MM_HINT_T0);
+        for (int j = 0; j < NQ; ++j) {
+          const __m256i D = decode6_256(l, o0 + 8 * j);
+          for (int b = 0; b < 4; ++b) {
+            const __m256 w = _mm256_cvtepi32_ps(MK ? _mm256_and_si256(D, _mm256_set1_epi32(0xFF << (8 * b)))
+                                                   : _mm256_and_si256(_mm256_srli_epi32(D, 8 * b), _mm256_set1_epi32(0xFF)));
+            for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k + b), p[r][j]);
           }
         }
       }
@@ -1065,7 +1059,9 @@ void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
         for (int j = 0; j < NQ; ++j) {
           const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 8 * j));
           for (int n = 0; n < 8; ++n) {
-            const __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d, 4 * n), lo4), off));
+            const __m256 w =
+                MK ? _mm256_cvtepi32_ps(n < 7 ? _mm256_and_si256(d, _mm256_set1_epi32(0xF << (4 * n))) : _mm256_srli_epi32(d, 28))
+                   : _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d, 4 * n), lo4), off));
             for (int r = 0; r < R; ++r) p[r][j] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + r * ldx + k + n), p[r][j]);
           }
         }
@@ -1076,10 +1072,10 @@ void qtile256(const uint8_t* codes, const S* sc, const S* mn, int64_t k_n, int64
     const GroupScales<S> gsc = group_scales(sc, g, G, dq[0]), gmn = MIN ? group_scales(mn, g, G, dq[1]) : gsc;
     for (int j = 0; j < NQ; ++j) {
       const __m256 s = scale8(gsc, o0 + 8 * j);
-      const __m256 m = MIN ? scale8(gmn, o0 + 8 * j) : _mm256_setzero_ps();
+      const __m256 m = CB == 6 ? _mm256_mul_ps(s, _mm256_set1_ps(-32.0f)) : MIN ? scale8(gmn, o0 + 8 * j) : _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) {
         __m256 a = _mm256_fmadd_ps(s, p[r][j], _mm256_load_ps(acc[r] + 8 * j));
-        if constexpr (MIN) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * ldxs + g), a);
+        if constexpr (MIN || CB == 6) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * ldxs + g), a);
         _mm256_store_ps(acc[r] + 8 * j, a);
       }
     }
@@ -1104,9 +1100,10 @@ struct QArgs {
   int64_t ldxs;
   float* y;
   const float* bias;
+  bool mk;  // 4-bit codes with minimums, x prescaled (mk_prescale): the masked decode
 };
 
-// Bytes of packed codes per output and super-panel: 8-bit K, 4-bit K/2, 6-bit 3K/4 (unpack6_512's layout).
+// Bytes of packed codes per output and super-panel: 8-bit K, 4-bit K/2, 6-bit 3K/4 (decode6_512's layout).
 inline int64_t code_bytes(int cb, int64_t k_n) { return cb == 8 ? k_n : cb == 4 ? k_n / 2 : 3 * k_n / 4; }
 
 constexpr int QROWS512 = 6;  // rows per AVX-512 tile: 24 partial-sum registers + the decode
@@ -1128,22 +1125,26 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t size = (rows - r) / (tiles - t);
     const float* xt = a.x + r * a.k_n;
-    const float* xst = MIN ? a.xs + r * a.ldxs : nullptr;
+    const float* xst = MIN || CB == 6 ? a.xs + r * a.ldxs : nullptr;
     float* yt = a.y + r * a.n + n0;
+    constexpr bool CAN_MK = (CB == 4 && MIN) || CB == 6;
     if constexpr (AVX512) {
-#define QT(RR) qtile512<RR, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias)
+#define QT(RR) (CAN_MK && a.mk ? qtile512<RR, CB, MIN, S, CAN_MK>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias) \
+                              : qtile512<RR, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias))
       switch (size) {
         case 6: QT(6); break; case 5: QT(5); break; case 4: QT(4); break;
         case 3: QT(3); break; case 2: QT(2); break; default: QT(1);
       }
 #undef QT
-    } else if (size == 1) {
-      for (int64_t o0 = 0; o0 < SP; o0 += 32)
-        qtile256<1, 4, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias);
     } else {
-#define QT(RR) qtile256<RR, 2, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias)
-      for (int64_t o0 = 0; o0 < SP; o0 += 16)
-        switch (size) { case 4: QT(4); break; case 3: QT(3); break; default: QT(2); }
+#define QT(RR, NQ) (CAN_MK && a.mk ? qtile256<RR, NQ, CB, MIN, S, CAN_MK>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias) \
+                                  : qtile256<RR, NQ, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias))
+      if (size == 1) {
+        for (int64_t o0 = 0; o0 < SP; o0 += 32) QT(1, 4);
+      } else {
+        for (int64_t o0 = 0; o0 < SP; o0 += 16)
+          switch (size) { case 4: QT(4, 2); break; case 3: QT(3, 2); break; default: QT(2, 2); }
+      }
 #undef QT
     }
     r += size;
@@ -1339,6 +1340,31 @@ int scale_kind(const torch::Tensor& scales, const c10::optional<torch::Tensor>& 
   return kind;
 }
 
+// The masked 4-bit decode (issue 47). Code n of a dword (k = 8b + n) sits at bits 4n..4n+3: masked in place it
+// converts exactly to float(q * 2^4n) (n < 7; the top nibble is shifted down, q itself), and x[k] prescaled by 2^-4n
+// (exact: a power of two) gives the same product: float(q 2^4n) * (x 2^-4n) = q * x as a real number, so every FMA
+// rounds the same sum and the chain above is bit for bit the table decode's, with no shift or permute for 7 codes of 8.
+// The prescale is exact unless x 2^-24 falls below the normal range: where any nonzero |x| < 2^-102 (or a value is
+// not finite) the call keeps the table decode. Writes (R*K) prescaled floats into a per-thread buffer and points x at
+// it; returns whether it did.
+bool mk_prescale(const float* x, int64_t count, int period, const float*& out) {
+  static thread_local std::vector<float> buf;
+  const float tiny = std::ldexp(1.0f, -102);
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = std::fabs(x[i]);
+    if (!(v <= FLT_MAX) || (v != 0.0f && v < tiny)) return false;
+  }
+  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  static const float f4[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+  static const float f6[4] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
+  if (period == 8)
+    for (int64_t i = 0; i < count; ++i) buf[i] = x[i] * f4[i & 7];
+  else
+    for (int64_t i = 0; i < count; ++i) buf[i] = x[i] * f6[i & 3];
+  out = buf.data();
+  return true;
+}
+
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
 std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 
@@ -1374,7 +1400,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
     b = bc.data_ptr<float>();
   }
   const int64_t ng = k / gs;
-  if (has_min) {  // group sums of x, each in ascending k
+  if (has_min || bits == 6) {  // group sums of x, each in ascending k (6-bit codes: for m = -32 s)
     xs = torch::empty({rows, ng}, x.options());
     const float* xp = xc.data_ptr<float>();
     float* sp = xs.data_ptr<float>();
@@ -1387,7 +1413,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   }
   QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
           has_min ? mins->data_ptr() : nullptr, k, gs, n, xc.data_ptr<float>(),
-          has_min ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b};
+          has_min || bits == 6 ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b, false};
+  if ((bits == 4 && has_min) || bits == 6) a.mk = mk_prescale(a.x, rows * k, bits == 6 ? 4 : 8, a.x);
 #define QDISPATCH(CB, MIN)                                                                        \
   if (skind == 1) {                                                                                \
     if (avx512) qrun<CB, MIN, true, uint16_t>(a, rows); else qrun<CB, MIN, false, uint16_t>(a, rows); \
