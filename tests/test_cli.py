@@ -706,3 +706,31 @@ def test_a_long_prompt_says_its_prefill_and_the_rate_is_over_the_decode(capsys, 
     said = [line for line in err.splitlines() if "prefilling" in line]
     assert len(said) == 1 and said[0].startswith(f"1: prefilling {recs[0]['prompt_tokens']} prompt tokens")
     assert "tokens/s over the decode only" in err
+
+
+def test_a_long_prompts_prefill_progress_advances_per_chunk(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 50: a long prefill's progress advances. The prefill runs in chunks (DecodeState.prefill), and the bar
+    hears of each: 'prefilled 8/N', '16/N', ... 'N/N', in order, for the long prompt only; the tokens are the
+    same as with one chunk (the chunks give the same bits)."""
+    from rich.progress import Progress
+
+    from selfspec_cli.cli import generate
+    from selfspec_cli.decoding import state
+
+    monkeypatch.setattr(generate, "LONG_PROMPT", 64)
+    prompts = write_lines(tmp_path / "p.txt", [" ".join(f"word{i}" for i in range(20)), "short prompt"])
+    capsys.readouterr()
+    assert main(gen_args(tiny_model_dir, prompts, "-n", "4", "--no-chat-template")) == 0
+    whole = [json.loads(line)["token_ids"] for line in capsys.readouterr()[0].splitlines()]
+
+    infos: list[str] = []
+    real = Progress.update
+    monkeypatch.setattr(Progress, "update", lambda self, task, **kw: infos.append(kw.get("info", "")) or real(self, task, **kw))
+    monkeypatch.setattr(state, "PREFILL_CHUNK", 8)
+    assert main(gen_args(tiny_model_dir, prompts, "-n", "4", "--no-chat-template")) == 0
+    recs = [json.loads(line) for line in capsys.readouterr()[0].splitlines()]
+    assert [r["token_ids"] for r in recs] == whole
+    n = recs[0]["prompt_tokens"]
+    done = [int(i.split("prefilled ")[1].split("/")[0]) for i in infos if "prefilled" in i]
+    assert done == list(range(8, n, 8)) + [n], (done, n)
+    assert all(i.startswith("1: ") for i in infos if "prefilled" in i)

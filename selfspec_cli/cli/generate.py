@@ -12,6 +12,7 @@ from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, check_seed
 from ..decoding import cost_store
 from ..decoding.cost import engine_key
+from ..decoding.state import PREFILL_PROGRESS
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError, count
 from ..loading import config_num_layers, resolve_model_path
@@ -179,10 +180,20 @@ def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: 
                     made[0] += len(tokens)
                     bar.update(task, info=f"{p.id}: {made[0]} tokens")
 
-                if len(ids) >= LONG_PROMPT:  # its prefill takes a while (82 s for 6,034 tokens on a busy 2-core host)
-                    bar.update(task, info=f"{p.id}: prefilling {len(ids)} tokens")
-                    log(f"[dim]{p.id}: prefilling {count(len(ids), 'prompt token')} before the first new token[/dim]")
-                return meth.generate(ids, c, kept)
+                if len(ids) < LONG_PROMPT:
+                    return meth.generate(ids, c, kept)
+                # its prefill takes a while (82 s for 6,034 tokens on a busy 2-core host): said, then counted per chunk
+                bar.update(task, info=f"{p.id}: prefilling {len(ids)} tokens")
+                log(f"[dim]{p.id}: prefilling {count(len(ids), 'prompt token')} before the first new token[/dim]")
+
+                def prefilled(done: int, total: int) -> None:
+                    bar.update(task, info=f"{p.id}: prefilled {done}/{total} prompt tokens")
+
+                token = PREFILL_PROGRESS.set(prefilled)
+                try:
+                    return meth.generate(ids, c, kept)
+                finally:
+                    PREFILL_PROGRESS.reset(token)
 
             rec = run_prompt(generate, session.tokenizer, p, cfg, device, method, session.chat_template, meth.lossless)
             rec["threads"] = n_threads

@@ -23,7 +23,8 @@ The cache records every slot's position and refuses out-of-order writes (see
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 
 import torch
 
@@ -33,7 +34,10 @@ from ..engine.runner import ALL_ROWS
 from ..engine.tree import tree_depths, tree_mask_from_parents, tree_positions
 from .sampling import PositionNoise
 
-PREFILL_CHUNK = 512  # prompt rows per prefill forward (DecodeState.prefill)
+PREFILL_CHUNK = 256  # prompt rows per prefill forward (DecodeState.prefill)
+# Called after each prefill chunk with (prompt rows done, prompt rows): a caller's progress (cli/generate.py sets
+# it around a turn); the chunks are the prefill's own, so watching it changes nothing it computes.
+PREFILL_PROGRESS: ContextVar[Callable[[int, int], None] | None] = ContextVar("prefill_progress", default=None)
 
 
 class DecodeState:
@@ -95,18 +99,26 @@ class DecodeState:
 
         A prompt longer than :data:`PREFILL_CHUNK` rows runs in chunks of that many (the last one
         returns the output), so a long prompt's activations stay a bounded transient: 45 MB for a
-        1,500-token prompt of the default model in one forward, 17 MB in chunks. The chunks give the
-        very bits of one forward (the kernels are batch-invariant and each row attends the same
-        keys; tests/test_decoding.py). A forward asked for per-row extras over the whole prompt
-        (ASD's attention cosines, hidden states) runs in one piece, as those cover every row."""
+        1,500-token prompt of the default model in one forward, 17 MB in chunks of 512. The chunks give
+        the very bits of one forward (the kernels are batch-invariant and each row attends the same
+        keys; tests/test_decoding.py), and :data:`PREFILL_PROGRESS` hears of each. A forward asked for
+        per-row extras over the whole prompt (ASD's attention cosines, hidden states) runs in one piece,
+        as those cover every row."""
         ids = self.ids(self.committed)
         n = ids.shape[0]
+        progress = PREFILL_PROGRESS.get()
         if n > PREFILL_CHUNK and not kw.get("attn_cosine") and not kw.get("output_hidden"):
             last = (n - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # the final chunk's first row: it has 1..CHUNK rows
             for s in range(0, last, PREFILL_CHUNK):  # the same options, no logits
                 self.engine.forward(self.cache, ids[s:s + PREFILL_CHUNK], positions=s, **{**kw, "logits_rows": None})
-            return self.engine.forward(self.cache, ids[last:], positions=last, **kw)
-        return self.engine.forward(self.cache, ids, positions=0, **kw)
+                if progress is not None:
+                    progress(s + PREFILL_CHUNK, n)
+            out = self.engine.forward(self.cache, ids[last:], positions=last, **kw)
+        else:
+            out = self.engine.forward(self.cache, ids, positions=0, **kw)
+        if progress is not None:
+            progress(n, n)
+        return out
 
     def feed(self, token: int) -> None:
         """Put a draft token in flight (it becomes the newest fed token)."""
