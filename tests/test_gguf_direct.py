@@ -63,6 +63,24 @@ def test_direct_model_is_the_converted_model(cache, tmp_path, monkeypatch, qtype
     assert torch.equal(la, lb)
 
 
+def test_embedding_rows_kept_from_the_file_are_its_rows(cache, tmp_path):
+    """A direct model's embedding rows come from the file's blocks and are kept once read (a decode step reads
+    one): repeated, mixed and evicted lookups give the rows gguf-py dequantizes, in the order asked."""
+    path, _, _ = make_tiny_gguf(tmp_path / "src", seed=5, qtype="Q8_0", tie_word_embeddings=True)
+    direct, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    rows = direct._selfspec_embed_rows
+    g = GGUFTensors(str(path))
+    ids = torch.tensor([[5, 3, 5], [7, 3, 0]])
+    want = g.dequantize_rows("token_embd.weight", ids.reshape(-1).numpy())
+    for _ in range(2):
+        assert torch.equal(rows(ids), want)
+    assert torch.equal(rows(torch.tensor([3])), want[1:2])
+    n = g.shape("token_embd.weight")[0]
+    everything = torch.arange(n)  # every row in one call, the kept ones among them
+    assert torch.equal(rows(everything), g.dequantize_rows("token_embd.weight", everything.numpy()))
+    assert torch.equal(rows(ids), want)
+
+
 def test_header_reader_agrees_with_gguf_py(tmp_path):
     import gguf
     import numpy as np
