@@ -68,7 +68,7 @@ def test_generate_defaults_to_auto(capsys, tiny_model_dir, prompt_file):
     # the float32 checkpoint's target streams its packed panels: the float matrices are freed once auto is built
     assert "target fp32 (" in err and "MB of float matrices freed" in err
     assert "then decoding" in err and "tokens/s over the decode only" in err
-    assert "ar PREDICTED, not measured" in err and "stored costs" in err and " ago" in err  # labelled, with its age
+    assert "ar ESTIMATED, not run" in err and "stored costs" in err and " ago" in err  # labelled, with its age
 
 
 def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
@@ -90,10 +90,37 @@ def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
     ar_s = sum(0.01 + 0.001 * (ctx + i - 64) for ctx in (64, 100) for i in range(4))  # T(1) at each token's context
     assert f"then decoding {8 / 0.55:.1f} tok/s (tokens/s over the decode only: 8 tokens in 0.55 s)" in line
     assert "prefill 1.5 s (264 prompt tokens)" in line  # three prefills of 0.5 s: 64 + 100 + 100 tokens
-    assert (f"ar PREDICTED, not measured: {8 / ar_s:.1f} tok/s for the same tokens at their contexts from this "
+    assert (f"ar ESTIMATED, not run: {8 / ar_s:.1f} tok/s for the same tokens at their contexts from this "
             f"machine's stored costs (T(1) 10.0 ms, median of 7 readings, stored 1.5 h ago), so about {ar_s / 0.55:.2f}x") in line
-    assert "PREDICTED" not in pace.line(None)  # no stored costs (ar itself): measured figures only
+    assert "ESTIMATED" not in pace.line(None)  # no stored costs (ar itself): measured figures only
     assert "decoding" not in Pace(tokens=3, seconds=1.0).line(curve)  # nothing decoded after a prefill: no comparison
+    # the rounds that drafted nothing, each an ar step, scale the stored costs to this process: from 16 of them
+    few = dict(stats, plain_rounds={"count": 15, "verify_s": 0.3, "stored_t1_s": 0.2})
+    pace = Pace()
+    pace.add({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": few})
+    assert "scaled" not in pace.line(curve, store)
+    pace.add({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": dict(few, plain_rounds={
+        "count": 1, "verify_s": 0.06, "stored_t1_s": 0.04})})
+    line = pace.line(curve, store)
+    ar_s = 1.5 * 2 * sum(0.01 + 0.001 * i for i in range(4))  # the rounds took 0.36 s where the store says 0.24
+    assert "scaled by this call's 16 rounds that drafted nothing, each an ar step, which took 1.50x them" in line
+    assert f"ar ESTIMATED, not run: {8 / ar_s:.1f} tok/s" in line and f"so about {ar_s / 0.04:.2f}x" in line
+
+
+def test_the_driver_counts_the_rounds_that_drafted_nothing(tiny_model_dir):
+    """What scales ar's estimate on the summary line: the driver's count of the rounds that drafted nothing, their
+    verify seconds and the stored T(1) at their contexts (all of ar's rounds but the prefill's token)."""
+    from selfspec_cli.session import Session
+    from selfspec_cli.methods import build
+    from selfspec_cli.config import GenerationConfig
+
+    s = Session.open(str(tiny_model_dir), lite=True)
+    method = build("pld", s.engine("auto"), s.tokenizer)
+    res = method.generate([5, 6, 7, 8], s.generation(GenerationConfig(max_new_tokens=12)))
+    rounds = len(res.stats.accept_lengths) - 1
+    plain = res.stats.extra["plain_rounds"]
+    assert plain["count"] == rounds - res.stats.draft_rounds and plain["count"] > 0
+    assert 0 < plain["verify_s"] and 0 < plain["stored_t1_s"]
 
 
 def test_a_method_that_drafted_in_no_round_says_so_once_with_the_reason(capsys, tiny_model_dir, tmp_path, selfspec_home):

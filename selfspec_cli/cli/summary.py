@@ -8,10 +8,15 @@ Invariants (issue 50):
   tokens after each prefill's first over the seconds after its prefill), the rounds that drafted
   and the drafted tokens accepted;
 * ``generate`` runs one method, so ``ar`` never ran in the same call: a comparison with ``ar`` is
-  always a **prediction from the stored costs** (decoding/cost_store.py), said so on the line with
-  the stored T(1), how many readings its median is over and the store's age; ``selfspec bench``
-  is what measures ``ar`` beside a method. The store's T(1) is a median refreshed deliberately (not
-  by every call), so the same command reads the same prediction from minute to minute;
+  always an **estimate**, said so on the line with the stored T(1), how many readings its median is
+  over and the store's age; ``selfspec bench`` is what measures ``ar`` beside a method. The store's
+  T(1) is a median refreshed deliberately (not by every call), and a bare forward: an ``ar`` step
+  also samples and commits, and the machine's pace moves from minute to minute. So where the call
+  had :data:`PLAIN_ROUNDS` rounds or more that drafted nothing (each one an ``ar`` step: its verify
+  forward, sampling and commit), the stored costs are **scaled by what those rounds took against
+  the stored T(1) at their contexts**, in this process, in this minute: the estimate then moves with
+  the machine as the method's own pace does, and their ratio does not. With fewer, the stored costs
+  as they are;
 * a lossless speculative method that drafted in no round of the call says so once, on one line,
   with the reason its cost model gives (:func:`no_draft_note`): it decoded as ``ar`` does.
 """
@@ -21,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import count
+
+PLAIN_ROUNDS = 16  # rounds that drafted nothing, from which they scale ar's estimate to this process
 
 
 def age_text(seconds: float) -> str:
@@ -49,6 +56,9 @@ class Pace:
     drafted: int = 0
     accepted: int = 0
     cost_model: dict[str, Any] | None = None
+    plain_rounds: int = 0  # rounds that drafted nothing: count, verify seconds, the stored T(1) at their contexts
+    plain_s: float = 0.0
+    plain_t1_s: float = 0.0
 
     def add(self, rec: dict[str, Any]) -> None:
         self.records += 1
@@ -69,6 +79,11 @@ class Pace:
             self.accepted += st.get("accepted_draft_tokens") or 0
             if isinstance(st.get("cost_model"), dict):
                 self.cost_model = st["cost_model"]
+            plain = st.get("plain_rounds") or {}
+            if plain.get("stored_t1_s"):
+                self.plain_rounds += plain["count"]
+                self.plain_s += plain["verify_s"]
+                self.plain_t1_s += plain["stored_t1_s"]
 
     def line(self, curve: Any = None, store: dict[str, Any] | None = None, drafts: bool = True) -> str:
         """The measured figures, then (given ``curve``, the stored verify curve the method planned with, and
@@ -92,9 +107,14 @@ class Pace:
         if store and store.get("stored"):
             kept = (f", median of {count(store['t1_samples'], 'reading')}, stored {age_text(store['age_s'])} ago"
                     f"{'' if store.get('settled') else ', still being refined by each call'}")
-        return (out + f"; ar PREDICTED, not measured: {n / ar_s:.1f} tok/s for the same tokens at their contexts from "
-                      f"this machine's stored costs (T(1) {curve.t1_s * 1e3:.1f} ms{kept}), so about {ar_s / secs:.2f}x "
-                      "(selfspec bench measures ar beside it)")
+        costs = f"this machine's stored costs (T(1) {curve.t1_s * 1e3:.1f} ms{kept})"
+        if self.plain_rounds >= PLAIN_ROUNDS and self.plain_t1_s > 0:
+            scale = self.plain_s / self.plain_t1_s
+            ar_s *= scale
+            costs += (f" scaled by this call's {self.plain_rounds} rounds that drafted nothing, each an ar step, which "
+                      f"took {scale:.2f}x them")
+        return (out + f"; ar ESTIMATED, not run: {n / ar_s:.1f} tok/s for the same tokens at their contexts from "
+                      f"{costs}, so about {ar_s / secs:.2f}x (selfspec bench measures ar beside it)")
 
 
 def no_draft_note(method: str, pace: Pace, best_gain: float | None, paper_drafting: bool) -> str | None:

@@ -132,6 +132,10 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     # would have spent on the tokens emitted, at their contexts
     expected = cost = plain_equiv = 0.0
     clock = RoundClock(proposer.curve)
+    # the rounds that drafted nothing: how many, their verify seconds (the forward, the sampling and the commit:
+    # what an ar step does, without the method's own propose and update) and the stored T(1) at their contexts,
+    # from which cli/summary.py scales ar's predicted pace to this process (issue 50)
+    plain_n, plain_s, plain_t1 = 0, 0.0, 0.0
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -156,6 +160,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             steps = None
             if isinstance(draft, NoDraft) or (not depth and isinstance(draft, Chain)):  # a plain round: the unit
                 clock.plain_round(t3 - t1)
+                plain_n, plain_s, plain_t1 = plain_n + 1, plain_s + (t3 - t2), plain_t1 + (clock.t1_at(pos) or 0.0)
             elif depth:
                 steps = clock.steps(t3 - t1, state.pos)
             e, c = draft.plan if draft.plan is not None else (1.0, 1.0)
@@ -175,6 +180,8 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             proposer.update(state, Round(draft, verdict, out, steps))
             timings["update_s"] += time.perf_counter() - t4
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
+    if plain_n:
+        stats.extra["plain_rounds"] = {"count": plain_n, "verify_s": round(plain_s, 6), "stored_t1_s": round(plain_t1, 6)}
     decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a proposer's own work counts
     curve = proposer.curve
     if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
