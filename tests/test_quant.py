@@ -651,3 +651,20 @@ def test_full_depth_quantized_planners_start_from_the_measured_agreement(tiny_to
     # target-precision drafts and drafts without a tokenizer keep the flat prior
     assert build("self-sd", eng, tiny_tokenizer, draft_precision="target", skip_attn="1").proposer.planner.prior == 0.5
     assert build("specqd", eng, None, draft_precision="int8").proposer.planner.prior == 0.5
+
+
+def test_a_direct_gguf_models_directory_keeps_only_its_blocks_copy(tmp_path, draft_cache):
+    """Nothing in a model's directory is larger than its file (issue 47): a model read straight from its GGUF keeps
+    the copy of its own blocks beside it, and a copy at another precision (int8 of a 4-bit file is larger than the
+    file) goes to the cache's drafts/; a GGUF converted to float weights keeps every copy beside it, as before."""
+    import json as _json
+
+    direct, converted = tmp_path / "direct", tmp_path / "converted"
+    for where, weights in ((direct, "gguf"), (converted, "float32")):
+        where.mkdir()
+        (where / "selfspec-source.json").write_text(_json.dumps({"weights": weights}))
+    assert quant.cache_path("f", "gguf", str(direct)).parent == direct / "drafts"
+    for precision in ("int8", "int8-g32"):
+        assert quant.cache_path("f", precision, str(direct)).parent == draft_cache / "drafts"
+        assert quant.cache_path("f", precision, str(converted)).parent == converted / "drafts"
+    assert quant.cache_path("f", "int8", None).parent == draft_cache / "drafts"

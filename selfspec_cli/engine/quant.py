@@ -337,9 +337,16 @@ def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, d
     """Beside the converted model when the model is one of selfspec's GGUF conversions, else in
     ``drafts/`` of selfspec's cache (:func:`selfspec_cli.paths.cache_root`); keyed by the
     model's fingerprint (dtype-independent), the dtype the weights were loaded in (an int8
-    copy of bf16-rounded weights is another copy), the precision and :data:`CACHE_FORMAT`."""
+    copy of bf16-rounded weights is another copy), the precision and :data:`CACHE_FORMAT`.
+    A model read straight from its GGUF's blocks keeps only its blocks' copy beside it: a copy at
+    another precision (int8 of a 4-bit file: 1.5 GB for Qwen2.5-Coder-1.5B's 1.1 GB) goes to the
+    cache's ``drafts/``, so that nothing in a model's directory is larger than its file."""
     name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.panels"
-    if model_dir and (Path(model_dir) / "selfspec-source.json").is_file() and os.access(model_dir, os.W_OK):
+    source = Path(model_dir) / "selfspec-source.json" if model_dir else None
+    if source is not None and source.is_file() and os.access(model_dir, os.W_OK):
+        with contextlib.suppress(OSError, ValueError):
+            if precision != "gguf" and json.loads(source.read_text(encoding="utf-8")).get("weights") == "gguf":
+                return cache_root() / "drafts" / name
         return Path(model_dir) / "drafts" / name
     return cache_root() / "drafts" / name
 
