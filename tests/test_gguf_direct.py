@@ -81,6 +81,22 @@ def test_embedding_rows_kept_from_the_file_are_its_rows(cache, tmp_path):
     assert torch.equal(rows(ids), want)
 
 
+@pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("Q8_0", True)])
+def test_trained_heads_score_through_the_files_head(cache, tmp_path, monkeypatch, qtype, tied):
+    """train-heads opens a GGUF model lite, whose LM head stays in the file's blocks (a meta tensor): the frozen head
+    the heads are scored through is read from those blocks, the converted model's float head bit for bit."""
+    from selfspec_cli.methods.onpolicy import frozen_head
+
+    path, _, _ = make_tiny_gguf(tmp_path / "src", seed=5, qtype=qtype, tie_word_embeddings=tied)
+    direct, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    assert Engine(direct, target_precision="auto").adapter.lm_head.is_meta
+    monkeypatch.setenv("SELFSPEC_GGUF_DIRECT", "0")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache2"))
+    converted, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    got, want = frozen_head(Engine(direct, target_precision="auto")), frozen_head(Engine(converted, target_precision="auto"))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+
+
 def test_header_reader_agrees_with_gguf_py(tmp_path):
     import gguf
     import numpy as np

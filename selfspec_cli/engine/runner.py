@@ -253,9 +253,10 @@ class Engine:
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The LM head's float rows for the tokens ``ids`` (R, H); after :meth:`release_float_weights` freed
         a tied table, dequantized from the head's own blocks (the very values, as :meth:`embed` reads them)."""
-        if self.adapter.lm_head.numel() == 0 and isinstance(self.lm_head, kernels.QLinear):
-            return self.lm_head.rows(ids)
-        return self.adapter.lm_head[ids]
+        table = self.adapter.lm_head
+        if (table.numel() == 0 or table.is_meta) and isinstance(self.lm_head, kernels.QLinear):  # freed, or never
+            return self.lm_head.rows(ids)  # read (a GGUF model read straight from its blocks)
+        return table[ids]
 
     def release_float_weights(self, panels: bool = False) -> int:
         """Free the model's float matrices when the target reads a quantized copy (a block target), and a

@@ -162,8 +162,11 @@ def teacher_logprobs(engine: Engine, final_hidden: torch.Tensor, chunk: int = 10
 
 
 def frozen_head(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The LM head's float rows (every token's), the final norm's weight and epsilon: what the trained heads' outputs
+    are scored through. A model read straight from its GGUF holds no float head: its rows come from the blocks."""
     a = engine.adapter
-    return a.lm_head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
+    head = engine.head_rows(torch.arange(engine.vocab_size)) if a.lm_head.is_meta else a.lm_head
+    return head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
 
 
 def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
