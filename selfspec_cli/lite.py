@@ -28,9 +28,9 @@ transformers model.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 import math
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 

@@ -342,11 +342,8 @@ def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, d
     another precision (int8 of a 4-bit file: 1.5 GB for Qwen2.5-Coder-1.5B's 1.1 GB) goes to the
     cache's ``drafts/``, so that nothing in a model's directory is larger than its file."""
     name = f"{fingerprint}-{dtype}-{precision}-v{CACHE_FORMAT}.panels"
-    source = Path(model_dir) / "selfspec-source.json" if model_dir else None
-    if source is not None and source.is_file() and os.access(model_dir, os.W_OK):
-        with contextlib.suppress(OSError, ValueError):
-            if precision != "gguf" and json.loads(source.read_text(encoding="utf-8")).get("weights") == "gguf":
-                return cache_root() / "drafts" / name
+    source = gguf_source(model_dir) if model_dir else None
+    if source is not None and os.access(model_dir, os.W_OK) and (precision == "gguf" or source.get("weights") != "gguf"):
         return Path(model_dir) / "drafts" / name
     return cache_root() / "drafts" / name
 

@@ -165,7 +165,8 @@ def frozen_head(engine: Engine) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The LM head's float rows (every token's), the final norm's weight and epsilon: what the trained heads' outputs
     are scored through. A model read straight from its GGUF holds no float head: its rows come from the blocks."""
     a = engine.adapter
-    head = engine.head_rows(torch.arange(engine.vocab_size)) if a.lm_head.is_meta else a.lm_head
+    held = not a.lm_head.is_meta and a.lm_head.numel() > 0  # else it stays in (or was freed to) the blocks
+    head = a.lm_head if held else engine.head_rows(torch.arange(engine.vocab_size))
     return head.detach().float().cpu(), a.final_norm.detach().float().cpu(), float(a.rms_eps)
 
 

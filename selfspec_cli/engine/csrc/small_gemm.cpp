@@ -1100,7 +1100,7 @@ struct QArgs {
   int64_t ldxs;
   float* y;
   const float* bias;
-  bool mk;  // 4-bit codes with minimums, x prescaled (mk_prescale): the masked decode
+  bool mk;  // 4-bit codes with minimums or 6-bit codes, x prescaled (mk_prescale): the masked decode
 };
 
 // Bytes of packed codes per output and super-panel: 8-bit K, 4-bit K/2, 6-bit 3K/4 (decode6_512's layout).
@@ -1340,13 +1340,14 @@ int scale_kind(const torch::Tensor& scales, const c10::optional<torch::Tensor>& 
   return kind;
 }
 
-// The masked 4-bit decode (issue 47). Code n of a dword (k = 8b + n) sits at bits 4n..4n+3: masked in place it
-// converts exactly to float(q * 2^4n) (n < 7; the top nibble is shifted down, q itself), and x[k] prescaled by 2^-4n
-// (exact: a power of two) gives the same product: float(q 2^4n) * (x 2^-4n) = q * x as a real number, so every FMA
-// rounds the same sum and the chain above is bit for bit the table decode's, with no shift or permute for 7 codes of 8.
+// The masked decode (issue 47). 4-bit codes (period 8): code n of a dword (k = 8b + n) sits at bits 4n..4n+3: masked
+// in place it converts exactly to float(q * 2^4n) (n < 7; the top nibble is shifted down, q itself), and x[k]
+// prescaled by 2^-4n (exact: a power of two) gives the same product: float(q 2^4n) * (x 2^-4n) = q * x as a real
+// number, so every FMA rounds the same sum and the chain above is bit for bit the shifted decode's, with no shift or
+// permute for 7 codes of 8. 6-bit codes (period 4, decode6_512): byte b of a dword against x prescaled by 2^-8b.
 // The prescale is exact unless x 2^-24 falls below the normal range: where any nonzero |x| < 2^-102 (or a value is
-// not finite) the call keeps the table decode. Writes (R*K) prescaled floats into a per-thread buffer and points x at
-// it; returns whether it did.
+// not finite) the call keeps the shifted decode. Writes (R*K) prescaled floats into a per-thread buffer and points x
+// at it; returns whether it did.
 bool mk_prescale(const float* x, int64_t count, int period, const float*& out) {
   static thread_local std::vector<float> buf;
   const float tiny = std::ldexp(1.0f, -102);
