@@ -259,20 +259,17 @@ def _log_pace(meth: Method, method: str, engine: Any, pace: Pace, session: Sessi
     if speculative and (note := no_draft_note(method, pace, _best_gain(meth, budget),
                                               hasattr(meth.config, "paper_drafting"))):
         log(note)
-    # the stored costs, when the method plans with them (a layer-skip method's proposer holds them, not the method)
-    curve = (getattr(meth.proposer, "curve", None) or getattr(meth, "curve", None)) if method != "ar" else None
+    # the stored costs, when the method plans with them (its draft policy holds them)
+    curve = meth.policy.curve if method != "ar" else None
     store = cost_store.describe(engine_key(engine)) if curve is not None else None
     log(f"[dim]{method}, target {target}: {pace.line(curve, store, drafts=speculative)}; {start}[/dim]")
 
 
 def _best_gain(meth: Method, budget: int) -> float | None:
     """The best expected gain of drafting the method's planner predicts now, at no particular context (None where
-    the proposer answers only for a decode state: prompt lookup's candidates come from the context)."""
-    ask = getattr(meth.proposer, "expected_gain", None)
-    if ask is None:
-        return None
+    the policy answers only for a decode state: prompt lookup's candidates come from the context)."""
     try:
-        return ask(None, budget)
+        return meth.policy.gain(None, budget)
     except AttributeError:  # a source that needs the decode state (pld inside auto)
         return None
 

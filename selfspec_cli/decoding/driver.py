@@ -1,10 +1,13 @@
-"""The decode driver: one loop for every method, with pluggable proposers.
+"""The decode driver: one loop for every method, and the contract of what it runs.
 
-:func:`decode` owns prefill, the stopping rules (:class:`~.loop.TokenSink`),
-statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
+A method hands the driver a :class:`Drafter` (four verbs: ``begin``, ``draft``, ``accept``,
+``end``; two declared fields: ``lookahead``, ``taps``) and that drafter's :class:`DraftPolicy`
+(how long to draft and whether to, fed by the cost model; the driver reads only its verify
+curve). :func:`decode` owns prefill, the stopping rules (:class:`~.output.TokenSink`),
+statistics with one definition (:class:`~.output.DecodeStats`), cache capacity (in
 :class:`~.state.DecodeState`), timing and streaming. Each round:
 
-1. ``draft = proposer.propose(state, budget)`` where ``budget`` is the most draft
+1. ``draft = drafter.draft(state, budget)`` where ``budget`` is the most draft
    tokens the round could still emit (``remaining - 1``: a round emits drafts + 1);
    the draft is one of the typed values of :mod:`.drafts`;
 2. the driver verifies it with the shared exact rules of :mod:`.verify` (under the
@@ -13,36 +16,38 @@ statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
 
    * :class:`~.drafts.Chain` or :class:`~.drafts.Tree`: one full-depth forward of the
      pending token and the drafts, then the chain or tree rule;
-   * :class:`~.drafts.Deferred`: the proposer already ran the rows to full depth
+   * :class:`~.drafts.Deferred`: the drafter already ran the rows to full depth
      (AdaDecode); only the chain rule is applied;
-   * :class:`~.drafts.Decided`: a lossy proposer's own tokens (SpecEE), committed unverified;
+   * :class:`~.drafts.Decided`: a lossy drafter's own tokens (SpecEE), committed unverified;
    * :class:`~.drafts.NoDraft`: one plain step;
 
 3. the state keeps the accepted K/V and commits the tokens, the sink applies the
-   stopping rules, and ``proposer.update(state, round)`` learns what was accepted and
+   stopping rules, and ``drafter.accept(state, round)`` learns what was accepted and
    what the round cost (:class:`~.drafts.Round`; as transformers separates
    ``get_candidates`` from ``update_candidate_strategy``). Time is measured with one
-   :class:`~.cost.RoundClock` per decode; nothing is written into the proposer. The
+   :class:`~.cost.RoundClock` per decode; nothing is written into the drafter. The
    seconds of each chain's (or plain step's) verify forward go to the store of the
    machine's costs (:func:`~.cost.observe_forward`, decoding/cost_store.py), which the
    next process reads; they change nothing in this decode.
 
-An empty draft makes the round a plain decoding step, so ``ar`` is the proposer
-that never drafts. Every lossless proposer gets exact greedy output and the
-target's exact sampling law from the rules, whatever it drafts.
+An empty draft makes the round a plain decoding step, so ``ar`` is the drafter that never
+drafts (:class:`Plain`). Every lossless drafter gets exact greedy output and the target's
+exact sampling law from the rules, whatever it drafts. Invariant: the driver calls a drafter's
+four verbs and reads its two fields, nothing else; it reads a policy's ``curve`` only.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
-from .cost import RoundClock, observe_forward
+from .cost import RoundClock, VerifyCurve, observe_forward
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
@@ -50,108 +55,159 @@ from .state import DecodeState
 from .verify import GREEDY, Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
 
 
-class Proposer:
-    """A drafting source bound to one engine. Subclasses override the hooks; the
-    base class never drafts, which is plain autoregressive decoding.
+@dataclass(frozen=True, slots=True)
+class Taps:
+    """What a drafter needs the driver's forwards to report beside the logits (the driver passes
+    them on; nothing else about a drafter reaches a forward): ``attn_cosine``, the prefill's
+    per-layer attention cosines (ASD's skip source); ``hidden``, the hidden states after these
+    layers in the prefill and every verify forward (the on-policy recorder of methods/onpolicy.py)."""
 
-    What the driver asks of every proposer, and nothing else: ``lookahead``, the most cache
-    slots a round writes past the pending token (for the cache's capacity); the hooks below
-    (:meth:`prefill_options`: what the prefill must report, such as the per-layer attention
-    cosines ASD's skip source reads, a stack passing its parts' answer up); ``curve``, the
-    engine's verify curve when the proposer plans with measured costs (the driver's unit of a
-    round's cost, :class:`~.cost.RoundClock`, and its realized gain need it); None otherwise.
-    """
+    attn_cosine: bool = False
+    hidden: tuple[int, ...] = ()
 
-    lookahead: int = 0
-    curve: Any = None
-
-    def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-
-    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        """After the prompt is cached and the first token committed."""
-
-    def propose(self, state: DecodeState, budget: int) -> Draft:
-        return NoDraft()
+    def __or__(self, other: Taps) -> Taps:
+        """What either needs (the drafters of a composite)."""
+        return Taps(self.attn_cosine or other.attn_cosine, tuple(dict.fromkeys((*self.hidden, *other.hidden))))
 
     def verify_options(self) -> dict[str, Any]:
-        """Extra engine options for verification forwards (e.g. ``output_hidden``)."""
-        return {}
+        """The engine options of every verify forward."""
+        return {"output_hidden": self.hidden} if self.hidden else {}
 
     def prefill_options(self) -> dict[str, Any]:
-        """Extra options of the prefill only (e.g. ``attn_cosine``), beside :meth:`verify_options`."""
-        return {}
-
-    def update(self, state: DecodeState, rnd: Round) -> None:
-        """After each round, with what was accepted and what it cost (``state`` already committed it)."""
-
-    def describe(self) -> dict[str, Any]:
-        """Proposer state reported in each prompt's ``stats``."""
-        return {}
-
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
-        return decode(self, prompt_ids, cfg, on_tokens)
+        """The engine options of the prefill (the verify forwards' too)."""
+        return {**self.verify_options(), **({"attn_cosine": True} if self.attn_cosine else {})}
 
 
+@runtime_checkable
+class Drafter(Protocol):
+    """The contract between the driver and every drafting source: four verbs and two declared fields.
 
-class Delegating(Proposer):
-    """A proposer around another (``inner``) that drafts for it: the same engine, tokenizer,
-    lookahead, verify curve and expected gain; a subclass adds what it does around the rounds."""
+    ``lookahead``: the most cache slots a round writes past the pending token (the cache's capacity);
+    ``taps``: what the forwards must report (:class:`Taps`). Per decode the driver calls
+    :meth:`begin` once (the prompt cached, the first token committed), then per round :meth:`draft`
+    (``budget``: the most draft tokens the round may still emit) and, once the round is verified and
+    committed, :meth:`accept` with what was accepted and what the round cost (:class:`~.drafts.Round`),
+    and finally :meth:`end`, whose answer goes into the prompt's ``stats``. How long to draft, and
+    whether to draft at all, is the drafter's :class:`DraftPolicy`'s, a separate object the drafter
+    asks (docs/design.md, "Drafters and policies")."""
 
-    def __init__(self, inner: Proposer) -> None:
-        super().__init__(inner.engine, inner.tokenizer)
-        self.inner = inner
-        self.lookahead = inner.lookahead
+    lookahead: int
+    taps: Taps
+
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None: ...
+
+    def draft(self, state: DecodeState, budget: int) -> Draft: ...
+
+    def accept(self, state: DecodeState, rnd: Round) -> None: ...
+
+    def end(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class DraftPolicy(Protocol):
+    """How long a drafter drafts, in what shape, and whether at all: fed by the cost model
+    (decoding/cost.py's planners, the measured verify curve and draft costs). Measuring happens
+    when a policy is set up, never inside a drafter. What every policy answers: ``curve``, the
+    engine's verify curve when the policy plans with measured costs (the driver's unit of a round's
+    cost, :class:`~.cost.RoundClock`, and its realized gain need it; None otherwise), and
+    :meth:`gain`, the best expected gain of drafting this round (None: it cannot draft; 1.0: drafting
+    does not pay), by which a choice among sources picks (:mod:`.choose`)."""
 
     @property
-    def curve(self) -> Any:  # type: ignore[override]
-        return self.inner.curve
+    def curve(self) -> VerifyCurve | None: ...
 
-    def expected_gain(self, state: DecodeState | None, budget: int) -> float | None:
-        return self.inner.expected_gain(state, budget)
-
-    def prefill_options(self) -> dict[str, Any]:
-        return self.inner.prefill_options()
+    def gain(self, state: DecodeState | None, budget: int) -> float | None: ...
 
 
-def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
-           on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
-    """Decode one prompt with ``proposer``; ``on_tokens`` streams each round's kept tokens."""
-    eng = proposer.engine
-    sink = TokenSink(cfg, proposer.tokenizer)
+class Plain:
+    """The drafter that never drafts: every round is one plain decoding step (``ar``)."""
+
+    lookahead = 0
+    taps = Taps()
+
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        pass
+
+    def draft(self, state: DecodeState, budget: int) -> Draft:
+        return NoDraft()
+
+    def accept(self, state: DecodeState, rnd: Round) -> None:
+        pass
+
+    def end(self) -> dict[str, Any]:
+        return {}
+
+
+class Unplanned:
+    """The policy of a drafter that plans nothing from measured costs (``ar``, SpecEE, paper-style drafting)."""
+
+    curve: VerifyCurve | None = None
+
+    def gain(self, state: DecodeState | None, budget: int) -> float | None:
+        return None
+
+
+UNPLANNED = Unplanned()
+
+
+class Delegating:
+    """A drafter around another (``inner``) that drafts for it: the same lookahead and taps; a
+    subclass adds what it does around the rounds."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.lookahead = inner.lookahead
+        self.taps = inner.taps
+
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self.inner.begin(state, prefill)
+
+    def draft(self, state: DecodeState, budget: int) -> Draft:
+        return self.inner.draft(state, budget)
+
+    def accept(self, state: DecodeState, rnd: Round) -> None:
+        self.inner.accept(state, rnd)
+
+    def end(self) -> dict[str, Any]:
+        return self.inner.end()
+
+
+def decode(eng: Engine, tokenizer: Any, drafter: Drafter, prompt_ids: list[int], cfg: GenerationConfig,
+           on_tokens: Callable[[list[int]], None] | None = None, *, policy: DraftPolicy = UNPLANNED) -> DecodeResult:
+    """Decode one prompt on ``eng`` with ``drafter`` (its ``policy``: the verify curve the rounds are
+    timed against); ``on_tokens`` streams each round's kept tokens."""
+    sink = TokenSink(cfg, tokenizer)
     stats = DecodeStats()
     gen = make_generator(cfg.sampling, eng.device)
     # rule gumbel: a sample is a function of (seed, position, law)
     noise = (PositionNoise(gen.initial_seed(), eng.vocab_size, eng.device)
              if gen is not None and cfg.sampling.rule == "gumbel" else None)
-    state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=proposer.lookahead,
+    state = DecodeState(eng, prompt_ids, max_new_tokens=cfg.max_new_tokens, lookahead=drafter.lookahead,
                         sampling=cfg.sampling, generator=gen, eos=sink.eos, noise=noise)
     # expected, cost: the planners' predictions, summed over rounds; plain_equiv: what plain decoding
     # would have spent on the tokens emitted, at their contexts
     expected = cost = plain_equiv = 0.0
-    clock = RoundClock(proposer.curve)
+    clock = RoundClock(policy.curve)
     # the rounds that drafted nothing: how many, their verify seconds (the forward, the sampling and the commit:
-    # what an ar step does, without the method's own propose and update) and the stored T(1) at their contexts,
+    # what an ar step does, without the drafter's own draft and accept) and the stored T(1) at their contexts,
     # from which cli/summary.py scales ar's predicted pace to this process (issue 50)
     plain_n, plain_s, plain_t1 = 0, 0.0, 0.0
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = state.prefill(**{**proposer.verify_options(), **proposer.prefill_options()})
+        out = state.prefill(**drafter.taps.prefill_options())
         first = select_token(out.logits[-1], cfg.sampling, gen, noise(state.pos + 1) if noise is not None else None)
         state.commit_decided([first])
         _record(stats, sink, [first], 0, on_tokens)
         stats.target_forwards += 1
         timings = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "update_s": 0.0}
-        proposer.begin(state, out)
+        drafter.begin(state, out)
         while not sink.done:
             t1 = time.perf_counter()
-            draft = proposer.propose(state, sink.remaining - 1)
+            draft = drafter.draft(state, sink.remaining - 1)
             t2 = time.perf_counter()
             pos = state.pos
-            verdict, out, forward_s = _verify(state, draft, proposer)
+            verdict, out, forward_s = _verify(state, draft, drafter.taps)
             t3 = time.perf_counter()
             timings["draft_s"] += t2 - t1
             timings["verify_s"] += t3 - t2
@@ -177,19 +233,19 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
             t4 = time.perf_counter()
             if forward_s is not None:  # the store's online refresh of the verify curve (decoding/cost_store.py)
                 observe_forward(eng, verdict_rows(draft), forward_s, pos)
-            proposer.update(state, Round(draft, verdict, out, steps))
+            drafter.accept(state, Round(draft, verdict, out, steps))
             timings["update_s"] += time.perf_counter() - t4
     stats.extra.update({k: round(v, 6) for k, v in timings.items()})
     if plain_n:
         stats.extra["plain_rounds"] = {"count": plain_n, "verify_s": round(plain_s, 6), "stored_t1_s": round(plain_t1, 6)}
-    decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a proposer's own work counts
-    curve = proposer.curve
+    decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a drafter's own work counts
+    curve = policy.curve
     if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
         stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
             stats.extra["predicted_gain"] = round(expected / cost, 4)
             stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
-    stats.extra.update(proposer.describe())
+    stats.extra.update(drafter.end())
     return sink.result(stats)
 
 
@@ -208,7 +264,7 @@ def verdict_rows(draft: Draft) -> int:
     return 1 + (0 if isinstance(draft, NoDraft) else len(draft.tokens))
 
 
-def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdict, ForwardOutput | None, float | None]:
+def _verify(state: DecodeState, draft: Draft, taps: Taps) -> tuple[Verdict, ForwardOutput | None, float | None]:
     """Apply the shared exact rule to a draft and commit the result in ``state``; also the seconds of
     the verify forward when it was a chain's (or a plain step), the forward the verify curve times."""
     if isinstance(draft, Decided):
@@ -221,7 +277,7 @@ def _verify(state: DecodeState, draft: Draft, proposer: Proposer) -> tuple[Verdi
         out = None
     else:
         t0 = time.perf_counter()
-        out = state.verify_forward(tokens, parents, **proposer.verify_options())
+        out = state.verify_forward(tokens, parents, **taps.verify_options())
         forward_s = time.perf_counter() - t0 if parents is None else None
     logits = draft.logits if out is None else out.logits
     sampling = state.sampling

@@ -7,24 +7,33 @@ is merged into the drafted chain sharing the nodes it agrees with (:func:`merge_
 cost-aware drafting the branch's rows are verified only when the merged round's expected
 tokens per cost beat the chain's alone (:func:`merged_plan`); when layer skipping does not
 pay this round, the n-gram branch alone may. The chain part is a layer-skip drafter or a
-:class:`~.choose.Choose` of them (whatever answers ``pick(state, budget)`` with a drafter).
+:class:`~.layer_skip.SkipOrFullDepth` of two (each answers ``configuration(state, budget)``
+with the configuration that drafts this round); its length comes from that configuration's
+policy (:class:`~.policy.LengthPolicy`), the branch's from the planner here. The n-gram source
+is composed in (:class:`~.ngram.NgramLookup`, or any :class:`NgramSource`), never patched on.
+Invariant: every planner is asked in the order it was before the drafter/policy split, so a
+round's plan and draft are what they were.
 """
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..engine import ForwardOutput
 from .cost import Planner, round_cost
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating
-from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter
+from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter, SkipOrFullDepth
 from .state import DecodeState
 from .verify import tree_children
 
 
 class NgramSource(Protocol):
+    """Where a hybrid draft's n-gram branch comes from: this round's continuation and the order of
+    the n-gram that found it; ``begin`` after each prefill."""
+
     def candidate(self, state: DecodeState, budget: int) -> tuple[list[int], int]: ...
 
-    def begin(self, state: DecodeState, prefill: Any) -> None: ...
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None: ...
 
 
 def merge_branch(tokens: list[int], parents: list[int], branch: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -58,26 +67,26 @@ def merged_plan(chain: Planner, ngram: Planner, k: int, n: int, nodes: int, c: f
 class Hybrid(Delegating):
     """A layer-skip chain source (``chain``, the delegate) with an n-gram branch (``ngram``) merged into its drafts."""
 
-    def __init__(self, chain: Any, ngram: NgramSource, settings: DraftSettings) -> None:
+    def __init__(self, chain: LayerSkipDrafter | SkipOrFullDepth, ngram: NgramSource, settings: DraftSettings) -> None:
         super().__init__(chain)
         self.chain, self.ngram, self.settings = chain, ngram, settings
         self.ngram_planner: Planner | None = None
 
-    def begin(self, state: DecodeState, prefill: Any) -> None:
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.chain.begin(state, prefill)
         self.ngram.begin(state, prefill)
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
+    def draft(self, state: DecodeState, budget: int) -> Draft:
         s = self.settings
         cont = state.through_stop(self.ngram.candidate(state, budget)[0]) if budget > 0 else []
         budget = min(s.max_draft, budget)
         if budget <= 0:
             return NoDraft()
-        drafter: LayerSkipDrafter = self.chain.pick(state, budget)
-        k, plan = drafter.plan_round(budget, state.pos)
+        drafter = self.chain.configuration(state, budget)
+        k, plan = drafter.policy.length(budget, state.pos)
         if cont and s.cost_aware:  # how many looked-up tokens pay (they cost no draft forward)
             if self.ngram_planner is None:
-                self.ngram_planner = Planner(drafter.planner.curve, s.lookahead)
+                self.ngram_planner = Planner(drafter.policy.planner.curve, s.lookahead)
             cont = cont[: self.ngram_planner.at(state.pos).plan(0.0, len(cont))]
         if k <= 0:
             if cont:  # layer skipping does not pay this round, the n-gram branch alone may (its own plan)
@@ -101,8 +110,8 @@ class Hybrid(Delegating):
         if not merge:
             # the branch's rows are verified only when its expected extra tokens pay for them: against a
             # chain accepted 98 % of the time they seldom do (and the merged estimate errs low)
-            m_plan = merged_plan(drafter.planner, self.ngram_planner, made.steps, len(cont), len(merged),
-                                 drafter.draft_cost())
+            m_plan = merged_plan(drafter.policy.planner, self.ngram_planner, made.steps, len(cont), len(merged),
+                                 drafter.policy.draft_cost())
             merge = len(merged) == len(made.tokens) or m_plan[0] / m_plan[1] > plan[0] / plan[1]
             if merge:
                 plan = m_plan
@@ -111,18 +120,18 @@ class Hybrid(Delegating):
         note.ngram_path = path
         return merged, merged_parents if len(merged) > len(chain_parents) else made.parents, plan
 
-    def update(self, state: DecodeState, rnd: Round) -> None:
+    def accept(self, state: DecodeState, rnd: Round) -> None:
         draft = rnd.draft
         if not isinstance(draft, (Chain, Tree)) or not isinstance(draft.note, LayerSkipNote):
             return
         note = draft.note
         if draft.forwards:  # the layer-skip draft's own statistics
-            note.by.update(state, rnd)
+            note.by.accept(state, rnd)
         if note.ngram_path and self.ngram_planner is not None:
             path = note.ngram_path
             self.ngram_planner.observe(len(path), len(set(path) & set(rnd.verdict.accepted)))
         if not draft.forwards and self.ngram_planner is not None:  # the n-gram branch's own round
             self.ngram_planner.observe_round(rnd.steps, draft.plan)
 
-    def describe(self) -> dict[str, Any]:
-        return self.chain.describe()
+    def end(self) -> dict[str, Any]:
+        return self.chain.end()

@@ -13,9 +13,11 @@ kept). The driver then drops the draft K/V, verifies the pending token plus the 
 full depth, as a chain or as SWIFT's candidate tree (top-k siblings per depth, chosen by
 confidence), and keeps the accepted K/V.
 
-With ``cost_aware`` (the default) each round first asks the :class:`~.cost.Planner` how far
-drafting pays at the measured draft cost and acceptance, and does not draft at all when it
-does not pay. Choosing between configurations (a skip set, or full depth on the same
+Each round the drafter first asks its policy (:class:`~.policy.LengthPolicy`, a separate
+object) how far to draft: with ``cost_aware`` (the default) how far drafting pays at the
+measured draft cost and acceptance, none when it does not pay; the drafter only draws. What a
+configuration's draft forward reads is a :class:`DraftModel`, built (quantized copy, subset
+head) before the drafter; nothing here times a forward. Choosing between configurations (a skip set, or full depth on the same
 quantized weights) is :mod:`.choose`'s; merging an n-gram branch is :mod:`.hybrid`'s; a skip
 source that adapts sees every round through :class:`Adapting`. Greedy drafts are the draft's
 argmax; sampled chain drafts are drawn from the draft's processed distribution and handed to
@@ -29,12 +31,11 @@ from typing import Any
 
 import torch
 
-from ..engine import Engine
-from ..prompts import encode_turn
-from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step, prior_draft_cost
-from .choose import Choose, Option
+from ..engine import Engine, ForwardOutput
+from .choose import BestOf, Choose, Option
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
-from .driver import Delegating, Proposer
+from .driver import Delegating, Drafter, Taps
+from .policy import LengthPolicy
 from .sampling import processed_scores, sample_from
 from .state import DecodeState
 
@@ -93,26 +94,6 @@ class AdaptiveThreshold:
         self.value = min(1.0, max(0.0, 0.9 * self.value + 0.1 * cand))
 
 
-# the instruction whose greedy answer a quantized draft's agreement prior is read along (any neutral request)
-AGREEMENT_PROMPT = "Write a short paragraph about a topic of your choice."
-
-
-
-
-def agreement_prior(engine: Engine, tokenizer: Any, weights: str) -> float:
-    """Depth 1's prior acceptance for a full-depth quantized draft: its top-1 agreement with
-    the target along the target's own greedy answer to a neutral instruction
-    (:func:`~selfspec_cli.decoding.cost.draft_agreement`, as (hits + 1) / (positions + 2)),
-    so that a fresh decode starts from what the copy is known to do rather than from 0.5,
-    which prices a draft that costs c per token below plain decoding until a few rounds have
-    run (docs/engine.md, "Quantized drafts"). 0.5 without a tokenizer."""
-    if tokenizer is None:
-        return 0.5
-    ids = encode_turn(tokenizer, [{"role": "user", "content": AGREEMENT_PROMPT}], True)
-    hits, n = draft_agreement(engine, weights, ids)
-    return (hits + 1) / (n + 2)
-
-
 SkipPair = tuple[frozenset[int], frozenset[int]]
 NO_SKIPS: SkipPair = (frozenset(), frozenset())
 
@@ -169,93 +150,72 @@ class Drafted:
     hit_limit: bool
 
 
-class LayerSkipDrafter(Proposer):
-    """Drafts with one configuration: a skip set (from ``skips``), ``weights`` (None: the
-    target's own) and a vocabulary (``vocab`` token ids; None: the whole vocabulary).
-    Verification keeps the full head, so greedy output is unchanged by the vocabulary;
-    sampled drafts are drawn from the draft law restricted to ``vocab`` and handed over as
-    that law (zero elsewhere), which keeps speculative sampling exact (proof:
-    methods/fr_spec/). ``prior``: depth 1's prior acceptance (:func:`agreement_prior` for a
-    full-depth quantized draft)."""
+@dataclass(frozen=True, eq=False)
+class DraftModel:
+    """What one layer-skip configuration's draft forward reads: the skip sets its source
+    chooses, ``weights`` (None: the target's own; else the quantized copy of engine/quant.py) and
+    the vocabulary its head scores (``vocab_ids``, their index on the device and the subset head;
+    None: the whole vocabulary). Built once by :meth:`build`, which makes the quantized copy and
+    the subset head (no forward is timed); read by the drafter and priced by its policy."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, settings: DraftSettings, skips: SkipSource = FixedSkips(),
-                 weights: str | None = None, vocab: torch.Tensor | None = None, prior: float = 0.5) -> None:
-        super().__init__(engine, tokenizer)
-        self.settings, self.skips, self.weights, self.prior = settings, skips, weights, prior
-        self.threshold = AdaptiveThreshold(settings.threshold)
-        self.lookahead = settings.lookahead
-        self.planner: Planner | None = None
-        self.step_c: float | None = None  # EMA of one draft forward over the plain step at its context
-        self.c0: float | None = None  # c before any draft (draft_cost_for: stored, or timed)
-        self._prior: tuple[SkipPair, float] | None = None  # the target-weight prior for the current skip set
-        self.drafting_rounds = 0
-        if settings.cost_aware:
-            VerifyCurve.for_engine(engine)  # measured now (once per engine), not inside a timed decode
+    skips: SkipSource
+    weights: str | None = None
+    vocab_ids: list[int] | None = None
+    vocab_index: torch.Tensor | None = None
+    vocab_head: Any = None
+
+    @classmethod
+    def build(cls, engine: Engine, skips: SkipSource = FixedSkips(), weights: str | None = None,
+              vocab: torch.Tensor | None = None) -> DraftModel:
         if weights is not None:
             engine.quantized(weights)  # the quantized copy is built (or read from its disk cache) now
-        self.vocab_ids = self._vocab_index = self._vocab_head = None
-        if vocab is not None and int(vocab.numel()) < engine.vocab_size:
-            ids = vocab.to(torch.int64)
-            self.vocab_ids, self._vocab_index = ids.tolist(), ids.to(engine.device)
-            self._vocab_head = engine.subset_head(ids, weights)
-        if weights is not None and settings.cost_aware:  # a quantized draft's cost is timed now, not in a decode
-            self.c0 = draft_cost_for(engine, weights, *self.skip_sets(), vocab=self._vocab_index, head=self._vocab_head)
-        if settings.cost_aware:
-            self._planner()
+        if vocab is None or int(vocab.numel()) >= engine.vocab_size:
+            return cls(skips, weights)
+        ids = vocab.to(torch.int64)
+        return cls(skips, weights, ids.tolist(), ids.to(engine.device), engine.subset_head(ids, weights))
 
     def skip_sets(self) -> SkipPair:
         return self.skips.sets()
-
-    def draft_cost(self) -> float:
-        """c: one draft forward over one plain step, measured (before any draft: the share of the
-        weight bytes the skip set reads, :func:`~.cost.prior_draft_cost`, or a quantized draft's
-        timed step)."""
-        if self.step_c is not None and self.planner is not None:
-            return self.step_c
-        attn, mlp = self.skip_sets()
-        if self.weights is None:  # the one prior for c: the weight bytes the draft step reads (memory-bound)
-            if self._prior is None or self._prior[0] != (attn, mlp):
-                self._prior = ((attn, mlp), prior_draft_cost(self.engine, attn, mlp, vocab_rows=self.vocab_rows))
-            return self._prior[1]
-        if self.c0 is None:  # a quantized draft's cost is not its share of sublayers: time one
-            self.c0 = draft_cost_for(self.engine, self.weights, attn, mlp, vocab=self._vocab_index, head=self._vocab_head)
-        return self.c0
 
     @property
     def vocab_rows(self) -> int | None:
         """The tokens the draft's head scores (None: the whole vocabulary)."""
         return None if self.vocab_ids is None else len(self.vocab_ids)
 
-    def _planner(self) -> Planner:
-        if self.planner is None:
-            self.planner = Planner(VerifyCurve.for_engine(self.engine), self.settings.max_draft,
-                                   width=2 if self.settings.tree else 1, prior=self.prior)
-            self.curve = self.planner.curve
-        return self.planner
 
-    def expected_gain(self, state: DecodeState | None, budget: int) -> float | None:
-        """The best expected gain of drafting this round (1.0: drafting does not pay; None: no budget)."""
-        if budget <= 0:
-            return None
-        context = None if state is None else state.pos
-        return self._planner().at(context).best(self.draft_cost(), min(self.settings.max_draft, budget))[1]
+class LayerSkipDrafter:
+    """Drafts with one configuration (a :class:`DraftModel`: a skip set, weights and a vocabulary),
+    as long as its ``policy`` (:class:`~.policy.LengthPolicy`) plans each round. Verification
+    keeps the full head, so greedy output is unchanged by the vocabulary; sampled drafts are
+    drawn from the draft law restricted to the vocabulary and handed over as that law (zero
+    elsewhere), which keeps speculative sampling exact (proof: methods/fr_spec/). Its constructor
+    measures nothing: the policy was set up before."""
 
-    def pick(self, state: DecodeState | None, budget: int) -> LayerSkipDrafter:
-        """The configuration that drafts this round: this one (a :class:`~.choose.Choose` picks among several)."""
+    taps = Taps()
+
+    def __init__(self, engine: Engine, settings: DraftSettings, model: DraftModel, policy: LengthPolicy) -> None:
+        self.engine, self.settings, self.model, self.policy = engine, settings, model, policy
+        self.threshold = AdaptiveThreshold(settings.threshold)
+        self.lookahead = settings.lookahead
+        self.weights, self.vocab_ids = model.weights, model.vocab_ids
+        self._vocab_index, self._vocab_head = model.vocab_index, model.vocab_head
+
+    def skip_sets(self) -> SkipPair:
+        return self.model.skip_sets()
+
+    @property
+    def vocab_rows(self) -> int | None:
+        return self.model.vocab_rows
+
+    def configuration(self, state: DecodeState | None, budget: int) -> LayerSkipDrafter:
+        """The configuration that drafts this round: this one (:class:`SkipOrFullDepth` picks among two)."""
         return self
 
-    def plan_round(self, budget: int, context: int | None) -> tuple[int, Plan | None]:
-        """This round's draft length (0: no draft) and its plan (None: unplanned), after ``context`` tokens."""
-        budget = min(self.settings.max_draft, budget)
-        plan = None
-        if budget > 0 and self.settings.cost_aware:
-            budget = self._planner().at(context).plan(self.draft_cost(), budget)
-            plan = self.planner.last
-        self.drafting_rounds += budget > 0
-        return budget, plan
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        pass
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
-        k, plan = self.plan_round(budget, state.pos)
+    def draft(self, state: DecodeState, budget: int) -> Draft:
+        k, plan = self.policy.length(budget, state.pos)
         if k <= 0:
             return NoDraft(plan=plan)
         made = self.draw(state, k)
@@ -264,9 +224,7 @@ class LayerSkipDrafter(Proposer):
 
     def as_drafted(self, plan: Plan | None, made: Drafted, k: int) -> Plan | None:
         """The round's plan as drafted, not as planned (a confidence exit, or a tree's nodes)."""
-        if plan is not None and (made.steps < k or made.parents is not None):
-            return self.planner.drafted(made.steps, len(made.tokens), self.draft_cost())
-        return plan
+        return self.policy.drafted(plan, made.steps, len(made.tokens), k, made.parents is not None)
 
     # -- one draft -----------------------------------------------------------
     def draw(self, state: DecodeState, k: int, deterministic: bool = False) -> Drafted:
@@ -275,7 +233,7 @@ class LayerSkipDrafter(Proposer):
         s = self.settings
         t0 = time.perf_counter()
         skip_attn, skip_mlp = self.skip_sets()
-        tree = _TreeBuilder(s, k) if s.tree else None
+        tree = _TreeBuilder(s, self.policy.tree_cap(k)) if s.tree else None
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         inp = torch.empty(1, dtype=torch.long, device=self.engine.device)
@@ -299,7 +257,7 @@ class LayerSkipDrafter(Proposer):
                 break
             if d in state.eos:  # nothing after an end of sequence can be emitted
                 break
-        self._observe_step(state, (time.perf_counter() - t0) / steps, state.pos + steps // 2)
+        self.policy.observe_step((time.perf_counter() - t0) / steps, state.pos + steps // 2)
         if tree is not None:
             tokens = tree.tokens
         return Drafted(tokens, tree.parents if tree is not None else None,
@@ -344,15 +302,7 @@ class LayerSkipDrafter(Proposer):
             return probs
         return probs.new_zeros(self.engine.vocab_size).index_copy_(0, self._vocab_index, probs)
 
-    def _observe_step(self, state: DecodeState, step_s: float, at: int) -> None:
-        """One draft step over the plain step at this context (VerifyCurve.t1_at)."""
-        if self.planner is None:
-            return
-        self.step_c = ema(self.step_c, step_s / self.planner.curve.t1_at(at))
-        if self.weights is not None:  # a timed (quantized) draft's c: the store's online refresh
-            observe_draft_step(self.engine, self.weights, *self.skip_sets(), step_s, at, self.vocab_rows)
-
-    def update(self, state: DecodeState, rnd: Round) -> None:
+    def accept(self, state: DecodeState, rnd: Round) -> None:
         draft = rnd.draft
         if not isinstance(draft, (Chain, Tree)) or not isinstance(draft.note, LayerSkipNote):
             return
@@ -361,35 +311,26 @@ class LayerSkipDrafter(Proposer):
         own = sum(1 for i in rnd.verdict.accepted if i < note.chain_nodes)
         if self.settings.adaptive and steps:
             self.threshold.update(own, steps, note.hit_limit)
-        if self.planner is not None:
-            self.planner.observe(steps, own)
-            if steps:
-                self.planner.observe_round(rnd.steps, draft.plan)
+        self.policy.observe(steps, own, rnd.steps, draft.plan)
 
-    def cost_model(self) -> dict[str, Any] | None:
-        return None if self.planner is None else {"c": round(self.draft_cost(), 4), **self.planner.report()}
-
-    def describe(self) -> dict[str, Any]:
+    def end(self) -> dict[str, Any]:
         attn, mlp = self.skip_sets()
         out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.weights or "target",
                "verify": "tree" if self.settings.tree else "chain",
                "draft_threshold": round(self.threshold.value, 4),
                "draft_vocab": self.vocab_rows or "full"}
-        if (model := self.cost_model()) is not None:
+        if (model := self.policy.report()) is not None:
             out["cost_model"] = model
         return out
 
 
 class _TreeBuilder:
     """SWIFT's candidate tree, one depth at a time: the top-1 probability picks how many siblings
-    to keep (``tree_topk``), within a node cap (with cost-aware drafting a planned depth k
-    verifies at most 2k nodes)."""
+    to keep (``tree_topk``), within the node cap the policy sets (:meth:`~.policy.LengthPolicy.tree_cap`)."""
 
-    def __init__(self, settings: DraftSettings, k: int) -> None:
+    def __init__(self, settings: DraftSettings, cap: int | None) -> None:
         self.settings = settings
-        self.cap = settings.tree_max_nodes
-        if settings.cost_aware:
-            self.cap = min(self.cap or 2 * k, 2 * k)
+        self.cap = cap
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.chain_parent = -1
@@ -412,44 +353,46 @@ class _TreeBuilder:
 class SkipOrFullDepth(Choose):
     """A skip set on quantized weights weighed each round against the same weights at full depth
     (no skips), each with its own measured cost and acceptance: skipping is used only where it
-    pays. Full depth is a choice only while the skip set skips something."""
+    pays. Full depth is a choice only while the skip set skips something. Its policy is the
+    choice's (:class:`~.choose.BestOf` over the two configurations' :class:`~.policy.LengthPolicy`)."""
 
     def __init__(self, skip: LayerSkipDrafter, full: LayerSkipDrafter) -> None:
-        super().__init__([Option("skip_set", skip), Option("full_depth", full, lambda: any(skip.skip_sets()))])
+        super().__init__(BestOf([Option("skip_set", skip, skip.policy),
+                                 Option("full_depth", full, full.policy, lambda: any(skip.skip_sets()))]))
         self.skip, self.full = skip, full
 
-    def describe(self) -> dict[str, Any]:
-        out = self.skip.describe()
-        if any(self.skip.skip_sets()) and (model := self.full.cost_model()) is not None:
-            out["full_depth"] = {"rounds": self.full.drafting_rounds, "cost_model": model}
+    def configuration(self, state: DecodeState | None, budget: int) -> LayerSkipDrafter:
+        """The configuration whose expected gain is the best this round."""
+        return self.best.pick(state, budget).drafter
+
+    def end(self) -> dict[str, Any]:
+        out = self.skip.end()
+        if any(self.skip.skip_sets()) and (model := self.full.policy.report()) is not None:
+            out["full_depth"] = {"rounds": self.full.policy.drafting_rounds, "cost_model": model}
         return out
 
 
 class Adapting(Delegating):
     """A stack whose skip source adapts (ASD's per-prompt set, SWIFT's search): the source sees
-    the prefill and every round, whichever configuration drafted it."""
+    the prefill and every round, whichever configuration drafted it (``drafter``: the one of the
+    source's own set)."""
 
-    def __init__(self, inner: Proposer, source: SkipSource, drafter: LayerSkipDrafter) -> None:
+    def __init__(self, inner: Drafter, source: SkipSource, drafter: LayerSkipDrafter) -> None:
         super().__init__(inner)
         self.source, self.drafter = source, drafter
+        # ASD's skip source reads the prefill's per-layer attention cosines
+        self.taps = inner.taps | Taps(attn_cosine=source.needs_attn_cosine)
 
-    def prefill_options(self) -> dict[str, Any]:
-        """ASD's skip source reads the prefill's per-layer attention cosines."""
-        return {**self.inner.prefill_options(), **({"attn_cosine": True} if self.source.needs_attn_cosine else {})}
-
-    def begin(self, state: DecodeState, prefill: Any) -> None:
+    def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.inner.begin(state, prefill)
         self.source.begin(state, prefill)
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
-        return self.inner.propose(state, budget)
-
-    def update(self, state: DecodeState, rnd: Round) -> None:
-        self.inner.update(state, rnd)
+    def accept(self, state: DecodeState, rnd: Round) -> None:
+        self.inner.accept(state, rnd)
         draft = rnd.draft
         own = (isinstance(draft, (Chain, Tree)) and bool(draft.forwards) and isinstance(draft.note, LayerSkipNote)
                and draft.note.by is self.drafter)
         self.source.update(state, rnd, own)
 
-    def describe(self) -> dict[str, Any]:
-        return {**self.inner.describe(), **self.source.describe()}
+    def end(self) -> dict[str, Any]:
+        return {**self.inner.end(), **self.source.describe()}

@@ -1,11 +1,11 @@
-"""The registry of decoding methods: name -> method class (a proposer with a frozen
-``Config`` dataclass), and of their offline steps: (command, name) -> :class:`OfflineStep`.
+"""The registry of decoding methods: name -> method class (a frozen ``Config`` dataclass, and a
+drafter with its policy built from it), and of their offline steps: (command, name) -> :class:`OfflineStep`.
 Adding a method is one new file (or, with an offline step, one folder: docs/design.md, "A
 method is one package") plus one entry here.
 
 :func:`build` makes a method from its config, loading the typed artifacts the config
 names (a layer-skip method's stack comes from the one assembly,
-:func:`~selfspec_cli.decoding.stack.assemble`); :func:`config_for` makes a config from field values, refusing fields the
+:func:`~selfspec_cli.decoding.stack.assemble`, its n-gram branch composed in there); :func:`config_for` makes a config from field values, refusing fields the
 method does not have.
 """
 from __future__ import annotations
@@ -21,15 +21,14 @@ from .adadecode import AdaDecode
 from .ar import AR
 from .asd import ASD
 from .auto import Auto
-from .base import LayerSkipMethod, Method
+from .base import Method
 from .offline import OfflineStep
-from .pld import PromptLookup, hybrid_branch
+from .pld import PromptLookup
 from .self_sd import SelfSD
 from .specee import SpecEE
 from .specqd import SpecQD
 from .swift import Swift
 
-LayerSkipMethod.ngram_source = staticmethod(hybrid_branch)  # every layer-skip method's --hybrid n-gram branch
 METHODS: dict[str, type[Method]] = {m.name: m for m in (AR, SelfSD, ASD, Swift, SpecQD, AdaDecode, SpecEE, PromptLookup,
                                                          Auto)}
 OFFLINE: dict[tuple[str, str], OfflineStep] = {(s.command, s.name): s for s in (

@@ -1,11 +1,16 @@
-"""What every decoding method provides: a name, a frozen config, typed artifacts and a proposer.
+"""What every decoding method provides: a name, a frozen config, typed artifacts, a drafter and its policy.
 
-A method has a :class:`~selfspec_cli.decoding.driver.Proposer` (``proposer``; ``generate`` runs
-the shared driver on it), built by :meth:`Method.build` from its ``Config`` dataclass and the
-artifacts that config names. A layer-skip method (:class:`LayerSkipMethod`) declares its parts,
-a skip source, draft weights and vocabulary, and :func:`~selfspec_cli.decoding.stack.assemble`
-builds its stack. Config fields carry ``help`` metadata, from which the CLI makes its options;
-validation errors name fields (:class:`FieldError`).
+A method *has* a :class:`~selfspec_cli.decoding.driver.Drafter` (``drafter``: the four verbs the
+driver calls) and that drafter's :class:`~selfspec_cli.decoding.driver.DraftPolicy` (``policy``:
+how long to draft, fed by the cost model); ``generate`` runs the shared driver on them. A method
+is never a drafter itself. :meth:`Method.build` makes both from the method's ``Config``
+dataclass and the artifacts that config names. A layer-skip method (:class:`LayerSkipMethod`)
+declares its parts as typed fields (:class:`~selfspec_cli.decoding.stack.DraftParts`: a skip
+source, draft settings, and the :class:`DraftInputs` its config resolves, weights, vocabulary
+and the composed n-gram branch), and :func:`~selfspec_cli.decoding.stack.assemble` builds its
+stack. Config fields carry ``help`` metadata, from which the CLI makes its options; validation
+errors name fields (:class:`FieldError`). Invariant: building a method measures what its policy
+plans with before any decode (docs/design.md, "Drafters and policies").
 """
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ from typing import Any, ClassVar
 from collections.abc import Callable
 
 from ..config import GenerationConfig
-from ..decoding.driver import Proposer, decode
-from ..decoding.layer_skip import FixedSkips, SkipPair, SkipSource, DraftSettings
+from ..decoding.driver import UNPLANNED, Drafter, DraftPolicy, Plain, decode
+from ..decoding.layer_skip import FixedSkips, LayerSkipDrafter, SkipPair, SkipSource, DraftSettings
+from ..decoding.ngram import NgramLookup
 from ..decoding.output import DecodeResult
 from ..decoding.stack import DraftParts, NgramSource, assemble
 from ..engine import Engine
@@ -86,26 +92,32 @@ class NoConfig:
 
 
 class Method:
-    """A decoding method bound to one engine: its config, its artifacts' offline cost and the
-    proposer the driver runs (``proposer``). ``lossless`` methods return exactly what plain
-    decoding returns (greedy) or sample exactly the target's processed distribution (sampling)."""
+    """A decoding method bound to one engine: its config, its artifacts' offline cost, and the
+    drafter the driver runs with its policy (``drafter``, ``policy``; by default the drafter that
+    never drafts, plain decoding). ``lossless`` methods return exactly what plain decoding returns
+    (greedy) or sample exactly the target's processed distribution (sampling)."""
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
     Config: ClassVar[type] = NoConfig
     lossless: ClassVar[bool] = True
     greedy_only: ClassVar[bool] = False  # refuses --temperature > 0 (the CLI says so before loading the model)
-    proposer: Proposer
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config or self.Config()
         self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
+        self.drafter: Drafter = Plain()
+        self.policy: DraftPolicy = UNPLANNED
 
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig,
                  on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
-        return decode(self.proposer, prompt_ids, cfg, on_tokens)
+        return decode(self.engine, self.tokenizer, self.drafter, prompt_ids, cfg, on_tokens, policy=self.policy)
+
+    def describe(self) -> dict[str, Any]:
+        """What the drafter reports (its :meth:`~selfspec_cli.decoding.driver.Drafter.end`), also between decodes."""
+        return self.drafter.end()
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: Any = None) -> Method:
@@ -122,18 +134,6 @@ class Method:
         parts = [p for p in self.offline_parts if p.get("seconds") is not None]
         return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
                 "parts": parts} if parts else None
-
-
-class SelfProposing(Method, Proposer):
-    """A method whose one class is also its proposer (plain decoding, prompt lookup, AdaDecode,
-    SpecEE, auto): ``proposer`` is the method object itself."""
-
-    def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None) -> None:
-        Method.__init__(self, engine, tokenizer, config)
-
-    @property
-    def proposer(self) -> Proposer:  # type: ignore[override]
-        return self
 
 
 def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -196,26 +196,45 @@ class LayerSkipOptions:
                              kv_window=window, **kw)
 
 
+@dataclass(frozen=True, eq=False)
+class DraftInputs:
+    """What a layer-skip method's config resolves on an engine (:meth:`LayerSkipMethod.draft_inputs`):
+    the draft weights (None: the target's own), the draft vocabulary's token ids (None: all) and
+    the n-gram branch of hybrid drafts (None: no branch)."""
+
+    weights: str | None = None
+    vocab: Any = None  # torch.Tensor | None
+    ngram: NgramSource | None = None
+
+
+def hybrid_branch() -> NgramLookup:
+    """The n-gram branch that a layer-skip method merges into its hybrid drafts: prompt lookup's lookup
+    with its defaults (decoding/ngram.py), composed in."""
+    return NgramLookup()
+
+
 class LayerSkipMethod(Method):
     """A method that drafts with the target's own layers: it declares a skip source
     (:meth:`skip_source`) and draft settings (:meth:`draft_settings`); its weights, vocabulary
-    and n-gram branch come from :meth:`build` (the config's ``draft_precision``, ``draft_vocab``
-    and ``hybrid``) or are given; :func:`~selfspec_cli.decoding.stack.assemble` builds the
-    stack. ``draft`` overrides the config's draft settings (e.g. tree verification)."""
+    and n-gram branch (:class:`DraftInputs`) come from :meth:`build` (the config's
+    ``draft_precision``, ``draft_vocab`` and ``hybrid``) or are given; the typed
+    :class:`~selfspec_cli.decoding.stack.DraftParts` are ``parts``, and
+    :func:`~selfspec_cli.decoding.stack.assemble` builds the stack: ``drafter``, ``policy``, and
+    ``configuration`` (the drafter of the declared skip set). ``draft`` overrides the config's
+    draft settings (e.g. tree verification)."""
 
     Config: ClassVar[type] = LayerSkipOptions
-    # (engine, tokenizer) -> the n-gram branch of hybrid drafts: pld.hybrid_branch, set where the registry is
-    # assembled (methods/__init__.py), since pld imports this module
-    ngram_source: ClassVar[Callable[[Engine, Any], NgramSource]]
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: Any = None, draft: DraftSettings | None = None, *,
-                 weights: str | None = None, vocab: Any = None, ngram: NgramSource | None = None,
-                 weigh_full_depth: bool = True) -> None:
+                 inputs: DraftInputs = DraftInputs(), weigh_full_depth: bool = True) -> None:
         super().__init__(engine, tokenizer, config)
-        self.weights = weights
+        self.weights = inputs.weights
         self.skips = self.skip_source()
-        self.parts = DraftParts(draft or self.draft_settings(), self.skips, weights, vocab, ngram, weigh_full_depth)
-        self.proposer, self.drafter = assemble(engine, tokenizer, self.parts)
+        self.parts = DraftParts(draft or self.draft_settings(), self.skips, inputs.weights, inputs.vocab, inputs.ngram,
+                                weigh_full_depth)
+        stack = assemble(engine, tokenizer, self.parts)
+        self.drafter, self.policy = stack.drafter, stack.policy
+        self.configuration: LayerSkipDrafter = stack.configuration
 
     def skip_source(self) -> SkipSource:
         """What chooses this method's skip set (none: all layers)."""
@@ -227,21 +246,17 @@ class LayerSkipMethod(Method):
     def skip_sets(self) -> SkipPair:
         return self.skips.sets()
 
-    def describe(self) -> dict[str, Any]:
-        return self.proposer.describe()
-
     @classmethod
-    def draft_parts(cls, engine: Engine, tokenizer: Any, config: Any, calibrated: str | None = None) -> dict[str, Any]:
+    def draft_inputs(cls, engine: Engine, tokenizer: Any, config: Any, calibrated: str | None = None) -> DraftInputs:
         """The config's draft weights (``calibrated``: the precision a skip set was calibrated with),
-        vocabulary and n-gram branch, as keyword arguments of the method."""
+        vocabulary and n-gram branch."""
         from . import fr_spec
 
         weights = method_precision(engine, config.draft_precision, calibrated)
         vocab = fr_spec.draft_vocab(engine, weights, config.draft_vocab, config.draft_vocab_size)
-        ngram = cls.ngram_source(engine, tokenizer) if config.hybrid else None  # the n-gram source of hybrid trees
-        return {"weights": weights, "vocab": vocab, "ngram": ngram}
+        return DraftInputs(weights, vocab, hybrid_branch() if config.hybrid else None)
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: Any = None) -> Method:
         config = config or cls.Config()
-        return cls(engine, tokenizer, config, **cls.draft_parts(engine, tokenizer, config))
+        return cls(engine, tokenizer, config, inputs=cls.draft_inputs(engine, tokenizer, config))

@@ -32,8 +32,8 @@ from typing import Any
 from ..config import GenerationConfig
 from ..decoding.state import DecodeState
 from ..decoding.drafts import Round
+from ..decoding.driver import Plain, Taps, decode
 from ..engine import Engine, ForwardOutput
-from .ar import AR
 from ..errors import ArtifactError, ConfigError, count
 from ..paths import atomic_write, cache_root
 
@@ -77,19 +77,16 @@ class OnPolicyData:
         return train[~val], train[val], test
 
 
-class _HiddenRecorder(AR):
-    """Plain greedy decoding through the driver that keeps, for each round's input row,
+class _HiddenRecorder(Plain):
+    """Plain greedy decoding's drafter (it never drafts) that keeps, for each round's input row,
     the residual stream after every layer and the token the model picked (over all the
-    prompts it decodes)."""
+    prompts it decodes): its taps ask every forward for the hidden states of every layer."""
 
     def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
         self.layers = range(engine.num_layers)
+        self.taps = Taps(hidden=tuple(self.layers))
         self.rows: list[torch.Tensor] = []
         self.targets: list[int] = []
-
-    def verify_options(self) -> dict[str, Any]:
-        return {"output_hidden": self.layers}
 
     def _take(self, out: ForwardOutput, token: int) -> None:
         self.rows.append(torch.stack([out.hidden_at[l][-1] for l in self.layers]).float().cpu())  # (L, d)
@@ -98,7 +95,7 @@ class _HiddenRecorder(AR):
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self._take(prefill, state.pending)
 
-    def update(self, state: DecodeState, rnd: Round) -> None:
+    def accept(self, state: DecodeState, rnd: Round) -> None:
         self._take(rnd.out, rnd.verdict.tokens[0])
 
 
@@ -128,7 +125,7 @@ def collect_on_policy(
     rec, index = _HiddenRecorder(engine), []  # index: each row's prompt
     gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)  # greedy, full depth
     for i, ids in enumerate(prompt_ids):
-        rec.generate(ids, gen_cfg)
+        decode(engine, None, rec, ids, gen_cfg)
         index += [i] * (len(rec.targets) - len(index))
         on_prompt(i + 1, len(prompt_ids))
     data = OnPolicyData(torch.stack(rec.rows), torch.tensor(rec.targets, dtype=torch.long), torch.tensor(index), key)

@@ -49,12 +49,12 @@ class SpecQD(LayerSkipMethod):
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: SpecQDConfig | None = None) -> Method:
         config = config or SpecQDConfig()
-        parts = cls.draft_parts(engine, tokenizer, config)
-        if parts["weights"] is None and engine.target_precision in QUANT_TARGETS:
+        inputs = cls.draft_inputs(engine, tokenizer, config)
+        if inputs.weights is None and engine.target_precision in QUANT_TARGETS:
             raise ConfigError(f"specqd has no draft on the {engine.target_precision} target: no quantized copy is cheaper "
                               "than the file's own blocks the target reads; use --method auto, self-sd or pld, or "
                               "--target-precision fp32")
-        if parts["weights"] is None:
+        if inputs.weights is None:
             raise ConfigError("specqd drafts with quantized weights, which need the CPU kernel "
                               f"({engine.kernel_info.get('reason') or 'unavailable'}); use --method ar or pld here")
-        return cls(engine, tokenizer, config, **parts)
+        return cls(engine, tokenizer, config, inputs=inputs)

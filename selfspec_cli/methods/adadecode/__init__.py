@@ -33,14 +33,15 @@ token id of that vocabulary, its point-mass law is placed at that id in the whol
 and the Gumbel noise is read at the vocabulary's ids, so both arguments above hold unchanged
 (a token outside the vocabulary is never proposed and comes only from the target).
 
-As a proposer of the shared driver, one round is the run of the pending token (and
+As the drafter of the shared driver (:class:`HeadsDrafter`; which heads to check is its policy's,
+:class:`HeadsPolicy`), one round is the run of the pending token (and
 the early tokens it triggers) until a token reaches the last layer; the round's
 draft is the early tokens with the final logits of all their rows (deferred rows),
 and the driver applies the chain rule and keeps the accepted prefix. Invariant
 (checked by the cache): the rows that enter a segment are the newest tokens fed,
 a contiguous suffix of the sequence.
 
-The package is the whole method: this module holds the proposer and its artifact
+The package is the whole method: this module holds the method, its drafter and policy, and its artifact
 (:data:`HEADS`: per head layer ``k``, tensors ``layer{k}.a``, ``layer{k}.b``, ``layer{k}.g``,
 ``k`` the 0-based layer after which the head reads, and ``layer{k}.vocab`` for a head over a
 draft vocabulary: the token ids it scores); :mod:`.heads` is the head's computation
@@ -48,6 +49,7 @@ and :mod:`.train` the offline step that trains them (``selfspec train-heads --ki
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,12 +59,13 @@ import torch
 from ...artifacts import ArtifactSpec, load_layers
 from ...decoding.cost import ProbeBudget, VerifyCurve, timed
 from ...decoding.drafts import Deferred, Draft, HeadsNote, NoDraft, Round
+from ...decoding.driver import Taps
 from ...decoding.sampling import processed_probs
 from ...decoding.state import DecodeState
 from ...engine import Engine, ForwardOutput
 from ...engine.runner import ALL_ROWS
 from ...errors import FieldError
-from ..base import SelfProposing, layer_list, option, require, training_cost
+from ..base import Method, layer_list, option, require, training_cost
 from ..offline import OfflineStep
 from .heads import LowRankHead, head_logits
 
@@ -122,22 +125,63 @@ def proposal_law(head_probs: torch.Tensor, token: int) -> torch.Tensor:
     return q
 
 
-class AdaDecode(SelfProposing):
-    name = "adadecode"
-    lossless = True
-    description = "AdaDecode: early predictions at trained intermediate heads, deferred deep layers, verification"
-    Config = AdaDecodeConfig
+class HeadsPolicy:
+    """Which heads are worth checking for a token (cost-aware head use), fed by the measured cost of
+    a head check over a plain step (:meth:`setup`, before any decode) and each head's checks, exits
+    and accepted exits over the run (Beta-style priors); ``paper``: every head for every token,
+    nothing measured. AdaDecode's draft length is the heads' exits, so this is its draft policy."""
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None, *,
-                 heads: dict[int, LowRankHead]) -> None:
-        super().__init__(engine, tokenizer, config)
-        config = self.config
+    def __init__(self, engine: Engine, layers: list[int], paper: bool) -> None:
+        self.engine, self.paper = engine, paper
+        self.curve: VerifyCurve | None = None
+        # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
+        self.head_stats = {k: [2.0, 1.0, 0.5] for k in layers}
+        self.probes = {k: ProbeBudget() for k in layers}  # probes per head (decoding/cost.py)
+        self.head_cost = 0.0
+
+    def setup(self, check: Callable[[], Any]) -> HeadsPolicy:
+        """Measure one head check (``check``: the low-rank correction and the LM head on one row) over
+        a plain step, unless ``paper``."""
+        if not self.paper:
+            self.curve = VerifyCurve.for_engine(self.engine)
+            check()  # warm-up: the first call allocates
+            self.head_cost = min(timed(check, self.engine.device)[1] for _ in range(3)) / self.curve.t1_s
+        return self
+
+    def gain(self, state: DecodeState | None, budget: int) -> float | None:
+        """None: the heads' gain is known only token by token."""
+        return None
+
+    def worth_checking(self, k: int) -> bool:
+        """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
+        lets the deeper layers ride along with the next token (saving their share of a step),
+        a rejected one wastes the guess's shallow layers. When it does not pay, probe now and
+        then, paid from a budget of 1 % of a step per skipped check (as the drafting planner)."""
+        if self.paper:
+            return True
+        checks, exits, accepted = self.head_stats[k]
+        L = self.engine.num_layers
+        value = accepted / checks * (L - k - 1) / L - (exits - accepted) / checks * (k + 1) / L - self.head_cost
+        if value > 0:
+            self.probes[k].paying()
+            return True
+        return self.probes[k].probe(-value)
+
+    def report(self) -> dict[str, Any]:
+        return {"head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()},
+                "head_cost": round(self.head_cost, 4)}
+
+
+class HeadsDrafter:
+    """AdaDecode's drafter: one round is the run of the pending token down the segments (see the
+    module docstring), checking the heads its policy (:class:`HeadsPolicy`) says are worth it."""
+
+    taps = Taps()
+
+    def __init__(self, engine: Engine, config: AdaDecodeConfig, heads: dict[int, LowRankHead], policy: HeadsPolicy) -> None:
+        self.engine, self.config, self.policy = engine, config, policy
         L = engine.num_layers
-        use = sorted(heads) if config.adadecode_layers is None else sorted(config.adadecode_layers)
-        if missing := [k for k in use if k not in heads]:
-            raise FieldError("adadecode_layers", f"{missing} have no trained head (heads at {sorted(heads)})")
-        if bad := [k for k in use if not 0 <= k < L - 1]:
-            raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
+        use = sorted(heads)
         self.lookahead = config.adadecode_max_pending
         self.heads = {k: heads[k].to(engine.device, engine.dtype) for k in use}
         self.head_lm = self._head_lms()  # per head, the LM head over its vocabulary (FR-Spec heads: their rows)
@@ -145,18 +189,12 @@ class AdaDecode(SelfProposing):
         bounds = [0, *[k + 1 for k in use], L]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
         self.exits: dict[int, int] = {}
-        # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
-        self.head_stats = {k: [2.0, 1.0, 0.5] for k in self.heads}
-        self.probes = {k: ProbeBudget() for k in self.heads}  # probes per head (decoding/cost.py)
-        self.head_cost = 0.0 if config.paper_drafting else self._measure_head_cost()
 
-    def _measure_head_cost(self) -> float:
-        """One head check (low-rank correction + the LM head on one row) over a plain step."""
-        self.curve = VerifyCurve.for_engine(self.engine)
+    def check_once(self) -> Callable[[], Any]:
+        """One check of the shallowest head on a zero row: what the policy times."""
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
-        self._head(k, row)  # warm-up: the first call allocates
-        return min(timed(lambda: self._head(k, row), self.engine.device)[1] for _ in range(3)) / self.curve.t1_s
+        return lambda: self._head(k, row)
 
     def _head_lms(self) -> dict[int, Any]:
         """The engine's LM head for heads over the whole vocabulary; for a head over a draft
@@ -174,29 +212,6 @@ class AdaDecode(SelfProposing):
             out[k] = lm
         return out
 
-    def _worth_checking(self, k: int) -> bool:
-        """Check head ``k`` when its expected saving beats the check's cost: an accepted exit
-        lets the deeper layers ride along with the next token (saving their share of a step),
-        a rejected one wastes the guess's shallow layers. When it does not pay, probe now and
-        then, paid from a budget of 1 % of a step per skipped check (as the drafting planner)."""
-        if self.config.paper_drafting:
-            return True
-        checks, exits, accepted = self.head_stats[k]
-        L = self.engine.num_layers
-        value = accepted / checks * (L - k - 1) / L - (exits - accepted) / checks * (k + 1) / L - self.head_cost
-        if value > 0:
-            self.probes[k].paying()
-            return True
-        return self.probes[k].probe(-value)
-
-    @classmethod
-    def build(cls, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None) -> AdaDecode:
-        config = config or AdaDecodeConfig()
-        heads, manifest = load_heads(config.heads, engine.model)
-        method = cls(engine, tokenizer, config, heads=heads)
-        method.offline_parts.append(training_cost("lm-heads training", manifest))
-        return method
-
     def _head(self, layer: int, row: torch.Tensor) -> torch.Tensor:
         """The head's logits (N,) over its vocabulary (column i: token ``heads[layer].tokens(i)``)."""
         return head_logits(row, self.heads[layer], self.head_lm[layer], self.engine.adapter.rms_eps)[0].float()
@@ -204,7 +219,7 @@ class AdaDecode(SelfProposing):
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.exits = {k: 0 for k in self.heads}
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
+    def draft(self, state: DecodeState, budget: int) -> Draft:
         """Run the pending token down the segments, predicting early where a head is
         confident; ends when a token reaches the last layer, whose batch then holds every
         early token's rows, and returns them with their final logits (deferred rows).
@@ -218,7 +233,7 @@ class AdaDecode(SelfProposing):
         token = state.pending
         while True:
             can_exit = len(early) < min(c.adadecode_max_pending, budget) and token not in state.eos
-            check = {k for k in self.heads if self._worth_checking(k)} if can_exit else set()
+            check = {k for k in self.heads if self.policy.worth_checking(k)} if can_exit else set()
             if not early and not check:  # no head pays for this token: a plain step, one forward by the driver
                 return NoDraft()
             h = self.engine.embed(state.ids([token]))
@@ -229,7 +244,7 @@ class AdaDecode(SelfProposing):
                 h = out.hidden
                 if e == L or e - 1 not in check:
                     continue
-                self.head_stats[e - 1][0] += 1
+                self.policy.head_stats[e - 1][0] += 1
                 hd = self.heads[e - 1]
                 head = self._head(e - 1, h[-1:])  # early prediction at head layer e - 1, over the head's vocabulary
                 q = head.softmax(-1) if sampling.greedy else processed_probs(head, sampling)
@@ -246,7 +261,7 @@ class AdaDecode(SelfProposing):
                         early_q.append(proposal_law(full, token))
                     state.feed(token)
                     self.exits[e - 1] += 1
-                    self.head_stats[e - 1][1] += 1
+                    self.policy.head_stats[e - 1][1] += 1
                     made_by.append(e - 1)
                     break  # the early token starts at layer 0
             else:  # no early prediction: this token reached the last layer
@@ -255,15 +270,46 @@ class AdaDecode(SelfProposing):
         return Deferred(early, out.logits, q=torch.stack(early_q) if early_q else None,
                         note=HeadsNote(made_by))
 
-    def update(self, state: DecodeState, rnd: Round) -> None:
+    def accept(self, state: DecodeState, rnd: Round) -> None:
         note = rnd.draft.note if isinstance(rnd.draft, Deferred) else None
         made_by = note.layers if isinstance(note, HeadsNote) else []  # the head layer of each early token
         for k in made_by[: len(rnd.verdict.accepted)]:
-            self.head_stats[k][2] += 1
+            self.policy.head_stats[k][2] += 1
 
-    def describe(self) -> dict[str, Any]:
+    def end(self) -> dict[str, Any]:
         sizes = sorted({"full" if h.vocab is None else h.vocab.numel() for h in self.heads.values()}, key=str)
         return {"early_exits": {str(k): v for k, v in self.exits.items()},
                 "head_vocab": sizes[0] if len(sizes) == 1 else sizes,  # the tokens the heads score
-                "head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()}, "head_cost": round(self.head_cost, 4),
+                **self.policy.report(),
                 "adadecode_threshold": self.config.adadecode_threshold, "head_layers": sorted(self.heads)}
+
+
+class AdaDecode(Method):
+    """Has a :class:`HeadsDrafter` over the trained heads it uses and a :class:`HeadsPolicy`."""
+
+    name = "adadecode"
+    lossless = True
+    description = "AdaDecode: early predictions at trained intermediate heads, deferred deep layers, verification"
+    Config = AdaDecodeConfig
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None, *,
+                 heads: dict[int, LowRankHead]) -> None:
+        super().__init__(engine, tokenizer, config)
+        config = self.config
+        L = engine.num_layers
+        use = sorted(heads) if config.adadecode_layers is None else sorted(config.adadecode_layers)
+        if missing := [k for k in use if k not in heads]:
+            raise FieldError("adadecode_layers", f"{missing} have no trained head (heads at {sorted(heads)})")
+        if bad := [k for k in use if not 0 <= k < L - 1]:
+            raise FieldError("adadecode_layers", f"{bad} are out of range for a {L}-layer model")
+        self.policy = policy = HeadsPolicy(engine, use, config.paper_drafting)
+        self.drafter = drafter = HeadsDrafter(engine, config, {k: heads[k] for k in use}, policy)
+        policy.setup(drafter.check_once())
+
+    @classmethod
+    def build(cls, engine: Engine, tokenizer: Any = None, config: AdaDecodeConfig | None = None) -> AdaDecode:
+        config = config or AdaDecodeConfig()
+        heads, manifest = load_heads(config.heads, engine.model)
+        method = cls(engine, tokenizer, config, heads=heads)
+        method.offline_parts.append(training_cost("lm-heads training", manifest))
+        return method

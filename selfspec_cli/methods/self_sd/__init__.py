@@ -6,7 +6,7 @@ stops drafting adaptively on draft confidence, and verifies with the full model.
 Lossless: greedy output equals plain greedy decoding; sampling uses standard
 speculative sampling with drafts sampled from the draft's processed distribution.
 
-The package is the whole method: this module holds the proposer and its artifact (the skip
+The package is the whole method: this module holds the method and its artifact (the skip
 set, :data:`SKIP_SET`: one JSON manifest, ``kind: "self-sd-layers"``, with ``skip_attn``,
 ``skip_mlp``, ``draft_precision``, the objective, the search and the environment);
 :mod:`.calibrate` is its offline step, around the Bayesian search of :mod:`.search`, which
@@ -27,7 +27,7 @@ from ...artifacts import ArtifactSpec, now_iso
 from ...decoding.layer_skip import DraftSettings, FixedSkips, SkipSource
 from ...engine import Engine
 from ...errors import FieldError
-from ..base import LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
+from ..base import DraftInputs, LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
 from ..offline import OfflineStep
 from .study import DEFAULT_HEARTBEAT_S
 
@@ -145,15 +145,17 @@ class SelfSD(LayerSkipMethod):
     Config = SelfSDConfig
 
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SelfSDConfig | None = None,
-                 skip: SkipSet = SkipSet(), draft: DraftSettings | None = None, **parts: Any) -> None:
-        """``draft`` overrides the config's draft settings (e.g. tree verification); ``parts``: the
-        draft's weights, vocabulary and n-gram branch (:meth:`LayerSkipMethod.draft_parts`)."""
+                 skip: SkipSet = SkipSet(), draft: DraftSettings | None = None, *, inputs: DraftInputs = DraftInputs(),
+                 weigh_full_depth: bool = True) -> None:
+        """``draft`` overrides the config's draft settings (e.g. tree verification); ``inputs``: the
+        draft's weights, vocabulary and n-gram branch (:meth:`LayerSkipMethod.draft_inputs`)."""
         n = engine.num_layers
         if bad := sorted(i for i in skip.attn | skip.mlp if not 0 <= i < n):
             raise FieldError("skip_attn/skip_mlp",
                              f"layer ids {bad} are out of range for a {n}-layer model (valid: 0..{n - 1})")
         self.skip = skip
-        super().__init__(engine, tokenizer, config or SelfSDConfig(), draft, **parts)
+        super().__init__(engine, tokenizer, config or SelfSDConfig(), draft, inputs=inputs,
+                         weigh_full_depth=weigh_full_depth)
         self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
         if m := skip.manifest:
             self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
@@ -169,4 +171,4 @@ class SelfSD(LayerSkipMethod):
             skip = SkipSet.load(config.layers, engine.model)
         else:
             skip = SkipSet(config.skip_attn or (), config.skip_mlp or ())
-        return cls(engine, tokenizer, config, skip, **cls.draft_parts(engine, tokenizer, config, skip.draft_precision))
+        return cls(engine, tokenizer, config, skip, inputs=cls.draft_inputs(engine, tokenizer, config, skip.draft_precision))

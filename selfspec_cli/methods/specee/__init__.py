@@ -37,7 +37,7 @@ tokens, and reports the share of early exits that picked the token the full mode
 would have picked at that step, the share of all tokens that agree, and the share
 of the output identical to plain greedy decoding up to the first divergence.
 
-The package is the whole method: this module holds the decoder and its artifacts
+The package is the whole method: this module holds the method, its drafter and its artifacts
 (:data:`EXIT_MLPS`, per layer ``k`` tensors ``layer{k}.w1`` ... ``layer{k}.b2``, the manifest
 naming the drafter head; :data:`SCHEDULE`, the offline layer subset); :mod:`.predictor` is the
 predictor's computation, :mod:`.train` (``selfspec train-heads --kind exit-mlp``) and
@@ -54,7 +54,8 @@ import torch
 
 from ...artifacts import ArtifactSpec, load_layers
 from ...config import GenerationConfig
-from ...decoding.drafts import Decided, Draft
+from ...decoding.drafts import Decided, Draft, Round
+from ...decoding.driver import Taps
 from ...decoding.output import DecodeResult
 from ...decoding.state import DecodeState
 from ...engine import Engine, ForwardOutput
@@ -62,7 +63,7 @@ from ...engine.runner import LAST_ROW
 from ...errors import ArtifactError, ConfigError, FieldError
 from ...loading import EXAMPLES_DIR
 from ..adadecode import LowRankHead, head_logits, load_heads
-from ..base import SelfProposing, option, require, training_cost
+from ..base import Method, option, require, training_cost
 from ..offline import OfflineStep
 from .predictor import NUM_SPEC_TOKENS, ExitPredictor, exit_probability, spec_local, specee_features
 
@@ -150,7 +151,10 @@ class SpecEEConfig:
         require(t is None or 0.0 <= t <= 1.0, "specee_threshold", "in [0, 1]", t)
 
 
-class SpecEE(SelfProposing):
+class SpecEE(Method):
+    """Has an :class:`ExitDrafter` (the decided tokens) and no draft policy: what exits is the
+    predictors' and the schedule's, nothing is planned from measured costs."""
+
     name = "specee"
     lossless = False
     greedy_only = True
@@ -160,19 +164,12 @@ class SpecEE(SelfProposing):
     def __init__(self, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None, *,
                  drafter_layer: int, drafter: LowRankHead, predictors: dict[int, ExitPredictor],
                  offline_layers: list[int], thresholds: dict[int, float] | None = None) -> None:
+        """``drafter``: the head after layer ``drafter_layer`` whose top tokens are the speculative ones."""
         super().__init__(engine, tokenizer, config)
         L = engine.num_layers
         if not 0 <= drafter_layer < L - 1:
             raise ConfigError(f"drafter layer {drafter_layer} is out of range for a {L}-layer model")
-        self.lookahead = self.config.max_pending
-        self.k0 = drafter_layer
-        self.drafter = drafter.to(engine.device, engine.dtype)
-        # the drafter head's LM head: the engine's, or the prepacked rows of its draft vocabulary (FR-Spec)
-        self.drafter_lm = engine.lm_head if drafter.vocab is None else engine.subset_head(drafter.vocab)
-        self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
-        self.offline = frozenset(l for l in offline_layers if l in self.predictors)
-        t = self.config.specee_threshold
-        self.thresholds = {l: t if t is not None else (thresholds or {}).get(l, 0.5) for l in self.predictors}
+        self.drafter = ExitDrafter(engine, self.config, drafter_layer, drafter, predictors, offline_layers, thresholds)
 
     @classmethod
     def build(cls, engine: Engine, tokenizer: Any = None, config: SpecEEConfig | None = None) -> SpecEE:
@@ -209,7 +206,29 @@ class SpecEE(SelfProposing):
             raise ConfigError("specee decodes greedily, as the paper does; use --temperature 0")
         return super().generate(prompt_ids, cfg, on_tokens)
 
-    # -- proposer hooks -----------------------------------------------------
+
+class ExitDrafter:
+    """SpecEE's drafter: one round is the pending token's layers run segment by segment, exiting
+    where a predictor fires and the full-vocabulary check agrees (see the module docstring); its
+    draft is the decided token (:class:`~selfspec_cli.decoding.drafts.Decided`)."""
+
+    taps = Taps()
+
+    def __init__(self, engine: Engine, config: SpecEEConfig, drafter_layer: int, head: LowRankHead,
+                 predictors: dict[int, ExitPredictor], offline_layers: list[int],
+                 thresholds: dict[int, float] | None = None) -> None:
+        L = engine.num_layers
+        self.engine, self.config = engine, config
+        self.lookahead = config.max_pending
+        self.k0 = drafter_layer
+        self.head = head.to(engine.device, engine.dtype)
+        # the drafter head's LM head: the engine's, or the prepacked rows of its draft vocabulary (FR-Spec)
+        self.head_lm = engine.lm_head if head.vocab is None else engine.subset_head(head.vocab)
+        self.predictors = {l: p.to(engine.device, torch.float32) for l, p in predictors.items() if drafter_layer <= l <= L - 2}
+        self.offline = frozenset(l for l in offline_layers if l in self.predictors)
+        t = config.specee_threshold
+        self.thresholds = {l: t if t is not None else (thresholds or {}).get(l, 0.5) for l in self.predictors}
+
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self._history: deque[int] = deque(maxlen=self.config.online_window)  # per prompt (the reference keeps one forever)
         self._waiting: dict[int, torch.Tensor] = {}  # deferred mode: segment start -> rows waiting to enter it
@@ -222,7 +241,7 @@ class SpecEE(SelfProposing):
                                        sampling=state.sampling, generator=None)
             self._shadow.prefill(logits_rows=None)
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
+    def draft(self, state: DecodeState, budget: int) -> Draft:
         """One token: run the pending token's layers segment by segment, exit where a
         predictor fires and the full-vocabulary check agrees; the token is decided here."""
         eng, c, a = self.engine, self.config, self.engine.adapter
@@ -254,7 +273,7 @@ class SpecEE(SelfProposing):
             if e == L:
                 break
             if l == k0:  # 2) the drafter: the shallowest head's top-4 are the speculative tokens
-                spec = self.drafter.tokens(head_logits(prev_last, self.drafter, self.drafter_lm, a.rms_eps)[0]
+                spec = self.head.tokens(head_logits(prev_last, self.head, self.head_lm, a.rms_eps)[0]
                                            .topk(NUM_SPEC_TOKENS).indices)
                 spec_rows = eng.head_rows(spec)  # (4, d) (also after a block target released the float table)
             if not can_exit or l not in active:
@@ -292,7 +311,10 @@ class SpecEE(SelfProposing):
                 ev["first_divergence"] = len(state.output)
         return Decided([new_token], full_depth=exit_layer is None)
 
-    def describe(self) -> dict[str, Any]:
+    def accept(self, state: DecodeState, rnd: Round) -> None:
+        pass
+
+    def end(self) -> dict[str, Any]:
         n = self._counts
         rounds = max(1, n["rounds"])
         out: dict[str, Any] = {

@@ -58,7 +58,7 @@ def select_layers(exits: dict[int, int], predictor_layers: list[int]) -> list[in
 def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: GenerationConfig,
                     on_prompt: Callable[[int, int], None] = lambda i, n: None) -> ExitStatistics:
     """Decode with ``method`` (every predictor active: its offline set is all layers) and count exits."""
-    layers = sorted(method.predictors)
+    layers = sorted(method.drafter.predictors)
     exits = {l: 0 for l in layers}
     tokens = full_depth = 0
     for i, ids in enumerate(prompt_ids, 1):
