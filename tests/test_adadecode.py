@@ -35,14 +35,14 @@ def random_heads(model, layers, rank=8, seed=0) -> dict[int, LowRankHead]:
 def _record_rounds(method) -> list[tuple[int, list[int]]]:
     """Per round of ``method``: the tokens already emitted when it began, and the early predictions it drafted."""
     rounds: list[tuple[int, list[int]]] = []
-    propose = method.propose
+    propose = method.drafter.draft
 
     def spy(state, budget):
         d = propose(state, budget)
         rounds.append((len(state.output), [] if isinstance(d, NoDraft) else list(d.tokens)))
         return d
 
-    method.propose = spy
+    method.drafter.draft = spy
     return rounds
 
 
@@ -162,16 +162,16 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
         assert res.token_ids == ar.generate(prompt, cfg).token_ids
         assert "predicted_gain" not in res.stats.extra  # its early tokens are not planned: no prediction claimed
     # random heads at a low threshold fire and are mostly wrong: checks become rare probes
-    checks = {k: v[0] - 2 for k, v in m.head_stats.items()}
+    checks = {k: v[0] - 2 for k, v in m.policy.head_stats.items()}
     paper = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02, paper_drafting=True))
     for seed in range(3):
         paper.generate(_prompt(10, seed), GenerationConfig(max_new_tokens=40))
-    paper_checks = {k: v[0] - 2 for k, v in paper.head_stats.items()}
+    paper_checks = {k: v[0] - 2 for k, v in paper.policy.head_stats.items()}
     assert sum(checks.values()) < 0.5 * sum(paper_checks.values()), (checks, paper_checks)
     # a token for which no head is worth checking is a plain step: one forward (an empty draft),
     # not one call per segment
     plain = 0
-    real = m.propose
+    real = m.drafter.draft
 
     def spy(state, budget):
         nonlocal plain
@@ -179,7 +179,7 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
         plain += isinstance(d, NoDraft)
         return d
 
-    m.propose = spy
+    m.drafter.draft = spy
     res = m.generate(_prompt(10, 5), GenerationConfig(max_new_tokens=40))
     assert res.token_ids == ar.generate(_prompt(10, 5), GenerationConfig(max_new_tokens=40)).token_ids
     assert plain >= 20, plain

@@ -72,12 +72,12 @@ def test_a_second_build_reads_the_curve_from_disk_without_timing_forwards(timing
 @needs_kernel
 def test_a_second_build_reads_the_draft_cost_from_disk(timings, tiny_tokenizer):
     eng = Engine(make_tiny_model("llama-gqa"))
-    c = build("specqd", eng, tiny_tokenizer, draft_precision="int8").drafter.draft_cost()
+    c = build("specqd", eng, tiny_tokenizer, draft_precision="int8").configuration.policy.draft_cost()
     assert timings["draft"] >= 1
     drafts, timed = timings["draft"], timings["timed"]
     _fresh_process()
     again = build("specqd", Engine(make_tiny_model("llama-gqa")), tiny_tokenizer, draft_precision="int8")
-    assert timings["draft"] == drafts and again.drafter.draft_cost() == pytest.approx(c, abs=1e-5)
+    assert timings["draft"] == drafts and again.configuration.policy.draft_cost() == pytest.approx(c, abs=1e-5)
     assert timings["curve"] == 1 and timings["timed"] == timed
 
 

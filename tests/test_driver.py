@@ -4,8 +4,9 @@
   them (lossless methods: ar's tokens up to it; SpecEE, lossy: its own first stop);
 * statistics have one definition (accept lengths, drafted and accepted draft tokens,
   target forwards), checked round by round, including a last round the sink cuts;
-* the KV cache refuses rows written out of order (engine and proposer misuse);
-* a proposer defined here, with no method-specific code in the driver, is exact.
+* the KV cache refuses rows written out of order (engine and drafter misuse);
+* a drafter defined here (the four verbs of the contract), with no method-specific code in the
+  driver, is exact.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.decoding.drafts import Chain, Decided, Draft, NoDraft, depth as draft_depth
-from selfspec_cli.decoding.driver import Proposer, decode
+from selfspec_cli.decoding.driver import Drafter, Plain, decode
 from selfspec_cli.decoding.state import DecodeState
 from selfspec_cli.engine import Engine
 from selfspec_cli.engine.cache import CacheInvariantError
@@ -88,12 +89,12 @@ class Round:
     accepted: int  # accepted draft tokens in the verdict
 
 
-def record_rounds(proposer: Proposer) -> list[Round]:
-    """Wrap ``update`` (the driver calls it after every round, with the draft and the verdict) of
-    ``proposer``, or of a method's proposer."""
+def record_rounds(drafter: Drafter) -> list[Round]:
+    """Wrap ``accept`` (the driver calls it after every round, with the draft and the verdict) of
+    ``drafter``, or of a method's drafter."""
     rounds: list[Round] = []
-    proposer = getattr(proposer, "proposer", proposer)
-    inner = proposer.update
+    drafter = getattr(drafter, "drafter", drafter)
+    inner = drafter.accept
 
     def update(state, rnd):
         d, v = rnd.draft, rnd.verdict
@@ -101,7 +102,7 @@ def record_rounds(proposer: Proposer) -> list[Round]:
         rounds.append(Round(draft_depth(d), decided, decided and d.full_depth, len(v.tokens), len(v.accepted)))
         return inner(state, rnd)
 
-    proposer.update = update
+    drafter.accept = update
     return rounds
 
 
@@ -140,12 +141,12 @@ def check_stats(res, rounds: list[Round], lossless: bool, budget_respected: bool
     return cut
 
 
-def run(proposer, prompt, cfg, lossless=True, budget_respected=True):
-    rounds = record_rounds(proposer)
+def run(method, prompt, cfg, lossless=True, budget_respected=True):
+    rounds = record_rounds(method)
     try:
-        res = proposer.generate(prompt, cfg)
+        res = method.generate(prompt, cfg)
     finally:
-        del getattr(proposer, "proposer", proposer).update
+        del getattr(method, "drafter", method).accept
     cut = check_stats(res, rounds, lossless, budget_respected)
     return res, cut
 
@@ -283,7 +284,17 @@ def test_stats_one_definition(setup, name):
                 assert res.token_ids == ar.generate(prompt, cfg).token_ids
 
 
-class Oracle(Proposer):
+class OwnDrafter(Plain):
+    """A drafter written here, on ``engine``: the contract's verbs (``draft`` overridden), run by the driver."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompt, cfg):
+        return decode(self.engine, None, self, prompt, cfg)
+
+
+class Oracle(OwnDrafter):
     """Drafts the true continuation (ar's output), 3 tokens a round; with
     ``respect_budget=False`` it ignores the budget, so the sink must cut."""
 
@@ -293,7 +304,7 @@ class Oracle(Proposer):
         super().__init__(engine)
         self.ref, self.respect = ref, respect_budget
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
+    def draft(self, state: DecodeState, budget: int) -> Draft:
         i = len(state.output)
         k = min(3, budget) if self.respect else 3
         return Chain(self.ref[i : i + k])
@@ -309,7 +320,7 @@ def test_stats_last_round_cut(setup):
         assert res.token_ids == ref[:n] and not cut
         assert res.stats.accept_lengths == [1] + [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else [])
         assert res.stats.accepted_draft_tokens == n - len(res.stats.accept_lengths)
-    # a proposer that ignores the budget: the sink cuts the last round at max_new_tokens
+    # a drafter that ignores the budget: the sink cuts the last round at max_new_tokens
     for n in (3, 4, 7, 8):  # 1 + 4 + 4 ...: n = 3, 4, 7, 8 end inside a round
         res, cut = run(Oracle(eng, ref, respect_budget=False), prompt, GenerationConfig(max_new_tokens=n),
                        budget_respected=False)
@@ -355,26 +366,26 @@ def test_cache_refuses_out_of_order_writes(setup):
         eng.forward(cache, ids[6:7], positions=8)
 
 
-class RunsTwice(Proposer):
-    """A buggy proposer: runs the pending token twice without feeding anything."""
+class RunsTwice(OwnDrafter):
+    """A buggy drafter: runs the pending token twice without feeding anything."""
 
     lookahead = 2
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
+    def draft(self, state: DecodeState, budget: int) -> Draft:
         state.run(state.ids([state.pending]))
         state.run(state.ids([state.pending]))
         return NoDraft()
 
 
-def test_proposer_misuse_fails_loudly(setup):
+def test_drafter_misuse_fails_loudly(setup):
     _, eng, _, prompts = setup
     with pytest.raises(CacheInvariantError):
         RunsTwice(eng).generate(prompts[1], GenerationConfig(max_new_tokens=5))
 
 
-# -- d. a new proposer plugs in -------------------------------------------------
+# -- d. a new drafter plugs in -------------------------------------------------
 
-class WrongChain(Proposer):
+class WrongChain(OwnDrafter):
     """Three fixed tokens every round (deterministic drafts, ``q=None``)."""
 
     lookahead = 3
@@ -383,11 +394,11 @@ class WrongChain(Proposer):
         super().__init__(engine)
         self.chain = chain
 
-    def propose(self, state: DecodeState, budget: int) -> Draft:
+    def draft(self, state: DecodeState, budget: int) -> Draft:
         return Chain(self.chain[: max(0, budget)])
 
 
-def test_custom_proposer_is_exact(setup):
+def test_custom_drafter_is_exact(setup):
     model, eng, tok, prompts = setup
     ar = make_method("ar", model, eng, tok)
     for prompt in prompts:
@@ -400,7 +411,7 @@ def test_custom_proposer_is_exact(setup):
         assert st.accepted_draft_tokens == 0 and st.accept_lengths == [1] * 30
         budgets = [29 - r for r in range(1, 30)]  # round r may still emit 30 - r tokens: r drafts at most 29 - r
         assert st.drafted_tokens == sum(min(3, b) for b in budgets) and st.draft_rounds == sum(b > 0 for b in budgets)
-        res = decode(WrongChain(eng, chain), prompt, cfg)  # the driver function itself
+        res = decode(eng, tok, WrongChain(eng, chain), prompt, cfg)  # the driver function itself
         assert res.token_ids == want
         # sampling: the driver turns the deterministic drafts into point masses
         scfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=1.0, seed=1234))

@@ -14,11 +14,12 @@ from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.methods.fr_spec.calibrate import artifact_tensors, calibrate_draft_vocab, held_out_coverage
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding.drafts import Chain, Tree
-from selfspec_cli.decoding.layer_skip import DraftSettings, LayerSkipDrafter
+from selfspec_cli.decoding.layer_skip import DraftModel, DraftSettings, LayerSkipDrafter
 from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ArtifactError, FieldError
 from selfspec_cli.loading import model_fingerprint
 from selfspec_cli.methods import AR, build, fr_spec
+from selfspec_cli.methods.base import DraftInputs
 from selfspec_cli.methods.self_sd import SelfSD
 
 from .conftest import VOCAB, make_tiny_model
@@ -46,27 +47,27 @@ def test_drafts_come_only_from_the_draft_vocabulary(monkeypatch):
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
     ids = _subset(VOCAB, 20, seed=3)
     settings = DraftSettings(cost_aware=False, max_draft=6, threshold=0.0)
-    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=settings, vocab=ids)
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=settings, inputs=DraftInputs(vocab=ids))
     seen: list[int] = []
-    real = LayerSkipDrafter.propose
+    real = LayerSkipDrafter.draft
 
     def spy(self, state, budget):
         d = real(self, state, budget)
         seen.extend(d.tokens if isinstance(d, (Chain, Tree)) else [])
         return d
 
-    monkeypatch.setattr(LayerSkipDrafter, "propose", spy)
+    monkeypatch.setattr(LayerSkipDrafter, "draft", spy)
     sd.generate(_prompt(6, 0), GenerationConfig(max_new_tokens=30))
     assert seen and set(seen) <= set(ids.tolist())
     assert sd.describe()["draft_vocab"] == 20
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=settings)  # the whole vocabulary
-    assert sd.proposer.vocab_ids is None and sd.describe()["draft_vocab"] == "full"
+    assert sd.configuration.vocab_ids is None and sd.describe()["draft_vocab"] == "full"
 
 
 # False-positive rate per test: ALPHA = 1e-3.
 def _restricted(model) -> SelfSD:
     return SelfSD(Engine(model), skip=SkipSet([1, 2], [2]), draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0),
-                  vocab=_subset(SMALL_VOCAB, SMALL_VOCAB // 2, seed=5))
+                  inputs=DraftInputs(vocab=_subset(SMALL_VOCAB, SMALL_VOCAB // 2, seed=5)))
 
 
 @pytest.mark.slow  # 2,500 decodes; fast: the law handed to the verifier, and test_verify_exact
@@ -98,7 +99,7 @@ def test_sampled_drafts_hand_the_verifier_their_law_at_the_subset_token_ids(smal
     model, prompt, _ = small_vocab_setup
     sd = _restricted(model)
     subset = torch.zeros(SMALL_VOCAB, dtype=torch.bool)
-    subset[sd.proposer.vocab_ids] = True
+    subset[sd.configuration.vocab_ids] = True
     assert not subset[: subset.sum()].all()  # not the first N ids: a misplaced law would show
     laws = []
     real = driver.verify_chain_sampling
@@ -177,8 +178,8 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
     saved = stream_bytes(eng.lm_head) * (1 - 20 / VOCAB) / weight_bytes(eng)
     assert sub < full and sub == pytest.approx(full - saved, rel=1e-3)
     assert prior_draft_cost(eng, vocab_rows=VOCAB) == pytest.approx(1.0)
-    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(max_draft=4), vocab=ids)
-    assert sd.proposer.draft_cost() == pytest.approx(sub)
+    sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(max_draft=4), inputs=DraftInputs(vocab=ids))
+    assert sd.configuration.policy.draft_cost() == pytest.approx(sub)
     assert draft_variant("int8", attn, mlp, 20) != draft_variant("int8", attn, mlp)
 
     monkeypatch.setattr(fr_spec, "draft_vocab", lambda engine, weights, spec="auto", size=None: ids)
@@ -188,13 +189,13 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
         prior_draft_cost(eng, vocab_rows=20), abs=1e-4)
     assert sd_measure.draft_cost_from_bytes(eng, attn, mlp, None, ids) == pytest.approx(sub)
     made: list = []
-    real = LayerSkipDrafter.__init__
+    real = DraftModel.build.__func__
 
-    def spy(self, *args, **kw):
-        made.append(inspect.signature(real).bind(self, *args, **kw).arguments.get("vocab"))
-        real(self, *args, **kw)
+    def spy(cls, *args, **kw):
+        made.append(inspect.signature(real).bind(cls, *args, **kw).arguments.get("vocab"))
+        return real(cls, *args, **kw)
 
-    monkeypatch.setattr(LayerSkipDrafter, "__init__", spy)
+    monkeypatch.setattr(DraftModel, "build", classmethod(spy))
     sd_measure.measure_self_sd(eng, None, [_prompt(6, 0)], GenerationConfig(max_new_tokens=8), attn, mlp,
                                vocab=vocabs["target"])
     assert made and all(v is not None and torch.equal(v, ids) for v in made)

@@ -15,6 +15,7 @@ from selfspec_cli.decoding.layer_skip import DraftSettings
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import AR, build
+from selfspec_cli.methods.base import DraftInputs
 from selfspec_cli.methods.pld import lookup
 from selfspec_cli.methods.self_sd import SelfSD
 
@@ -50,12 +51,12 @@ class _Lookup:
 
 def _hybrid(eng, tree: bool = False, skip: SkipSet = SkipSet([1, 3], [2, 4])) -> SelfSD:
     return SelfSD(eng, skip=skip, draft=DraftSettings(cost_aware=False, max_draft=4, threshold=0.0, tree=tree),
-                  ngram=_Lookup())
+                  inputs=DraftInputs(ngram=_Lookup()))
 
 
-def _is_hybrid(proposer) -> bool:
+def _is_hybrid(drafter) -> bool:
     """The stack merges an n-gram branch (outside it at most the adapting skip source's wrapper)."""
-    return isinstance(proposer, Hybrid) or isinstance(getattr(proposer, "inner", None), Hybrid)
+    return isinstance(drafter, Hybrid) or isinstance(getattr(drafter, "inner", None), Hybrid)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -64,7 +65,7 @@ def test_hybrid_greedy_equals_ar(arch, tree, monkeypatch):
     eng = Engine(make_tiny_model(arch, layers=6))
     ar, sd = AR(eng), _hybrid(eng, tree)
     offered = merged = 0
-    real = Hybrid.propose
+    real = Hybrid.draft
 
     def spy(self, state, budget):
         nonlocal offered, merged
@@ -74,13 +75,13 @@ def test_hybrid_greedy_equals_ar(arch, tree, monkeypatch):
         merged += isinstance(d, Tree) and path is not None and d.forwards > 0
         return d
 
-    monkeypatch.setattr(Hybrid, "propose", spy)
+    monkeypatch.setattr(Hybrid, "draft", spy)
     for seed, n in [(0, 40), (1, 17), (2, 2)]:
         prompt = _repetitive(24, 5, seed, 300)
         cfg = GenerationConfig(max_new_tokens=n)
         assert sd.generate(prompt, cfg).token_ids == ar.generate(prompt, cfg).token_ids
     if not eng.exact_trees:  # a head size the kernel's attention does not take: no trees, so no n-gram branch
-        assert offered == 0 and not _is_hybrid(sd.proposer)
+        assert offered == 0 and not _is_hybrid(sd.drafter)
         return
     assert offered > 0  # n-gram branches were offered every time
     if arch == "llama-gqa":  # and on this model they left the layer-skip draft: real two-source trees
@@ -93,11 +94,11 @@ def test_hybrid_through_the_registry_and_auto():
     cfg = GenerationConfig(max_new_tokens=30)
     want = AR(eng).generate(prompt, cfg).token_ids
     m = build("self-sd", eng, None, skip_attn=(1, 3), skip_mlp=(2, 4), hybrid=True, draft_vocab="full")
-    assert _is_hybrid(m.proposer) and m.generate(prompt, cfg).token_ids == want
+    assert _is_hybrid(m.drafter) and m.generate(prompt, cfg).token_ids == want
     auto = build("auto", eng)
-    assert auto.layer_skip is None or _is_hybrid(auto.layer_skip.proposer)
+    assert auto.layer_skip is None or _is_hybrid(auto.layer_skip.drafter)
     assert auto.generate(prompt, cfg).token_ids == want
-    assert not _is_hybrid(build("auto", eng, None, hybrid=False).layer_skip.proposer)
+    assert not _is_hybrid(build("auto", eng, None, hybrid=False).layer_skip.drafter)
 
 
 @pytest.fixture(scope="module")
@@ -153,14 +154,14 @@ def test_merged_plan_by_hand():
     branches' chances, each branch counted up to its own length; the cost is k draft steps, one
     verification of every node and the learned overhead. Here with acceptances set by hand."""
     curve = VerifyCurve(1.0, {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.5, 16: 2.5})
-    drafter = _self_sd_on_curve(curve).proposer
+    drafter = _self_sd_on_curve(curve).configuration
     ngram = Planner(curve, drafter.lookahead)
     for _ in range(10):
-        drafter.planner.acceptance.observe(2, 2)  # layer skip: depths 1-2 accepted 10 of 10 -> 11/12, then 71/72
+        drafter.policy.planner.acceptance.observe(2, 2)  # layer skip: depths 1-2 accepted 10 of 10 -> 11/12, then 71/72
     ngram.acceptance.observe(3, 3)  # n-gram: depths 1-3 accepted 1 of 1 -> 2/3, 7/9, 23/27
-    drafter.planner.overhead.value = 0.1
+    drafter.policy.planner.overhead.value = 0.1
     # a 2-token layer-skip chain, a 3-token n-gram branch, 5 nodes in all
-    e, cost = merged_plan(drafter.planner, ngram, 2, 3, 5, drafter.draft_cost())
+    e, cost = merged_plan(drafter.policy.planner, ngram, 2, 3, 5, drafter.policy.draft_cost())
     ls = [11 / 12, 11 / 12 * 71 / 72]
     ng = [2 / 3, 2 / 3 * 7 / 9, 2 / 3 * 7 / 9 * 23 / 27]
     assert e == pytest.approx(1 + ls[0] + ls[1] + ng[2])  # layer skip is the likelier at depths 1-2, only n-gram reaches 3
@@ -186,35 +187,35 @@ def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
             if skipped else VH[rows]
 
     charge_forwards(monkeypatch, virtual_clock, cost)
-    sd = _self_sd_on_curve(curve, ngram=_Lookup())
-    hybrid = sd.proposer
+    sd = _self_sd_on_curve(curve, inputs=DraftInputs(ngram=_Lookup()))
+    hybrid = sd.drafter
     drafter = hybrid.chain
     hybrid.ngram_planner = Planner(curve, drafter.lookahead)
     for _ in range(100):  # both branches look worth drafting
-        drafter.planner.acceptance.observe(4, 4)
+        drafter.policy.planner.acceptance.observe(4, 4)
         hybrid.ngram_planner.acceptance.observe(6, 6)
     rounds = []
-    real = hybrid.update
+    real = hybrid.accept
 
     def spy(state, rnd):
         d = rnd.draft
         if isinstance(d, (Chain, Tree)) and d.tokens:
             path = d.note.ngram_path or []
-            ls, ng = drafter.planner.reach(d.forwards), hybrid.ngram_planner.reach(len(path))
+            ls, ng = drafter.policy.planner.reach(d.forwards), hybrid.ngram_planner.reach(len(path))
             rounds.append((d.plan, rnd.steps, d.forwards, bool(path), ls, ng))
         real(state, rnd)
 
-    hybrid.update = spy
+    hybrid.accept = spy
     sd.generate(_repetitive(30, 5, 0, 64), GenerationConfig(max_new_tokens=24, ignore_eos=True))
     merged = [r for r in rounds if r[2] and r[3]]
     assert merged, "no merged round was drafted"
     # the draft step as timed: the share of the weight bytes it reads, as the prior said
-    assert drafter.draft_cost() == pytest.approx(prior_draft_cost(drafter.engine, *drafter.skip_sets()))
+    assert drafter.policy.draft_cost() == pytest.approx(prior_draft_cost(drafter.engine, *drafter.skip_sets()))
     for (e, planned), measured, k, _, ls, ng in rounds:
         assert measured == pytest.approx(planned, abs=1e-9), rounds  # the plan is what the round cost
     for (e, _), _, k, _, ls, ng in merged:
         assert 1 + max(sum(ls), sum(ng)) - 1e-9 <= e <= 1 + sum(ls) + sum(ng) + 1e-9
-    assert drafter.planner.overhead.value == pytest.approx(0.0, abs=1e-9)
+    assert drafter.policy.planner.overhead.value == pytest.approx(0.0, abs=1e-9)
     assert hybrid.ngram_planner.overhead.value == pytest.approx(0.0, abs=1e-9)
-    assert drafter.planner.overhead.rounds == sum(1 for r in rounds if r[2])
+    assert drafter.policy.planner.overhead.rounds == sum(1 for r in rounds if r[2])
     assert hybrid.ngram_planner.overhead.rounds == sum(1 for r in rounds if not r[2])

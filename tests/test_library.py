@@ -45,7 +45,7 @@ def test_the_readme_library_example_runs_at_the_cli_speed_path(capsys, selfspec_
     with contextlib.redirect_stdout(printed):
         exec(compile(readme_library_example(), "README.md (Library use)", "exec"), scope)
     assert printed.getvalue().strip()  # it answered
-    engine = scope["method"].proposer.engine
+    engine = scope["method"].engine
     lib = (kernels.pool_threads(), torch.get_num_threads(), engine.target_precision, getattr(engine.model, "_selfspec_gguf", None) is not None)
     capsys.readouterr()
     assert main(["generate", "-P", "Name three primary colours.", "-n", "2", "--method", "ar"]) == 0

@@ -7,6 +7,7 @@ import torch
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver
 from selfspec_cli.decoding.drafts import NoDraft, Plan, depth as draft_depth
+from selfspec_cli.decoding.driver import Taps
 from selfspec_cli.decoding.state import DecodeState
 from selfspec_cli.decoding.cost import Planner, RoundClock, VerifyCurve
 from selfspec_cli.engine import Engine
@@ -227,7 +228,7 @@ def test_round_clock_measures_rounds_in_plain_rounds_then_t1():
     clock.plain_round(0.040)  # running average: 0.8 * 20 + 0.2 * 40 ms
     assert clock.plain_s == pytest.approx(0.024)
     assert clock.steps(0.048, context=10_000) == pytest.approx(2.0)
-    assert RoundClock(None).steps(1.0, 64) is None  # a proposer that does not plan: no unit
+    assert RoundClock(None).steps(1.0, 64) is None  # a policy that does not plan: no unit
 
 
 # v(m) at every row count a pld round verifies (no interpolation involved), for a 10 ms plain step
@@ -264,24 +265,24 @@ def test_driver_times_drafting_rounds_against_plain_ones(monkeypatch, virtual_cl
         eng = _engine_with_curve_v()
         m = build("pld", eng)
         seen: list[tuple[int, float | None]] = []
-        real = m.update
+        real = m.drafter.accept
 
         def spy(state, rnd):
             seen.append((draft_depth(rnd.draft), rnd.steps))
             real(state, rnd)
 
-        m.update = spy
+        m.drafter.accept = spy
         ar = AR(eng).generate(prompt, cfg).token_ids
         assert m.generate(prompt, cfg).token_ids == ar
         assert any(n == 0 for n, _ in seen) and all(r is None for n, r in seen if n == 0)
         drafted = [(n, r) for n, r in seen if n]
         assert len(drafted) >= 7, seen
         assert all(r == pytest.approx(V[n + 1] + steps) for n, r in drafted), (steps, drafted)
-        assert m.overhead.rounds == len(drafted)
+        assert m.policy.overhead.rounds == len(drafted)
         if steps:
-            assert 0.2 < m.overhead.value <= steps + 1e-9
+            assert 0.2 < m.policy.overhead.value <= steps + 1e-9
         else:
-            assert m.overhead.value == pytest.approx(0.0, abs=1e-9)
+            assert m.policy.overhead.value == pytest.approx(0.0, abs=1e-9)
 
 
 def test_verify_curve_interpolates_and_is_the_running_maximum_of_its_readings(monkeypatch, virtual_clock):
@@ -361,14 +362,14 @@ def test_driver_reports_predicted_and_realized_gain(monkeypatch, virtual_clock):
     _exact_machine(monkeypatch, virtual_clock, {"steps": 0.0})
     m = build("pld", _engine_with_curve_v())
     plans = []
-    real = m.propose
+    real = m.drafter.draft
 
     def spy(state, budget):
         d = real(state, budget)
         plans.append(d.plan)
         return d
 
-    m.propose = spy
+    m.drafter.draft = spy
     res = m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=30))
     st = res.stats.as_dict()
     lengths = res.stats.draft_lengths
@@ -383,12 +384,12 @@ def test_driver_reports_predicted_and_realized_gain(monkeypatch, virtual_clock):
 
 
 def test_autos_first_decode_is_measured_in_plain_steps(monkeypatch, virtual_clock):
-    """The round clock takes its unit from the proposer's curve when a decode starts: ``auto`` has it
+    """The round clock takes its unit from the policy's curve when a decode starts: ``auto`` has it
     from construction, so even a process's first decode learns its rounds' overhead and reports its
     realized gain (it read 0.0 when auto took the curve only at its first proposal)."""
     _exact_machine(monkeypatch, virtual_clock, {"steps": 0.0})
     m = build("auto", _engine_with_curve_v(), ngram_only=True)
-    assert m.curve is not None
+    assert m.policy.curve is not None
     res = m.generate(_prompt(12, 3) * 3, GenerationConfig(max_new_tokens=30))
     st = res.stats.as_dict()
     assert any(res.stats.draft_lengths)
@@ -414,27 +415,28 @@ def test_proxy_objective_is_the_rounds_cost_model():
 
 
 class _NeverPays:
-    """A layer-skip stand-in whose drafts never pay; records when it is asked to propose."""
+    """A layer-skip stand-in (a method with its drafter and policy: itself) whose drafts never pay;
+    records when it is asked to draft."""
 
-    name, lookahead, curve = "stub", 0, None
+    name, lookahead, taps, curve = "stub", 0, Taps(), None
 
     def __init__(self) -> None:
         self.proposed = 0
-        self.proposer = self  # the method's stack: itself
+        self.drafter = self.policy = self  # the method's drafter and policy: itself
 
-    def expected_gain(self, state, budget: int) -> float:
+    def gain(self, state, budget: int) -> float:
         return 0.9
 
-    def propose(self, state, budget):
+    def draft(self, state, budget):
         self.proposed += 1
         return NoDraft()
 
     def begin(self, state, prefill) -> None: ...
 
-    def prefill_options(self) -> dict:
-        return {}
+    def accept(self, *a) -> None: ...
 
-    def update(self, *a) -> None: ...
+    def end(self) -> dict:
+        return {}
 
     def describe(self) -> dict:
         return {}
@@ -447,11 +449,11 @@ def test_auto_lets_sources_take_turns_when_none_pays():
     state = DecodeState(eng, [3, 4, 3, 4, 3], max_new_tokens=8, lookahead=4, sampling=GenerationConfig().sampling,
                         generator=None)
     pld_calls = []
-    auto.pld.propose = lambda st, b: pld_calls.append(b) or NoDraft()
-    auto.pld.candidate = lambda st, b: ([4, 3], 3)  # a match every round...
-    auto.pld.planner(3).best = lambda c, b: (0, 1.0)  # ...that does not pay either
+    auto.ngram.draft = lambda st, b: pld_calls.append(b) or NoDraft()
+    auto.ngram.source.candidate = lambda st, b: ([4, 3], 3)  # a match every round...
+    auto.ngram.policy.planner(3).best = lambda c, b: (0, 1.0)  # ...that does not pay either
     for _ in range(6):
-        auto.propose(state, 4)
+        auto.drafter.draft(state, 4)
     assert stub.proposed == 3 and len(pld_calls) == 3  # each source gets every other round (and its own probes)
 
 
@@ -464,9 +466,9 @@ def test_pld_draft_ends_at_an_end_of_sequence_token():
                         generator=None, eos=frozenset({2}))
     assert state.through_stop([2, 7, 8]) == [2] and state.through_stop([7, 8]) == [7, 8]
     pld = build("pld", eng, None)
-    pld.planner(2).plan = lambda c, n: n  # take every token this round offers
-    assert pld.propose(state, 4).tokens == [2]
-    assert build("pld", eng, None, paper_drafting=True).propose(state, 4).tokens == [2, 7, 8, 9]
+    pld.policy.planner(2).plan = lambda c, n: n  # take every token this round offers
+    assert pld.drafter.draft(state, 4).tokens == [2]
+    assert build("pld", eng, None, paper_drafting=True).drafter.draft(state, 4).tokens == [2, 7, 8, 9]
 
 
 @pytest.mark.skipif(__import__("selfspec_cli.engine.kernels", fromlist=["x"]).load_extension() is None,
@@ -482,9 +484,9 @@ def test_auto_learns_ngram_acceptance_from_the_ngram_branch_of_hybrid_rounds(tin
     known_costs(monkeypatch, virtual_clock, draft=0.05)
     eng = Engine(make_tiny_model("llama-gqa"))
     auto = build("auto", eng, tiny_tokenizer, draft_precision="int8")
-    assert auto.quant.drafter.draft_cost() == pytest.approx(0.05) and VerifyCurve.for_engine(eng).ratios[4] == pytest.approx(V[4])
+    assert auto.quant.configuration.policy.draft_cost() == pytest.approx(0.05) and VerifyCurve.for_engine(eng).ratios[4] == pytest.approx(V[4])
     prompt = [5, 6, 7, 8, 9, 10, 11] * 4  # lookups match from the first round
     auto.generate(prompt, GenerationConfig(max_new_tokens=40))
-    own = auto.rounds["ngram"]
-    seen = sum(p.acceptance.reached[1] for p in auto.pld.planners.values())
-    assert auto.rounds["quant"] > 0 and seen > own, (dict(auto.rounds), seen)
+    own = auto.drafter.rounds["ngram"]
+    seen = sum(p.acceptance.reached[1] for p in auto.ngram.policy.planners.values())
+    assert auto.drafter.rounds["quant"] > 0 and seen > own, (dict(auto.drafter.rounds), seen)

@@ -24,6 +24,7 @@ from selfspec_cli.bench import engine_profile
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.decoding import cost
 from selfspec_cli.decoding import layer_skip as layer_skip_mod
+from selfspec_cli.decoding import policy as policy_mod
 from selfspec_cli.decoding.drafts import Chain
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.engine import Engine, kernels, quant
@@ -501,7 +502,7 @@ def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
     weights give at the same position (what a draft that forgot its precision would report)."""
     model, prompt, law = small_setup
     m = _specqd(model)
-    orig_propose = layer_skip_mod.LayerSkipDrafter.propose
+    orig_propose = layer_skip_mod.LayerSkipDrafter.draft
 
     def propose(self, state, budget):
         draft = orig_propose(self, state, budget)
@@ -518,7 +519,7 @@ def test_specqd_sampling_control_wrong_law_fails(small_setup, monkeypatch):
             draft = dataclasses.replace(draft, q=torch.stack(rows))
         return draft
 
-    monkeypatch.setattr(layer_skip_mod.LayerSkipDrafter, "propose", propose)
+    monkeypatch.setattr(layer_skip_mod.LayerSkipDrafter, "draft", propose)
     samples = _pairs(m, prompt, 2500)
     assert distribution_test(samples, law) < ALPHA
 
@@ -597,14 +598,14 @@ def test_a_draft_ends_at_an_end_of_sequence_token(method, options):
     cfg = GenerationConfig(max_new_tokens=24, eos_token_ids=(stop,))
     m = build(method, eng, None, **options)
     drafts = []
-    propose = m.proposer.propose
+    propose = m.drafter.draft
 
     def spy(state, budget):
         d = propose(state, budget)
         drafts.append(list(d.tokens) if isinstance(d, Chain) else [])
         return d
 
-    m.proposer.propose = spy
+    m.drafter.draft = spy
     res = m.generate(prompt, cfg)
     assert res.token_ids == AR(eng).generate(prompt, cfg).token_ids
     assert res.token_ids[-1] == stop
@@ -638,19 +639,19 @@ def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draf
 @needs_kernel
 def test_full_depth_quantized_planners_start_from_the_measured_agreement(tiny_tokenizer):
     eng = Engine(make_tiny_model("llama-gqa"))
-    ids = encode_turn(tiny_tokenizer, [{"role": "user", "content": layer_skip_mod.AGREEMENT_PROMPT}], True)
+    ids = encode_turn(tiny_tokenizer, [{"role": "user", "content": policy_mod.AGREEMENT_PROMPT}], True)
     hits, n = cost.draft_agreement(eng, "int8", ids)
     q = (hits + 1) / (n + 2)
     assert q != 0.5
     specqd = build("specqd", eng, tiny_tokenizer, draft_precision="int8")
-    assert specqd.proposer.planner.prior == q and specqd.proposer.planner.acceptance.rate(1) == pytest.approx(q)
+    assert specqd.policy.planner.prior == q and specqd.policy.planner.acceptance.rate(1) == pytest.approx(q)
     # a skip set on top: its own planner knows nothing yet; full depth on the same weights starts from q
     ssd = build("self-sd", eng, tiny_tokenizer, draft_precision="int8", skip_attn="1", skip_mlp="2")
-    assert ssd.proposer.skip.planner.prior == 0.5
-    assert ssd.proposer.full.planner.prior == q
+    assert ssd.drafter.skip.policy.planner.prior == 0.5
+    assert ssd.drafter.full.policy.planner.prior == q
     # target-precision drafts and drafts without a tokenizer keep the flat prior
-    assert build("self-sd", eng, tiny_tokenizer, draft_precision="target", skip_attn="1").proposer.planner.prior == 0.5
-    assert build("specqd", eng, None, draft_precision="int8").proposer.planner.prior == 0.5
+    assert build("self-sd", eng, tiny_tokenizer, draft_precision="target", skip_attn="1").policy.planner.prior == 0.5
+    assert build("specqd", eng, None, draft_precision="int8").policy.planner.prior == 0.5
 
 
 def test_a_direct_gguf_models_directory_keeps_only_its_blocks_copy(tmp_path, draft_cache):

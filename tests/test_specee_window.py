@@ -137,7 +137,7 @@ def run_specee(model, prompt: list[int], n: int, kv_mode: str):
     rounds: list[tuple[int, torch.Tensor]] = []
     calls: list[torch.Tensor] = []
     caches = []
-    forward, propose, new_cache = eng.forward, m.propose, eng.new_cache
+    forward, propose, new_cache = eng.forward, m.drafter.draft, eng.new_cache
 
     def spy_forward(*a, **kw):
         out = forward(*a, **kw)
@@ -154,7 +154,7 @@ def run_specee(model, prompt: list[int], n: int, kv_mode: str):
         rounds.append((exited[0] if exited else L - 1, calls[-1]))
         return draft
 
-    eng.forward, m.propose = spy_forward, spy_propose
+    eng.forward, m.drafter.draft = spy_forward, spy_propose
     eng.new_cache = lambda capacity: caches.append(new_cache(capacity)) or caches[-1]
     res = m.generate(prompt, GenerationConfig(max_new_tokens=n))
     # the statistics agree with what was seen round by round

@@ -19,6 +19,7 @@ from selfspec_cli.engine import Engine
 from selfspec_cli.errors import ConfigError
 from selfspec_cli.methods import AR
 from selfspec_cli.methods.self_sd import SelfSD
+from selfspec_cli.methods.base import DraftInputs
 
 from .conftest import ARCHS, VOCAB, make_tiny_model
 from .test_decoding import ALPHA, distribution_test
@@ -38,7 +39,7 @@ def test_self_sd_greedy_equals_ar(arch, tree, vocab):
     ar = AR(eng)
     ids = None if vocab is None else torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:vocab]
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(cost_aware=False, max_draft=6, threshold=0.3, tree=tree),
-                vocab=ids)
+                inputs=DraftInputs(vocab=ids))
     if vocab is not None:
         assert sd.describe()["draft_vocab"] == vocab
     drafted = 0
@@ -68,14 +69,14 @@ def test_tree_node_cap_bounds_every_tree_and_keeps_parity(cap, monkeypatch):
                      tree_topk=((1.0, 4),), tree_max_nodes=cap)
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=dc)
     sizes: list[int] = []
-    orig = sd.proposer.propose
+    orig = sd.drafter.draft
 
     def spy(ctx, budget):
         d = orig(ctx, budget)
         sizes.append(len(d.tokens) if isinstance(d, (Chain, Tree)) else 0)
         return d
 
-    monkeypatch.setattr(sd.proposer, "propose", spy)
+    monkeypatch.setattr(sd.drafter, "draft", spy)
     res = sd.generate(prompt, want_cfg)
     assert res.token_ids == want
     assert sizes and max(sizes) <= cap

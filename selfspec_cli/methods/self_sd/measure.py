@@ -35,6 +35,7 @@ from ...decoding.layer_skip import DraftSettings
 from ...decoding.output import DecodeResult
 from ...engine import Engine
 from ..ar import AR
+from ..base import DraftInputs
 from . import SelfSD, SelfSDConfig, SkipSet
 
 DEFAULT_DRAFT = DraftSettings(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
@@ -144,7 +145,7 @@ def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[in
     proxy uses (default: the engine's own)."""
     def make() -> Any:
         return SelfSD(engine, tokenizer, SelfSDConfig(), SkipSet(skip_attn, skip_mlp), draft=draft,
-                      weights=None if precision == "target" else precision, vocab=vocab).generate
+                      inputs=DraftInputs(None if precision == "target" else precision, vocab)).generate
 
     m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
     c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c, vocab)
