@@ -1,6 +1,6 @@
 """T(1) and v(8) within one process, the weights' packed panels re-allocated between measurements (issue 23 (12)).
 
-Run: python scripts/weight_placement.py  (default model, 1 thread, about 2 min; docs/log.md 2026-11-26 session 9)
+Run: python scripts/weight_placement.py  (default model, 1 thread, about 2 min; first run 2026-11-26)
 """
 import gc, statistics, torch
 torch.set_num_threads(1)

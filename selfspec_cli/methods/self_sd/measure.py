@@ -168,16 +168,12 @@ class Candidates:
         self.engine, self.tokenizer, self.prompt_ids, self.cfg = engine, tokenizer, prompt_ids, cfg
         self.precisions, self.draft, self.repeats, self.proxy = tuple(precisions), draft, repeats, proxy
         self.vocabs = draft_vocabs(engine, self.precisions)
+        # per precision, how many tokens its drafts score (``full``: all)
+        self.vocab_sizes: dict[str, int | str] = {p: "full" if v is None else int(v.numel()) for p, v in self.vocabs.items()}
+        # the precisions whose drafts score a draft vocabulary (their full-depth draft is cheaper than a step)
+        self.cheap_heads: list[str] = [p for p, v in self.vocabs.items() if v is not None]
         self.full_c: dict[str, float] = {}  # precision -> c of its full-depth draft step (inputs)
         self.curve: VerifyCurve | None = None  # the study's verify curve (inputs; None: the engine's own)
-
-    def vocab_sizes(self) -> dict[str, int | str]:
-        """Per precision, how many tokens its drafts score (``full``: all)."""
-        return {p: "full" if v is None else int(v.numel()) for p, v in self.vocabs.items()}
-
-    def cheap_heads(self) -> list[str]:
-        """The precisions whose drafts score a draft vocabulary (their full-depth draft is cheaper than a step)."""
-        return [p for p, v in self.vocabs.items() if v is not None]
 
     def inputs(self, study: Any) -> None:
         """The proxy's measured inputs, measured once per study by the first worker and kept in it, so that
