@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .config import GenerationConfig
-from .decoding.cost import timed
+from .decoding.measure import timed
 from .decoding.output import DecodeResult
 from .errors import ConfigError
 from .prompts import Prompt, encode_turn

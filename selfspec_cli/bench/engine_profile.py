@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.cost import VerifyCurve, timed, weight_bytes
+from ..decoding.cost_store import curve_for
+from ..decoding.measure import VerifyCurve, timed, weight_bytes
 from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
@@ -116,7 +117,7 @@ def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, dr
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = (1,),
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
-    """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.cost.VerifyCurve`:
+    """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.measure.VerifyCurve`:
     one full reading per engine, shared with the planners, read from this machine's store of costs
     when it holds a full one, else measured and stored), and c(r) and the LM head's share at
     the context of ``prompt_ids`` (over a one-row step timed there, the median of ``rounds``);
@@ -144,9 +145,9 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     vocab = {} if sub is None else {
         "draft_vocab_size": int(draft_vocab.numel()),
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
-    # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost.py)
+    # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost_store.py)
     return {
-        **curve_fields(VerifyCurve.for_engine(engine, full=True)), "draft_context_tokens": ctx,
+        **curve_fields(curve_for(engine, full=True)), "draft_context_tokens": ctx,
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
         "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3),
@@ -322,7 +323,7 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
                        max_new_tokens: int, eos_ids: tuple[int, ...] = (),
                        on_method: Callable[[int, str], None] | None = None) -> dict[str, Any]:
     """Each cost-aware method's predicted speedup over plain decoding on this machine: its
-    rounds' expected tokens over their cost in plain steps (decoding/cost.py), summed over
+    rounds' expected tokens over their cost in plain steps (decoding/planning.py), summed over
     greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and
     draft costs, the acceptance what the method saw on these prompts. A method whose
     artifacts are missing is reported with the reason."""

@@ -50,7 +50,7 @@ def _subset(repeats: Repeats | None, ids: set[Any]) -> Repeats | None:
 
 
 def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] | None:
-    """What the drafting plans predicted (decoding/cost.py: expected tokens over cost in plain
+    """What the drafting plans predicted (decoding/planning.py: expected tokens over cost in plain
     steps, summed over every round of every prompt), the skip ratio of layer-skipping
     methods; None for methods that do not plan."""
     turn_stats = [TurnStats.from_dict(t.get("stats", {})) for r in res.records for t in (r.get("turns") or [r])]

@@ -62,7 +62,7 @@ class DecodeStats:
 
 @dataclass(frozen=True, slots=True)
 class PlanTotals:
-    """What a decode's drafting plans predicted, summed over its rounds (decoding/cost.py)."""
+    """What a decode's drafting plans predicted, summed over its rounds (decoding/planning.py)."""
 
     expected_tokens: float
     cost_steps: float  # in plain steps
