@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
 from .cost_store import observe_forward
-from .planning import RoundClock
+from .planning import RoundClock, round_gain
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
@@ -188,7 +188,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
         stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
-            stats.extra["predicted_gain"] = round(expected / cost, 4)
+            stats.extra["predicted_gain"] = round(round_gain(expected, cost), 4)
             stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
     stats.extra.update(proposer.describe())
     return sink.result(stats)

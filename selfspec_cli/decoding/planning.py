@@ -168,10 +168,10 @@ def round_gain(tokens: float, cost: float) -> float:
     return tokens / cost
 
 
-def predicted_speedup(plans: Sequence[Any]) -> float | None:
-    """The speedup a run's plans predict over plain decoding: their expected tokens over their cost, summed
-    over rounds (each plan an ``(expected_tokens, cost)`` pair in plain steps: a :class:`Plan`, or a
-    decode's :class:`~.output.PlanTotals` as ``(expected_tokens, cost_steps)``); None without cost."""
+def predicted_speedup(plans: Sequence[tuple[float, float]]) -> float | None:
+    """The speedup plans predict over plain decoding: their expected tokens over their cost, each summed
+    (``plans``: ``(expected_tokens, cost in plain steps)`` pairs, a round's :class:`Plan` or a decode's
+    totals); None when they cost nothing."""
     cost = sum(p[1] for p in plans)
     return round_gain(sum(p[0] for p in plans), cost) if cost else None
 
