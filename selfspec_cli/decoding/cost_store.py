@@ -9,15 +9,10 @@ quantized draft's agreement with the target is a property of the two sets of wei
 the machine: it stays beside the draft copy's own disk cache
 (:func:`selfspec_cli.decoding.measure.draft_agreement`).
 
-**Each engine's costs** (the last section): :func:`curve_for` is the engine's one verify curve
-(read from the store; measured, :mod:`.measure`, and stored only when none is), which the planners
-(:mod:`.planning`), ``selfspec profile`` and the bench read; :func:`draft_cost_for` a draft
-variant's c the same way. A machine with nothing stored takes a short reading
-(:data:`~.measure.SHORT_ROWS`, :data:`~.measure.SHORT_ROUNDS` passes, no slope: about an eighth
-of the full reading's time) and says so in one line on stderr; every process's rounds then refine
-the store at its exit, and ``selfspec profile`` takes the full reading (``--remeasure``: a fresh
-one). An engine in :func:`measure_fresh` mode (the bench) measures everything itself, as before
-the store, and stores what it measured.
+**Each engine's costs** (the last section): :func:`curve_for`, the engine's one verify curve, and
+:func:`draft_cost_for`, a draft variant's c: read from the store, measured (:mod:`.measure`) and
+stored only when none is (a short first reading, said on stderr; ``selfspec profile`` takes the full
+one). An engine in :func:`measure_fresh` mode (the bench) measures everything itself.
 
 The key (:func:`machine_key`) is everything that sets those costs and does not change while
 the machine stays the same: the model's fingerprint, the target's precision (``fp32``,

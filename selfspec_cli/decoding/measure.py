@@ -1,24 +1,15 @@
-"""Measuring costs: timing forwards of this engine, T(1), v(m) and c, and the byte model of c.
+"""Measuring costs: timing this engine's forwards (T(1), v(m), c) and c's byte model.
 
-Every cost is measured with :func:`timed` (wall time, with a device synchronize on each
-side on CUDA), which the runtime, calibration and the bench time with too.
+Every cost is timed with :func:`timed` (wall time, a device synchronize on each side on CUDA), which
+the runtime, calibration and the bench time with too. :class:`VerifyCurve` is v(m) and T(1) with
+their growth with the context (:meth:`VerifyCurve.measure`); which reading an engine plans with is
+the store's (:mod:`.cost_store`), what a round costs the planner's (:mod:`.planning`). c is timed
+(:func:`draft_step_cost`) or, before that, read from weight bytes (:func:`prior_draft_cost`);
+:func:`draft_agreement` is a quantized draft's one-token agreement, kept beside its disk cache.
 
-* :class:`VerifyCurve`: ``v(m)``, a full-depth forward of ``m`` rows over one of one row, and
-  T(1) in seconds, with T(1)'s growth with the context (:meth:`VerifyCurve.measure` times it:
-  :data:`CURVE_ROWS` row counts, :data:`CURVE_ROUNDS` interleaved passes, the median kept; a
-  short first reading, :data:`SHORT_ROWS` x :data:`SHORT_ROUNDS`, on a machine with nothing
-  stored). Which reading an engine plans with, and how it is kept on disk, is the store's
-  (:mod:`.cost_store`: ``curve_for``); what a round costs and which draft length pays is the
-  planner's (:mod:`.planning`).
-* ``c``, one draft step over one plain step: timed (:func:`draft_step_cost`), or before any
-  is timed from the weight bytes it reads (:func:`prior_draft_cost`, :func:`weight_bytes`:
-  batch-1 decoding is memory-bound, docs/engine.md).
-* a quantized draft's one-token agreement with the target (:func:`draft_agreement`), kept
-  beside the draft copy's disk cache (a property of the two sets of weights, not of the machine).
-
-Invariants: measuring never changes a forward's result (it times forwards of a scratch cache
-after a synthetic prefix); every reading is a median over interleaved passes, so that every
-variant sees the same drifts of the host (docs/engine.md, "How far the readings repeat").
+Invariants: measuring never changes a forward's result (scratch caches after a synthetic prefix);
+each reading is a median over interleaved passes, so every variant sees the same drifts of the host
+(docs/engine.md, "How far the readings repeat").
 """
 from __future__ import annotations
 
