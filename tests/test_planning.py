@@ -3,8 +3,6 @@ round, the planners', the hybrid merge's, ``selfspec profile``'s draft verdict a
 of a decode and of the bench, is computed by it and agrees with what the planner computes."""
 from __future__ import annotations
 
-import operator
-from itertools import accumulate
 
 import pytest
 
