@@ -6,7 +6,7 @@ import gc, statistics, torch
 torch.set_num_threads(1)
 from selfspec_cli.loading import load_model
 from selfspec_cli.engine import Engine, kernels
-from selfspec_cli.decoding.cost import VerifyCurve
+from selfspec_cli.decoding.measure import VerifyCurve
 mdl, tok = load_model(None)
 eng = Engine(mdl)
 lins = [o for o in gc.get_objects() if isinstance(o, kernels.Linear) and o.packed is not None]

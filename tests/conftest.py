@@ -149,13 +149,13 @@ class VirtualClock:
 
 @pytest.fixture
 def virtual_clock(monkeypatch) -> VirtualClock:
-    """A :class:`VirtualClock` as ``time`` of every module that times decoding: decoding/cost.py
+    """A :class:`VirtualClock` as ``time`` of every module that times decoding: decoding/measure.py
     (``timed``: run_prompt's wall times, the profile's and the verify curve's readings), the
     driver (rounds, prefill) and the layer-skip proposer (its draft step)."""
-    from selfspec_cli.decoding import cost, driver, layer_skip
+    from selfspec_cli.decoding import driver, layer_skip, measure
 
     clock = VirtualClock()
-    for mod in (cost, driver, layer_skip):
+    for mod in (measure, driver, layer_skip):
         monkeypatch.setattr(mod, "time", clock)
     return clock
 

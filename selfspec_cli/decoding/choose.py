@@ -3,7 +3,7 @@ when none pays.
 
 Each source is a :class:`~.driver.Proposer` that also answers ``expected_gain(state, budget)``:
 its planner's best expected tokens per plain step at its measured draft cost and acceptance
-(:class:`~.cost.Planner`), or None when it cannot draft this round. The round goes to the
+(:class:`~.planning.Planner`), or None when it cannot draft this round. The round goes to the
 source with the highest gain (ties: the one listed first), which then plans its own draft
 length and may still decline or probe. When no source pays (every gain at most 1), the
 sources take turns, so that each one's own probes still run and its statistics stay

@@ -22,9 +22,9 @@ statistics with one definition (:class:`~.loop.DecodeStats`), cache capacity (in
    stopping rules, and ``proposer.update(state, round)`` learns what was accepted and
    what the round cost (:class:`~.drafts.Round`; as transformers separates
    ``get_candidates`` from ``update_candidate_strategy``). Time is measured with one
-   :class:`~.cost.RoundClock` per decode; nothing is written into the proposer. The
+   :class:`~.planning.RoundClock` per decode; nothing is written into the proposer. The
    seconds of each chain's (or plain step's) verify forward go to the store of the
-   machine's costs (:func:`~.cost.observe_forward`, decoding/cost_store.py), which the
+   machine's costs (:func:`~.cost_store.observe_forward`, decoding/cost_store.py), which the
    next process reads; they change nothing in this decode.
 
 An empty draft makes the round a plain decoding step, so ``ar`` is the proposer
@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
-from .cost import RoundClock, observe_forward
+from .cost_store import observe_forward
+from .planning import RoundClock, round_gain
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
@@ -59,7 +60,7 @@ class Proposer:
     (:meth:`prefill_options`: what the prefill must report, such as the per-layer attention
     cosines ASD's skip source reads, a stack passing its parts' answer up); ``curve``, the
     engine's verify curve when the proposer plans with measured costs (the driver's unit of a
-    round's cost, :class:`~.cost.RoundClock`, and its realized gain need it); None otherwise.
+    round's cost, :class:`~.planning.RoundClock`, and its realized gain need it); None otherwise.
     """
 
     lookahead: int = 0
@@ -187,7 +188,7 @@ def decode(proposer: Proposer, prompt_ids: list[int], cfg: GenerationConfig,
     if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
         stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
-            stats.extra["predicted_gain"] = round(expected / cost, 4)
+            stats.extra["predicted_gain"] = round(round_gain(expected, cost), 4)
             stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
     stats.extra.update(proposer.describe())
     return sink.result(stats)

@@ -13,7 +13,7 @@ kept). The driver then drops the draft K/V, verifies the pending token plus the 
 full depth, as a chain or as SWIFT's candidate tree (top-k siblings per depth, chosen by
 confidence), and keeps the accepted K/V.
 
-With ``cost_aware`` (the default) each round first asks the :class:`~.cost.Planner` how far
+With ``cost_aware`` (the default) each round first asks the :class:`~.planning.Planner` how far
 drafting pays at the measured draft cost and acceptance, and does not draft at all when it
 does not pay. Choosing between configurations (a skip set, or full depth on the same
 quantized weights) is :mod:`.choose`'s; merging an n-gram branch is :mod:`.hybrid`'s; a skip
@@ -31,7 +31,9 @@ import torch
 
 from ..engine import Engine
 from ..prompts import encode_turn
-from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step, prior_draft_cost
+from .cost_store import curve_for, draft_cost_for, observe_draft_step
+from .measure import draft_agreement, prior_draft_cost
+from .planning import Planner, ema
 from .choose import Choose, Option
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating, Proposer
@@ -60,7 +62,7 @@ class DraftSettings:
     tree: bool = False
     tree_topk: tuple[tuple[float, int], ...] = PAPER_TREE_TOPK
     tree_max_nodes: int | None = None
-    cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/cost.py)
+    cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/planning.py)
     kv_window: tuple[int, int] | None = None  # (sinks, window): drafts attend to those keys only (engine/runner.py)
 
     @property
@@ -102,7 +104,7 @@ AGREEMENT_PROMPT = "Write a short paragraph about a topic of your choice."
 def agreement_prior(engine: Engine, tokenizer: Any, weights: str) -> float:
     """Depth 1's prior acceptance for a full-depth quantized draft: its top-1 agreement with
     the target along the target's own greedy answer to a neutral instruction
-    (:func:`~selfspec_cli.decoding.cost.draft_agreement`, as (hits + 1) / (positions + 2)),
+    (:func:`~selfspec_cli.decoding.measure.draft_agreement`, as (hits + 1) / (positions + 2)),
     so that a fresh decode starts from what the copy is known to do rather than from 0.5,
     which prices a draft that costs c per token below plain decoding until a few rounds have
     run (docs/engine.md, "Quantized drafts"). 0.5 without a tokenizer."""
@@ -190,7 +192,7 @@ class LayerSkipDrafter(Proposer):
         self._prior: tuple[SkipPair, float] | None = None  # the target-weight prior for the current skip set
         self.drafting_rounds = 0
         if settings.cost_aware:
-            VerifyCurve.for_engine(engine)  # measured now (once per engine), not inside a timed decode
+            curve_for(engine)  # measured now (once per engine), not inside a timed decode
         if weights is not None:
             engine.quantized(weights)  # the quantized copy is built (or read from its disk cache) now
         self.vocab_ids = self._vocab_index = self._vocab_head = None
@@ -208,7 +210,7 @@ class LayerSkipDrafter(Proposer):
 
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share of the
-        weight bytes the skip set reads, :func:`~.cost.prior_draft_cost`, or a quantized draft's
+        weight bytes the skip set reads, :func:`~.measure.prior_draft_cost`, or a quantized draft's
         timed step)."""
         if self.step_c is not None and self.planner is not None:
             return self.step_c
@@ -228,7 +230,7 @@ class LayerSkipDrafter(Proposer):
 
     def _planner(self) -> Planner:
         if self.planner is None:
-            self.planner = Planner(VerifyCurve.for_engine(self.engine), self.settings.max_draft,
+            self.planner = Planner(curve_for(self.engine), self.settings.max_draft,
                                    width=2 if self.settings.tree else 1, prior=self.prior)
             self.curve = self.planner.curve
         return self.planner

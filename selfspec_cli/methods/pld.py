@@ -10,7 +10,7 @@ probability ``p(d)``, else resample from ``p`` without ``d``), which emits exact
 target's distribution.
 
 Cost-aware (default): drafting a lookup costs no model forward, but verifying ``k``
-drafts costs ``v(k + 1)`` plain steps; a :class:`~selfspec_cli.decoding.cost.Planner`
+drafts costs ``v(k + 1)`` plain steps; a :class:`~selfspec_cli.decoding.planning.Planner`
 per n-gram length tracks acceptance by depth and chooses how many of the looked-up
 tokens to verify (none when they do not pay).
 """
@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..decoding.cost import Overhead, Planner, VerifyCurve
+from ..decoding.cost_store import curve_for
+from ..decoding.planning import Overhead, Planner
 from ..decoding.drafts import Chain, Draft, NgramNote, NoDraft, Round
 from ..decoding.state import DecodeState
 from ..engine import Engine
@@ -75,11 +76,11 @@ class PromptLookup(SelfProposing):
         self.overhead = Overhead()  # a lookup round costs the same whatever the n-gram length: one average
         self._last_lookup: tuple[Any, tuple[list[int], int]] = (None, ([], 0))
         if not self.config.paper_drafting:
-            self.curve = VerifyCurve.for_engine(engine)  # measured now (once per engine), not inside a timed decode
+            self.curve = curve_for(engine)  # measured now (once per engine), not inside a timed decode
 
     def planner(self, n: int) -> Planner:
         if n not in self.planners:
-            self.curve = VerifyCurve.for_engine(self.engine)
+            self.curve = curve_for(self.engine)
             self.planners[n] = Planner(self.curve, self.config.max_draft, overhead=self.overhead)
         return self.planners[n]
 

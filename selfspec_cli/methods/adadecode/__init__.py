@@ -55,7 +55,9 @@ from typing import Any
 import torch
 
 from ...artifacts import ArtifactSpec, load_layers
-from ...decoding.cost import ProbeBudget, VerifyCurve, timed
+from ...decoding.cost_store import curve_for
+from ...decoding.measure import timed
+from ...decoding.planning import ProbeBudget
 from ...decoding.drafts import Deferred, Draft, HeadsNote, NoDraft, Round
 from ...decoding.sampling import processed_probs
 from ...decoding.state import DecodeState
@@ -147,12 +149,12 @@ class AdaDecode(SelfProposing):
         self.exits: dict[int, int] = {}
         # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
         self.head_stats = {k: [2.0, 1.0, 0.5] for k in self.heads}
-        self.probes = {k: ProbeBudget() for k in self.heads}  # probes per head (decoding/cost.py)
+        self.probes = {k: ProbeBudget() for k in self.heads}  # probes per head (decoding/planning.py)
         self.head_cost = 0.0 if config.paper_drafting else self._measure_head_cost()
 
     def _measure_head_cost(self) -> float:
         """One head check (low-rank correction + the LM head on one row) over a plain step."""
-        self.curve = VerifyCurve.for_engine(self.engine)
+        self.curve = curve_for(self.engine)
         k = min(self.heads)
         row = torch.zeros(1, self.engine.adapter.hidden_size, dtype=self.engine.dtype, device=self.engine.device)
         self._head(k, row)  # warm-up: the first call allocates
