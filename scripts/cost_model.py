@@ -9,7 +9,8 @@ Measures on one model (default: the shipped one), batch 1, greedy:
   * teacher-forced matchness of the uniform set and the best of N random sets at several r;
   * the speedup ceiling of chain drafting: max over draft length k of
     E[tokens per round] / (k c(r) + v(k + 1)) with i.i.d. per-token acceptance alpha,
-    E = (1 - alpha^(k+1)) / (1 - alpha), for the measured matchness and for alpha = 1.
+    E = 1 + alpha + ... + alpha^k (decoding/planning.py's one formula), for the measured matchness
+    and for alpha = 1.
 
     python scripts/cost_model.py --out docs/cost_model.json --plot docs/img/cost_model.png
 """
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import random
 import statistics
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from selfspec_cli.bench.suite_loader import load_suite  # noqa: E402
+from selfspec_cli.decoding.planning import expected_tokens, round_gain  # noqa: E402
 from selfspec_cli.engine import Engine  # noqa: E402
 from selfspec_cli.loading import load_model  # noqa: E402
 
@@ -159,8 +163,8 @@ def matchness_and_ceilings(args, eng, tok, L: int, res: dict) -> None:
         best = (0.0, 0)
         for k in range(1, 13):
             vk = v.get(k + 1) or v[min(v, key=lambda t: abs(t - (k + 1)))]
-            e = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-            best = max(best, (e / (k * c + vk), k))
+            e = expected_tokens(accumulate([alpha] * k, operator.mul))  # 1 + alpha + ... + alpha^k
+            best = max(best, (round_gain(e, k * c + vk), k))
         return round(best[0], 3), best[1]
 
     res["ceiling"] = {}

@@ -22,7 +22,7 @@ Categories:
 
 Every prompt ends mid-line at a token boundary of the uncut text (no newline, no
 trailing whitespace: the byte-level BPE merges a newline with the next line's
-indentation; see docs/log.md "Prompt boundary"), and fits the model's context with
+indentation, so a prompt cut after a newline would not end at a boundary of the uncut text), and fits the model's context with
 ``--max-new-tokens`` new tokens. Files that do not parse, contain tabs, non-ASCII
 text or lines over 100 characters are skipped, and each file gives at most one prompt.
 """

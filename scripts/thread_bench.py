@@ -1,6 +1,6 @@
 """Greedy ``ar`` decoding throughput vs CPU threads, OpenMP wait policy and a competing busy process.
 
-Reproduces the measurements behind the default of ``--threads`` (docs/log.md, 2026-11-23).
+Reproduces the measurements behind the default of ``--threads`` (docs/engine.md, "Threads"; measured 2026-11-23).
 Every configuration runs in a fresh subprocess, because OpenMP reads ``OMP_WAIT_POLICY``
 once, when torch's OpenMP runtime (libgomp) is loaded:
 

@@ -1,6 +1,6 @@
 """ar on examples/questions.jsonl x 64 tokens with the --threads auto governor, tallying the forwards
 at each thread count and every switch (forward index, from, to, that forward in ms); ONE=1: one
-thread, no governor. Run: PYTHONPATH=. python scripts/thread_governor_trace.py (docs/log.md, session 9)."""
+thread, no governor. Run: PYTHONPATH=. python scripts/thread_governor_trace.py (docs/engine.md, "Threads")."""
 import os, sys, json, time, collections
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 import torch

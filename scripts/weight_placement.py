@@ -1,12 +1,12 @@
 """T(1) and v(8) within one process, the weights' packed panels re-allocated between measurements (issue 23 (12)).
 
-Run: python scripts/weight_placement.py  (default model, 1 thread, about 2 min; docs/log.md 2026-11-26 session 9)
+Run: python scripts/weight_placement.py  (default model, 1 thread, about 2 min; first run 2026-11-26)
 """
 import gc, statistics, torch
 torch.set_num_threads(1)
 from selfspec_cli.loading import load_model
 from selfspec_cli.engine import Engine, kernels
-from selfspec_cli.decoding.cost import VerifyCurve
+from selfspec_cli.decoding.measure import VerifyCurve
 mdl, tok = load_model(None)
 eng = Engine(mdl)
 lins = [o for o in gc.get_objects() if isinstance(o, kernels.Linear) and o.packed is not None]

@@ -383,41 +383,29 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.device, log: Any = None) -> LiteLlama:
-    """The model of the directory ``where`` (config and tokenizer only; :func:`gguf_weights_file`) over its GGUF:
+def _float_groups(g: Any, cfg: Any) -> set[str]:
+    """The parameters of every fused product (q/k/v, gate/up) with a part of a float type: such a product runs
+    as one float matrix, so all its parts are read as float."""
+    from .engine.gguf_file import BLOCK_TYPES, gguf_name
 
-    * every matrix of a type the block kernel reads (Q4_K, Q6_K, Q8_0, ...) and the embedding stay in the
-      file: their parameters are shapes on the meta device, the engine reads the blocks (engine/quant.py) and
-      looks embedding rows up from them (``_selfspec_embed_rows``), so no float copy of them is made;
-    * norms, biases and matrices of float types (F32, F16, BF16) are float32 tensors, as transformers' loader
-      dequantizes them;
-    * ``_selfspec_materialize()`` dequantizes every matrix into the parameters (a float target, an int8
-      draft), the very values a converted model holds; ``_selfspec_sample`` gives the fingerprint its
-      samples without it (the same id as the converted model's).
-    """
-    from .engine.gguf_file import BLOCK_TYPES, GGUFTensors, gguf_name
-
-    d = Path(where)
-    path = gguf_weights_file(d)
-    if path is None or not Path(path).is_file():
-        raise ValueError(f"the GGUF file the model directory {d} reads ({path}) is gone")
-    g = GGUFTensors(path)
-    cfg = LiteConfig({**_read_json(d / "config.json"), "name_or_path": str(where), "_name_or_path": str(where)})
-    gen = _read_json(d / "generation_config.json")
-    model = LiteLlama(cfg, gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
-    tied = bool(cfg.tie_word_embeddings)
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    floats: list[str] = []
-    params = dict(model.named_parameters())
-    # a fused product (q/k/v, gate/up) with a part of a float type runs as one float matrix: all its parts float
     whole = set()
     for layer in range(cfg.num_hidden_layers):
         for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
             names = [f"model.layers.{layer}.{part}.weight" for part in group]
             if any(g.type_name(gguf_name(n)) not in BLOCK_TYPES for n in names if gguf_name(n) in g):
                 whole.update(names)
-    for name, p in params.items():  # a tied head is the embedding's parameter, listed once
+    return whole
+
+
+def _read_float_params(model: nn.Module, g: Any, path: str, whole: set[str], tied: bool, device: torch.device,
+                       dtype: torch.dtype) -> list[str]:
+    """Every parameter checked against the file (present, same shape); those not left in the file's blocks (norms,
+    biases, matrices of float types and the parts of ``whole``) dequantized into the model. The float matrices,
+    named with their types."""
+    from .engine.gguf_file import BLOCK_TYPES, gguf_name
+
+    floats: list[str] = []
+    for name, p in dict(model.named_parameters()).items():  # a tied head is the embedding's parameter, listed once
         gname = gguf_name(name, tied)
         if gname not in g:
             raise ValueError(f"tensor '{gname}' ({name}) is missing from {path}")
@@ -429,28 +417,41 @@ def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
         if p.dim() == 2:
             floats.append(f"{gname} ({g.type_name(gname)})")
         _set(model, name, g.dequantize_rows(gname).reshape(p.shape).to(device=device, dtype=dtype))
-    if floats and log is not None:
-        log(f"{len(floats)} matrices of {Path(path).name} are float types and run as float matrices: "
-            f"{', '.join(floats[:3])}{', ...' if len(floats) > 3 else ''}")
-    embed = "token_embd.weight"
-    # Rows already read, newest last: a decode step reads one row, which gguf-py's dequantize takes about 0.3 ms
-    # to give (a tenth of a SmolLM2 step at 2 threads); the same float32 values from here. Bounded to 16 MB.
-    seen: OrderedDict[int, torch.Tensor] = OrderedDict()
-    keep = max(64, (16 << 20) // (4 * g.shape(embed)[1]))
+    return floats
 
-    def embed_rows(ids: torch.Tensor) -> torch.Tensor:
+
+class _EmbedRows:
+    """Embedding rows looked up from the file's blocks. Rows already read, newest last: a decode step reads one
+    row, which gguf-py's dequantize takes about 0.3 ms to give (a tenth of a SmolLM2 step at 2 threads); the same
+    float32 values from here. Bounded to 16 MB."""
+
+    EMBED = "token_embd.weight"
+
+    def __init__(self, g: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.g, self.device, self.dtype = g, device, dtype
+        self.seen: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.keep = max(64, (16 << 20) // (4 * g.shape(self.EMBED)[1]))
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        seen = self.seen
         flat = [int(i) for i in ids.reshape(-1).tolist()]
         missing = sorted({i for i in flat if i not in seen})
         if missing:
-            for i, row in zip(missing, g.dequantize_rows(embed, np.asarray(missing, dtype=np.int64))):
-                seen[i] = row.to(device=device, dtype=dtype)
+            for i, row in zip(missing, self.g.dequantize_rows(self.EMBED, np.asarray(missing, dtype=np.int64))):
+                seen[i] = row.to(device=self.device, dtype=self.dtype)
         rows = []
         for i in flat:
             seen.move_to_end(i)
             rows.append(seen[i])
-        while len(seen) > keep:
+        while len(seen) > self.keep:
             seen.popitem(last=False)
         return torch.stack(rows)
+
+
+def _attach_file(model: nn.Module, g: Any, tied: bool, device: torch.device, dtype: torch.dtype) -> None:
+    """The hooks through which the engine reads the matrices left in the file: the file itself, embedding rows,
+    the fingerprint's samples and the dequantization of one or every matrix (see :func:`load_gguf_model`)."""
+    from .engine.gguf_file import gguf_name
 
     def sample(name: str, index: torch.Tensor) -> torch.Tensor:
         """Elements ``index`` of parameter ``name`` flattened (the fingerprint's strided sample)."""
@@ -474,9 +475,41 @@ def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
 
     model._selfspec_materialize_param = materialize_param
     model._selfspec_gguf = g
-    model._selfspec_embed_rows = embed_rows
+    model._selfspec_embed_rows = _EmbedRows(g, device, dtype)
     model._selfspec_sample = sample
     model._selfspec_materialize = materialize
+
+
+def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.device, log: Any = None) -> LiteLlama:
+    """The model of the directory ``where`` (config and tokenizer only; :func:`gguf_weights_file`) over its GGUF:
+
+    * every matrix of a type the block kernel reads (Q4_K, Q6_K, Q8_0, ...) and the embedding stay in the
+      file: their parameters are shapes on the meta device, the engine reads the blocks (engine/quant.py) and
+      looks embedding rows up from them (``_selfspec_embed_rows``), so no float copy of them is made;
+    * norms, biases and matrices of float types (F32, F16, BF16) are float32 tensors, as transformers' loader
+      dequantizes them;
+    * ``_selfspec_materialize()`` dequantizes every matrix into the parameters (a float target, an int8
+      draft), the very values a converted model holds; ``_selfspec_sample`` gives the fingerprint its
+      samples without it (the same id as the converted model's).
+    """
+    from .engine.gguf_file import GGUFTensors
+
+    d = Path(where)
+    path = gguf_weights_file(d)
+    if path is None or not Path(path).is_file():
+        raise ValueError(f"the GGUF file the model directory {d} reads ({path}) is gone")
+    g = GGUFTensors(path)
+    cfg = LiteConfig({**_read_json(d / "config.json"), "name_or_path": str(where), "_name_or_path": str(where)})
+    gen = _read_json(d / "generation_config.json")
+    model = LiteLlama(cfg, gen.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
+    tied = bool(cfg.tie_word_embeddings)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    floats = _read_float_params(model, g, path, _float_groups(g, cfg), tied, device, dtype)
+    if floats and log is not None:
+        log(f"{len(floats)} matrices of {Path(path).name} are float types and run as float matrices: "
+            f"{', '.join(floats[:3])}{', ...' if len(floats) > 3 else ''}")
+    _attach_file(model, g, tied, device, dtype)
     model.model.rotary_emb.to(device)
     for p in model.parameters():
         p.requires_grad_(False)

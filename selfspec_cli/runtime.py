@@ -7,14 +7,15 @@ synchronize on each side when running on CUDA.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .config import GenerationConfig
-from .decoding.cost import timed
-from .decoding.output import DecodeResult
+from .decoding.measure import timed
+from .decoding.output import TURN_SEPARATOR, DecodeResult, OutputRecord, TurnRecord, TurnStats
 from .errors import ConfigError
 from .prompts import Prompt, encode_turn
 
@@ -69,7 +70,8 @@ def run_prompt(
     use_chat_template: bool = True,
     lossless: bool = True,
 ) -> dict[str, Any]:
-    """Decode every turn of ``prompt`` and return its output record.
+    """Decode every turn of ``prompt`` and return its output record (an :class:`OutputRecord`, serialized:
+    :meth:`OutputRecord.to_dict`, the keys and values records always had).
 
     Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` are the
     turns' outputs concatenated and ``text`` the turns' texts joined by a blank line
@@ -81,7 +83,7 @@ def run_prompt(
     (multi-turn records only; a one-turn record is its own turn).
     """
     history: list[dict[str, str]] = []
-    turns: list[dict[str, Any]] = []
+    turns: list[TurnRecord] = []
     for turn in prompt.turns:
         history.append({"role": "user", "content": turn})
         ids = encode_turn(tokenizer, history, use_chat_template)
@@ -90,47 +92,22 @@ def run_prompt(
         if res.finish_reason == "length":  # cut inside a multi-byte character: drop the torn one (token_ids keep it)
             text = text.rstrip("\ufffd")
         history.append({"role": "assistant", "content": text})
-        stats = res.stats.as_dict()
-        turns.append({
-            "text": text,
-            "token_ids": res.token_ids,
-            "new_tokens": len(res.token_ids),
-            "accept_lengths": list(stats.get("accept_lengths", [])),
-            "prompt_tokens": len(ids),
-            "wall_time_s": wall,
-            "tokens_per_s": round(len(res.token_ids) / wall, 3) if wall > 0 else None,
-            "finish_reason": res.finish_reason,
-            "stats": stats,
-        })
-    new_tokens = sum(t["new_tokens"] for t in turns)
-    wall = sum(t["wall_time_s"] for t in turns)
-    record: dict[str, Any] = {
-        "id": prompt.id,
-        "method": method_name,
-        "lossless": lossless,
-        "text": TURN_SEPARATOR.join(t["text"] for t in turns),
-        "token_ids": [x for t in turns for x in t["token_ids"]],
-        "new_tokens": new_tokens,
-        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
-        "wall_time_s": round(wall, 6),
-        "tokens_per_s": round(new_tokens / wall, 3) if wall > 0 else None,
-        "finish_reason": turns[-1]["finish_reason"],
-        "stats": turns[0]["stats"] if len(turns) == 1 else _merge_stats([t["stats"] for t in turns]),
-    }
-    if prompt.category is not None:
-        record["category"] = prompt.category
-    if len(turns) > 1:
-        record.update(num_turns=len(turns), turns=[{**t, "wall_time_s": round(t["wall_time_s"], 6)} for t in turns])
-    return record
+        stats = res.stats.summary()
+        turns.append(TurnRecord(text, res.token_ids, len(res.token_ids), list(stats.accept_lengths), len(ids), wall,
+                                round(len(res.token_ids) / wall, 3) if wall > 0 else None, res.finish_reason, stats))
+    new_tokens = sum(t.new_tokens for t in turns)
+    wall = sum(t.wall_time_s for t in turns)
+    return OutputRecord(
+        id=prompt.id, method=method_name, lossless=lossless, text=TURN_SEPARATOR.join(t.text for t in turns),
+        token_ids=[x for t in turns for x in t.token_ids], new_tokens=new_tokens,
+        prompt_tokens=sum(t.prompt_tokens for t in turns), wall_time_s=round(wall, 6),
+        tokens_per_s=round(new_tokens / wall, 3) if wall > 0 else None, finish_reason=turns[-1].finish_reason,
+        stats=turns[0].stats if len(turns) == 1 else _merge_stats([t.stats for t in turns]), category=prompt.category,
+        turns=None if len(turns) == 1 else tuple(dataclasses.replace(t, wall_time_s=round(t.wall_time_s, 6)) for t in turns),
+    ).to_dict()
 
 
-TURN_SEPARATOR = "\n\n"
-
-
-def _merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    lengths = [x for p in parts for x in p["accept_lengths"]]
-    return {
-        "target_forwards": sum(p["target_forwards"] for p in parts),
-        "accept_lengths": lengths,
-        "mean_accepted_length": sum(lengths) / len(lengths) if lengths else 0.0,
-    }
+def _merge_stats(parts: list[TurnStats]) -> TurnStats:
+    lengths = [x for p in parts for x in p.accept_lengths]
+    return TurnStats(target_forwards=sum(p.target_forwards for p in parts), accept_lengths=lengths,
+                     mean_accepted_length=sum(lengths) / len(lengths) if lengths else 0.0)

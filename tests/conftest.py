@@ -54,6 +54,9 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
         "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}),
+    # Phi-3: q/k/v and gate/up each one fused product (engine/adapter.py FAMILIES), a window on every layer
+    "phi3-fused": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 2, "sliding_window": 10,
+                                                     "tie_word_embeddings": False}),
 }
 
 
@@ -146,13 +149,13 @@ class VirtualClock:
 
 @pytest.fixture
 def virtual_clock(monkeypatch) -> VirtualClock:
-    """A :class:`VirtualClock` as ``time`` of every module that times decoding: decoding/cost.py
+    """A :class:`VirtualClock` as ``time`` of every module that times decoding: decoding/measure.py
     (``timed``: run_prompt's wall times, the profile's and the verify curve's readings), the
     driver (rounds, prefill) and the layer-skip proposer (its draft step)."""
-    from selfspec_cli.decoding import cost, driver, layer_skip
+    from selfspec_cli.decoding import driver, layer_skip, measure
 
     clock = VirtualClock()
-    for mod in (cost, driver, layer_skip):
+    for mod in (measure, driver, layer_skip):
         monkeypatch.setattr(mod, "time", clock)
     return clock
 

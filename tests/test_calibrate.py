@@ -241,7 +241,8 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
     import signal
 
     from selfspec_cli.prompts import prompts_digest
-    from selfspec_cli.methods.self_sd.search import SearchConfig, calibrate_self_sd
+    from selfspec_cli.methods.self_sd.search import SearchConfig
+    from selfspec_cli.methods.self_sd.study import calibrate_self_sd
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
@@ -563,7 +564,8 @@ def test_the_manifest_does_not_keep_a_storage_password(tiny_model):
     """A shared study's database URL may carry a password: the artifact records the storage as the
     log lines show it (``describe``), never the raw ``--storage`` value."""
     from selfspec_cli.methods.self_sd.calibrate import build_manifest
-    from selfspec_cli.methods.self_sd.search import SearchConfig, SelfSDCalibration
+    from selfspec_cli.methods.self_sd.search import SearchConfig
+    from selfspec_cli.methods.self_sd.study import SelfSDCalibration
 
     model, _ = tiny_model
     confirm = {"ar": {"tokens_per_s": 10.0}, "best": {"tokens_per_s": 12.0}}
@@ -589,12 +591,12 @@ def test_describe_hides_only_a_urls_credentials():
 
 
 def test_the_confirmation_names_a_starting_point_that_re_measured_faster_than_the_search_best():
-    """faster_starting_point (methods/self_sd/search.py), what calibrate's warning names (it never changes the
+    """faster_starting_point (methods/self_sd/study.py), what calibrate's warning names (it never changes the
     result): the fastest re-measured starting point past the margin, only one whose trial completed, with
     that point's best trial (real Optuna trials)."""
     import optuna
 
-    from selfspec_cli.methods.self_sd.search import faster_starting_point
+    from selfspec_cli.methods.self_sd.study import faster_starting_point
     from selfspec_cli.methods.self_sd.study import params_for
 
     L = 2

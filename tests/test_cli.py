@@ -75,7 +75,7 @@ def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
     """The pace line sets the decoding after each prefill against the stored T(1) at every token's context
     (not the rate with the prefill against ar's decode-only rate, which understated every method)."""
     from selfspec_cli.cli.summary import Pace
-    from selfspec_cli.decoding.cost import VerifyCurve
+    from selfspec_cli.decoding.measure import VerifyCurve
 
     pace = Pace()
     stats = {"prefill_s": 0.5}
@@ -126,7 +126,7 @@ def test_the_driver_counts_the_rounds_that_drafted_nothing(tiny_model_dir):
 def test_a_method_that_drafted_in_no_round_says_so_once_with_the_reason(capsys, tiny_model_dir, tmp_path, selfspec_home):
     """Issue 50: self-sd, asd, swift and specqd drafted in no round on the default model and silently ran as ar.
     Here this machine's stored costs make every verification dear (v(2) a thousand steps), so no draft pays."""
-    from selfspec_cli.decoding import cost, cost_store
+    from selfspec_cli.decoding import cost_store
 
     prompts = write_lines(tmp_path / "p.txt", ["one two three four", "five six seven eight"])
     args = gen_args(tiny_model_dir, prompts, "-n", "8", "--method", "self-sd", "--skip-attn", "1", "--skip-mlp", "0")
@@ -136,7 +136,7 @@ def test_a_method_that_drafted_in_no_round_says_so_once_with_the_reason(capsys, 
     rec = json.loads(path.read_text())
     rec["curve"]["times_s"] = {m: t * (1 if m == "1" else 1000) for m, t in rec["curve"]["times_s"].items()}
     path.write_text(json.dumps(rec))
-    cost._CURVES.clear(), cost._READINGS.clear(), cost_store._ONLINE.clear()  # what a new process starts with
+    cost_store._CURVES.clear(), cost_store._READINGS.clear(), cost_store._ONLINE.clear()  # what a new process starts with
     capsys.readouterr()
     assert main(args) == 0
     out, err = capsys.readouterr()

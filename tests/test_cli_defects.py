@@ -239,7 +239,7 @@ def test_paper_drafting_does_not_time_the_engine_inside_a_decode():
     """--paper-drafting plans nothing: its first decode must not measure the verify curve (seconds
     of forwards inside a timed run) nor report a cost model."""
     from selfspec_cli.config import GenerationConfig
-    from selfspec_cli.decoding import cost as cost_mod
+    from selfspec_cli.decoding import cost_store
     from selfspec_cli.engine import Engine
     from selfspec_cli.methods import build
 
@@ -249,4 +249,4 @@ def test_paper_drafting_does_not_time_the_engine_inside_a_decode():
     m = build("self-sd", eng, None, skip_attn="1", skip_mlp="2", paper_drafting=True)
     res = m.generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
     assert res.stats.drafted_tokens > 0
-    assert eng not in cost_mod._CURVES and "cost_model" not in res.stats.extra
+    assert cost_store.held_curve(eng) is None and "cost_model" not in res.stats.extra

@@ -11,8 +11,8 @@ import torch
 
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.decoding import cost, cost_store
-from selfspec_cli.decoding.cost import CURVE_ROWS, SHORT_ROWS, VerifyCurve
+from selfspec_cli.decoding import cost_store, measure
+from selfspec_cli.decoding.measure import CURVE_ROWS, SHORT_ROWS, VerifyCurve
 from selfspec_cli.engine import Engine, kernels
 from selfspec_cli.methods import build
 
@@ -27,7 +27,7 @@ def timings(monkeypatch) -> dict[str, int]:
     """Counts of verify-curve readings (``VerifyCurve.measure``), of timed draft costs, and of every
     timed batch of forwards (``_median_forward_s``, which both use); the real ones still run."""
     seen = {"curve": 0, "draft": 0, "timed": 0}
-    median, step_cost, measure = cost._median_forward_s, cost.draft_step_cost, VerifyCurve.measure.__func__
+    median, step_cost, measure_curve = measure._median_forward_s, measure.draft_step_cost, VerifyCurve.measure.__func__
 
     def counted_median(engine, context, runs, rounds):
         seen["timed"] += 1
@@ -39,18 +39,18 @@ def timings(monkeypatch) -> dict[str, int]:
 
     def counted_measure(cls, *args, **kw):
         seen["curve"] += 1
-        return measure(cls, *args, **kw)
+        return measure_curve(cls, *args, **kw)
 
-    monkeypatch.setattr(cost, "_median_forward_s", counted_median)
-    monkeypatch.setattr(cost, "draft_step_cost", counted_step_cost)
+    monkeypatch.setattr(measure, "_median_forward_s", counted_median)
+    monkeypatch.setattr(cost_store, "draft_step_cost", counted_step_cost)
     monkeypatch.setattr(VerifyCurve, "measure", classmethod(counted_measure))
     return seen
 
 
 def _fresh_process() -> None:
     """What a new process starts with: no curve kept in memory."""
-    cost._CURVES.clear()
-    cost._READINGS.clear()
+    cost_store._CURVES.clear()
+    cost_store._READINGS.clear()
 
 
 def test_a_second_build_reads_the_curve_from_disk_without_timing_forwards(timings, capsys):
@@ -58,7 +58,7 @@ def test_a_second_build_reads_the_curve_from_disk_without_timing_forwards(timing
     first = build("pld", eng).curve
     assert timings["curve"] == 1 and sorted(first.ratios) == list(SHORT_ROWS)  # a short first reading, said once
     assert capsys.readouterr().err.count("measured a short verify curve") == 1
-    path = cost_store.path_for(cost.engine_key(eng))
+    path = cost_store.path_for(cost_store.engine_key(eng))
     assert path.parent == cost_store.costs_dir() and json.loads(path.read_text())["curve"]["times_s"]["1"] == first.t1_s
     _fresh_process()
     timed = timings["timed"]
@@ -84,7 +84,7 @@ def test_a_second_build_reads_the_draft_cost_from_disk(timings, tiny_tokenizer):
 @pytest.mark.parametrize("change", ["threads", "precision", "fingerprint"])
 def test_a_changed_key_component_misses(timings, change):
     eng = Engine(make_tiny_model("llama-gqa"))
-    VerifyCurve.for_engine(eng)
+    cost_store.curve_for(eng)
     _fresh_process()
     threads = torch.get_num_threads()
     try:
@@ -93,10 +93,10 @@ def test_a_changed_key_component_misses(timings, change):
         other = Engine(make_tiny_model("llama-gqa", seed=1 if change == "fingerprint" else 0))
         if change == "precision":
             other.target_precision = "bf16"  # Engine.target_precision, where the engine has one
-        VerifyCurve.for_engine(other)
+        cost_store.curve_for(other)
     finally:
         torch.set_num_threads(threads)
-    key, other_key = cost.engine_key(eng), cost.engine_key(other)
+    key, other_key = cost_store.engine_key(eng), cost_store.engine_key(other)
     assert [k for k in key if key[k] != other_key[k]] == [{"fingerprint": "model"}.get(change, change)]
     assert timings["curve"] == 2  # measured again
     assert cost_store.path_for(key) != cost_store.path_for(other_key) and cost_store.path_for(other_key).is_file()
@@ -105,8 +105,8 @@ def test_a_changed_key_component_misses(timings, change):
 @pytest.mark.parametrize("damage", ["garbage", "foreign key", "bad curve", "bad timestamp"])
 def test_an_unreadable_or_foreign_file_is_measured_again_and_replaced(timings, damage):
     eng = Engine(make_tiny_model("llama-gqa"))
-    VerifyCurve.for_engine(eng)
-    path = cost_store.path_for(cost.engine_key(eng))
+    cost_store.curve_for(eng)
+    path = cost_store.path_for(cost_store.engine_key(eng))
     rec = json.loads(path.read_text())
     if damage == "garbage":
         path.write_bytes(b"\x00{not json")
@@ -118,24 +118,24 @@ def test_an_unreadable_or_foreign_file_is_measured_again_and_replaced(timings, d
         path.write_text(json.dumps({**rec, "updated": "yesterday"}))
     _fresh_process()
     again = Engine(make_tiny_model("llama-gqa"))
-    curve = VerifyCurve.for_engine(again)
+    curve = cost_store.curve_for(again)
     assert timings["curve"] == 2 and curve.t1_s > 0
-    assert cost_store.read(cost.engine_key(again))["curve"]["times_s"]["1"] == curve.t1_s  # written over
+    assert cost_store.read(cost_store.engine_key(again))["curve"]["times_s"]["1"] == curve.t1_s  # written over
 
 
 def test_the_rounds_refresh_the_stored_reading(timings):
     """A plain decode's one-row forwards are one more reading of T(1) (and of the slope): folded
     into the store at the process's end (here: flush), by 1 / (readings + 1) of the way."""
     eng = Engine(make_tiny_model("llama-gqa"))
-    stored = VerifyCurve.for_engine(eng)
-    path = cost_store.path_for(cost.engine_key(eng))
+    stored = cost_store.curve_for(eng)
+    path = cost_store.path_for(cost_store.engine_key(eng))
     # a stored T(1) far from this machine's, so that the refresh shows (the rows keep their ratios)
     rec = json.loads(path.read_text())
     rec["curve"]["times_s"] = {m: t * 1000 for m, t in rec["curve"]["times_s"].items()}
     path.write_text(json.dumps(rec))
     _fresh_process()
     again = Engine(make_tiny_model("llama-gqa"))
-    VerifyCurve.for_engine(again)  # read; ar plans nothing, but its plain rounds are observed
+    cost_store.curve_for(again)  # read; ar plans nothing, but its plain rounds are observed
     build("ar", again).generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=40))
     assert timings["curve"] == 1
     assert path in cost_store.flush()
@@ -179,24 +179,24 @@ def test_one_loaded_process_does_not_move_the_stored_step_time():
 def test_a_settled_store_is_refreshed_deliberately_not_by_every_process(timings):
     """Once the stored curve holds BLEND_CAP readings, a process's rounds change it only when it is REFRESH_S old."""
     eng = Engine(make_tiny_model("llama-gqa"))
-    VerifyCurve.for_engine(eng)
-    path = cost_store.path_for(cost.engine_key(eng))
+    cost_store.curve_for(eng)
+    path = cost_store.path_for(cost_store.engine_key(eng))
     rec = json.loads(path.read_text())
     rec["curve"]["readings"] = cost_store.BLEND_CAP
     path.write_text(json.dumps(rec))
     before = path.read_text()
-    assert cost_store.describe(cost.engine_key(eng))["settled"]
+    assert cost_store.describe(cost_store.engine_key(eng))["settled"]
     for _ in range(2):  # two later processes: the store is left as it was
         _fresh_process()
         again = Engine(make_tiny_model("llama-gqa"))
-        VerifyCurve.for_engine(again)
+        cost_store.curve_for(again)
         build("ar", again).generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
         assert cost_store.flush() == [] and path.read_text() == before
     rec["updated"] -= cost_store.REFRESH_S  # the same store, REFRESH_S older: the next process refreshes it
     path.write_text(json.dumps(rec))
     _fresh_process()
     again = Engine(make_tiny_model("llama-gqa"))
-    VerifyCurve.for_engine(again)
+    cost_store.curve_for(again)
     build("ar", again).generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
     assert path in cost_store.flush()
     assert json.loads(path.read_text())["curve"]["readings"] == cost_store.BLEND_CAP + 1
@@ -204,13 +204,13 @@ def test_a_settled_store_is_refreshed_deliberately_not_by_every_process(timings)
 
 def test_an_engine_in_fresh_mode_measures_in_full_and_stores_it(timings):
     """The bench: every run measures its own curve (full), whatever is stored; what it measured is stored."""
-    VerifyCurve.for_engine(Engine(make_tiny_model("llama-gqa")))
+    cost_store.curve_for(Engine(make_tiny_model("llama-gqa")))
     _fresh_process()
     eng = Engine(make_tiny_model("llama-gqa"))
-    cost.measure_fresh(eng)
-    curve = VerifyCurve.for_engine(eng)
+    cost_store.measure_fresh(eng)
+    curve = cost_store.curve_for(eng)
     assert timings["curve"] == 2 and curve.full and curve.slope_s >= 0
-    assert sorted(int(m) for m in cost_store.read(cost.engine_key(eng))["curve"]["times_s"]) == list(CURVE_ROWS)
+    assert sorted(int(m) for m in cost_store.read(cost_store.engine_key(eng))["curve"]["times_s"]) == list(CURVE_ROWS)
 
 
 def _profile(model_dir, prompts, out, *extra: str) -> dict:
@@ -250,7 +250,7 @@ def test_readings_at_one_context_share_its_prefill(monkeypatch):
 
     monkeypatch.setattr(Engine, "forward", counted)
     VerifyCurve.measure(eng, rounds=1, rows=SHORT_ROWS, extra=0)
-    cost.draft_step_cost(eng, None, frozenset({1}), frozenset(), rounds=1)
+    measure.draft_step_cost(eng, None, frozenset({1}), frozenset(), rounds=1)
     assert prefills == [64]
     VerifyCurve.measure(eng, context=32, rounds=1, rows=(1, 2), extra=0)
     assert prefills == [64, 32]

@@ -167,7 +167,8 @@ def test_the_cost_of_a_draft_counts_its_vocabulary(monkeypatch):
     it apart, and Self-SD's search decodes with the vocabulary the method drafts with and scores
     its trials with the same c (on Gemma 3 the head is over half a step: a search over the whole
     vocabulary found nothing that pays)."""
-    from selfspec_cli.decoding.cost import draft_variant, prior_draft_cost, weight_bytes
+    from selfspec_cli.decoding.cost_store import draft_variant
+    from selfspec_cli.decoding.measure import prior_draft_cost, weight_bytes
     from selfspec_cli.engine.kernels import stream_bytes
     from selfspec_cli.methods.self_sd import measure as sd_measure
 

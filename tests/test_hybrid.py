@@ -8,7 +8,9 @@ import torch
 from selfspec_cli.methods.self_sd import SkipSet
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import driver, verify
-from selfspec_cli.decoding.cost import Planner, VerifyCurve, prior_draft_cost
+from selfspec_cli.decoding import cost_store
+from selfspec_cli.decoding.measure import VerifyCurve, prior_draft_cost
+from selfspec_cli.decoding.planning import Planner
 from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.hybrid import Hybrid, merge_branch, merged_plan
 from selfspec_cli.decoding.layer_skip import DraftSettings
@@ -142,10 +144,8 @@ VH = {m: 1.0 + 0.05 * (m - 1) for m in range(1, 17)}
 
 def _self_sd_on_curve(curve: VerifyCurve, **parts) -> SelfSD:
     """Self-SD on a 6-layer tiny model skipping 4 of its 12 sublayers, planning with ``curve``."""
-    from selfspec_cli.decoding import cost as cost_mod
-
     eng = Engine(make_tiny_model("llama-gqa", layers=6))
-    cost_mod._CURVES[eng] = curve  # the engine's curve: the planners and the driver's unit read it
+    cost_store.set_curve(eng, curve)  # the engine's curve: the planners and the driver's unit read it
     return SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(max_draft=4, threshold=0.0), **parts)
 
 

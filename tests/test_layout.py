@@ -36,6 +36,7 @@ the submodule ``x``, not of the package's ``__init__``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -460,15 +461,100 @@ def test_notebook_checker(text, found):
     assert len(notebook_citations("x.py", text)) == found
 
 
-def test_library_does_not_cite_the_notebook():
+def _cites_nothing(paths: list[Path]) -> list[str]:
     found = []
-    for path in sorted(p for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+    for path in paths:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             continue  # binary data (none is expected to cite a document)
         found += notebook_citations(path.relative_to(REPO).as_posix(), text)
+    return found
+
+
+def test_library_does_not_cite_the_notebook():
+    found = _cites_nothing(sorted(p for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts))
     assert not found, ("cite the user doc that states the fact, not the lab notebook:\n" + "\n".join(found))
+
+
+def test_docs_and_scripts_do_not_cite_the_notebook():
+    """The README, the user docs (docs/*.md but the notebook itself and its archive, docs/log/) and the scripts state
+    a fact or link the user doc or committed run (docs/bench/...) that holds it, never a notebook entry (issue 49)."""
+    docs = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "log.md"),
+            *sorted((REPO / "scripts").glob("*.py"))]
+    found = _cites_nothing([p for p in docs if p.is_file()])
+    assert not found, ("state the fact, or cite the user doc or docs/bench run that holds it, not the lab "
+                       "notebook:\n" + "\n".join(found))
+
+
+# ---------------------------------------------------------------- complexity (issue 49)
+
+MAX_COMPLEXITY = 12  # ruff's C901 (McCabe) over every function of selfspec_cli
+
+
+def test_no_function_is_over_the_complexity_limit():
+    """Every function of selfspec_cli has a McCabe complexity of at most 12 (ruff's C901; the `test` extra installs
+    ruff): a longer one is split into named helpers that read top to bottom."""
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    out = subprocess.run([ruff, "check", "--no-cache", "--select", "C901", "--output-format", "concise",
+                          "--config", f"lint.mccabe.max-complexity={MAX_COMPLEXITY}", str(PKG)],
+                         capture_output=True, text=True, timeout=300)
+    over = [line for line in out.stdout.splitlines() if "C901" in line]
+    assert out.returncode in (0, 1) and not over, "functions over complexity 12:\n" + "\n".join(over or [out.stderr])
+
+
+# ---------------------------------------------------------------- the README's first screen and status table
+
+README = REPO / "README.md"
+FIRST_SCREEN = 40  # lines
+MAX_STATUS_WORDS = 40
+
+
+def status_table(text: str) -> list[list[str]]:
+    """The cells of the README's status table (the table whose header starts ``| method | `--method` |``), one list
+    per row below the header and its rule."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| method | `--method` |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows
+
+
+def long_cells(rows: list[list[str]], limit: int = MAX_STATUS_WORDS) -> list[str]:
+    return [f"{row[0]}: {len(c.split())} words" for row in rows for c in row if len(c.split()) > limit]
+
+
+def test_status_checker():
+    table = ("| method | `--method` | status |\n|---|---|---|\n| a | `a` | " + "w " * 41 + "|\n"
+             "| b | `b` | short, with a \\| pipe |\n\nafter")
+    rows = status_table(table)
+    assert [r[0] for r in rows] == ["a", "b"] and len(rows[1]) == 3
+    assert long_cells(rows) == ["a: 41 words"]
+
+
+def test_readme_status_cells_are_short():
+    """One short cell per method (issue 49): its figure on the default target and a link to the run; the history
+    and the older targets live in docs/benchmarks.md."""
+    rows = status_table(README.read_text(encoding="utf-8"))
+    assert rows, "the README has no status table"
+    assert not long_cells(rows), f"status cells over {MAX_STATUS_WORDS} words: {long_cells(rows)}"
+
+
+def test_readme_first_screen_has_the_quick_start():
+    """The README's first 40 lines hold the setup command, the test command and a one-line
+    ``selfspec generate -P`` example (issue 49: a newcomer reads them in one screen)."""
+    first = README.read_text(encoding="utf-8").splitlines()[:FIRST_SCREEN]
+    assert any(line.startswith("make demo") for line in first), "no setup command (make demo) in the first screen"
+    assert any(line.startswith("make test") for line in first), "no test command (make test) in the first screen"
+    assert any("selfspec generate -P " in line for line in first), "no `selfspec generate -P` example in the first screen"
 
 
 def _tracked_files() -> list[str] | None:

@@ -9,7 +9,9 @@ from selfspec_cli.decoding import driver
 from selfspec_cli.decoding.drafts import NoDraft, Plan, depth as draft_depth
 from selfspec_cli.decoding.driver import Taps
 from selfspec_cli.decoding.state import DecodeState
-from selfspec_cli.decoding.cost import Planner, RoundClock, VerifyCurve
+from selfspec_cli.decoding import cost_store
+from selfspec_cli.decoding.measure import VerifyCurve, draft_step_cost
+from selfspec_cli.decoding.planning import Planner, RoundClock
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import AR, build
 from selfspec_cli.methods.auto import Auto
@@ -244,10 +246,8 @@ def _exact_machine(monkeypatch, clock, extra: dict) -> None:
 
 def _engine_with_curve_v() -> Engine:
     """A tiny engine whose verify curve is V at T(1) = 10 ms (as measured on the machine above)."""
-    from selfspec_cli.decoding import cost as cost_mod
-
     eng = Engine(make_tiny_model("llama-gqa", layers=4))
-    cost_mod._CURVES[eng] = VerifyCurve(0.01, dict(V))
+    cost_store.set_curve(eng, VerifyCurve(0.01, dict(V)))
     return eng
 
 
@@ -327,8 +327,6 @@ def test_verify_curve_reads_how_rows_grow_with_the_context_and_planners_price_ro
 def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_target_step(monkeypatch, virtual_clock):
     """A host whose speed drifts: each refresh pools one more reading (per row count the median
     time), and c is a draft forward over a target forward timed in the same interleaved passes."""
-    from selfspec_cli.decoding import cost as cost_mod
-
     eng = Engine(make_tiny_model("llama-gqa", layers=2))
     pace, calls = [1.0], [0]
 
@@ -339,18 +337,18 @@ def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_t
         return 0.0 if kw["positions"] == 0 else pace[0] * (1 + rows / 8)
 
     charge_forwards(monkeypatch, virtual_clock, charge)
-    assert VerifyCurve.refresh(eng) is None  # nothing to pool before the first reading
-    cost_mod.measure_fresh(eng)  # as the bench: a full first reading of its own, not a stored or short one
-    first = VerifyCurve.for_engine(eng)
+    assert cost_store.refresh_curve(eng) is None  # nothing to pool before the first reading
+    cost_store.measure_fresh(eng)  # as the bench: a full first reading of its own, not a stored or short one
+    first = cost_store.curve_for(eng)
     for p in (1.5, 1.2):
         pace[0] = p
-        pooled = VerifyCurve.refresh(eng)
-    assert VerifyCurve.for_engine(eng) is pooled and pooled.readings == 3 and first.readings == 1
+        pooled = cost_store.refresh_curve(eng)
+    assert cost_store.curve_for(eng) is pooled and pooled.readings == 3 and first.readings == 1
     assert pooled.t1_s == pytest.approx(1.2 * 1.125)  # the median of 1.0, 1.5 and 1.2 paces
     assert pooled.times_s[32] == pytest.approx(1.2 * 5.0) and pooled.v(32) == pytest.approx(5.0 / 1.125, rel=1e-4)
     # a drifting host: c still reads the draft's share of a step at the pace of the moment
     pace[0] = None
-    c = cost_mod.draft_step_cost(eng, None, frozenset({0}), frozenset({0, 1}), context=16, rounds=9)
+    c = draft_step_cost(eng, None, frozenset({0}), frozenset({0, 1}), context=16, rounds=9)
     assert c == pytest.approx(0.3, rel=0.005)  # timed apart (all drafts, then all targets) it reads 0.294
 
 
@@ -484,7 +482,7 @@ def test_auto_learns_ngram_acceptance_from_the_ngram_branch_of_hybrid_rounds(tin
     known_costs(monkeypatch, virtual_clock, draft=0.05)
     eng = Engine(make_tiny_model("llama-gqa"))
     auto = build("auto", eng, tiny_tokenizer, draft_precision="int8")
-    assert auto.quant.configuration.policy.draft_cost() == pytest.approx(0.05) and VerifyCurve.for_engine(eng).ratios[4] == pytest.approx(V[4])
+    assert auto.quant.configuration.policy.draft_cost() == pytest.approx(0.05) and cost_store.curve_for(eng).ratios[4] == pytest.approx(V[4])
     prompt = [5, 6, 7, 8, 9, 10, 11] * 4  # lookups match from the first round
     auto.generate(prompt, GenerationConfig(max_new_tokens=40))
     own = auto.drafter.rounds["ngram"]

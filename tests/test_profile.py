@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from selfspec_cli.bench import engine_profile as prof
-from selfspec_cli.decoding.cost import CURVE_ROWS
+from selfspec_cli.decoding.measure import CURVE_ROWS
 from selfspec_cli.cli.app import main
 from selfspec_cli.engine import Engine
 
@@ -111,7 +111,7 @@ def test_profile_reports_the_planners_own_verify_curve(monkeypatch):
     """T(1) and v(k) are measured once per engine and shared: profile's figures are the
     planners' (with k-row forwards of exactly k rows, also when the prompt is short), and a
     second call measures nothing again."""
-    from selfspec_cli.decoding import cost as cost_mod
+    from selfspec_cli.decoding import cost_store
 
     eng = Engine(make_tiny_model("llama-gqa", layers=2))
     seen: list[int] = []
@@ -125,7 +125,7 @@ def test_profile_reports_the_planners_own_verify_curve(monkeypatch):
     monkeypatch.setattr(eng, "forward", spy)
     costs = prof.measure_costs(eng, [5, 17, 42], rounds=1)
     assert sorted(set(seen)) == list(CURVE_ROWS)
-    curve = cost_mod.VerifyCurve.for_engine(eng)
+    curve = cost_store.curve_for(eng)
     assert costs["verify_cost"] == {str(k): round(v, 3) for k, v in curve.ratios.items()}
     assert costs["step_ms"] == round(curve.t1_s * 1e3, 3)
     multi = lambda: sum(k > 1 for k in seen)  # noqa: E731 (profile's own one-row steps at the prompt's context aside)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from selfspec_cli.bench import engine_profile
 from selfspec_cli.config import GenerationConfig, SamplingConfig
-from selfspec_cli.decoding import cost
+from selfspec_cli.decoding import measure
 from selfspec_cli.decoding import layer_skip as layer_skip_mod
 from selfspec_cli.decoding import policy as policy_mod
 from selfspec_cli.decoding.drafts import Chain
@@ -624,7 +624,7 @@ def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draf
     _coarse_draft(eng, levels=8)  # a draft that disagrees now and then (22 of 24 here), so the count is not trivially all or none
     eng.drafts["int8"].info = {"path": str(draft_cache / "drafts" / "copy.safetensors")}
     ctx = _prompt(6, 0, model.config.vocab_size)
-    hits, n = cost.draft_agreement(eng, "int8", ctx, tokens=24)
+    hits, n = measure.draft_agreement(eng, "int8", ctx, tokens=24)
     assert n == 24 and [hits] == engine_profile._agreement(eng, [ctx], 24, [{"weights": "int8"}])[0]  # profile's count
     assert 0 < hits < n
     side = list((draft_cache / "drafts").glob("copy.safetensors.agreement-*.json"))
@@ -633,14 +633,14 @@ def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draf
     side[0].write_text(json.dumps({"hits": 3, "positions": 24}))
     again = Engine(model)
     again.drafts["int8"] = eng.drafts["int8"]
-    assert cost.draft_agreement(again, "int8", ctx, tokens=24) == (3, 24)
+    assert measure.draft_agreement(again, "int8", ctx, tokens=24) == (3, 24)
 
 
 @needs_kernel
 def test_full_depth_quantized_planners_start_from_the_measured_agreement(tiny_tokenizer):
     eng = Engine(make_tiny_model("llama-gqa"))
     ids = encode_turn(tiny_tokenizer, [{"role": "user", "content": policy_mod.AGREEMENT_PROMPT}], True)
-    hits, n = cost.draft_agreement(eng, "int8", ids)
+    hits, n = measure.draft_agreement(eng, "int8", ids)
     q = (hits + 1) / (n + 2)
     assert q != 0.5
     specqd = build("specqd", eng, tiny_tokenizer, draft_precision="int8")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.decoding.cost import weight_bytes
+from selfspec_cli.decoding.measure import weight_bytes
 from selfspec_cli.engine import Engine
 from selfspec_cli.engine.adapter import model_fingerprint
 from selfspec_cli.engine import kernels as K

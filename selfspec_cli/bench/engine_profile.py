@@ -46,7 +46,9 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.cost import VerifyCurve, timed, weight_bytes
+from ..decoding.cost_store import curve_for
+from ..decoding.measure import VerifyCurve, timed, weight_bytes
+from ..decoding.planning import iid_chain_gains, predicted_speedup
 from ..engine import Engine, KVCache
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
@@ -116,7 +118,7 @@ def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, dr
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = (1,),
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
                   draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
-    """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.cost.VerifyCurve`:
+    """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.measure.VerifyCurve`:
     one full reading per engine, shared with the planners, read from this machine's store of costs
     when it holds a full one, else measured and stored), and c(r) and the LM head's share at
     the context of ``prompt_ids`` (over a one-row step timed there, the median of ``rounds``);
@@ -144,9 +146,9 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     vocab = {} if sub is None else {
         "draft_vocab_size": int(draft_vocab.numel()),
         "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
-    # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost.py)
+    # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost_store.py)
     return {
-        **curve_fields(VerifyCurve.for_engine(engine, full=True)), "draft_context_tokens": ctx,
+        **curve_fields(curve_for(engine, full=True)), "draft_context_tokens": ctx,
         "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
         "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
         "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3),
@@ -294,16 +296,18 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
 
 def draft_verdict(quantized: dict[str, Any], verify_cost: dict[str, float]) -> dict[str, Any]:
     """Whether any full-depth copy can pay against this target: for each draft with a measured c and
-    one-token agreement a, the best expected gain of a chain of k drafts, (1 - a^(k+1)) / (1 - a) tokens
-    per k c + v(k+1) target steps (a i.i.d. per token, an optimistic reading), over the k the verify
-    curve covers. A draft at the target's own precision is the target and is left out."""
+    one-token agreement a, the best expected gain of a chain of k drafts, 1 + a + ... + a^k tokens per
+    k c + v(k+1) target steps (a i.i.d. per token, an optimistic reading: the planners' one round-cost
+    formula, decoding/planning.py's ``iid_chain_gains``), over the k the verify curve covers. A draft at
+    the target's own precision is the target and is left out."""
     per: dict[str, Any] = {}
-    ks = sorted(int(k) for k in verify_cost if int(k) >= 2)
+    curve = VerifyCurve(1.0, {int(k): float(v) for k, v in verify_cost.items()})  # v(m) read from the table as it is
+    ks = sorted(int(k) - 1 for k in verify_cost if int(k) >= 2)  # drafts: the verified rows less the pending token
     for name, q in quantized.items():
         if name == "_" or "c" not in q or q.get("agreement") is None:
             continue
         c, a = q.get("c_draft_vocab", q["c"]), min(q["agreement"], 0.999)
-        gains = {k - 1: (1 - a ** k) / (1 - a) / ((k - 1) * c + verify_cost[str(k)]) for k in ks}
+        gains = iid_chain_gains(curve, a, c, ks)
         best = max(gains, key=gains.get)
         per[name] = {"c": c, "agreement": q["agreement"], "best_k": best, "best_gain": round(gains[best], 3)}
     paying = {n: v for n, v in per.items() if v["best_gain"] > 1.0 and v["c"] < 0.98}
@@ -322,7 +326,7 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
                        max_new_tokens: int, eos_ids: tuple[int, ...] = (),
                        on_method: Callable[[int, str], None] | None = None) -> dict[str, Any]:
     """Each cost-aware method's predicted speedup over plain decoding on this machine: its
-    rounds' expected tokens over their cost in plain steps (decoding/cost.py), summed over
+    rounds' expected tokens over their cost in plain steps (decoding/planning.py), summed over
     greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and
     draft costs, the acceptance what the method saw on these prompts. A method whose
     artifacts are missing is reported with the reason."""
@@ -337,9 +341,9 @@ def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list
             out[name] = {"unavailable": str(exc).split(";")[0]}
             continue
         stats = [method.generate(list(ids), cfg).stats for ids in prompt_ids]
-        plans = [st.extra["plan"] for st in stats if st.extra.get("plan")]
-        cost = sum(p["cost_steps"] for p in plans)
+        plans = [(p.expected_tokens, p.cost_steps) for st in stats if (p := st.summary().plan) is not None]
         rounds = sum(len(st.accept_lengths) - 1 for st in stats)
-        out[name] = {"predicted_speedup": round(sum(p["expected_tokens"] for p in plans) / cost, 4) if cost else None,
+        predicted = predicted_speedup(plans)
+        out[name] = {"predicted_speedup": round(predicted, 4) if predicted is not None else None,
                      "draft_round_share": round(sum(st.draft_rounds for st in stats) / rounds, 4) if rounds else 0.0}
     return out

@@ -24,7 +24,7 @@ import torch
 
 from ..artifacts import environment_info, model_name, recording_loads
 from ..config import GenerationConfig, SamplingConfig, check_choice, check_sampling_options, check_seed
-from ..decoding.cost import VerifyCurve, measure_fresh
+from ..decoding.cost_store import curve_for, measure_fresh, refresh_curve
 from ..engine import Engine, threads as governor
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, count
@@ -461,10 +461,10 @@ def _time(r: _Run, cfg: GenerationConfig) -> dict[str, ContenderResult]:
             bar.update(task, advance=1, info=f"{name} {c['tokens'] / max(c['seconds'], 1e-9):.1f} tok/s")
 
         try:
-            # one process: pool another verify-curve reading before each pass (decoding/cost.py, VerifyCurve.refresh)
+            # one process: pool another verify-curve reading before each pass (decoding/cost_store.py, refresh_curve)
             return run_bench(r.contenders.contenders, r.prompts, r.session.tokenizer, cfg, r.dev, req.warmup,
                              req.repeats, req.chat_template, on_record=on_record, done=r.done, partial=partial,
-                             between_passes=None if ranks.many else lambda: VerifyCurve.refresh(r.engine))
+                             between_passes=None if ranks.many else lambda: refresh_curve(r.engine))
         except KeyboardInterrupt:
             stack.close()
             _keep_interrupted(r, partial)
@@ -540,7 +540,7 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str
     doc = document(summary, setup=setup, environment=environment_info(r.dev, engine.dtype), model=model_info,
                    reference=ref, baseline=base, files=file_map)
     if engine_costs is not None:  # the curve the last pass's planners read (pooled over the passes)
-        engine_costs.update(prof.curve_fields(VerifyCurve.for_engine(engine)))
+        engine_costs.update(prof.curve_fields(curve_for(engine)))
         engine_costs["step_over_floor"] = round(engine_costs["step_ms"] / engine_costs["floor_ms"], 3)
     doc["engine_costs"] = engine_costs
     if engine.static is not None:  # GPU: the fixed-shape forwards (graphs captured, replays, eager fallbacks)

@@ -13,7 +13,8 @@ from typing import Any
 from ..artifacts import environment_info, model_name, now_iso, save_json_artifact
 from ..config import check_choice
 from ..decoding import cost_store
-from ..decoding.cost import CURVE_ROWS, VerifyCurve, engine_key, measure_fresh
+from ..decoding.cost_store import engine_key, measure_fresh
+from ..decoding.measure import CURVE_ROWS, VerifyCurve
 from ..engine import Engine
 from ..engine.target import TARGET_PRECISIONS
 from ..engine.threads import set_both

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..decoding.output import TurnStats
+from ..decoding.planning import predicted_speedup
 from . import metrics
 from .runner import ContenderResult
 
@@ -50,14 +51,14 @@ def _subset(repeats: Repeats | None, ids: set[Any]) -> Repeats | None:
 
 
 def _cost_model(res: ContenderResult, num_layers: int | None) -> dict[str, Any] | None:
-    """What the drafting plans predicted (decoding/cost.py: expected tokens over cost in plain
+    """What the drafting plans predicted (decoding/planning.py: expected tokens over cost in plain
     steps, summed over every round of every prompt), the skip ratio of layer-skipping
     methods; None for methods that do not plan."""
     turn_stats = [TurnStats.from_dict(t.get("stats", {})) for r in res.records for t in (r.get("turns") or [r])]
     plans = [st.plan for st in turn_stats if st.plan]
     if not plans:
         return None
-    out: dict[str, Any] = {"predicted_speedup": _r(sum(p.expected_tokens for p in plans) / sum(p.cost_steps for p in plans))}
+    out: dict[str, Any] = {"predicted_speedup": _r(predicted_speedup([(p.expected_tokens, p.cost_steps) for p in plans]))}
     last = TurnStats.from_dict(res.records[-1]["stats"])
     if num_layers and last.skip_attn is not None:
         out["skip_ratio"] = _r((len(last.skip_attn) + len(last.skip_mlp or [])) / (2 * num_layers))
@@ -81,10 +82,11 @@ def predicted_decode_speedup(repeats: Repeats, ref: Repeats) -> float | None:
     for rs in repeats:
         for r in rs:
             plans = [st.plan for t in (r.get("turns") or [r]) if (st := TurnStats.from_dict(t.get("stats", {}))).plan]
-            if not plans or r["id"] not in rates or not (cost := sum(p.cost_steps for p in plans)):
+            gain = predicted_speedup([(p.expected_tokens, p.cost_steps) for p in plans])
+            if gain is None or r["id"] not in rates:
                 continue
             rate = statistics.fmean(rates[r["id"]])
-            num += rate * sum(p.expected_tokens for p in plans) / cost
+            num += rate * gain
             den += rate
     return num / den if den else None
 

@@ -97,6 +97,21 @@ class MemorySampler:
         self._note()
 
 
+def _timed_record(c: Contender, gen: Generate, res: ContenderResult, mem: MemorySampler, tokenizer: Any, p: Prompt,
+                  cfg: GenerationConfig, device: torch.device, use_chat_template: bool) -> dict[str, Any]:
+    """One timed decode of prompt ``p`` by contender ``c``: its memory attributed to it while it runs, and its
+    CUDA peak (on a GPU) folded into ``res``."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    mem.running(c.name, c.pid)
+    rec = run_prompt(gen, tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
+    mem.running(None)
+    if cuda:
+        res.peak_cuda_mb = max(res.peak_cuda_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
+    return rec
+
+
 def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokenizer: Any, cfg: GenerationConfig,
               device: torch.device, warmup: int = 1, repeats: int = 1, use_chat_template: bool = True,
               on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
@@ -123,7 +138,6 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
     for c in contenders:
         for _ in range(warmup):
             run_prompt(c.make(), tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
-    cuda = device.type == "cuda"
     with MemorySampler() as mem:
         for rep in range(repeats):
             if rep and between_passes is not None:
@@ -138,13 +152,7 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
                     if (rep, p.id) in done.get(c.name, {}):
                         res.repeats[-1].append(done[c.name][(rep, p.id)])
                         continue
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats(device)
-                    mem.running(c.name, c.pid)
-                    rec = run_prompt(gens[c.name], tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
-                    mem.running(None)
-                    if cuda:
-                        res.peak_cuda_mb = max(res.peak_cuda_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
+                    rec = _timed_record(c, gens[c.name], res, mem, tokenizer, p, cfg, device, use_chat_template)
                     rec["repeat"] = rep
                     res.repeats[-1].append(rec)
                     if on_record:

@@ -11,7 +11,6 @@ import typer
 from ..artifacts import check_new_artifact, recording_loads
 from ..config import GenerationConfig, check_seed
 from ..decoding import cost_store
-from ..decoding.cost import engine_key
 from ..decoding.state import PREFILL_PROGRESS
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError, count
@@ -261,7 +260,7 @@ def _log_pace(meth: Method, method: str, engine: Any, pace: Pace, session: Sessi
         log(note)
     # the stored costs, when the method plans with them (its draft policy holds them)
     curve = meth.policy.curve if method != "ar" else None
-    store = cost_store.describe(engine_key(engine)) if curve is not None else None
+    store = cost_store.describe(cost_store.engine_key(engine)) if curve is not None else None
     log(f"[dim]{method}, target {target}: {pace.line(curve, store, drafts=speculative)}; {start}[/dim]")
 
 

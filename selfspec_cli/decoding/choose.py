@@ -3,7 +3,7 @@ when none pays.
 
 Each source is a :class:`~.driver.Drafter` with its :class:`~.driver.DraftPolicy`, whose
 ``gain(state, budget)`` is its planner's best expected tokens per plain step at its measured
-draft cost and acceptance (:class:`~.cost.Planner`), or None when it cannot draft this round.
+draft cost and acceptance (:class:`~.planning.Planner`), or None when it cannot draft this round.
 The choice is a policy of its own, :class:`BestOf`: the round goes to the source with the
 highest gain (ties: the one listed first), which then plans its own draft length and may still
 decline or probe. When no source pays (every gain at most 1), the sources take turns, so that
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ..engine import ForwardOutput
-from .cost import VerifyCurve
+from .measure import VerifyCurve
 from .drafts import Draft, NoDraft, Round
 from .driver import Drafter, DraftPolicy, Taps
 from .state import DecodeState

@@ -1,12 +1,18 @@
-"""Engine costs on disk: measured once per machine, read by every later process, refreshed by its rounds.
+"""The store of engine costs: each engine's verify curve and draft costs, measured once per machine,
+read by every later process, refreshed by its rounds.
 
 What is kept, one JSON file per key in ``costs/`` of selfspec's cache
 (``<cache>/costs/<digest>.json``, :func:`selfspec_cli.paths.cache_root`): the verify curve's
 forward times (T(1), the m-row forward behind each v(m), T(1)'s growth with the context) and
-c, one draft step over a plain step, of each quantized draft variant that was timed
-(decoding/cost.py reads and writes both). A quantized draft's agreement with the target is a
-property of the two sets of weights, not of the machine: it stays beside the draft copy's own
-disk cache (:func:`selfspec_cli.decoding.cost.draft_agreement`).
+c, one draft step over a plain step, of each quantized draft variant that was timed. A
+quantized draft's agreement with the target is a property of the two sets of weights, not of
+the machine: it stays beside the draft copy's own disk cache
+(:func:`selfspec_cli.decoding.measure.draft_agreement`).
+
+**Each engine's costs** (the last section): :func:`curve_for`, the engine's one verify curve, and
+:func:`draft_cost_for`, a draft variant's c: read from the store, measured (:mod:`.measure`) and
+stored only when none is (a short first reading, said on stderr; ``selfspec profile`` takes the full
+one). An engine in :func:`measure_fresh` mode (the bench) measures everything itself.
 
 The key (:func:`machine_key`) is everything that sets those costs and does not change while
 the machine stays the same: the model's fingerprint, the target's precision (``fp32``,
@@ -47,16 +53,18 @@ Invariants:
   measured again and written over it); a cache that cannot be written only costs the next
   process the measurement: nothing here raises;
 * the refresh never changes the costs a running process plans with (its planners learn
-  the round overhead ``o`` from their rounds instead, decoding/cost.py): it changes what
-  the next process reads.
+  the round overhead ``o`` from their rounds instead, :mod:`.planning`): it changes what
+  the next process reads; a running process plans with the reading it started with.
 """
 from __future__ import annotations
 
 import atexit
 import hashlib
 import json
+import math
 import platform
 import statistics
+import sys
 import time
 import weakref
 from collections import deque
@@ -70,6 +78,7 @@ from ..engine import Engine, kernels
 from ..engine.adapter import model_fingerprint
 from ..errors import ArtifactError
 from ..paths import atomic_write, cache_root
+from .measure import CURVE_ROWS, SHORT_ROUNDS, SHORT_ROWS, VerifyCurve, draft_step_cost
 
 FORMAT = "selfspec-costs"
 VERSION = 1
@@ -293,3 +302,145 @@ def flush() -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError):
             pass  # a hand-edited store, one changed under us or a half-gone cache directory at exit: the next process measures
     return written
+
+
+# ---------------------------------------------------------------- each engine's costs
+
+
+_CURVES: "weakref.WeakKeyDictionary[Engine, VerifyCurve]" = weakref.WeakKeyDictionary()
+_READINGS: "weakref.WeakKeyDictionary[Engine, list[VerifyCurve]]" = weakref.WeakKeyDictionary()
+_FRESH: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # engines that measure their costs themselves (measure_fresh)
+_KEYS: "weakref.WeakKeyDictionary[Engine, dict[str, str]]" = weakref.WeakKeyDictionary()  # machine_key
+_ENGINE_ONLINE: "weakref.WeakKeyDictionary[Engine, Online]" = weakref.WeakKeyDictionary()
+
+
+def curve_for(engine: Engine, full: bool = False) -> VerifyCurve:
+    """The engine's verify curve, kept with it: the planners, ``selfspec profile`` and the bench's engine
+    costs all read this one reading (or the pool of :func:`refresh_curve`). On first use it is read from
+    the store of this machine's costs (no forward is timed); only when none is stored is it measured
+    (:meth:`VerifyCurve.measure`), and then stored: a **short** reading (:data:`SHORT_ROWS`, about
+    an eighth of the full reading's time, said in one line on stderr) so that a first call on a new
+    machine does not stall for the full one, which later processes' rounds refine
+    (:func:`flush`); ``full`` (``selfspec profile``) takes the full reading (about 160
+    forwards, 5-6 s on the default model) when what is kept or stored lacks some of its rows.
+    An engine in :func:`measure_fresh` mode measures the full reading itself, as before there was
+    a store, and stores it."""
+    if engine in _CURVES and (engine in _FRESH or not full or _CURVES[engine].full):
+        return _CURVES[engine]
+    key = engine_key(engine)
+    if engine not in _FRESH:
+        stored = VerifyCurve.from_record(((read(key) or {}).get("curve")))
+        if stored is not None and (stored.full or not full):
+            return _keep_curve(engine, stored)
+    if full or engine in _FRESH:
+        curve = VerifyCurve.measure(engine)
+        update(key, curve=curve.to_record())
+        return _keep_curve(engine, curve)
+    t0 = time.perf_counter()
+    curve = VerifyCurve.measure(engine, rounds=SHORT_ROUNDS, rows=SHORT_ROWS, extra=0)
+    where = update(key, curve=curve.to_record())
+    print(f"selfspec: no engine costs stored for this machine; measured a short verify curve "
+          f"({len(SHORT_ROWS)} row counts x {SHORT_ROUNDS} passes, {time.perf_counter() - t0:.1f} s)"
+          f"{f' into {where}' if where else ' (the cache is not writable: not stored)'}; later runs read it "
+          "and refine it from their rounds ('selfspec profile' takes a full reading)", file=sys.stderr)
+    return _keep_curve(engine, curve)
+
+
+def _keep_curve(engine: Engine, curve: VerifyCurve) -> VerifyCurve:
+    """Make ``curve`` the engine's, its first reading, and let the engine's rounds refine the store."""
+    _CURVES[engine] = curve
+    _READINGS[engine] = [curve]
+    _ENGINE_ONLINE[engine] = online(engine_key(engine))
+    return curve
+
+
+def set_curve(engine: Engine, curve: VerifyCurve) -> None:
+    """Make ``curve`` the engine's from now on, without storing it or taking it for this machine's reading
+    (a test's curve, or a caller's own): the planners and the driver's unit read it."""
+    _CURVES[engine] = curve
+
+
+def held_curve(engine: Engine) -> VerifyCurve | None:
+    """The curve the engine holds now; None when it has none yet (nothing is read or measured)."""
+    return _CURVES.get(engine)
+
+
+def refresh_curve(engine: Engine) -> VerifyCurve | None:
+    """Take another reading and pool it with the earlier ones (:meth:`VerifyCurve.pool`); planners made
+    from now on read the pool, and the store keeps it. One reading is a few seconds of a shared
+    host, whose speed drifts by several per cent from minute to minute (docs/engine.md); a long
+    run (the bench, between its passes) pools many. Nothing when this engine has no curve yet."""
+    if engine not in _CURVES:
+        return None
+    readings = _READINGS.setdefault(engine, [])  # a curve set from outside (a test's) is not a reading
+    readings.append(VerifyCurve.measure(engine, _CURVES[engine].context))
+    _CURVES[engine] = VerifyCurve.pool(readings)
+    if engine in _ENGINE_ONLINE:  # a reading of this machine, not a test's curve
+        update(engine_key(engine), curve=_CURVES[engine].to_record())
+    return _CURVES[engine]
+
+
+def engine_key(engine: Engine) -> dict[str, str]:
+    """The key of the engine's costs in the store (:func:`machine_key`), read once per engine."""
+    if engine not in _KEYS:
+        _KEYS[engine] = machine_key(engine)
+    return _KEYS[engine]
+
+
+def measure_fresh(engine: Engine) -> None:
+    """From now on the engine measures its costs itself, as before there was a store: the verify
+    curve's full reading on first use, c at every :func:`draft_cost_for` (what the bench does, so
+    that every run and every pass rests on its own readings; ``selfspec profile --remeasure``). What
+    it measures is still stored. A curve the engine already holds is forgotten."""
+    _FRESH.add(engine)
+    _CURVES.pop(engine, None)
+    _READINGS.pop(engine, None)
+
+
+def observe_forward(engine: Engine, rows: int, seconds: float, context: int) -> None:
+    """A verify forward of ``rows`` rows (a plain step: 1) that took ``seconds`` after ``context``
+    tokens, for the store's online refresh (:class:`Online`), put at the curve's context. Only
+    engines whose curve is this machine's reading, on a CPU (no device synchronize is paid here),
+    and row counts of :data:`CURVE_ROWS`."""
+    obs, curve = _ENGINE_ONLINE.get(engine), _CURVES.get(engine)
+    if obs is not None and curve is not None and rows in CURVE_ROWS and engine.device.type == "cpu":
+        obs.observe_forward(rows, seconds * curve.t1_s / curve.t1_at(context), context - curve.context, seconds)
+
+
+def draft_variant(weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+                  vocab_rows: int | None = None) -> str:
+    """A draft variant's name in the store: its weights, skip sets and, for a draft that scores a
+    draft vocabulary (FR-Spec), the number of tokens its head scores."""
+    name = f"{weights or 'target'}/attn{sorted(skip_attn)}/mlp{sorted(skip_mlp)}".replace(" ", "")
+    return name if vocab_rows is None else f"{name}/vocab{vocab_rows}"
+
+
+def observe_draft_step(engine: Engine, weights: str | None, skip_attn: frozenset[int], skip_mlp: frozenset[int],
+                       seconds: float, context: int, vocab_rows: int | None = None) -> None:
+    """One draft step of this variant took ``seconds`` after ``context`` tokens (a round's draft time
+    over its steps), for the store's online refresh of its c (as :func:`observe_forward`)."""
+    obs, curve = _ENGINE_ONLINE.get(engine), _CURVES.get(engine)
+    if obs is not None and curve is not None and engine.device.type == "cpu":
+        obs.observe_draft(draft_variant(weights, skip_attn, skip_mlp, vocab_rows), seconds * curve.t1_s / curve.t1_at(context))
+
+
+
+def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int] = frozenset(),
+                   skip_mlp: frozenset[int] = frozenset(), vocab: torch.Tensor | None = None, head: Any = None) -> float:
+    """c of this draft variant on this machine: the stored one, else timed now
+    (:func:`.measure.draft_step_cost`) and stored. An engine in :func:`measure_fresh` mode times it at
+    every call, as before there was a store."""
+    rows = None if vocab is None else int(vocab.numel())
+    variant, key = draft_variant(weights, skip_attn, skip_mlp, rows), engine_key(engine)
+    if engine not in _FRESH:
+        got = ((read(key) or {}).get("draft_costs") or {}).get(variant)
+        try:
+            c = float(got["c"])
+            if math.isfinite(c) and c > 0:
+                return c
+        except (KeyError, TypeError, ValueError):
+            pass  # none stored, or unusable: time it
+    c = draft_step_cost(engine, weights, skip_attn, skip_mlp, vocab=vocab, head=head)
+    update(key, draft_costs={variant: {"c": round(c, 5), "readings": 1}})
+    return c
+

@@ -12,7 +12,7 @@ The driver (:mod:`.driver`) matches on the draft's type, never on flags:
 * :class:`Decided`: a lossy proposer's final tokens (SpecEE), committed unverified.
 
 ``plan`` (drafting kinds): the planner's prediction for the round, expected tokens and cost in
-plain steps (:mod:`.cost`, a :class:`Plan`); ``note``: the proposer's own typed record of how it
+plain steps (:mod:`.planning`, a :class:`Plan`); ``note``: the proposer's own typed record of how it
 drafted (one class per kind of draft), which the driver never reads and hands back in :class:`Round`. After the round the proposer's ``update``
 receives a :class:`Round`: the draft, the verdict, the verification forward and the round's
 measured cost in plain steps. Nothing the driver learns is written into a proposer.
@@ -29,7 +29,7 @@ from ..engine.tree import tree_depths
 from .verify import Verdict
 
 class Plan(NamedTuple):
-    """A planner's prediction for one round (:mod:`.cost`)."""
+    """A planner's prediction for one round (:mod:`.planning`)."""
 
     expected_tokens: float
     cost: float  # in plain steps

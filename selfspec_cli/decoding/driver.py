@@ -25,9 +25,9 @@ statistics with one definition (:class:`~.output.DecodeStats`), cache capacity (
    stopping rules, and ``drafter.accept(state, round)`` learns what was accepted and
    what the round cost (:class:`~.drafts.Round`; as transformers separates
    ``get_candidates`` from ``update_candidate_strategy``). Time is measured with one
-   :class:`~.cost.RoundClock` per decode; nothing is written into the drafter. The
+   :class:`~.planning.RoundClock` per decode; nothing is written into the drafter. The
    seconds of each chain's (or plain step's) verify forward go to the store of the
-   machine's costs (:func:`~.cost.observe_forward`, decoding/cost_store.py), which the
+   machine's costs (:func:`~.cost_store.observe_forward`, decoding/cost_store.py), which the
    next process reads; they change nothing in this decode.
 
 An empty draft makes the round a plain decoding step, so ``ar`` is the drafter that never
@@ -47,7 +47,9 @@ import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
-from .cost import RoundClock, VerifyCurve, observe_forward
+from .cost_store import observe_forward
+from .measure import VerifyCurve
+from .planning import RoundClock, round_gain
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
 from .output import DecodeResult, DecodeStats, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
@@ -106,10 +108,10 @@ class Drafter(Protocol):
 @runtime_checkable
 class DraftPolicy(Protocol):
     """How long a drafter drafts, in what shape, and whether at all: fed by the cost model
-    (decoding/cost.py's planners, the measured verify curve and draft costs). Measuring happens
+    (the planners of decoding/planning.py, the verify curve and draft costs of decoding/measure.py and cost_store.py). Measuring happens
     when a policy is set up, never inside a drafter. What every policy answers: ``curve``, the
     engine's verify curve when the policy plans with measured costs (the driver's unit of a round's
-    cost, :class:`~.cost.RoundClock`, and its realized gain need it; None otherwise), and
+    cost, :class:`~.planning.RoundClock`, and its realized gain need it; None otherwise), and
     :meth:`gain`, the best expected gain of drafting this round (None: it cannot draft; 1.0: drafting
     does not pay), by which a choice among sources picks (:mod:`.choose`)."""
 
@@ -243,7 +245,7 @@ def decode(eng: Engine, tokenizer: Any, drafter: Drafter, prompt_ids: list[int],
     if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
         stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
-            stats.extra["predicted_gain"] = round(expected / cost, 4)
+            stats.extra["predicted_gain"] = round(round_gain(expected, cost), 4)
             stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
     stats.extra.update(drafter.end())
     return sink.result(stats)

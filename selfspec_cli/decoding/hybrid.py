@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..engine import ForwardOutput
-from .cost import Planner, round_cost
+from .planning import Planner, round_plan
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating
 from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter, SkipOrFullDepth
@@ -61,7 +61,7 @@ def merged_plan(chain: Planner, ngram: Planner, k: int, n: int, nodes: int, c: f
     chances is taken (a lower bound, so the prediction errs low)."""
     ls, ng = chain.reach(k), ngram.reach(n)
     reach = [max(ls[j] if j < k else 0.0, ng[j] if j < n else 0.0) for j in range(max(k, n))]
-    return Plan(1.0 + sum(reach), round_cost(chain.curve, k, c, nodes, chain.overhead.value, chain.context))
+    return round_plan(chain.curve, k, reach, c, nodes, chain.overhead.value, chain.context)
 
 
 class Hybrid(Delegating):

@@ -61,7 +61,7 @@ class DraftSettings:
     tree: bool = False
     tree_topk: tuple[tuple[float, int], ...] = PAPER_TREE_TOPK
     tree_max_nodes: int | None = None
-    cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/cost.py)
+    cost_aware: bool = True  # plan each round's draft length from measured costs (decoding/planning.py)
     kv_window: tuple[int, int] | None = None  # (sinks, window): drafts attend to those keys only (engine/runner.py)
 
     @property

@@ -9,7 +9,7 @@ used:
 * :class:`NgramLookup`: the source of n-gram continuations; also the n-gram branch that a
   layer-skip method's hybrid drafts merge into their trees (:mod:`.hybrid`);
 * :class:`NgramPolicy`: how many looked-up tokens to verify, per n-gram order a
-  :class:`~.cost.Planner` of its own (longer matches draft better) sharing one round overhead:
+  :class:`~.planning.Planner` of its own (longer matches draft better) sharing one round overhead:
   drafting a lookup costs no model forward, verifying ``k`` drafts costs ``v(k + 1)`` plain
   steps; none when they do not pay. Without planning (``planned`` False: the paper's drafting)
   every looked-up token is verified;
@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine, ForwardOutput
-from .cost import Overhead, Planner, VerifyCurve
+from .cost_store import curve_for
+from .measure import VerifyCurve
+from .planning import Overhead, Planner
 from .drafts import Chain, Draft, NgramNote, NoDraft, Plan, Round
 from .driver import Taps
 from .state import DecodeState
@@ -83,11 +85,11 @@ class NgramPolicy:
         self.overhead = Overhead()  # a lookup round costs the same whatever the n-gram length: one average
         self.curve: VerifyCurve | None = None
         if planned:
-            self.curve = VerifyCurve.for_engine(engine)  # measured now (once per engine), not inside a timed decode
+            self.curve = curve_for(engine)  # measured now (once per engine), not inside a timed decode
 
     def planner(self, n: int) -> Planner:
         if n not in self.planners:
-            self.curve = VerifyCurve.for_engine(self.engine)
+            self.curve = curve_for(self.engine)
             self.planners[n] = Planner(self.curve, self.max_draft, overhead=self.overhead)
         return self.planners[n]
 

@@ -1,6 +1,8 @@
 """What a decode outputs: the tokens kept under the stopping rules, and the statistics.
 
-A decode's statistics are counted in :class:`DecodeStats` and kept, in every output record,
+A prompt's output record is an :class:`OutputRecord` (its turns :class:`TurnRecord`), serialized
+once at I/O (:meth:`OutputRecord.to_dict`, :meth:`OutputRecord.from_dict`: the same keys and values
+on disk as ever). A decode's statistics are counted in :class:`DecodeStats` and kept, in every output record,
 as :class:`TurnStats` serialized flat (:meth:`TurnStats.to_dict`: the same keys as ever, what
 the driver and the proposer add beside the counters); readers parse a record's ``stats`` back
 with :meth:`TurnStats.from_dict`, which takes older records that lack newer fields.
@@ -62,7 +64,7 @@ class DecodeStats:
 
 @dataclass(frozen=True, slots=True)
 class PlanTotals:
-    """What a decode's drafting plans predicted, summed over its rounds (decoding/cost.py)."""
+    """What a decode's drafting plans predicted, summed over its rounds (decoding/planning.py)."""
 
     expected_tokens: float
     cost_steps: float  # in plain steps
@@ -99,6 +101,87 @@ class TurnStats:
         if isinstance(kw.get("plan"), Mapping):
             kw["plan"] = PlanTotals(**kw["plan"])
         return cls(**kw, extra={k: v for k, v in d.items() if k not in typed})
+
+
+TURN_SEPARATOR = "\n\n"  # between a multi-turn record's turns in its top-level ``text``
+_TURN_KEYS = ("text", "token_ids", "new_tokens", "accept_lengths", "prompt_tokens", "wall_time_s", "tokens_per_s",
+              "finish_reason", "stats")
+_RECORD_KEYS = ("id", "method", "lossless", "text", "token_ids", "new_tokens", "prompt_tokens", "wall_time_s",
+                "tokens_per_s", "finish_reason", "stats", "category", "num_turns", "turns", "repeat", "rank")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    """One decoded turn as an output record keeps it (a multi-turn record's ``turns[i]``)."""
+
+    text: str
+    token_ids: list[int]
+    new_tokens: int
+    accept_lengths: list[int]
+    prompt_tokens: int
+    wall_time_s: float
+    tokens_per_s: float | None
+    finish_reason: str
+    stats: TurnStats
+
+    def to_dict(self) -> dict[str, Any]:
+        """The turn as JSONL holds it (the keys in this order; ``stats`` flat, :meth:`TurnStats.to_dict`)."""
+        return {k: getattr(self, k) for k in _TURN_KEYS[:-1]} | {"stats": self.stats.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TurnRecord:
+        return cls(**{k: d.get(k) for k in _TURN_KEYS[:-1]}, stats=TurnStats.from_dict(d.get("stats") or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRecord:
+    """One prompt's output record, what ``generate`` prints and the bench keeps in records/<method>.jsonl
+    (docs/benchmarks.md): the fields cover the whole prompt (a multi-turn prompt's totals, its last turn's
+    ``finish_reason``; ``turns``: each turn, multi-turn records only); ``repeat`` and ``rank``: the bench's
+    pass and torchrun rank (absent elsewhere); ``extra``: keys this version does not know (an outside
+    peer's, a newer file's), kept as read. Serialized once at I/O: :meth:`to_dict` writes exactly the keys
+    and values records always had, in the same order, and :meth:`from_dict` reads any record back."""
+
+    id: Any
+    method: str
+    lossless: bool
+    text: str
+    token_ids: list[int]
+    new_tokens: int
+    prompt_tokens: int
+    wall_time_s: float
+    tokens_per_s: float | None
+    finish_reason: str
+    stats: TurnStats
+    category: str | None = None
+    turns: tuple[TurnRecord, ...] | None = None
+    repeat: int | None = None
+    rank: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def all_turns(self) -> tuple[TurnRecord, ...]:
+        """Its turns (a one-turn record is its own turn)."""
+        if self.turns is not None:
+            return self.turns
+        return (TurnRecord(self.text, self.token_ids, self.new_tokens, list(self.stats.accept_lengths),
+                           self.prompt_tokens, self.wall_time_s, self.tokens_per_s, self.finish_reason, self.stats),)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in _RECORD_KEYS[:10]}
+        out["stats"] = self.stats.to_dict()
+        if self.category is not None:
+            out["category"] = self.category
+        if self.turns is not None:
+            out.update(num_turns=len(self.turns), turns=[t.to_dict() for t in self.turns])
+        out.update({k: v for k, v in (("repeat", self.repeat), ("rank", self.rank)) if v is not None})
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OutputRecord:
+        turns = d.get("turns")
+        return cls(**{k: d.get(k) for k in _RECORD_KEYS[:10]}, stats=TurnStats.from_dict(d.get("stats") or {}),
+                   category=d.get("category"), turns=None if turns is None else tuple(TurnRecord.from_dict(t) for t in turns),
+                   repeat=d.get("repeat"), rank=d.get("rank"), extra={k: v for k, v in d.items() if k not in _RECORD_KEYS})
 
 
 @dataclass(slots=True)

@@ -5,15 +5,15 @@ A :class:`LengthPolicy` is the separate object a :class:`~.layer_skip.LayerSkipD
 before each draft (:meth:`LengthPolicy.length`); the drafter only draws the tokens. The policy
 holds everything measured about its drafter's configuration: the engine's verify curve, the
 draft cost ``c`` (one draft forward over one plain step: before any draft, the weight-byte share
-of :func:`~.cost.prior_draft_cost`, or a quantized draft's stored or timed step,
-:func:`~.cost.draft_cost_for`; then a running average of the measured steps), the prior
+of :func:`~.measure.prior_draft_cost`, or a quantized draft's stored or timed step,
+:func:`~.cost_store.draft_cost_for`; then a running average of the measured steps), the prior
 acceptance of depth 1 (:func:`agreement_prior` for a full-depth quantized draft) and the
-:class:`~.cost.Planner` that turns them into a length. All measuring happens in
+:class:`~.planning.Planner` that turns them into a length. All measuring happens in
 :meth:`LengthPolicy.setup`, before a decode starts, never in a drafter's constructor nor inside a
 timed decode.
 
-Invariants: the planning arithmetic is decoding/cost.py's (:class:`~.cost.Planner`,
-:func:`~.cost.round_cost`), called in the same order as when it lived in the drafter, so a
+Invariants: the planning arithmetic is decoding/planning.py's (:class:`~.planning.Planner`,
+:func:`~.planning.round_cost`), called in the same order as when it lived in the drafter, so a
 round's plan is what it was; without ``cost_aware`` nothing is measured and nothing planned (the
 paper's drafting: the configured length). The one planning function of its own here is
 :meth:`LengthPolicy.tree_cap` (a cost-aware tree verifies at most 2k nodes).
@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import Engine
 from ..prompts import encode_turn
-from .cost import Planner, VerifyCurve, draft_agreement, draft_cost_for, ema, observe_draft_step, prior_draft_cost
+from .cost_store import curve_for, draft_cost_for, observe_draft_step
+from .measure import VerifyCurve, draft_agreement, prior_draft_cost
+from .planning import Planner, ema
 from .drafts import Plan
 from .state import DecodeState
 
@@ -38,7 +40,7 @@ AGREEMENT_PROMPT = "Write a short paragraph about a topic of your choice."
 def agreement_prior(engine: Engine, tokenizer: Any, weights: str) -> float:
     """Depth 1's prior acceptance for a full-depth quantized draft: its top-1 agreement with
     the target along the target's own greedy answer to a neutral instruction
-    (:func:`~selfspec_cli.decoding.cost.draft_agreement`, as (hits + 1) / (positions + 2)),
+    (:func:`~selfspec_cli.decoding.measure.draft_agreement`, as (hits + 1) / (positions + 2)),
     so that a fresh decode starts from what the copy is known to do rather than from 0.5,
     which prices a draft that costs c per token below plain decoding until a few rounds have
     run (docs/engine.md, "Quantized drafts"). 0.5 without a tokenizer."""
@@ -67,7 +69,7 @@ class LengthPolicy:
     def measure_curve(engine: Engine, settings: DraftSettings) -> None:
         """The engine's verify curve, measured now (once per engine) when the policy plans, not inside a timed decode."""
         if settings.cost_aware:
-            VerifyCurve.for_engine(engine)
+            curve_for(engine)
 
     def setup(self) -> LengthPolicy:
         """Measure what planning needs before any decode: the verify curve (:meth:`measure_curve`)
@@ -81,7 +83,7 @@ class LengthPolicy:
 
     def draft_cost(self) -> float:
         """c: one draft forward over one plain step, measured (before any draft: the share of the
-        weight bytes the skip set reads, :func:`~.cost.prior_draft_cost`, or a quantized draft's
+        weight bytes the skip set reads, :func:`~.measure.prior_draft_cost`, or a quantized draft's
         timed step)."""
         if self.step_c is not None and self.planner is not None:
             return self.step_c
@@ -97,7 +99,7 @@ class LengthPolicy:
 
     def _planner(self) -> Planner:
         if self.planner is None:
-            self.planner = Planner(VerifyCurve.for_engine(self.engine), self.settings.max_draft,
+            self.planner = Planner(curve_for(self.engine), self.settings.max_draft,
                                    width=2 if self.settings.tree else 1, prior=self.prior)
             self.curve = self.planner.curve
         return self.planner

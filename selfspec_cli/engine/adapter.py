@@ -8,10 +8,11 @@ parameters become views into the fused tensors, so no weight is held twice and t
 Hugging Face forward keeps working on the same storage (the ``hf`` peers in ``selfspec
 bench`` run on the very same weights).
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Gemma 3 text (model_type in SUPPORTED_MODEL_TYPES).
-The differences between them are handled by data, not subclasses: optional q/k/v
-biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), per-layer sliding windows
-(Mistral; Qwen2/Qwen3/Gemma 3 ``layer_types``), and Gemma 3's terms: RMSNorm weights
+Supported: Llama, Mistral, Qwen2, Qwen3, Gemma 3 text, Phi-3 (:data:`FAMILIES`, one :class:`Family`
+entry each; engine/layer.py is the one layer they all run). The differences between them are
+handled by data, not subclasses: the modules' names (Phi-3's fused ``qkv_proj`` and ``gate_up_proj``),
+optional q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), per-layer sliding windows
+(Mistral and Phi-3 on every layer; Qwen2/Qwen3/Gemma 3 by ``layer_types``), and Gemma 3's terms: RMSNorm weights
 applied as ``1 + w`` (stored here already added, in float32 as transformers computes
 them), a norm after each sublayer as well as before it, GeGLU (``gelu`` with the tanh
 approximation), the embedding scale ``sqrt(hidden)``, the attention scale
@@ -33,10 +34,35 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-GEMMA_TYPES = ("gemma3_text",)  # Gemma terms: (1 + w) norms, sublayer post-norms, GeGLU, embedding scale
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What tells one model family's decoder layers apart, as data (the layer itself is engine/layer.py's,
+    one for every family). Present or absent tensors (biases, per-head q/k norms) are read from the
+    modules; a family names only what cannot be read that way."""
+
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # the attention module's products giving q, k, v in order
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # the MLP module's products giving gate, then up
+    gemma: bool = False  # Gemma terms: (1 + w) norms, sublayer post-norms, GeGLU, embedding scale, query_pre_attn_scalar
+    window_on_every_layer: bool = False  # the config's sliding_window cuts every layer (else the ones layer_types marks)
+    gguf: str | None = None  # the ``general.architecture`` of a GGUF file selfspec reads this family from
+
+
+# model_type -> its family: adding a family that the layer already computes is one entry here (and its tiny
+# config in tests/conftest.py ARCHS)
+FAMILIES: dict[str, Family] = {
+    "llama": Family(gguf="llama"),
+    "mistral": Family(window_on_every_layer=True, gguf="mistral"),
+    "qwen2": Family(gguf="qwen2"),  # q/k/v biases
+    "qwen3": Family(gguf="qwen3"),  # per-head q/k norms
+    "gemma3_text": Family(gemma=True, gguf="gemma3"),
+    "phi3": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",), window_on_every_layer=True),  # fused products
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+GEMMA_TYPES = tuple(t for t, f in FAMILIES.items() if f.gemma)
 # a GGUF's ``general.architecture`` -> the model_type transformers gives the converted model
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+GGUF_ARCHITECTURES = {f.gguf: t for t, f in FAMILIES.items() if f.gguf is not None}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config value -> the engine's MLP product
 
 
@@ -167,12 +193,42 @@ def _fuse_biases(linears: list[nn.Linear]) -> torch.Tensor | None:
     return b
 
 
+def _activation(cfg: Any, family: Family) -> str:
+    """The MLP's activation as the engine names it (:data:`ACTIVATIONS`): silu, or Gemma's tanh gelu."""
+    act = getattr(cfg, "hidden_activation", None) if family.gemma else getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS or (not family.gemma and act != "silu"):
+        raise UnsupportedModelError(f"hidden activation '{act}' is not supported (silu; gelu_pytorch_tanh for Gemma)")
+    return ACTIVATIONS[act]
+
+
+def _check_terms(cfg: Any, family: Family) -> None:
+    """Refuse a config term the layer does not compute (softcapping, bidirectional attention, a rotary whose
+    frequencies depend on the length, a rotary over part of each head)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            raise UnsupportedModelError(f"{name} = {getattr(cfg, name)} is not supported (Gemma 3 has none)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("use_bidirectional_attention is not supported (a causal LM is)")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    ropes = list(rope.values()) if family.gemma and isinstance(rope, dict) else [rope]  # Gemma: one per layer type
+    for r in ropes:
+        r = r if isinstance(r, dict) else {}
+        rope_type = r.get("rope_type", r.get("type", "default"))
+        if rope_type in ("dynamic", "longrope"):
+            raise UnsupportedModelError(f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
+                                        "supported: default, linear, llama3, yarn")
+        partial = r.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"partial_rotary_factor = {partial} (a rotary over part of each head) is "
+                                        "not supported; the engine rotates whole heads")
+
+
 class ModelAdapter:
     """Reads a supported ``*ForCausalLM`` model into plain tensors for the engine."""
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
-        model_type = check_supported(cfg)
+        family = FAMILIES[check_supported(cfg)]
         self._model = model
         inner = model.model
         self.num_layers: int = cfg.num_hidden_layers
@@ -183,26 +239,10 @@ class ModelAdapter:
         self.vocab_size: int = cfg.vocab_size
         self.max_positions: int = getattr(cfg, "max_position_embeddings", 2048)
         self.rms_eps: float = float(cfg.rms_norm_eps)
-        gemma = model_type in GEMMA_TYPES
-        act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
-        if act not in ACTIVATIONS or (not gemma and act != "silu"):
-            raise UnsupportedModelError(f"hidden activation '{act}' is not supported (silu; gelu_pytorch_tanh for Gemma)")
-        self.activation: str = ACTIVATIONS[act]
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(cfg, name, None) is not None:
-                raise UnsupportedModelError(f"{name} = {getattr(cfg, name)} is not supported (Gemma 3 has none)")
-        if getattr(cfg, "use_bidirectional_attention", False):
-            raise UnsupportedModelError("use_bidirectional_attention is not supported (a causal LM is)")
-
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        ropes = list(rope.values()) if gemma and isinstance(rope, dict) else [rope]  # Gemma: one per layer type
-        for r in ropes:
-            rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
-            if rope_type in ("dynamic", "longrope"):
-                raise UnsupportedModelError(f"rope type '{rope_type}' (length-dependent frequencies) is not supported; "
-                                            "supported: default, linear, llama3, yarn")
+        self.activation: str = _activation(cfg, family)
+        _check_terms(cfg, family)
         self.embed: torch.Tensor = inner.embed_tokens.weight
-        self.final_norm: torch.Tensor = gemma_norm_weight(inner.norm.weight) if gemma else inner.norm.weight
+        self.final_norm: torch.Tensor = gemma_norm_weight(inner.norm.weight) if family.gemma else inner.norm.weight
         self.lm_head: torch.Tensor = model.lm_head.weight
         self.head_rows: int = self.lm_head.shape[0]  # kept: a released head is empty (the block cache checks it)
         self.rotary = inner.rotary_emb
@@ -210,45 +250,44 @@ class ModelAdapter:
         self.dtype = inner.norm.weight.dtype
         self.device = inner.norm.weight.device
         # Gemma: embeddings times sqrt(hidden), a float32 scalar cast to the weights' dtype (as transformers does)
-        scale = getattr(inner.embed_tokens, "embed_scale", None) if gemma else None
+        scale = getattr(inner.embed_tokens, "embed_scale", None) if family.gemma else None
         self.embed_scale: torch.Tensor | None = None if scale is None else scale.detach().to(self.dtype).to(self.device)
-        # the attention's score scale: 1/sqrt(D) in the kernel and SDPA; Gemma's query_pre_attn_scalar ** -0.5
-        # is folded into the q heads' norm weights as the factor q_scale (exactly 1.0 when the two agree)
-        q_scale = 1.0
-        if gemma and cfg.query_pre_attn_scalar != self.head_dim:
-            q_scale = float(cfg.query_pre_attn_scalar) ** -0.5 * self.head_dim ** 0.5
-
-        layer_types = getattr(cfg, "layer_types", None)
-        window = getattr(cfg, "sliding_window", None)
-        self.layers: list[LayerWeights] = []
-        for idx, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-            b_qkv, b_gu = _fuse_biases(qkv), _fuse_biases(gate_up)
-            qk_norm = None
-            if hasattr(attn, "q_norm"):
-                qn, kn = attn.q_norm.weight, attn.k_norm.weight
-                if gemma:
-                    qn, kn = gemma_norm_weight(qn), gemma_norm_weight(kn)
-                    if q_scale != 1.0:
-                        qn = qn * q_scale
-                qk_norm = torch.cat([qn.data.expand(self.num_heads, -1),
-                                     kn.data.expand(self.num_kv_heads, -1)]).contiguous()
-            sliding = model_type == "mistral" or (layer_types is not None and layer_types[idx] == "sliding_attention")
-            if gemma:
-                norms = {"attn_norm": gemma_norm_weight(layer.input_layernorm.weight),
-                         "post_attn_norm": gemma_norm_weight(layer.post_attention_layernorm.weight),
-                         "mlp_norm": gemma_norm_weight(layer.pre_feedforward_layernorm.weight),
-                         "post_mlp_norm": gemma_norm_weight(layer.post_feedforward_layernorm.weight)}
-            else:
-                norms = {"attn_norm": layer.input_layernorm.weight, "mlp_norm": layer.post_attention_layernorm.weight}
-            self.layers.append(LayerWeights(
-                qkv=Fused(qkv), b_qkv=b_qkv, w_o=attn.o_proj.weight, b_o=attn.o_proj.bias, qk_norm=qk_norm,
-                gate_up=Fused(gate_up), b_gate_up=b_gu, w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias,
-                sliding_window=window if sliding else None,
-                rope_kind=layer_types[idx] if gemma else None, **norms))
+        self.layers: list[LayerWeights] = [self._layer(cfg, family, idx, layer) for idx, layer in enumerate(inner.layers)]
         self._out_features = [{n: sum(t.shape[0] for t in w.held(n)) for n in LINEARS} for w in self.layers]
         self.rope_kinds: list[str | None] = sorted({w.rope_kind for w in self.layers}, key=str)
+
+    def _layer(self, cfg: Any, family: Family, idx: int, layer: nn.Module) -> LayerWeights:
+        """Decoder layer ``idx``'s weights and terms."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = [getattr(attn, n) for n in family.qkv], [getattr(mlp, n) for n in family.gate_up]
+        layer_types = getattr(cfg, "layer_types", None)
+        sliding = family.window_on_every_layer or (layer_types is not None and layer_types[idx] == "sliding_attention")
+        if family.gemma:
+            norms = {"attn_norm": gemma_norm_weight(layer.input_layernorm.weight),
+                     "post_attn_norm": gemma_norm_weight(layer.post_attention_layernorm.weight),
+                     "mlp_norm": gemma_norm_weight(layer.pre_feedforward_layernorm.weight),
+                     "post_mlp_norm": gemma_norm_weight(layer.post_feedforward_layernorm.weight)}
+        else:
+            norms = {"attn_norm": layer.input_layernorm.weight, "mlp_norm": layer.post_attention_layernorm.weight}
+        return LayerWeights(
+            qkv=Fused(qkv), b_qkv=_fuse_biases(qkv), w_o=attn.o_proj.weight, b_o=attn.o_proj.bias,
+            qk_norm=self._qk_norm(cfg, family, attn), gate_up=Fused(gate_up), b_gate_up=_fuse_biases(gate_up),
+            w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias,
+            sliding_window=getattr(cfg, "sliding_window", None) if sliding else None,
+            rope_kind=layer_types[idx] if family.gemma else None, **norms)
+
+    def _qk_norm(self, cfg: Any, family: Family, attn: nn.Module) -> torch.Tensor | None:
+        """The per-head q/k norms' weights, (Hq + Hkv, D): q_norm rows then k_norm rows (Qwen3, Gemma 3), or
+        None. Gemma's attention scale ``query_pre_attn_scalar ** -0.5`` is folded into the q rows as the
+        factor q_scale (1/sqrt(D) is the kernel's and SDPA's; exactly 1.0 when the two agree)."""
+        if not hasattr(attn, "q_norm"):
+            return None
+        qn, kn = attn.q_norm.weight, attn.k_norm.weight
+        if family.gemma:
+            qn, kn = gemma_norm_weight(qn), gemma_norm_weight(kn)
+            if cfg.query_pre_attn_scalar != self.head_dim:
+                qn = qn * (float(cfg.query_pre_attn_scalar) ** -0.5 * self.head_dim ** 0.5)
+        return torch.cat([qn.data.expand(self.num_heads, -1), kn.data.expand(self.num_kv_heads, -1)]).contiguous()
 
     def float_matrix(self, layer: int, name: str) -> torch.Tensor:
         """Layer ``layer``'s matrix ``name`` as float values: a model read from its GGUF blocks

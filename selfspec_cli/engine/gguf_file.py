@@ -50,6 +50,75 @@ class TensorInfo:
     data: Any = None
 
 
+class _HeaderCursor:
+    """A read position in a mapped GGUF header: strings, metadata values (arrays skipped) and tensor infos,
+    each read at the position and the position moved past it. ``struct.error`` escapes when the header ends
+    early (:func:`read_header` turns it into ValueError)."""
+
+    def __init__(self, buf: Any, at: int) -> None:
+        self.buf = buf
+        self.at = at
+
+    def unpack(self, fmt: str, skip: int | None = None) -> tuple[Any, ...]:
+        """``fmt`` unpacked at the position, which moves past it (or by ``skip`` bytes when given)."""
+        import struct
+
+        out = struct.unpack_from(fmt, self.buf, self.at)
+        self.at += struct.calcsize(fmt) if skip is None else skip
+        return out
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q", 8)
+        self.at += n
+        if self.at > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        return bytes(self.buf[self.at - n:self.at]).decode("utf-8", errors="replace")
+
+    def skip_array(self) -> None:
+        """Move past an array value (its element type and count first), decoding none of it."""
+        import struct
+
+        inner, count = self.unpack("<IQ", 12)
+        if inner == _STRING:
+            for _ in range(count):
+                (n,) = self.unpack("<Q", 8)
+                self.at += n
+        elif inner in _SCALAR:
+            self.at += count * struct.calcsize(_SCALAR[inner])
+        else:
+            for _ in range(count):
+                self.value(inner)
+
+    def value(self, kind: int) -> Any:
+        """A metadata value of type ``kind``: a scalar or a string; None for an array (skipped)."""
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            self.skip_array()
+            return None
+        fmt = _SCALAR.get(kind)
+        if fmt is None:
+            raise ValueError(f"unknown metadata type {kind}")
+        (v,) = self.unpack(fmt)
+        return v
+
+    def tensor_info(self) -> TensorInfo:
+        """One tensor's entry: its name, dimensions, type and offset (relative to the data section)."""
+        import struct
+
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        name = self.string()
+        (n_dims,) = struct.unpack_from("<I", self.buf, self.at)
+        dims = struct.unpack_from(f"<{n_dims}Q", self.buf, self.at + 4)
+        kind, offset = struct.unpack_from("<IQ", self.buf, self.at + 4 + 8 * n_dims)
+        self.at += 4 + 8 * n_dims + 12
+        qtype = GGMLQuantizationType(kind)
+        block, size = GGML_QUANT_SIZES[qtype]
+        n_elems = int(np.prod(dims))
+        return TensorInfo(name, qtype, tuple(int(d) for d in dims), offset, n_elems * size // block)
+
+
 def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
     """(scalar and string metadata, tensor infos, file offset of the tensor data) of a GGUF file, read from its
     header only: arrays (the tokenizer's vocabulary) are skipped, not decoded, so this takes milliseconds where
@@ -57,8 +126,6 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo], int
     that is not a well-formed GGUF of version 2 or 3."""
     import mmap
     import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -68,59 +135,15 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo], int
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (selfspec reads 2 and 3)")
-        at = 24
-
-        def string() -> str:
-            nonlocal at
-            (n,) = struct.unpack_from("<Q", buf, at)
-            at += 8 + n
-            if at > len(buf):
-                raise ValueError("a string runs past the end of the file")
-            return bytes(buf[at - n:at]).decode("utf-8", errors="replace")
-
-        def value(kind: int) -> Any:
-            nonlocal at
-            if kind == _STRING:
-                return string()
-            if kind == _ARRAY:
-                inner, count = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if inner == _STRING:
-                    for _ in range(count):
-                        (n,) = struct.unpack_from("<Q", buf, at)
-                        at += 8 + n
-                elif inner in _SCALAR:
-                    at += count * struct.calcsize(_SCALAR[inner])
-                else:
-                    for _ in range(count):
-                        value(inner)
-                return None
-            fmt = _SCALAR.get(kind)
-            if fmt is None:
-                raise ValueError(f"unknown metadata type {kind}")
-            (v,) = struct.unpack_from(fmt, buf, at)
-            at += struct.calcsize(fmt)
-            return v
-
+        cur = _HeaderCursor(buf, 24)
         meta: dict[str, Any] = {}
         for _ in range(n_kv):
-            key = string()
-            (kind,) = struct.unpack_from("<I", buf, at)
-            at += 4
-            meta[key] = value(kind)
-        infos: list[TensorInfo] = []
-        for _ in range(n_tensors):
-            name = string()
-            (n_dims,) = struct.unpack_from("<I", buf, at)
-            dims = struct.unpack_from(f"<{n_dims}Q", buf, at + 4)
-            kind, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * n_dims)
-            at += 4 + 8 * n_dims + 12
-            qtype = GGMLQuantizationType(kind)
-            block, size = GGML_QUANT_SIZES[qtype]
-            n_elems = int(np.prod(dims))
-            infos.append(TensorInfo(name, qtype, tuple(int(d) for d in dims), offset, n_elems * size // block))
+            key = cur.string()
+            (kind,) = cur.unpack("<I")
+            meta[key] = cur.value(kind)
+        infos = [cur.tensor_info() for _ in range(n_tensors)]
         align = int(meta.get("general.alignment") or 32)
-        start = (at + align - 1) // align * align
+        start = (cur.at + align - 1) // align * align
     except struct.error as exc:
         raise ValueError(f"the header ends early ({exc})") from None
     finally:

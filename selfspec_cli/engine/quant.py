@@ -188,12 +188,90 @@ class GGUFDraftError(ValueError):
     """The model's GGUF blocks cannot serve as its draft (no GGUF source, or other weights)."""
 
 
+class _GGUFBlocks:
+    """One GGUF file's blocks read for a model's matrices (:func:`_gguf`): what each matrix became is counted as it
+    is read (``exact``: the file's own blocks; ``fallback``: quantized to int8 per channel instead, reported)."""
+
+    def __init__(self, adapter: ModelAdapter, gguf_file: str, source: Any, pack: Any) -> None:
+        self.adapter, self.gguf_file, self.source, self.pack = adapter, gguf_file, source, pack
+        self.tensors = source.tensors
+        self.fallback: list[str] = []
+        self.exact = 0
+
+    def load(self, name: str, target: torch.Tensor) -> QuantWeight:
+        """The blocks of tensor ``name``, rows in ``target``'s order (or ``target`` quantized to int8 when the
+        kernel does not take the tensor's type)."""
+        from .gguf_file import row_order
+
+        t = self.tensors.get(name)
+        if t is None:
+            raise GGUFDraftError(f"tensor '{name}' is missing from {self.gguf_file}")
+        block = _gguf_block(t)
+        if block is None:
+            self.fallback.append(f"{name} ({t.tensor_type.name})")
+            return quantize_int8(target)
+        if target.is_meta:  # a model read from these very blocks (lite.load_gguf_model): rows in the file's order,
+            self.exact += 1  # but a Llama's q/k, which llama.cpp stores permuted
+            a = self.adapter
+            order = row_order(self.source.architecture, name, target.shape[0], a.num_heads, a.num_kv_heads)
+            return block if order is None else _take_rows(block, order)
+        order = _match_rows(block, target.detach().float())
+        if order is None:
+            raise GGUFDraftError(f"the weights of '{name}' in {self.gguf_file} are not the model's (the target was "
+                                 "not dequantized from this file); use --draft-precision int8")
+        self.exact += 1
+        return _take_rows(block, order)
+
+    def layer(self, l: int, w: Any) -> dict[str, Any]:
+        """Layer ``l``'s packed matrices by name."""
+        return {name: self._matrix(l, name, w) for name in LINEARS}
+
+    def _matrix(self, l: int, name: str, w: Any) -> Any:
+        """The product of matrix ``name`` of layer ``l`` from its file parts: one block, the parts fused, the parts
+        side by side (different layouts), or int8 (a part of a float type). The parts' tensors are dropped once
+        read, and the unpacked parts are let go before the packing."""
+        target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
+        pieces = target.split(_split_sizes(self.adapter, name, target))
+        got = [self.load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
+        for p in parts:
+            self.source.drop(f"blk.{l}.{p}.weight")  # read: its pages leave the process (the page cache keeps them)
+        if len(got) == 1:
+            q = got[0]
+        elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
+            q = _cat_rows(got)
+        elif "int8" not in {g.fmt for g in got}:  # parts of different layouts: each its own product, side by side
+            bias = getattr(w, f"b_{name}")
+            biases = [None] * len(got) if bias is None else bias.split([g.codes.shape[0] for g in got])
+            return PartsLinear([self.pack(None, name, g, b) for g, b in zip(got, biases)])
+        else:  # a part of a float type: the fused matrix runs as a float matrix (target_linears)
+            self.fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
+            self.exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
+            q = quantize_int8(self.adapter.float_matrix(l, name))
+        del got
+        return self.pack(l, name, q)
+
+    def head(self) -> Any:
+        """The packed head: read by chunks of rows when the model was read from this file (no row order to
+        match), else matched to the model's head like any matrix."""
+        tensors, adapter = self.tensors, self.adapter
+        head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        t = tensors[head_name]
+        if adapter.lm_head.is_meta and _gguf_block(_Rows(t, 0, 64)) is not None:  # no row order to match: by chunks
+            rows = adapter.lm_head.shape[0]
+            head = _stacked((self.pack(None, "head", _gguf_block(_Rows(t, i, i + HEAD_CHUNK)))
+                             for i in range(0, rows, HEAD_CHUNK)), rows)
+            self.source.drop(head_name)
+            self.exact += 1
+            return head
+        return self.pack(None, "head", self.load(head_name, adapter.lm_head))
+
+
 def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[str, Any]], Any, dict]:
     """The GGUF's own blocks for every matrix, rows matched to the target's, each handed to ``pack(layer, name,
     QuantWeight)`` as soon as it is read (so the unpacked codes of one matrix at a time are held; the head of a
     model read from the file, the largest matrix, in super-panels of rows). A tensor whose type the kernel does
     not take is quantized to int8 per channel instead (reported)."""
-    from .gguf_file import GGUFTensors, row_order
+    from .gguf_file import GGUFTensors
 
     if not Path(gguf_file).is_file():
         raise GGUFDraftError(f"the GGUF file the model was converted from is gone ({gguf_file})")
@@ -201,67 +279,11 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
         source = GGUFTensors(gguf_file)
     except (OSError, ValueError) as exc:
         raise GGUFDraftError(f"cannot read {gguf_file} ({exc})") from None
-    tensors = source.tensors
-    fallback: list[str] = []
-    exact = 0
-
-    def load(name: str, target: torch.Tensor) -> QuantWeight:
-        nonlocal exact
-        t = tensors.get(name)
-        if t is None:
-            raise GGUFDraftError(f"tensor '{name}' is missing from {gguf_file}")
-        block = _gguf_block(t)
-        if block is None:
-            fallback.append(f"{name} ({t.tensor_type.name})")
-            return quantize_int8(target)
-        if target.is_meta:  # a model read from these very blocks (lite.load_gguf_model): rows in the file's order,
-            exact += 1  # but a Llama's q/k, which llama.cpp stores permuted
-            order = row_order(source.architecture, name, target.shape[0], adapter.num_heads, adapter.num_kv_heads)
-            return block if order is None else _take_rows(block, order)
-        order = _match_rows(block, target.detach().float())
-        if order is None:
-            raise GGUFDraftError(f"the weights of '{name}' in {gguf_file} are not the model's (the target was not "
-                                 "dequantized from this file); use --draft-precision int8")
-        exact += 1
-        return _take_rows(block, order)
-
-    layers = []
-    for l, w in enumerate(adapter.layers):
-        row: dict[str, QuantWeight] = {}
-        for name in LINEARS:
-            target, parts = getattr(w, f"w_{name}"), _GGUF_PARTS[name]
-            pieces = target.split(_split_sizes(adapter, name, target))
-            got = [load(f"blk.{l}.{p}.weight", piece) for p, piece in zip(parts, pieces)]
-            for p in parts:
-                source.drop(f"blk.{l}.{p}.weight")  # read: its pages leave the process (the page cache keeps them)
-            if len(got) == 1:
-                q = got[0]
-            elif "int8" not in {g.fmt for g in got} and len({_layout(g) for g in got}) == 1:
-                q = _cat_rows(got)
-            elif "int8" not in {g.fmt for g in got}:  # parts of different layouts: each its own product, side by side
-                bias = getattr(w, f"b_{name}")
-                biases = [None] * len(got) if bias is None else bias.split([g.codes.shape[0] for g in got])
-                row[name] = PartsLinear([pack(None, name, g, b) for g, b in zip(got, biases)])
-                continue
-            else:  # a part of a float type: the fused matrix runs as a float matrix (target_linears)
-                fallback.append(f"blk.{l}.{'+'.join(parts)} (mixed types)")
-                exact -= sum(g.fmt != "int8" for g in got)  # the parts load() had counted as exact
-                q = quantize_int8(adapter.float_matrix(l, name))
-            del got
-            row[name] = pack(l, name, q)
-        layers.append(row)
-    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    t = tensors[head_name]
-    if adapter.lm_head.is_meta and _gguf_block(_Rows(t, 0, 64)) is not None:  # no row order to match: by chunks
-        rows = adapter.lm_head.shape[0]
-        head = _stacked((pack(None, "head", _gguf_block(_Rows(t, i, i + HEAD_CHUNK))) for i in range(0, rows, HEAD_CHUNK)),
-                        rows)
-        source.drop(head_name)
-        exact += 1
-    else:
-        head = pack(None, "head", load(head_name, adapter.lm_head))
-    info = {"gguf_file": gguf_file, "exact_matrices": exact, "int8_fallback": fallback,
-            "types": sorted({t.tensor_type.name for t in tensors.values() if t.name.endswith(".weight")})}
+    blocks = _GGUFBlocks(adapter, gguf_file, source, pack)
+    layers = [blocks.layer(l, w) for l, w in enumerate(adapter.layers)]
+    head = blocks.head()
+    info = {"gguf_file": gguf_file, "exact_matrices": blocks.exact, "int8_fallback": blocks.fallback,
+            "types": sorted({t.tensor_type.name for t in blocks.tensors.values() if t.name.endswith(".weight")})}
     return layers, head, info
 
 

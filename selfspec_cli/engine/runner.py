@@ -7,7 +7,10 @@ and k together, a preallocated cache, scaled-dot-product attention called
 directly) where the Hugging Face stack does several times more.
 
 One call of :meth:`Engine.forward` processes ``T`` new rows through a contiguous
-range of layers ``[start, end)``:
+range of layers ``[start, end)``. Each layer is engine/layer.py's :func:`~.layer.decoder_layer`, the
+one definition of what a layer computes: this module supplies its steps (the loop's ``_LoopOps``, the
+fixed-shape forward's ``_FixedOps``) and what surrounds the layers (embedding, masks, the cache's
+positions, the head):
 
 * inputs are token ids (embedded here) or residual-stream rows from a previous
   call that stopped at ``start`` (AdaDecode's deferred layers);
@@ -31,8 +34,9 @@ range of layers ``[start, end)``:
   reads (the embedding rows then come from the head's own blocks, exactly);
 * on the CPU kernel a forward of up to 64 rows runs its whole layer range in one C++ call
   (csrc ``DecoderStack``, :meth:`Engine._stacked_layers`): the same kernels in the same order as
-  the loop below, so every value is the loop's bit for bit; Python keeps the masks and the cache's
-  position lists (``stack_layers = False`` runs the loop; tests/test_decoder_stack.py compares them);
+  the loop's :func:`~.layer.decoder_layer`, so every value is the loop's bit for bit; Python keeps the masks
+  and the cache's position lists (``stack_layers = False`` runs the loop; tests/test_decoder_stack.py and
+  tests/test_one_layer.py compare them);
 * on a GPU a forward first goes through the fixed-shape path (engine/graphs.py,
   :meth:`Engine.fixed_forward`: padded rows, the whole KV buffer, one CUDA graph per sublayer
   set); what it does not take runs the loop here;
@@ -58,6 +62,7 @@ from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
 from .cache import KVCache
+from .layer import decoder_layer
 from .sublayers import Sublayers, compile_requested, rotate
 from .graphs import DEFAULT_ROWS, StaticForward
 from .quant import DraftWeights, build_draft, gguf_source, subset
@@ -270,34 +275,50 @@ class Engine:
         LM head stay). For a process that runs plain decoding only (the bench's ``ar-fp32`` process): a
         draft built from the float matrices afterwards is refused."""
         self._stacks.clear()  # they hold the norms, which move below: rebuilt on the next forward
-        if panels and self.target_precision not in QUANT_TARGETS:
-            lins = [self._lin[l][name] for l in range(self.num_layers) for name in LINEARS]
-            if not lins or not all(isinstance(x, kernels.Linear) and x.packed is not None for x in lins):
-                return 0
-        elif self.target_precision not in QUANT_TARGETS:
+        if not self._may_release(panels):
             return 0
         self._float_released = True
         model_fingerprint(self.model)  # the model's id, kept on it before its weights go (artifacts check it)
-        a, gone = self.adapter, []
-        head = self.lm_head
+        a, head = self.adapter, self.lm_head
         tied = a.lm_head.untyped_storage().data_ptr() == a.embed.untyped_storage().data_ptr() and not a.embed.is_meta
+        gone = [t for t in self._releasable(tied) if not t.is_meta]  # a model read from its GGUF holds those in the file
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gone}  # a tied table counts once
+        freed = sum(st.nbytes() for st in storages.values())
+        self._drop_references(storages.keys(), tied)
+        self._own_memory(head)
+        _trim_heap()
+        self.kernel_info["float_weights_released_mb"] = round(freed / 2**20, 1)
+        return freed
+
+    def _may_release(self, panels: bool) -> bool:
+        """Whether :meth:`release_float_weights` frees anything: a block target, or with ``panels`` a target whose
+        every product streams packed float panels."""
+        if panels and self.target_precision not in QUANT_TARGETS:
+            lins = [self._lin[l][name] for l in range(self.num_layers) for name in LINEARS]
+            return bool(lins) and all(isinstance(x, kernels.Linear) and x.packed is not None for x in lins)
+        return self.target_precision in QUANT_TARGETS
+
+    def _releasable(self, tied: bool) -> list[torch.Tensor]:
+        """The float tensors no product reads once released: a tied embedding whose rows the head's blocks give
+        exactly (checked on a sample; from then on :meth:`embed` reads the blocks), the matrices the target runs
+        as its own blocks or packed panels (a GGUF type the kernel does not take, or a panel target's with
+        ``panels``), and an untied block head."""
+        a, head, gone = self.adapter, self.lm_head, []
         if tied and isinstance(head, kernels.QLinear) and self._embed_rows is None:
             probe = torch.arange(0, a.embed.shape[0], max(1, a.embed.shape[0] // 257), device=self.device)
-            rows = head.rows
-            if torch.equal(rows(probe), F.embedding(probe, a.embed)):
-                self._embed_rows = rows
+            if torch.equal(head.rows(probe), F.embedding(probe, a.embed)):
+                self._embed_rows = head.rows
                 gone.append(a.embed)
-        # a matrix the target runs as its own packed panels (a GGUF type the kernel does not take, or a panel
-        # target's with ``panels``) reads those, not the tensor
         gone += [t for l, w in enumerate(a.layers) for name in LINEARS if self._own_weights(self._lin[l][name])
                  for t in w.held(name)]  # an unfused q/k/v: its parts (fusing them only to free them would cost)
         if not tied and isinstance(head, kernels.QLinear):
             gone.append(a.lm_head)
-        gone = [t for t in gone if not t.is_meta]  # a model read from its GGUF holds those in the file, not here
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in gone}  # a tied table counts once
-        ptrs, freed = storages.keys(), sum(st.nbytes() for st in storages.values())
-        # drop every reference: the module's parameters (views into the fused matrices, or the loaded
-        # tensors, which safetensors may have memory-mapped) and the adapter's own
+        return gone
+
+    def _drop_references(self, ptrs: Collection[int], tied: bool) -> None:
+        """Drop every reference to the storages ``ptrs``: the module's parameters (views into the fused
+        matrices, or the loaded tensors, which safetensors may have memory-mapped) and the adapter's own."""
+        a, head = self.adapter, self.lm_head
         for p in self.model.parameters():
             if p.untyped_storage().data_ptr() in ptrs:
                 p.data = p.data.new_empty(0)
@@ -313,10 +334,13 @@ class Engine:
                 a.lm_head = a.embed
         if not tied and isinstance(head, kernels.QLinear):
             a.lm_head = a.lm_head.new_empty(0)
-        # the tensors that remain (norms, biases) may share one memory-mapped file with the released ones,
-        # which stays mapped (and resident) while any of them lives: give them memory of their own
-        # keyed by address: every replaced tensor is kept alive until all references are moved, so that no
-        # clone takes a freed tensor's address meanwhile (one did: a layer's MLP norm then read another's)
+
+    def _own_memory(self, head: Any) -> None:
+        """The tensors that remain (norms, biases) may share one memory-mapped file with the released ones,
+        which stays mapped (and resident) while any of them lives: give them memory of their own. Keyed by
+        address: every replaced tensor is kept alive until all references are moved, so that no clone takes a
+        freed tensor's address meanwhile (one did: a layer's MLP norm then read another's)."""
+        a = self.adapter
         moved: dict[int, torch.Tensor] = {}
         replaced: list[torch.Tensor] = []
         for p in self.model.parameters():
@@ -334,9 +358,6 @@ class Engine:
         if isinstance(head, kernels.Linear) and head.weight.numel() and head.weight.data_ptr() in moved:
             head.weight = moved[head.weight.data_ptr()]
         del replaced
-        _trim_heap()
-        self.kernel_info["float_weights_released_mb"] = round(freed / 2**20, 1)
-        return freed
 
     @staticmethod
     def _own_weights(lin: Any) -> bool:
@@ -362,29 +383,6 @@ class Engine:
             return subset(self.quantized(weights).head, ids, self._module)
         return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module,
                                    PANEL_DTYPES.get(self.target_precision))
-
-    def _mlp(self, h: torch.Tensor, w: Any, lin: dict[str, Any], ops: Any) -> torch.Tensor:
-        """One MLP sublayer's output (before the residual add): SwiGLU, or GeGLU (Gemma: gelu with the
-        tanh approximation), each row on its own; Gemma's post-norm included."""
-        x = self._norm(h, w.mlp_norm)
-        if self._gelu:
-            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-            m = lin["down"](F.gelu(gate, approximate="tanh") * up)
-        elif ops is not None:
-            m = lin["down"](ops.silu_mul(lin["gate_up"](x)))
-        else:
-            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
-            m = lin["down"](F.silu(gate) * up)
-        return m if w.post_mlp_norm is None else self._norm(m, w.post_mlp_norm)
-
-    def _qk_normed(self, qkv: torch.Tensor, w: Any) -> torch.Tensor:
-        """``qkv`` (T, (Hq + 2 Hkv) D), or where the layer norms each head before the rotary (Qwen3, Gemma 3)
-        its q and k heads RMS-normed row by row: (T, (Hq + Hkv) D)."""
-        if w.qk_norm is None:
-            return qkv
-        t, heads, d = qkv.shape[0], self._hq + self._hkv, self._d
-        normed = self._norm(qkv[:, :self._qk_width].reshape(t * heads, d), self._unit_d)
-        return (normed.view(t, heads, d) * w.qk_norm).view(t, self._qk_width)
 
     @property
     def rope_length(self) -> int:
@@ -546,8 +544,7 @@ class Engine:
         keeps every real slot below them). Every op has the same shape whatever the real rows are; the
         cache's position lists are the caller's. Returns (logits (R, V) float32, residual stream (R, H),
         hidden states by layer, per-row attention cosines (L, R) or None)."""
-        a, r, sub, eps = self.adapter, ids.shape[0], self.sublayers, self.adapter.rms_eps
-        hq, hkv, d = self._hq, self._hkv, self._d
+        a, r = self.adapter, ids.shape[0]
         cap = cache.k.shape[2]
         ar = torch.arange(r, device=self.device)
         slots = torch.where(ar < count, slot0 + ar, ar + (cap - r))  # (R,) where the rows' K/V go
@@ -555,38 +552,16 @@ class Engine:
         if allowed is None:  # a chain: the cached prefix, then the new rows causally (padding rows: theirs too)
             allowed = (slot_ids[None, :] < slot0).expand(r, cap).clone()
             allowed.scatter_(1, slots[None, :].expand(r, r), ar[:, None] >= ar[None, :])
-        windows: dict[int, torch.Tensor] = {}
-        rope = {kind: (c.index_select(0, pos), s.index_select(0, pos)) for kind, (c, s) in self._rope.items()}
+        steps = _FixedOps(self, cache, pos, slots, slot_ids, allowed, attn_cosine)
         h = self.embed(ids)  # (R, H)
         hidden_at: dict[int, torch.Tensor] = {}
-        cosines: list[torch.Tensor] = []
         for l in range(self.num_layers):
-            w, lin = a.layers[l], self._lin[l]
-            if l not in skip_attn:
-                qk, v = sub.attention_in(h, w.attn_norm, eps, lin["qkv"].weight, lin["qkv"].bias, w.qk_norm,
-                                         *rope[w.rope_kind], hq, hkv, d)
-                cache.k[l].index_copy_(1, slots, qk[:, hq:].transpose(0, 1))
-                cache.v[l].index_copy_(1, slots, v.transpose(0, 1))
-                mask = allowed
-                if w.sliding_window is not None:  # slot == position: the keys newer than position - window
-                    if w.sliding_window not in windows:
-                        windows[w.sliding_window] = allowed & (slot_ids[None, :] > pos[:, None] - w.sliding_window)
-                    mask = windows[w.sliding_window]
-                q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, R, D)
-                o = F.scaled_dot_product_attention(q, cache.k[l].unsqueeze(0), cache.v[l].unsqueeze(0),
-                                                   attn_mask=mask[None, None], enable_gqa=hq != hkv)
-                h_in, h = h, sub.attention_out(h, o[0].transpose(0, 1).reshape(r, hq * d), lin["o"].weight,
-                                               lin["o"].bias, w.post_attn_norm, eps)
-                if attn_cosine:
-                    cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1))
-            elif attn_cosine:
-                cosines.append(torch.ones(r, dtype=torch.float32, device=self.device))
-            if l not in skip_mlp:
-                h = sub.mlp(h, w.mlp_norm, eps, lin["gate_up"].weight, lin["gate_up"].bias, lin["down"].weight,
-                            lin["down"].bias, w.post_mlp_norm, self._gelu)
+            h = decoder_layer(h, l, a.layers[l], steps, attention=l not in skip_attn, mlp=l not in skip_mlp)
             if l in output_hidden:
                 hidden_at[l] = h.clone()
-        return sub.logits(h, a.final_norm, eps, self.lm_head.weight), h, hidden_at, torch.stack(cosines) if cosines else None
+        cosines = steps.cosines
+        return (self.sublayers.logits(h, a.final_norm, a.rms_eps, self.lm_head.weight), h, hidden_at,
+                torch.stack(cosines) if cosines else None)
 
     def _forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
                 hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
@@ -611,9 +586,7 @@ class Engine:
         few_rows = ops is not None and t <= ATTEND_MAX_ROWS  # the kernel's attention; SDPA for long prefills
         rope_rows = {kind: (c[rows], s[rows]) for kind, (c, s) in self._rope.items()}  # kind -> (T, D) each
 
-        hq, hkv, d, qkw = self._hq, self._hkv, self._d, self._qk_width
         hidden_at: dict[int, torch.Tensor] = {}
-        masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
         cache.ensure_capacity(max((cache.length(l) for l in range(start, end)), default=0) + t)
         cosines: list[torch.Tensor] = []
         lins = self._lin if weights is None else self.quantized(weights).layers
@@ -625,47 +598,141 @@ class Engine:
             self.stacked_forwards += 1
             layers = range(end, end)  # done
 
-        for l in layers:
-            w = self.adapter.layers[l]
-            lin = lins[l]
-            if l not in skip_attn:
-                # 1) attention sublayer
-                x = self._norm(h, w.attn_norm)
-                qkv = lin["qkv"](x)  # (T, (Hq + 2Hkv) D)
-                v = qkv[:, qkw:].view(t, hkv, d)
-                q_rows = self._qk_normed(qkv, w)  # (T, >= (Hq + Hkv) D): each row's q heads, then its k heads
-                cos2, sin2 = rope_rows[w.rope_kind]  # (T, D)
-                if ops is not None:
-                    ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
-                qk = q_rows[:, :qkw].view(t, hq + hkv, d)
-                if ops is None:
-                    qk = rotate(qk, cos2, sin2)
-                past = cache.length(l)
-                mask = self._layer_mask(cache, l, w.sliding_window, t, q_pos, q_list, tree_mask, masks)  # None: causal
-                kv = cache.write(l, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), q_list, views=not few_rows)
-                if few_rows:  # mask None = causal after the `past` cached slots
-                    o = ops.attend(q_rows, hq, cache.k[l], cache.v[l], past + t, None if mask is None else mask[0, 0], past,
-                                   *(kv_window or (0, 0)))
-                else:
-                    q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
-                    o = F.scaled_dot_product_attention(q, *kv, attn_mask=mask, is_causal=mask is None and t > 1,
-                                                       enable_gqa=hq != hkv)
-                    o = o[0].transpose(0, 1).reshape(t, hq * d)
-                h_in = h
-                o = lin["o"](o)
-                if w.post_attn_norm is not None:  # Gemma: the sublayer's output is normed before the add
-                    o = self._norm(o, w.post_attn_norm)
-                h = h + o
-                if attn_cosine:  # ASD: how much this attention sublayer turns the residual stream
-                    cosines.append(F.cosine_similarity(h_in.float(), h.float(), dim=-1).mean())
-            elif attn_cosine:
-                cosines.append(h.new_ones((), dtype=torch.float32))
-            if l not in skip_mlp:
-                h = h + self._mlp(h, w, lin, ops)  # 2) MLP sublayer
-            if l in output_hidden:
-                hidden_at[l] = h
+        if len(layers):
+            steps = _LoopOps(self, lins, ops, cache, rope_rows, q_pos, q_list, tree_mask, few_rows, kv_window, attn_cosine)
+            for l in layers:
+                h = decoder_layer(h, l, self.adapter.layers[l], steps, attention=l not in skip_attn,
+                                  mlp=l not in skip_mlp)
+                if l in output_hidden:
+                    hidden_at[l] = h
+            cosines = steps.cosines
 
         logits = (self.final_logits(h[logits_rows], head, weights)
                   if logits_rows is not None and end == self.num_layers else None)
         return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
                              attn_cosine=torch.stack(cosines) if cosines else None)
+
+
+class _LoopOps:
+    """The op-by-op forward's steps of a layer (engine/layer.py ``LayerOps``), for one call of
+    :meth:`Engine._forward`: the CPU kernel's norms, rotary, attention and SwiGLU product on float32 rows
+    (``ops``), aten's otherwise; the products are ``lins``' (the target's, or a draft copy's)."""
+
+    __slots__ = ("e", "lins", "ops", "cache", "rope_rows", "q_pos", "q_list", "tree_mask", "few_rows", "kv_window",
+                 "attn_cosine", "masks", "cosines")
+
+    def __init__(self, e: Engine, lins: list[dict[str, Any]], ops: Any, cache: KVCache,
+                 rope_rows: dict[str | None, tuple[torch.Tensor, torch.Tensor]], q_pos: torch.Tensor | None,
+                 q_list: list[int], tree_mask: torch.Tensor | None, few_rows: bool, kv_window: tuple[int, int] | None,
+                 attn_cosine: bool) -> None:
+        self.e, self.lins, self.ops, self.cache, self.rope_rows = e, lins, ops, cache, rope_rows
+        self.q_pos, self.q_list, self.tree_mask, self.few_rows, self.kv_window = q_pos, q_list, tree_mask, few_rows, kv_window
+        self.attn_cosine = attn_cosine
+        self.masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}  # shared by equal layers
+        self.cosines: list[torch.Tensor] = []
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.e._norm(x, weight)
+
+    def linear(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self.lins[layer][name](x)
+
+    def heads(self, w: Any, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_rows: each row's rotated q heads then k heads, (T, >= (Hq + Hkv) D), as the kernel's attention
+        reads them; the same as (T, Hq + Hkv, D); the v heads (T, Hkv, D))."""
+        e, t = self.e, qkv.shape[0]
+        hq, hkv, d, qkw = e._hq, e._hkv, e._d, e._qk_width
+        v = qkv[:, qkw:].view(t, hkv, d)
+        q_rows = qkv
+        if w.qk_norm is not None:  # Qwen3, Gemma 3: each q and k head RMS-normed before the rotary
+            heads = hq + hkv
+            normed = e._norm(qkv[:, :qkw].reshape(t * heads, d), e._unit_d)
+            q_rows = (normed.view(t, heads, d) * w.qk_norm).view(t, qkw)
+        cos2, sin2 = self.rope_rows[w.rope_kind]  # (T, D)
+        if self.ops is not None:
+            self.ops.rope_(q_rows, hq + hkv, cos2, sin2)  # in place: q and k of every row
+        qk = q_rows[:, :qkw].view(t, hq + hkv, d)
+        if self.ops is None:
+            qk = rotate(qk, cos2, sin2)
+        return q_rows, qk, v
+
+    def attend(self, layer: int, w: Any, heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        e, cache = self.e, self.cache
+        q_rows, qk, v = heads
+        t, hq = qk.shape[0], e._hq
+        past = cache.length(layer)
+        mask = e._layer_mask(cache, layer, w.sliding_window, t, self.q_pos, self.q_list, self.tree_mask,
+                             self.masks)  # None: causal
+        kv = cache.write(layer, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), self.q_list, views=not self.few_rows)
+        if self.few_rows:  # mask None = causal after the `past` cached slots
+            return self.ops.attend(q_rows, hq, cache.k[layer], cache.v[layer], past + t,
+                                   None if mask is None else mask[0, 0], past, *(self.kv_window or (0, 0)))
+        q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
+        o = F.scaled_dot_product_attention(q, *kv, attn_mask=mask, is_causal=mask is None and t > 1,
+                                           enable_gqa=hq != e._hkv)
+        return o[0].transpose(0, 1).reshape(t, hq * e._d)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.e._gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
+        if self.ops is not None:
+            return self.ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def after_attention(self, layer: int, before: torch.Tensor, after: torch.Tensor | None) -> None:
+        if self.attn_cosine:  # ASD: how much this attention sublayer turns the residual stream
+            self.cosines.append(before.new_ones((), dtype=torch.float32) if after is None else
+                                F.cosine_similarity(before.float(), after.float(), dim=-1).mean())
+
+
+class _FixedOps:
+    """The fixed-shape forward's steps of a layer (engine/layer.py ``LayerOps``; :meth:`Engine.fixed_forward`):
+    engine/sublayers.py's pure steps (compiled under ``SELFSPEC_COMPILE=1``) on the model's own float
+    matrices, each row's K/V written at its slot, attention over the whole buffer through ``allowed``."""
+
+    __slots__ = ("e", "cache", "rope", "slots", "slot_ids", "allowed", "pos", "windows", "attn_cosine", "cosines")
+
+    def __init__(self, e: Engine, cache: KVCache, pos: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+                 allowed: torch.Tensor, attn_cosine: bool) -> None:
+        self.e, self.cache, self.pos, self.slots, self.slot_ids, self.allowed = e, cache, pos, slots, slot_ids, allowed
+        self.rope = {kind: (c.index_select(0, pos), s.index_select(0, pos)) for kind, (c, s) in e._rope.items()}
+        self.windows: dict[int, torch.Tensor] = {}
+        self.attn_cosine = attn_cosine
+        self.cosines: list[torch.Tensor] = []
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.e.sublayers.norm(x, weight, self.e.adapter.rms_eps)
+
+    def linear(self, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        lin = self.e._lin[layer][name]
+        return F.linear(x, lin.weight, lin.bias)
+
+    def heads(self, w: Any, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.e
+        return e.sublayers.heads(qkv, w.qk_norm, *self.rope[w.rope_kind], e._hq, e._hkv, e._d, e.adapter.rms_eps)
+
+    def attend(self, layer: int, w: Any, heads: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        e, cache = self.e, self.cache
+        qk, v = heads
+        r, hq = qk.shape[0], e._hq
+        cache.k[layer].index_copy_(1, self.slots, qk[:, hq:].transpose(0, 1))
+        cache.v[layer].index_copy_(1, self.slots, v.transpose(0, 1))
+        mask = self.allowed
+        if (window := w.sliding_window) is not None:  # slot == position: the keys newer than position - window
+            if window not in self.windows:
+                self.windows[window] = self.allowed & (self.slot_ids[None, :] > self.pos[:, None] - window)
+            mask = self.windows[window]
+        q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, R, D)
+        o = F.scaled_dot_product_attention(q, cache.k[layer].unsqueeze(0), cache.v[layer].unsqueeze(0),
+                                           attn_mask=mask[None, None], enable_gqa=hq != e._hkv)
+        return o[0].transpose(0, 1).reshape(r, hq * e._d)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.e.sublayers.glu(gate_up, self.e._gelu)
+
+    def after_attention(self, layer: int, before: torch.Tensor, after: torch.Tensor | None) -> None:
+        if self.attn_cosine:  # per row
+            self.cosines.append(torch.ones(before.shape[0], dtype=torch.float32, device=before.device) if after is None
+                                else F.cosine_similarity(before.float(), after.float(), dim=-1))

@@ -1,12 +1,12 @@
-"""A decoder layer's sublayers as pure functions of tensors, optionally compiled: the fixed-shape forward's
-pieces (engine/graphs.py, :meth:`~.runner.Engine.fixed_forward`).
+"""The fixed-shape forward's steps of a decoder layer as pure functions of tensors, optionally compiled
+(engine/graphs.py, :meth:`~.runner.Engine.fixed_forward`; engine/layer.py orders them into a layer).
 
 On a GPU a small model's step costs its kernel launches, about 35 per layer in eager PyTorch
 (docs/benchmarks.md, "GPU"): an RMSNorm alone is five kernels, the rotary four. ``torch.compile``
-fuses each sublayer's element-wise work around its matrix products (the norm into one kernel, the
-rotary into one, the residual add and SwiGLU's product into their neighbours), so a captured CUDA
-graph replays fewer, larger kernels. The KV-cache writes and attention stay outside: the compiled
-functions mutate nothing.
+fuses each step's element-wise work (the norm into one kernel, the per-head norms and the rotary
+into one, SwiGLU's activation and product into one), so a captured CUDA graph replays fewer, larger
+kernels. The matrix products (``F.linear``), the residual adds, the KV-cache writes and attention stay
+outside: the compiled functions mutate nothing.
 
 Invariants:
 
@@ -35,40 +35,28 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return qk * cos[:, None, :] + qk.view(t, heads, 2, d // 2).flip(2).view(t, heads, d) * sin[:, None, :]
 
 
-def attention_in(h: torch.Tensor, norm: torch.Tensor, eps: float, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
-                 qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention sublayer up to its cache write: rows ``h`` (R, H) -> rotated q and k heads
-    (R, Hq + Hkv, D) and the v heads (R, Hkv, D); per-head q/k norms first where the layer has them
-    (Qwen3, Gemma 3: ``qk_norm`` (Hq + Hkv, D))."""
-    r, heads = h.shape[0], hq + hkv
-    qkv = F.linear(F.rms_norm(h, (h.shape[-1],), norm, eps), w_qkv, b_qkv)
-    v = qkv[:, heads * d:].reshape(r, hkv, d)
-    qk = qkv[:, :heads * d].reshape(r, heads, d)
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` (R, H)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def heads(qkv: torch.Tensor, qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+          d: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q/k/v product's rows (R, (Hq + 2 Hkv) D) -> rotated q and k heads (R, Hq + Hkv, D) and the v
+    heads (R, Hkv, D); per-head q/k norms first where the layer has them (Qwen3, Gemma 3: ``qk_norm``
+    (Hq + Hkv, D))."""
+    r, n = qkv.shape[0], hq + hkv
+    v = qkv[:, n * d:].reshape(r, hkv, d)
+    qk = qkv[:, :n * d].reshape(r, n, d)
     if qk_norm is not None:
         qk = F.rms_norm(qk, (d,), None, eps) * qk_norm
     return rotate(qk, cos, sin), v
 
 
-def attention_out(h: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor | None,
-                  post_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The residual stream after the attention sublayer: ``h`` plus the projected heads ``o`` (R, Hq D),
-    normed first where the layer post-norms (Gemma 3)."""
-    out = F.linear(o, w_o, b_o)
-    if post_norm is not None:
-        out = F.rms_norm(out, (out.shape[-1],), post_norm, eps)
-    return h + out
-
-
-def mlp(h: torch.Tensor, norm: torch.Tensor, eps: float, w_gate_up: torch.Tensor, b_gate_up: torch.Tensor | None,
-        w_down: torch.Tensor, b_down: torch.Tensor | None, post_norm: torch.Tensor | None, gelu: bool) -> torch.Tensor:
-    """The residual stream after the MLP sublayer: SwiGLU, or GeGLU with the tanh approximation (Gemma 3)."""
-    gate, up = F.linear(F.rms_norm(h, (h.shape[-1],), norm, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
-    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
-    out = F.linear(act * up, w_down, b_down)
-    if post_norm is not None:
-        out = F.rms_norm(out, (out.shape[-1],), post_norm, eps)
-    return h + out
+def glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """``act(gate) * up``: SwiGLU, or GeGLU with the tanh approximation (Gemma 3)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
 def logits(h: torch.Tensor, norm: torch.Tensor, eps: float, w_head: torch.Tensor) -> torch.Tensor:
@@ -87,17 +75,17 @@ def compile_requested() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Sublayers:
-    """The four functions a fixed-shape forward runs, plain or compiled."""
+    """The pure steps a fixed-shape forward runs (engine/layer.py orders them), plain or compiled."""
 
-    attention_in: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    attention_out: Callable[..., torch.Tensor]
-    mlp: Callable[..., torch.Tensor]
+    norm: Callable[..., torch.Tensor]
+    heads: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    glu: Callable[..., torch.Tensor]
     logits: Callable[..., torch.Tensor]
     compiled: bool
 
     @classmethod
     def make(cls, compiled: bool) -> "Sublayers":
-        fns = (attention_in, attention_out, mlp, logits)
+        fns = (norm, heads, glu, logits)
         if compiled:
             # one graph per function, model shape and dtype (and per optional tensor present or not): a handful
             # for one model, but every engine of a process shares a function's compiled graphs, so dynamo's

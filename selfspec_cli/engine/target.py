@@ -69,6 +69,21 @@ def _blocks(engine: Engine) -> tuple[str | None, dict[str, Any]]:
     return "gguf", {"fp32_fallback": list(d.info.get("int8_fallback", []))}
 
 
+def _auto(engine: Engine, kernel: bool, loaded: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``auto``'s target: the weights as loaded without the kernel, else the checkpoint's own storage (the GGUF
+    blocks, then bf16, then fp16 values, then fp32)."""
+    if not kernel:
+        return loaded, {**info, "why": "the weights as loaded (no CPU kernel for block or bf16 panels, "
+                                       "or a model not loaded in float32)"}
+    got, extra = _blocks(engine)
+    if got is not None:
+        return got, {**info, **extra, "why": "the GGUF file's own blocks are the model's weights"}
+    for name, dt in PANEL_DTYPES.items():
+        if all(_exact(w, dt) for w in _matrices(engine)):
+            return name, {**info, "why": f"every matrix holds {dt} values (a {name} checkpoint)"}
+    return "fp32", {**info, "why": "float32 weights that bf16 and fp16 would round"}
+
+
 def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, Any]]:
     """(the target precision, what decided it) for ``asked`` (see the module docstring).
     Raises :class:`ConfigError` for an explicit precision this engine cannot run."""
@@ -80,16 +95,7 @@ def resolve_target(engine: Engine, asked: str | None) -> tuple[str, dict[str, An
     info: dict[str, Any] = {"asked": asked}
     kernel = engine._module is not None and engine.dtype == torch.float32
     if asked == "auto":
-        if not kernel:
-            return loaded, {**info, "why": "the weights as loaded (no CPU kernel for block or bf16 panels, "
-                                           "or a model not loaded in float32)"}
-        got, extra = _blocks(engine)
-        if got is not None:
-            return got, {**info, **extra, "why": "the GGUF file's own blocks are the model's weights"}
-        for name, dt in PANEL_DTYPES.items():
-            if all(_exact(w, dt) for w in _matrices(engine)):
-                return name, {**info, "why": f"every matrix holds {dt} values (a {name} checkpoint)"}
-        return "fp32", {**info, "why": "float32 weights that bf16 and fp16 would round"}
+        return _auto(engine, kernel, loaded, info)
     if asked == "fp32":
         if engine.dtype != torch.float32:
             raise ConfigError(f"--target-precision fp32 needs the model loaded in float32 (it is {engine.dtype}); "

@@ -6,7 +6,7 @@ drafts with this model's calibrated Self-SD skip set when one exists (else ASD's
 per-prompt set, which needs no artifact), over the same quantized weights; and none (a
 plain step). With ``hybrid`` (the default) the quantized and layer-skip chains carry the
 n-gram continuation as a second branch of one verified tree. Before each round every source's planner
-(:mod:`selfspec_cli.decoding.cost`) gives the best expected gain over plain decoding at
+(:mod:`selfspec_cli.decoding.planning`) gives the best expected gain over plain decoding at
 its measured draft cost and acceptance; the round goes to the source with the highest
 gain, which then plans its own draft length (and may still decline or probe). Each
 source keeps its own acceptance statistics, updated by its own rounds; the n-gram planners

@@ -28,7 +28,7 @@ is). The same command run again replaces its own set-aside file.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
@@ -101,6 +101,20 @@ class OfflineJob:
         self.log(f"[bold yellow]warning: {throwaway}, so {where}; {advice}"
                  + ("" if self.explicit_output or self.force else ", or pass --force to make it the default anyway")
                  + f"; delete it with {rm}[/bold yellow]")
+
+    def publish(self, spec: ArtifactSpec, manifest: dict[str, Any], throwaway: str | None, tag: str,
+                advice: Callable[[Path], str], said: Sequence[str] = ()) -> Path:
+        """Write ``manifest`` for this job's model through ``spec`` where :meth:`destination` says, log ``said``
+        and the path written, then the throwaway warning (:meth:`warn_throwaway`, with ``advice(path)``) when there
+        is one. The path written."""
+        out = self.destination(spec, throwaway, tag)
+        spec.save(out, self.model, manifest)
+        for line in said:
+            self.log(line)
+        self.log(f"wrote {out}")
+        if throwaway is not None:
+            self.warn_throwaway(out, throwaway, advice(out))
+        return out
 
     def environment(self) -> dict[str, Any]:
         return environment_info(self.engine.device, self.engine.dtype)

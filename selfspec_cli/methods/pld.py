@@ -11,7 +11,7 @@ probability ``p(d)``, else resample from ``p`` without ``d``), which emits exact
 target's distribution.
 
 Cost-aware (default): drafting a lookup costs no model forward, but verifying ``k``
-drafts costs ``v(k + 1)`` plain steps; the policy keeps a :class:`~selfspec_cli.decoding.cost.Planner`
+drafts costs ``v(k + 1)`` plain steps; the policy keeps a :class:`~selfspec_cli.decoding.planning.Planner`
 per n-gram length, which tracks acceptance by depth and chooses how many of the looked-up
 tokens to verify (none when they do not pay).
 """

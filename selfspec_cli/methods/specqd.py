@@ -6,7 +6,7 @@ GGUF file's own blocks (Q4_0, Q4_1, Q8_0) when the model was converted from a GG
 (engine/quant.py): every layer runs, every matrix product reads the codes. The draft
 shares the target's KV cache for the verified prefix; its own K/V rows are dropped before
 verification, which runs at the target's precision. A chain per round, its length planned
-from the measured draft cost and acceptance (decoding/cost.py), with the adaptive
+from the measured draft cost and acceptance (decoding/planning.py), with the adaptive
 confidence exit of the layer-skip methods.
 
 Lossless: greedy output equals plain greedy decoding; sampled drafts are drawn from the

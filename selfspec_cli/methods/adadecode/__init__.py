@@ -57,7 +57,9 @@ from typing import Any
 import torch
 
 from ...artifacts import ArtifactSpec, load_layers
-from ...decoding.cost import ProbeBudget, VerifyCurve, timed
+from ...decoding.cost_store import curve_for
+from ...decoding.measure import VerifyCurve, timed
+from ...decoding.planning import ProbeBudget
 from ...decoding.drafts import Deferred, Draft, HeadsNote, NoDraft, Round
 from ...decoding.driver import Taps
 from ...decoding.sampling import processed_probs
@@ -136,14 +138,14 @@ class HeadsPolicy:
         self.curve: VerifyCurve | None = None
         # cost-aware head use: per head, checks, exits and accepted exits over the run (Beta-style priors)
         self.head_stats = {k: [2.0, 1.0, 0.5] for k in layers}
-        self.probes = {k: ProbeBudget() for k in layers}  # probes per head (decoding/cost.py)
+        self.probes = {k: ProbeBudget() for k in layers}  # probes per head (decoding/planning.py)
         self.head_cost = 0.0
 
     def setup(self, check: Callable[[], Any]) -> HeadsPolicy:
         """Measure one head check (``check``: the low-rank correction and the LM head on one row) over
         a plain step, unless ``paper``."""
         if not self.paper:
-            self.curve = VerifyCurve.for_engine(self.engine)
+            self.curve = curve_for(self.engine)
             check()  # warm-up: the first call allocates
             self.head_cost = min(timed(check, self.engine.device)[1] for _ in range(3)) / self.curve.t1_s
         return self

@@ -41,7 +41,7 @@ import torch
 
 from ...config import GenerationConfig
 from ...errors import count
-from ...decoding.cost import timed
+from ...decoding.measure import timed
 from ...engine import Engine
 from ..ar import AR
 from ..offline import OfflineJob

@@ -9,9 +9,9 @@ speculative sampling with drafts sampled from the draft's processed distribution
 The package is the whole method: this module holds the method and its artifact (the skip
 set, :data:`SKIP_SET`: one JSON manifest, ``kind: "self-sd-layers"``, with ``skip_attn``,
 ``skip_mlp``, ``draft_precision``, the objective, the search and the environment);
-:mod:`.calibrate` is its offline step, around the Bayesian search of :mod:`.search`, which
-decodes and scores the candidate sets with :mod:`.measure` and keeps its trials in the Optuna
-study of :mod:`.study` (shared between processes and machines; the starting points live there).
+:mod:`.calibrate` is its offline step, around the Bayesian search that :mod:`.study` runs (over the
+settings of :mod:`.search`), which decodes and scores the candidate sets with :mod:`.measure` and
+keeps its trials in an Optuna study shared between processes and machines.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from ...engine import Engine
 from ...errors import FieldError
 from ..base import DraftInputs, LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
 from ..offline import OfflineStep
-from .study import DEFAULT_HEARTBEAT_S
+
+DEFAULT_HEARTBEAT_S = 10  # seconds between a running calibration trial's heartbeats (methods/self_sd/study.py)
 
 
 SKIP_SET = ArtifactSpec(

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from ...config import GenerationConfig
-from ...decoding.cost import VerifyCurve, draft_step_cost, prior_draft_cost, round_cost, timed
+from ...decoding.cost_store import curve_for
+from ...decoding.measure import VerifyCurve, draft_step_cost, prior_draft_cost, timed
+from ...decoding.planning import round_cost
 from ...decoding.layer_skip import DraftSettings
 from ...decoding.output import DecodeResult
 from ...engine import Engine
@@ -149,7 +151,7 @@ def measure_self_sd(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[in
 
     m = measure(make, prompt_ids, cfg, torch.device(engine.device), repeats)
     c = draft_cost_from_bytes(engine, skip_attn, skip_mlp, full_depth_c, vocab)
-    return dataclasses.replace(m, proxy=proxy_speedup(m, c, curve or VerifyCurve.for_engine(engine), len(prompt_ids)))
+    return dataclasses.replace(m, proxy=proxy_speedup(m, c, curve or curve_for(engine), len(prompt_ids)))
 
 
 def measure_ar(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
@@ -169,16 +171,12 @@ class Candidates:
         self.engine, self.tokenizer, self.prompt_ids, self.cfg = engine, tokenizer, prompt_ids, cfg
         self.precisions, self.draft, self.repeats, self.proxy = tuple(precisions), draft, repeats, proxy
         self.vocabs = draft_vocabs(engine, self.precisions)
+        # per precision, how many tokens its drafts score (``full``: all)
+        self.vocab_sizes: dict[str, int | str] = {p: "full" if v is None else int(v.numel()) for p, v in self.vocabs.items()}
+        # the precisions whose drafts score a draft vocabulary (their full-depth draft is cheaper than a step)
+        self.cheap_heads: list[str] = [p for p, v in self.vocabs.items() if v is not None]
         self.full_c: dict[str, float] = {}  # precision -> c of its full-depth draft step (inputs)
         self.curve: VerifyCurve | None = None  # the study's verify curve (inputs; None: the engine's own)
-
-    def vocab_sizes(self) -> dict[str, int | str]:
-        """Per precision, how many tokens its drafts score (``full``: all)."""
-        return {p: "full" if v is None else int(v.numel()) for p, v in self.vocabs.items()}
-
-    def cheap_heads(self) -> list[str]:
-        """The precisions whose drafts score a draft vocabulary (their full-depth draft is cheaper than a step)."""
-        return [p for p, v in self.vocabs.items() if v is not None]
 
     def inputs(self, study: Any) -> None:
         """The proxy's measured inputs, measured once per study by the first worker and kept in it, so that
@@ -190,7 +188,7 @@ class Candidates:
             study.set_user_attr("full_depth_c", full_c)
         if self.proxy:  # the proxy reads v(k) only; a worker that finds it stored measures nothing
             if (saved := study.user_attrs.get("verify_curve")) is None:
-                own = VerifyCurve.for_engine(self.engine, full=True)  # a full reading for the study (stored or taken now)
+                own = curve_for(self.engine, full=True)  # a full reading for the study (stored or taken now)
                 saved = {"t1_s": own.t1_s, "ratios": {str(k): v for k, v in own.ratios.items()}}
                 study.set_user_attr("verify_curve", saved)
             self.curve = VerifyCurve(float(saved["t1_s"]), {int(k): float(v) for k, v in saved["ratios"].items()})

@@ -1,4 +1,4 @@
-"""Self-SD's skip-set search as one call: :func:`calibrate_self_sd` (Draft & Verify, Zhang et al., ACL 2024).
+"""What Self-SD's skip-set search searches (Draft & Verify, Zhang et al., ACL 2024): :class:`SearchConfig`.
 
 The paper searches, by Bayesian optimization, which of the 2L sublayers (L attention,
 L MLP) the draft skips, maximizing measured decoding throughput on a few
@@ -40,10 +40,13 @@ calibration prompts. Here:
   under the host's load says, so a finished study gives the same set every time. Where a
   starting point re-measured clearly faster (:data:`CONTRADICTED`), the log says so.
 
-The parts: :mod:`.measure` decodes and scores the candidates, :mod:`.study` holds the
-Optuna study and one worker's loop over it; this module joins them (the study's setup, the
-starting points, the best trial, the confirmation) and knows no job, no command line and no
-artifact: :mod:`.calibrate` is the offline step around it. Invariants: the search decodes
+The parts, each entered once by a calibration: :mod:`.calibrate` (the offline step) builds a
+:class:`~.study.CalibrationPlan` from its job and hands it to :func:`~.study.run_calibration`;
+:mod:`.study` runs the whole search (the study's setup, the starting points, one worker's
+loop, the best trial, the confirmation: :func:`~.study.calibrate_self_sd`, which knows no job,
+no command line and no artifact) and returns a typed :class:`~.study.SelfSDCalibration`;
+:mod:`.measure` decodes and scores the candidates; the offline step writes the artifact. This
+module holds only the search's settings. Invariants: the search decodes
 greedily (a sampling configuration is refused); two runs share a study only with the same
 setup (model, prompts, tokens, passes, objective, draft settings, precisions, draft
 vocabularies and the target's precision, whose costs the proxy reads; a study made before the setup
@@ -52,17 +55,14 @@ False).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ...config import GenerationConfig
 from ...decoding.layer_skip import DraftSettings
-from ...engine import Engine
 from ...errors import ConfigError
-from .measure import DEFAULT_DRAFT, Candidates
-from .study import DEFAULT_HEARTBEAT_S, TrialReport, describe, run_search, seed_points, skip_sets_from_params
+from . import DEFAULT_HEARTBEAT_S
+from .measure import DEFAULT_DRAFT
+from .study import describe
 
 SAMPLERS = ("tpe", "gp", "random")
 OBJECTIVES = ("proxy", "throughput")
@@ -97,111 +97,3 @@ class SearchConfig:
         for flag, value, choices in (("objective", self.objective, OBJECTIVES), ("sampler", self.sampler, SAMPLERS)):
             if value not in choices:
                 raise ConfigError(f"unknown --{flag} '{value}'; choose one of: {', '.join(choices)}")
-
-
-@dataclass(slots=True)
-class SelfSDCalibration:
-    """What :func:`calibrate_self_sd` found: the best set, the study's numbers and the confirmation."""
-
-    num_layers: int
-    skip_attn: frozenset[int]
-    skip_mlp: frozenset[int]
-    precision: str
-    best_trial: int
-    best_value: float  # tokens/s measured in the search
-    best_attrs: dict[str, Any]
-    trials: int  # COMPLETE trials in the study
-    new_trials: int  # trials run by this call
-    study_path: Path | str  # the SQLite file, or the --storage as given (the manifest hides its password)
-    baseline: dict[str, Any] | None  # the better uniform set
-    confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
-    seed_points: list[dict[str, Any]] = field(default_factory=list)
-    search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
-    writer: bool = True  # False: another worker finished the study last and writes the artifact
-    draft_vocab: dict[str, int | str] = field(default_factory=dict)  # precision -> tokens its drafts score ("full": all)
-
-
-CONTRADICTED = 1.10  # a starting point re-measured this much faster than the chosen set is worth a line
-
-
-def faster_starting_point(confirm: dict[str, dict[str, Any]], seeds: Sequence[dict[str, Any]], finished: Sequence[Any],
-                          num_layers: int, default_precision: str, margin: float = 1.0) -> tuple[str, Any] | None:
-    """The starting point that re-measured fastest, if more than ``margin`` times as fast as the search's best set
-    (``confirm["best"]``), with its best complete trial; else None. A starting point no trial completed is left out."""
-    best = confirm["best"]["tokens_per_s"] * margin
-    for s in sorted(seeds, key=lambda s: -confirm.get(s["name"], {}).get("tokens_per_s", float("-inf"))):
-        if confirm.get(s["name"], {}).get("tokens_per_s", float("-inf")) <= best:
-            return None
-        want = (frozenset(s["skip_attn"]), frozenset(s["skip_mlp"]), s["precision"])
-        trials = [t for t in finished if t.value is not None
-                  and (*skip_sets_from_params(t.params, num_layers), t.params.get("precision", default_precision)) == want]
-        if trials:
-            return s["name"], max(trials, key=lambda t: t.value)
-    return None
-
-
-def calibrate_self_sd(
-    engine: Engine,
-    tokenizer: Any,
-    prompt_ids: Sequence[list[int]],
-    cfg: GenerationConfig,
-    search: SearchConfig,
-    *,
-    fingerprint: str,
-    prompts_sha: str,
-    on_trial: Callable[[TrialReport], None] = lambda _report: None,
-    log: Callable[[str], None] = lambda _msg: None,
-    on_ready: Callable[[], None] = lambda: None,
-    before_finish: Callable[[], None] = lambda: None,
-) -> SelfSDCalibration:
-    """Run (or resume, or join) the search until the study holds ``search.n_trials`` COMPLETE
-    trials. ``on_ready``: called once the study holds its setup, starting points and measured
-    costs (other workers may start then); ``before_finish``: called when the study is complete,
-    before this worker decides whether it writes the result (wait for the other local workers)."""
-    if not cfg.sampling.greedy:
-        raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
-    L = engine.num_layers
-    precisions = search.precisions
-    # what must not change between runs that share a study (values would not compare)
-    setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
-             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
-             "repeats": search.repeats, "objective": search.objective,
-             "target_precision": engine.target_precision,  # the verify curve and the drafts' costs are this target's
-             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
-    if precisions != ("target",):
-        setup["precisions"] = list(precisions)
-    candidates = Candidates(engine, tokenizer, prompt_ids, cfg, precisions, draft=search.draft, repeats=search.repeats,
-                            proxy=search.objective == "proxy")
-    points = seed_points(L, precisions=precisions, cheap_head=candidates.cheap_heads())
-    if candidates.cheap_heads():  # drafts over an FR-Spec vocabulary: their sizes
-        setup["draft_vocab"] = candidates.vocab_sizes()
-    found = run_search(search, setup, points, L, candidates.measure, candidates.inputs, candidates.warm_up,
-                       on_trial=on_trial, log=log, on_ready=on_ready, before_finish=before_finish)
-    finished, best_t, durations, seeds_in_study, writer, me = (found.finished, found.best, found.durations, found.seeds,
-                                                               found.writer, found.worker)
-
-    # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
-    common = dict(num_layers=L, draft_vocab=candidates.vocab_sizes(), best_trial=best_t.number,
-                  best_value=float(best_t.value), best_attrs=dict(best_t.user_attrs), trials=len(finished),
-                  new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
-                  study_path=search.storage if search.storage is not None else search.study_path)
-    if not writer:
-        return SelfSDCalibration(skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0],
-                                 baseline=None, writer=False, **common)
-    attn, mlp = skip_sets_from_params(best_t.params, L)
-    best_p = best_t.params.get("precision", precisions[0])
-    log("re-measuring the best set, the starting points and plain decoding back to back")
-    confirm = candidates.confirm((attn, mlp, best_p), points)
-    faster = faster_starting_point(confirm, seeds_in_study, finished, L, precisions[0], CONTRADICTED)
-    if faster is not None:  # said, not acted on: one short timing must not pick the result (module docstring)
-        name, t = faster
-        log(f"[yellow]the starting point {name} (trial {t.number}) re-measured at "
-            f"{confirm[name]['tokens_per_s']:.1f} tok/s, the chosen set at {confirm['best']['tokens_per_s']:.1f}: "
-            f"the search's {'prediction' if search.objective == 'proxy' else 'timing'} and this re-measurement "
-            "disagree; more prompts or tokens measure both better[/yellow]")
-    # the better uniform set, by the back-to-back re-measurement
-    uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
-    base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
-    return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, seed_points=seeds_in_study,
-                             baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
-                             search_time_s=round(sum(durations), 3) if durations else None, **common)

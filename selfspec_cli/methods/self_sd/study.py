@@ -25,9 +25,14 @@ It also holds the search itself, apart from what a trial measures: the parameter
 (:func:`params_for`), the starting points enqueued first (:func:`seed_points`, from the uniform
 sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`, given
 an SQLite path the offline step has already checked for writing), Ctrl-C at safe points
-(:class:`DeferredInterrupt`) and one worker's loop (:func:`run_search`), which search.py drives
-with three callables (:class:`~.measure.Candidates`' methods): the measured inputs every trial is
-scored with, an untimed warm-up, and the decode of one candidate. No typer or rich here.
+(:class:`DeferredInterrupt`), one worker's loop (:func:`run_search`, driven with three
+callables, :class:`~.measure.Candidates`' methods: the measured inputs every trial is scored
+with, an untimed warm-up, and the decode of one candidate), and the calibration around it: the
+study's setup, the best trial and the confirmation (:func:`calibrate_self_sd`), run with the
+helper processes of ``--workers`` (:class:`Workers`) and a progress bar (:class:`TrialBar`) by
+:func:`run_calibration` from the :class:`CalibrationPlan` the offline step builds. The functions
+that call each other back and forth live here together, so a calibration enters this module
+once and :mod:`.measure` only to measure (``scripts/walk.py``). No typer or rich here.
 """
 from __future__ import annotations
 
@@ -36,16 +41,22 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ...config import GenerationConfig
 from ...errors import ConfigError, first_line
+from . import DEFAULT_HEARTBEAT_S
+from .measure import Candidates
+
+if TYPE_CHECKING:
+    from ...engine import Engine
+    from .search import SearchConfig
 
 RDB_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql")
 JOURNAL_PREFIX = "journal:"
-DEFAULT_HEARTBEAT_S = 10  # a worker silent for GRACE_BEATS of these is declared dead
-GRACE_BEATS = 3
+GRACE_BEATS = 3  # a worker silent for this many DEFAULT_HEARTBEAT_S (or --heartbeat) is declared dead
 MAX_RETRY = 3  # a trial whose worker died this many times is not queued again
 
 
@@ -530,6 +541,23 @@ class SearchOutcome:
     worker: str
 
 
+def _resume(study: Any, search: Any, points: Sequence[SeedPoint], L: int, searched: bool, done: int, remaining: int,
+            log: Callable[[str], None]) -> None:
+    """The first process's part before its trials: a resumed study said so, and the starting points enqueued."""
+    if done:
+        log(f"resuming study {describe(search.storage or str(search.study_path))}: {done} trials done, "
+            f"{remaining} to run")
+    enqueue_seeds(study, points, L, searched)
+
+
+def _warm_up(points: Sequence[SeedPoint], warm_up: Callable[[frozenset[int], frozenset[int]], None],
+             guard: DeferredInterrupt) -> None:
+    """The untimed warm-up, with the last starting point (full depth where there is one), Ctrl-C allowed."""
+    warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
+    with guard.interruptible():
+        warm_up(warm.skip_attn, warm.skip_mlp)
+
+
 def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], L: int,
                evaluate: Callable[[frozenset[int], frozenset[int], str], Any], inputs: Callable[[Any], None],
                warm_up: Callable[[frozenset[int], frozenset[int]], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
@@ -560,11 +588,8 @@ def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], 
 
             done = len(complete())
             remaining = max(0, search.n_trials - done)
-            if done and not search.search_only:
-                log(f"resuming study {describe(search.storage or str(search.study_path))}: {done} trials done, "
-                    f"{remaining} to run")
             if not search.search_only:
-                enqueue_seeds(study, points, L, searched)
+                _resume(study, search, points, L, searched, done, remaining, log)
 
             def best() -> tuple[float | None, int | None]:
                 b = study.best_trial if complete() else None  # best_trial raises without a complete trial
@@ -573,9 +598,7 @@ def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], 
             on_trial(TrialReport(done, search.n_trials, None, None, *best()))
 
             if remaining:
-                warm = points[-1] if points else SeedPoint("none", frozenset(), frozenset())
-                with guard.interruptible():
-                    warm_up(warm.skip_attn, warm.skip_mlp)
+                _warm_up(points, warm_up, guard)
             random_next = [False]  # after a duplicate, one trial drawn at random
             with guard.interruptible():
                 on_ready()
@@ -626,3 +649,241 @@ def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], 
         finally:
             dispose(storage)
     return SearchOutcome(finished, best_t, durations, seeds_in_study, writer, me)
+
+
+# ---------------------------------------------------------------- the calibration: setup, search, confirmation
+
+
+@dataclass(slots=True)
+class SelfSDCalibration:
+    """What :func:`calibrate_self_sd` found: the best set, the study's numbers and the confirmation."""
+
+    num_layers: int
+    skip_attn: frozenset[int]
+    skip_mlp: frozenset[int]
+    precision: str
+    best_trial: int
+    best_value: float  # tokens/s measured in the search
+    best_attrs: dict[str, Any]
+    trials: int  # COMPLETE trials in the study
+    new_trials: int  # trials run by this call
+    study_path: Path | str  # the SQLite file, or the --storage as given (the manifest hides its password)
+    baseline: dict[str, Any] | None  # the better uniform set
+    confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
+    seed_points: list[dict[str, Any]] = field(default_factory=list)
+    search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
+    writer: bool = True  # False: another worker finished the study last and writes the artifact
+    draft_vocab: dict[str, int | str] = field(default_factory=dict)  # precision -> tokens its drafts score ("full": all)
+
+
+CONTRADICTED = 1.10  # a starting point re-measured this much faster than the chosen set is worth a line
+
+
+def faster_starting_point(confirm: dict[str, dict[str, Any]], seeds: Sequence[dict[str, Any]], finished: Sequence[Any],
+                          num_layers: int, default_precision: str, margin: float = 1.0) -> tuple[str, Any] | None:
+    """The starting point that re-measured fastest, if more than ``margin`` times as fast as the search's best set
+    (``confirm["best"]``), with its best complete trial; else None. A starting point no trial completed is left out."""
+    best = confirm["best"]["tokens_per_s"] * margin
+    for s in sorted(seeds, key=lambda s: -confirm.get(s["name"], {}).get("tokens_per_s", float("-inf"))):
+        if confirm.get(s["name"], {}).get("tokens_per_s", float("-inf")) <= best:
+            return None
+        want = (frozenset(s["skip_attn"]), frozenset(s["skip_mlp"]), s["precision"])
+        trials = [t for t in finished if t.value is not None
+                  and (*skip_sets_from_params(t.params, num_layers), t.params.get("precision", default_precision)) == want]
+        if trials:
+            return s["name"], max(trials, key=lambda t: t.value)
+    return None
+
+
+def calibrate_self_sd(
+    engine: Engine,
+    tokenizer: Any,
+    prompt_ids: Sequence[list[int]],
+    cfg: GenerationConfig,
+    search: SearchConfig,
+    *,
+    fingerprint: str,
+    prompts_sha: str,
+    on_trial: Callable[[TrialReport], None] = lambda _report: None,
+    log: Callable[[str], None] = lambda _msg: None,
+    on_ready: Callable[[], None] = lambda: None,
+    before_finish: Callable[[], None] = lambda: None,
+) -> SelfSDCalibration:
+    """Run (or resume, or join) the search until the study holds ``search.n_trials`` COMPLETE
+    trials. ``on_ready``: called once the study holds its setup, starting points and measured
+    costs (other workers may start then); ``before_finish``: called when the study is complete,
+    before this worker decides whether it writes the result (wait for the other local workers)."""
+    if not cfg.sampling.greedy:
+        raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
+    L = engine.num_layers
+    precisions = search.precisions
+    # what must not change between runs that share a study (values would not compare)
+    setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
+             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
+             "repeats": search.repeats, "objective": search.objective,
+             "target_precision": engine.target_precision,  # the verify curve and the drafts' costs are this target's
+             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
+    if precisions != ("target",):
+        setup["precisions"] = list(precisions)
+    candidates = Candidates(engine, tokenizer, prompt_ids, cfg, precisions, draft=search.draft, repeats=search.repeats,
+                            proxy=search.objective == "proxy")
+    points = seed_points(L, precisions=precisions, cheap_head=candidates.cheap_heads)
+    if candidates.cheap_heads:  # drafts over an FR-Spec vocabulary: their sizes
+        setup["draft_vocab"] = dict(candidates.vocab_sizes)
+    found = run_search(search, setup, points, L, candidates.measure, candidates.inputs, candidates.warm_up,
+                       on_trial=on_trial, log=log, on_ready=on_ready, before_finish=before_finish)
+    finished, best_t, durations, seeds_in_study, writer, me = (found.finished, found.best, found.durations, found.seeds,
+                                                               found.writer, found.worker)
+
+    # the fields of both results: a writer's, and that of a worker that leaves the artifact to another
+    common = dict(num_layers=L, draft_vocab=dict(candidates.vocab_sizes), best_trial=best_t.number,
+                  best_value=float(best_t.value), best_attrs=dict(best_t.user_attrs), trials=len(finished),
+                  new_trials=sum(t.user_attrs.get("worker") == me for t in finished),
+                  study_path=search.storage if search.storage is not None else search.study_path)
+    if not writer:
+        return SelfSDCalibration(skip_attn=frozenset(), skip_mlp=frozenset(), precision=precisions[0],
+                                 baseline=None, writer=False, **common)
+    attn, mlp = skip_sets_from_params(best_t.params, L)
+    best_p = best_t.params.get("precision", precisions[0])
+    log("re-measuring the best set, the starting points and plain decoding back to back")
+    confirm = candidates.confirm((attn, mlp, best_p), points)
+    faster = faster_starting_point(confirm, seeds_in_study, finished, L, precisions[0], CONTRADICTED)
+    if faster is not None:  # said, not acted on: one short timing must not pick the result (module docstring)
+        name, t = faster
+        log(f"[yellow]the starting point {name} (trial {t.number}) re-measured at "
+            f"{confirm[name]['tokens_per_s']:.1f} tok/s, the chosen set at {confirm['best']['tokens_per_s']:.1f}: "
+            f"the search's {'prediction' if search.objective == 'proxy' else 'timing'} and this re-measurement "
+            "disagree; more prompts or tokens measure both better[/yellow]")
+    # the better uniform set, by the back-to-back re-measurement
+    uniform = [s for s in seeds_in_study if s["name"].startswith("uniform-")]  # the paper-style baselines
+    base = max(uniform, key=lambda s: confirm[s["name"]]["tokens_per_s"], default=None)
+    return SelfSDCalibration(skip_attn=attn, skip_mlp=mlp, precision=best_p, seed_points=seeds_in_study,
+                             baseline=base and {**base, "confirm": confirm[base["name"]]}, confirm=confirm,
+                             search_time_s=round(sum(durations), 3) if durations else None, **common)
+
+
+# ---------------------------------------------------------------- one calibration, with its workers and its bar
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """One calibration as the offline step sets it up (:func:`~.calibrate.run` builds it from its job): what is
+    decoded, the search (its study placed and its precisions chosen), the processes that share it and how it
+    reports. :func:`run_calibration` carries it out."""
+
+    engine: Engine
+    tokenizer: Any
+    prompt_ids: Sequence[list[int]]
+    gen: GenerationConfig
+    search: Any  # a SearchConfig (search.py) with study_path and precisions set
+    fingerprint: str  # the model's (the study's setup holds it)
+    prompts_sha: str
+    workers: int  # --workers: this process and its helpers
+    argv: list[str]  # this command line (the helpers run it again)
+    unit: str  # the objective's unit, as the progress bar shows it
+    log: Callable[[str], None]  # stderr, rich markup allowed
+    progress: Callable[[], Any]  # a context manager giving a bar with add_task/update
+    exit_note: Callable[[str], None]  # said when the command is interrupted
+
+
+class Workers:
+    """The helper processes of ``--workers N``: the same command line with a hidden
+    ``--worker-index`` each, started once the study holds its setup and measured costs, each
+    waited for until it has loaded the model and warmed up (so all start trials together).
+    A helper prints ``ready`` and then runs trials only. As a context manager: on Ctrl-C the
+    helpers (which got the terminal's Ctrl-C too) get 30 s to save their trials; any left
+    running are killed."""
+
+    def __init__(self, argv: list[str], n: int, search: Any, log: Callable[[str], None],
+                 exit_note: Callable[[str], None]) -> None:
+        self.job_argv, self.n, self.search = argv, n, search  # search.study_path: the SQLite file (without a --storage)
+        self.log, self.exit_note = log, exit_note
+        self.procs: list[Any] = []
+        self.done = 0
+
+    def argv(self) -> list[str]:
+        """This run's arguments without --workers, --force and the study's name, then the study named explicitly."""
+        import sys
+
+        out, args, named = [sys.executable, "-m", "selfspec_cli"], iter(self.job_argv), ("--workers", "--study-path", "--storage")
+        for a in args:
+            if a in named:  # its value is the next argument
+                next(args, None)
+            if a.split("=", 1)[0] not in (*named, "--force"):
+                out.append(a)
+        storage = self.search.storage
+        return out + (["--storage", storage] if storage is not None else ["--study-path", str(self.search.study_path)])
+
+    def start(self) -> None:
+        import select
+        import subprocess
+
+        if self.search.search_only:  # tell the first process this helper is ready
+            print("ready", flush=True)
+            return
+        argv = self.argv()
+        for i in range(1, self.n):
+            self.procs.append(subprocess.Popen([*argv, "--worker-index", str(i), "--worker-group", self.search.worker],
+                                               stdout=subprocess.PIPE, text=True))
+        for h in self.procs:  # "ready", or "" when the helper ended before it; after 10 minutes, go on without it
+            if select.select([h.stdout], [], [], 600)[0]:
+                h.stdout.readline()
+
+    def wait(self) -> None:
+        for i, h in enumerate(self.procs, 1):
+            h.stdout.read()
+            if (rc := h.wait()) != 0:
+                self.log(f"[yellow]worker {i} ended with exit status {rc}; its unfinished trial, if any, was run again[/yellow]")
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        import subprocess
+
+        if exc_type is KeyboardInterrupt:
+            for h in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    h.wait(timeout=30)
+            self.exit_note(f"{self.done} finished trials are saved in {self.search.where()}; run the same command again to resume")
+        for h in self.procs:
+            if h.poll() is None:
+                h.kill()
+
+
+class TrialBar:
+    """The calibration's progress bar, started by the first report (once the study is open and its costs
+    logged) inside ``stack``; each report also tells ``workers`` how many trials are done (said on Ctrl-C)."""
+
+    def __init__(self, stack: contextlib.ExitStack, progress: Callable[[], Any], total: int, unit: str,
+                 workers: Workers) -> None:
+        self.stack, self.progress, self.total, self.unit, self.workers = stack, progress, total, unit, workers
+        self.bar: Any = None
+        self.task: Any = None
+
+    def report(self, r: TrialReport) -> None:
+        if self.bar is None:
+            self.bar = self.stack.enter_context(self.progress())
+            self.task = self.bar.add_task("calibrate self-sd", total=self.total, info="")
+        unit = self.unit
+        info = f"best {r.best_value:.2f} {unit} (trial {r.best_number})" if r.best_value is not None else ""
+        if r.value is not None:
+            info += f"; last {r.value:.2f} {unit}" + (f", M {r.mean_accepted_length:.2f}"
+                                                      if r.mean_accepted_length is not None else "")
+        self.workers.done = r.done
+        self.bar.update(self.task, completed=min(r.done, self.total), info=info)
+
+
+def run_calibration(plan: CalibrationPlan) -> SelfSDCalibration:
+    """The search of ``plan`` (:func:`calibrate_self_sd`) with its ``--workers`` helpers started once the study is
+    set up and waited for before the result, and its progress bar. A helper (``search_only``) reports nothing."""
+    search, helper = plan.search, plan.search.search_only
+    workers = Workers(plan.argv, plan.workers, search, plan.log, plan.exit_note)
+    say = (lambda _m: None) if helper else plan.log  # the helpers of --workers report through the first process
+    with contextlib.ExitStack() as stack:
+        bar = TrialBar(stack, plan.progress, search.n_trials, plan.unit, workers)
+        with workers:
+            return calibrate_self_sd(plan.engine, plan.tokenizer, plan.prompt_ids, plan.gen, search,
+                                     fingerprint=plan.fingerprint, prompts_sha=plan.prompts_sha,
+                                     on_trial=(lambda _r: None) if helper else bar.report, log=say,
+                                     on_ready=workers.start, before_finish=workers.wait)

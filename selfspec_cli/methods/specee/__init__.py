@@ -246,10 +246,7 @@ class ExitDrafter:
         predictor fires and the full-vocabulary check agrees; the token is decided here."""
         eng, c, a = self.engine, self.config, self.engine.adapter
         L, k0, waiting, n = eng.num_layers, self.k0, self._waiting, self._counts
-        ref = None
-        if self._shadow is not None:
-            self._shadow.commit_decided([state.pending])
-            ref = int(self._shadow.run(state.ids([state.pending])).logits[0].argmax())
+        ref = self._reference_token(state)
         r = c.online_radius  # scheduled: the offline subset and +-r layers around each of the last exits
         active = self.offline | {l for x in self._history for l in range(x - r, x + r + 1) if l in self.predictors}
         can_exit = sum(v.shape[0] for v in waiting.values()) < c.max_pending
@@ -297,19 +294,36 @@ class ExitDrafter:
         if exit_layer is None:
             new_token = int(out.logits[0].argmax())
         else:
-            self._exits[exit_layer] += 1
-            if c.specee_kv_mode == "deferred":  # the rest of this token's layers run with the next token reaching them
-                e = exit_layer + 1
-                waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
-            # empty mode: layers > exit_layer never get this token's K/V
+            self._note_exit(exit_layer, h)
         if ref is not None:
-            ev = self._ev
-            for kind in ("tokens", "exits") if exit_layer is not None else ("tokens",):
-                ev[kind] += 1
-                ev[f"{kind}_agree"] += int(new_token == ref)
-            if new_token != ref and ev["first_divergence"] is None:
-                ev["first_divergence"] = len(state.output)
+            self._score_against(ref, new_token, exit_layer, state)
         return Decided([new_token], full_depth=exit_layer is None)
+
+    def _reference_token(self, state: DecodeState) -> int | None:
+        """The full-depth decoder's token for the pending one (evaluation mode), None without evaluation."""
+        if self._shadow is None:
+            return None
+        self._shadow.commit_decided([state.pending])
+        return int(self._shadow.run(state.ids([state.pending])).logits[0].argmax())
+
+    def _note_exit(self, exit_layer: int, h: torch.Tensor) -> None:
+        """An exit after ``exit_layer`` counted; in deferred mode the token's row ``h`` waits before the next
+        layer (the rest of its layers run with the next token reaching them). In empty mode layers > exit_layer
+        never get this token's K/V."""
+        self._exits[exit_layer] += 1
+        if self.config.specee_kv_mode == "deferred":
+            e, waiting = exit_layer + 1, self._waiting
+            waiting[e] = torch.cat([waiting[e], h]) if e in waiting else h
+
+    def _score_against(self, ref: int, new_token: int, exit_layer: int | None, state: DecodeState) -> None:
+        """Evaluation: the round's token (and exit) counted as agreeing with the full-depth decoder's ``ref``
+        or not, and the first divergence noted."""
+        ev = self._ev
+        for kind in ("tokens", "exits") if exit_layer is not None else ("tokens",):
+            ev[kind] += 1
+            ev[f"{kind}_agree"] += int(new_token == ref)
+        if new_token != ref and ev["first_divergence"] is None:
+            ev["first_divergence"] = len(state.output)
 
     def accept(self, state: DecodeState, rnd: Round) -> None:
         pass

@@ -1,0 +1,80 @@
+"""The one round-cost formula (decoding/planning.py, issue 49): every figure that prices a speculative
+round, the planners', the hybrid merge's, ``selfspec profile``'s draft verdict and the predicted speedups
+of a decode and of the bench, is computed by it and agrees with what the planner computes."""
+from __future__ import annotations
+
+
+import pytest
+
+from selfspec_cli.bench.engine_profile import draft_verdict
+from selfspec_cli.bench.report import summarize
+from selfspec_cli.bench.runner import ContenderResult
+from selfspec_cli.config import GenerationConfig
+from selfspec_cli.decoding import cost_store
+from selfspec_cli.decoding.hybrid import merged_plan
+from selfspec_cli.decoding.measure import VerifyCurve
+from selfspec_cli.decoding.planning import (Planner, expected_tokens, iid_chain_gains, predicted_speedup, round_cost,
+                                            round_gain, round_plan)
+from selfspec_cli.engine import Engine
+from selfspec_cli.methods import build
+
+from .conftest import make_tiny_model
+
+V = {1: 1.0, 2: 1.04, 3: 1.09, 4: 1.15, 6: 1.3, 8: 1.46, 12: 1.8, 16: 2.2, 24: 3.0, 32: 3.8}
+
+
+def _iid_planner(a: float, max_len: int = 32) -> Planner:
+    """A planner whose every depth is accepted with probability ``a`` (no rounds observed: its prior)."""
+    return Planner(VerifyCurve(0.01, dict(V)), max_len, prior=a)
+
+
+def test_the_formula_by_hand():
+    curve = VerifyCurve(0.01, dict(V))
+    assert expected_tokens([0.8, 0.6]) == 1.0 + 0.8 + 0.6
+    assert round_cost(curve, 2, 0.3, 2, 0.05) == pytest.approx(2 * 0.3 + V[3] + 0.05)
+    assert round_cost(curve, 0, 0.3, 0, 0.05) == 1.0  # a plain step: no overhead
+    assert round_plan(curve, 2, [0.8, 0.6], 0.3, 2) == (2.4, 2 * 0.3 + V[3])
+    assert round_gain(2.4, 1.2) == 2.0
+    assert predicted_speedup([(2.0, 1.0), (1.0, 1.0)]) == 1.5 and predicted_speedup([]) is None
+
+
+@pytest.mark.parametrize("a", [0.3, 0.7, 0.95, 0.999])
+def test_the_profile_verdict_is_the_planners_gain(a):
+    """draft_verdict (bench/engine_profile.py) prices a chain with i.i.d. acceptance as a planner whose every
+    depth is accepted with that probability: the same gain at every length, and the same best length. Its
+    former closed form, (1 - a^(k+1)) / (1 - a), agrees to rounding."""
+    c = 0.3
+    planner = _iid_planner(a)
+    ks = [m - 1 for m in V if m >= 2]  # the lengths the verify curve covers
+    gains = iid_chain_gains(planner.curve, a, c, ks)
+    for k, g in gains.items():
+        assert g == planner.gain(k, c)  # bit for bit: the same functions
+        assert g == pytest.approx((1 - a ** (k + 1)) / (1 - a) / (k * c + V[k + 1]), rel=1e-12)
+    verdict = draft_verdict({"int8": {"c": c, "agreement": a}}, {str(m): v for m, v in V.items()})["drafts"]["int8"]
+    best_k = max(ks, key=lambda k: planner.gain(k, c))
+    assert verdict["best_k"] == best_k and verdict["best_gain"] == round(planner.gain(best_k, c), 3)
+
+
+def test_the_hybrid_merge_prices_its_round_with_the_formula():
+    chain, ngram = _iid_planner(0.9), _iid_planner(0.5)
+    plan = merged_plan(chain, ngram, 2, 3, 5, 0.25)
+    reach = [max(x, y) for x, y in zip(chain.reach(2) + [0.0], ngram.reach(3))]
+    assert plan == round_plan(chain.curve, 2, reach, 0.25, 5, chain.overhead.value, chain.context)
+    assert plan.cost == 2 * 0.25 + V[6]
+
+
+def test_a_decodes_and_the_benchs_predicted_speedups_come_from_its_plans():
+    """A cost-aware decode's ``predicted_gain`` and the bench's ``predicted_speedup`` of it are the formula's
+    ratio of the plans' expected tokens to their cost (decoding/planning.py: predicted_speedup)."""
+    eng = Engine(make_tiny_model("llama-gqa", layers=2))
+    cost_store.set_curve(eng, VerifyCurve(0.01, dict(V)))
+    method = build("pld", eng)
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    res = method.generate(ids, GenerationConfig(max_new_tokens=24))
+    plan = res.stats.summary().plan
+    assert plan is not None
+    assert res.stats.extra["predicted_gain"] == round(predicted_speedup([(plan.expected_tokens, plan.cost_steps)]), 4)
+    rec = {"id": "p", "new_tokens": len(res.token_ids), "wall_time_s": 1.0, "token_ids": res.token_ids,
+           "stats": res.stats.as_dict()}
+    summary = summarize({"pld": ContenderResult("pld", True, "selfspec", [[rec]])}, None, None)
+    assert summary["pld"]["cost_model"]["predicted_speedup"] == round(plan.expected_tokens / plan.cost_steps, 4)
