@@ -68,8 +68,10 @@ def run_prompt(
     method_name: str,
     use_chat_template: bool = True,
     lossless: bool = True,
+    history: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Decode every turn of ``prompt`` and return its output record.
+    """Decode every turn of ``prompt`` and return its output record. ``history``: the conversation before the
+    prompt's first turn (``chat``), which its turns and answers extend in place; None: a conversation of its own.
 
     Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` are the
     turns' outputs concatenated and ``text`` the turns' texts joined by a blank line
@@ -80,7 +82,7 @@ def run_prompt(
     ``finish_reason`` is the last turn's. Per-turn values are in ``turns[i]``
     (multi-turn records only; a one-turn record is its own turn).
     """
-    history: list[dict[str, str]] = []
+    history = [] if history is None else history
     turns: list[dict[str, Any]] = []
     for turn in prompt.turns:
         history.append({"role": "user", "content": turn})

@@ -509,8 +509,8 @@ def interrupt_at(call: int, real, calls: dict | None = None):
 
 
 def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, prompt_file, tmp_path):
-    gen_mod = importlib.import_module("selfspec_cli.cli.generate")
-    monkeypatch.setattr(gen_mod, "run_prompt", interrupt_at(3, gen_mod.run_prompt))
+    app_mod = importlib.import_module("selfspec_cli.methods.application")  # where generate's records are decoded
+    monkeypatch.setattr(app_mod, "run_prompt", interrupt_at(3, app_mod.run_prompt))
     out_file = tmp_path / "partial.jsonl"
     capsys.readouterr()
     rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "5", "-o", str(out_file)))
