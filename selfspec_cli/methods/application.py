@@ -117,7 +117,7 @@ def decode_prompts(generate: Generate, prompts: Iterable[Prompt], tokenizer: Any
         if hooks is not None:
             hooks.prompt_started(i, prompt)
             call = _heard(generate, prompt, hooks)
-        rec = run_prompt(call, tokenizer, prompt, cfg, device, name, chat_template, lossless, history=history)
+        rec = run_prompt(call, tokenizer, prompt, cfg, device, name, chat_template, lossless, history)
         if hooks is not None:
             hooks.record(prompt, rec)
         records.append(rec)
