@@ -13,8 +13,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-import typer
-
 from ..config import GenerationConfig, check_choice
 from ..decoding.output import DecodeResult
 from ..errors import ConfigError, PromptFileError, count
@@ -31,11 +29,11 @@ from .streaming import TextStreamer, write_out
 def chat(
     model: Optional[str] = opt.model(),
     method: str = opt.method(),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Exact upper bound on the tokens of each answer."),
+    max_new_tokens: int = opt.max_new_tokens(256, "Exact upper bound on the tokens of each answer."),
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
     top_k: int = opt.top_k(),
-    seed: int = typer.Option(0, "--seed", help="Seed for sampling (each answer's draws are reproducible from it)."),
+    seed: int = opt.seed("Seed for sampling (each answer's draws are reproducible from it)."),
     sampling_rule: str = opt.sampling_rule(),
     chat_template: bool = opt.chat_template(),
     dtype: str = opt.dtype(),
