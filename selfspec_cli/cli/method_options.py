@@ -112,11 +112,8 @@ class MethodChoice:
     name: str
     config: Any
     generation: GenerationConfig
+    lossless: bool
     given: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def lossless(self) -> bool:
-        return METHODS[self.name].lossless
 
 
 def choose_method(method: str, seed: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
@@ -127,8 +124,8 @@ def choose_method(method: str, seed: int, max_new_tokens: int, temperature: floa
     check_choice(method, METHODS, "--method")
     check_seed(seed)  # before the methods' configs take it
     config = None if given is None else method_config(method, given, seed=seed)  # validates before any loading
-    return MethodChoice(method, config, generation_config(method, max_new_tokens, temperature, top_k, top_p, seed,
-                                                          rule, stop), given or {})
+    cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, rule, stop)
+    return MethodChoice(method, config, cfg, METHODS[method].lossless, given or {})
 
 
 def generation_config(method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
