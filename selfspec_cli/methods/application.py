@@ -1,6 +1,7 @@
 """The application layer (docs/design.md, "Layers and import direction"): open a method on a model, and
 decode prompts with it. ``generate`` and ``chat`` open their method with :func:`open_method`; ``generate``,
-``chat`` and ``bench`` decode with :func:`decode_prompts`. The commands only parse and print.
+``chat`` and ``bench`` decode with :func:`decode_prompts`; ``calibrate`` and ``train-heads`` run their offline
+step with :func:`run_offline`. The commands only parse and print.
 
 :func:`open_method` does, in this order, what every command that decodes with one method did on its own:
 load the model (:meth:`Session.open <selfspec_cli.session.Session.open>`, without transformers where it can:
@@ -15,6 +16,10 @@ contender's) into one record each (:func:`selfspec_cli.runtime.run_prompt`: the 
 telling the caller's :class:`DecodeHooks` as it goes: a prompt starts, a turn starts, a long prefill's chunks, the
 tokens each round keeps, a turn ends, a record is finished.
 
+:func:`run_offline` opens the model for an offline step (methods/offline.py) once the command has checked its
+options: the artifact's default path checked before the slow part, the prompts checked against the context and
+encoded (their provenance kept for the manifest), then the step's ``run`` on an :class:`OfflineJob`.
+
 Invariants: the tokens are the method's own (this module only calls ``generate`` with the config it is given);
 the float weights are released only after the method is built, never before a draft has read them; nothing here
 prints (a command hears of the run through its hooks, so rich stays in cli/).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..artifacts import recording_loads
@@ -30,11 +36,12 @@ from ..config import GenerationConfig
 from ..decoding.output import DecodeResult
 from ..decoding.state import PREFILL_PROGRESS
 from ..engine import Engine
-from ..prompts import Prompt
+from ..prompts import Prompt, prompts_digest
 from ..runtime import run_prompt
 from ..session import Session
 from . import build
 from .base import Method
+from .offline import OfflineJob, OfflineStep
 
 Generate = Callable[..., DecodeResult]  # generate(prompt_ids, cfg[, on_tokens=...]) -> DecodeResult
 Progress = Callable[[int, int], None]  # a prefill's progress: (prompt tokens done, total)
@@ -144,3 +151,46 @@ def _heard(generate: Generate, prompt: Prompt, hooks: DecodeHooks) -> Generate:
         return res
 
     return call
+
+
+@dataclass(frozen=True)
+class OfflineInputs:
+    """What an offline step runs on, as its command checked it: the model and how it is read, the prompt texts
+    and where they came from (``dataset_field``: set when they came from a dataset), the tokens generated per
+    prompt, the artifact path asked (None: the artifact's default) and whether an existing one is replaced."""
+
+    model: str | None
+    texts: list[str]
+    source: str | None
+    dataset_field: str | None
+    max_new_tokens: int
+    output: Path | None
+    force: bool
+    chat_template: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+    target_precision: str = "auto"
+
+
+def run_offline(step: OfflineStep, setting: Any, inputs: OfflineInputs, *, log: Callable[[str], None],
+                progress: Callable[[], Any], argv: list[str], exit_note: Callable[[str], None]) -> Any:
+    """Open the model and run ``step`` (with ``setting``, what its ``prepare`` returned) on ``inputs``; its
+    summary (None: it has none to print). ``log``, ``progress`` and ``exit_note`` are the command's console."""
+    writes = getattr(setting, "writes", True)  # False: a --workers helper, which never writes
+    # lite: a GGUF's matrices stay in its blocks, as for generate (the 1.5B model's calibration held 8.5 GB
+    # of float32 weights through transformers' loader); every step reads the model through the engine
+    session = Session.open(inputs.model, dtype=inputs.dtype, device=inputs.device, chat_template=inputs.chat_template,
+                           lite=True)
+    out_path = inputs.output or step.artifact.default_path(session.model)
+    if writes:
+        step.artifact.check_output(out_path, inputs.force)  # before the slow part
+    gen = session.generation(GenerationConfig(max_new_tokens=inputs.max_new_tokens))
+    turns = [Prompt(id=i + 1, turns=(t,)) for i, t in enumerate(inputs.texts)]
+    session.check_fits(turns, gen)
+    prompt_ids = session.encode_first_turns(turns)
+    prompts = {"source": inputs.source, "num_prompts": len(prompt_ids), "sha256": prompts_digest(prompt_ids),
+               "chat_template": inputs.chat_template,
+               **({"dataset_field": inputs.dataset_field} if inputs.dataset_field is not None else {})}
+    job = OfflineJob(session.engine(inputs.target_precision), session.tokenizer, prompt_ids, gen, out_path,
+                     inputs.output is not None, inputs.force, prompts, setting, log, progress, argv, exit_note)
+    return step.load().run(job)
