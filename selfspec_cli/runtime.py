@@ -69,9 +69,11 @@ def run_prompt(
     method_name: str,
     use_chat_template: bool = True,
     lossless: bool = True,
+    history: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Decode every turn of ``prompt`` and return its output record (an :class:`OutputRecord`, serialized:
-    :meth:`OutputRecord.to_dict`, the keys and values records always had).
+    :meth:`OutputRecord.to_dict`, the keys and values records always had). ``history``: the conversation before
+    the prompt's first turn (``chat``), which its turns and answers extend in place; None: a conversation of its own.
 
     Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` are the
     turns' outputs concatenated and ``text`` the turns' texts joined by a blank line
@@ -82,7 +84,7 @@ def run_prompt(
     ``finish_reason`` is the last turn's. Per-turn values are in ``turns[i]``
     (multi-turn records only; a one-turn record is its own turn).
     """
-    history: list[dict[str, str]] = []
+    history = [] if history is None else history
     turns: list[TurnRecord] = []
     for turn in prompt.turns:
         history.append({"role": "user", "content": turn})

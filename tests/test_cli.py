@@ -509,8 +509,8 @@ def interrupt_at(call: int, real, calls: dict | None = None):
 
 
 def test_interrupt_keeps_finished_records(capsys, monkeypatch, tiny_model_dir, prompt_file, tmp_path):
-    gen_mod = importlib.import_module("selfspec_cli.cli.generate")
-    monkeypatch.setattr(gen_mod, "run_prompt", interrupt_at(3, gen_mod.run_prompt))
+    app_mod = importlib.import_module("selfspec_cli.methods.application")  # where generate's records are decoded
+    monkeypatch.setattr(app_mod, "run_prompt", interrupt_at(3, app_mod.run_prompt))
     out_file = tmp_path / "partial.jsonl"
     capsys.readouterr()
     rc = main(gen_args(tiny_model_dir, prompt_file, "-n", "5", "-o", str(out_file)))
@@ -546,7 +546,7 @@ def test_bench_ar_vs_hf(capsys, monkeypatch, virtual_clock, tiny_model_dir, prom
     import transformers
     from collections import Counter
 
-    from selfspec_cli.bench import runner
+    from selfspec_cli.methods import application  # where bench's prompts are decoded
 
     charge_forwards(monkeypatch, virtual_clock, lambda engine, rows, kw: 1e-3)
     hf_forward = transformers.LlamaForCausalLM.forward
@@ -556,7 +556,7 @@ def test_bench_ar_vs_hf(capsys, monkeypatch, virtual_clock, tiny_model_dir, prom
         return hf_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", charged_hf_forward)
-    runs, real_run = Counter(), runner.run_prompt
+    runs, real_run = Counter(), application.run_prompt
     faults = {(2, 3): 1, (3, 2): 5}  # (ar's pass, counting from 1; prompt id) -> the token made to differ
 
     def run_prompt(generate, tokenizer, prompt, *args):
@@ -568,7 +568,7 @@ def test_bench_ar_vs_hf(capsys, monkeypatch, virtual_clock, tiny_model_dir, prom
             rec["token_ids"] = [*ids[:i], (ids[i] + 1) % 320, *ids[i + 1:]]
         return rec
 
-    monkeypatch.setattr(runner, "run_prompt", run_prompt)
+    monkeypatch.setattr(application, "run_prompt", run_prompt)  # bench decodes through it
     out_dir = tmp_path / "bench-out"
     capsys.readouterr()
     rc = main(["bench", "--methods", "ar,hf", "--model", str(tiny_model_dir), "-n", "8", "--warmup", "0",

@@ -79,15 +79,15 @@ def test_an_interrupted_bench_writes_what_it_has_and_resumes(capsys, tiny_model_
     """Ctrl-C mid-run (injected at the 5th timed prompt): the finished records stay, results.json
     holds the prompts every contender finished (marked incomplete), and the same command with
     --resume runs only what is missing and ends with the run's full results."""
-    from selfspec_cli.bench import runner
+    from selfspec_cli.methods import application  # where bench's prompts are decoded
 
     prompts = write_lines(tmp_path / "p.txt", ["alpha beta gamma", "one two three", "red green blue"])
     out = tmp_path / "b"
     argv = ["bench", "--methods", "ar,pld", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "6", "--warmup", "0",
             "--repeats", "2", "--no-plots", "--no-costs", "--device", "cpu", "-o", str(out)]
-    real = runner.run_prompt
+    real = application.run_prompt
     calls = {"n": 0}
-    monkeypatch.setattr(runner, "run_prompt", interrupt_at(5, real, calls))
+    monkeypatch.setattr(application, "run_prompt", interrupt_at(5, real, calls))
     capsys.readouterr()
     assert main(argv) == 130
     err = capsys.readouterr().err
@@ -95,7 +95,7 @@ def test_an_interrupted_bench_writes_what_it_has_and_resumes(capsys, tiny_model_
     partial = json.loads((out / "results.json").read_text())
     assert partial["setup"]["complete"] is False
     assert partial["methods"]["pld"]["prompts"] == 2  # prompts 1 and 2 of pass 1 by both contenders
-    monkeypatch.setattr(runner, "run_prompt", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
+    monkeypatch.setattr(application, "run_prompt", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
     calls["n"] = 0
     assert main([*argv, "--resume"]) == 0
     assert calls["n"] == 2 * 3 * 2 - 4  # only the missing cells ran

@@ -83,7 +83,7 @@ def test_existing_output_needs_force_or_append(capsys, tiny_model_dir, prompt_fi
 def test_forced_output_is_replaced_only_when_the_run_finishes(capsys, monkeypatch, tiny_model_dir, prompt_file, tmp_path):
     import importlib
 
-    gen_mod = importlib.import_module("selfspec_cli.cli.generate")
+    gen_mod = importlib.import_module("selfspec_cli.methods.application")  # where generate's records are decoded
     real, calls = gen_mod.run_prompt, {"n": 0}
 
     def crashing(*args, **kwargs):

@@ -40,7 +40,7 @@ def test_chat_lines_are_decoded_strictly(monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbf/reset\r\n\xff bad\n"), encoding="utf-8"))
     lines = stdin_lines()
     with pytest.raises(PromptFileError, match="a line of stdin is not UTF-8"):
-        converse(None, None, None, lines)  # /reset is read (BOM and CR gone), then the bad line is refused
+        converse(None, lines)  # /reset is read (BOM and CR gone), then the bad line is refused
 
 
 def test_version_answers_without_importing_torch():

@@ -6,8 +6,9 @@ timed pass, so a method that learns while it decodes (SWIFT's layer search carri
 across the prompts of a run) starts each repeat from scratch and its optimization time
 is paid, and counted, in every repeat. Contenders are interleaved prompt by prompt (see
 :func:`run_bench`) so slow drifts of a shared machine hit all contenders alike.
-Each prompt is timed by :func:`selfspec_cli.runtime.run_prompt` (tokenization outside,
-CUDA synchronized on both sides).
+Each prompt is decoded by :func:`selfspec_cli.methods.application.decode_prompts`, as ``generate`` and
+``chat`` decode theirs, and timed by :func:`selfspec_cli.runtime.run_prompt` (tokenization outside, CUDA
+synchronized on both sides).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from ..config import GenerationConfig
 from ..decoding.output import DecodeResult
 from ..prompts import Prompt
-from ..runtime import run_prompt
+from ..methods.application import decode_prompts
 
 Generate = Callable[[list[int], GenerationConfig], DecodeResult]
 
@@ -105,7 +106,7 @@ def _timed_record(c: Contender, gen: Generate, res: ContenderResult, mem: Memory
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     mem.running(c.name, c.pid)
-    rec = run_prompt(gen, tokenizer, p, cfg, device, c.name, use_chat_template, c.lossless)
+    [rec] = decode_prompts(gen, [p], tokenizer, cfg, device, c.name, chat_template=use_chat_template, lossless=c.lossless)
     mem.running(None)
     if cuda:
         res.peak_cuda_mb = max(res.peak_cuda_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
@@ -137,7 +138,8 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
         partial.update(results)
     for c in contenders:
         for _ in range(warmup):
-            run_prompt(c.make(), tokenizer, prompts[0], cfg, device, c.name, use_chat_template, c.lossless)
+            decode_prompts(c.make(), prompts[:1], tokenizer, cfg, device, c.name, chat_template=use_chat_template,
+                           lossless=c.lossless)
     with MemorySampler() as mem:
         for rep in range(repeats):
             if rep and between_passes is not None:

@@ -11,32 +11,29 @@ answers alone.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, Optional
 
-import typer
-
-from ..artifacts import recording_loads
-from ..config import GenerationConfig, check_choice, check_seed
+from ..config import GenerationConfig, check_choice
+from ..decoding.output import DecodeResult
 from ..errors import ConfigError, PromptFileError, count
 from ..engine.target import TARGET_PRECISIONS
-from ..methods import METHODS, build
-from ..prompts import encode_turn
+from ..methods.application import DecodeHooks, Opened, open_method
+from ..prompts import Prompt, encode_turn
 from ..session import Session, apply_threads, check_device
 from . import options as opt
 from .common import log, set_exit_note
-from .method_options import generation_config
+from .method_options import choose_method
 from .streaming import TextStreamer, write_out
 
 
 def chat(
     model: Optional[str] = opt.model(),
     method: str = opt.method(),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Exact upper bound on the tokens of each answer."),
+    max_new_tokens: int = opt.max_new_tokens(256, "Exact upper bound on the tokens of each answer."),
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
     top_k: int = opt.top_k(),
-    seed: int = typer.Option(0, "--seed", help="Seed for sampling (each answer's draws are reproducible from it)."),
+    seed: int = opt.seed("Seed for sampling (each answer's draws are reproducible from it)."),
     sampling_rule: str = opt.sampling_rule(),
     chat_template: bool = opt.chat_template(),
     dtype: str = opt.dtype(),
@@ -45,29 +42,40 @@ def chat(
     threads: Optional[str] = opt.threads(),
 ) -> None:
     """Talk with the model: each stdin line is a turn, the answer streams to stdout (/reset starts over, /exit ends)."""
-    check_choice(method, METHODS, "--method")
-    check_seed(seed)
-    cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule)
+    choice = choose_method(method, seed, max_new_tokens, temperature, top_k, top_p, sampling_rule)
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     apply_threads(threads)
     check_device(dtype, device)
-    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
-    cfg = session.generation(cfg)
-    if cfg.max_new_tokens >= session.context_length:  # no turn could ever fit: refused now, not at every turn
-        raise ConfigError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a turn in the model's context of "
-                          f"{session.context_length} tokens; pass a smaller --max-new-tokens")
-    engine = session.engine(target_precision)
-    with recording_loads() as used:
-        meth = build(method, engine, session.tokenizer, None)
-    engine.release_float_weights(panels=True)  # every draft is built: the float matrices the target no longer reads go
-    for kind, path in used.items():
+    opened = open_method(model, method, None, cfg=choice.generation, dtype=dtype, device=device,
+                         chat_template=chat_template, target_precision=target_precision, check=_check_room)
+    for kind, path in opened.artifacts.items():
         log(f"[dim]using {kind} {path}[/dim]")
     set_exit_note("chat keeps no file: the answers so far were printed as they came")  # what an interrupt keeps
-    if not meth.lossless:
+    if not opened.method.lossless:
         log(f"[yellow]--method {method} is lossy: its answers can differ from plain decoding's[/yellow]")
-    log(f"[dim]chat with {session.model.config.model_type}, method {method}; /reset starts over, /exit (or /quit) "
-        "ends[/dim]")
-    converse(meth, session, cfg, stdin_lines())
+    log(f"[dim]chat with {opened.session.model.config.model_type}, method {method}; /reset starts over, /exit (or "
+        "/quit) ends[/dim]")
+    converse(opened, stdin_lines())
+
+
+def _check_room(session: Session, cfg: GenerationConfig) -> None:
+    """No turn could ever fit: refused now, not at every turn."""
+    if cfg.max_new_tokens >= session.context_length:
+        raise ConfigError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a turn in the model's context of "
+                          f"{session.context_length} tokens; pass a smaller --max-new-tokens")
+
+
+class _Answer(DecodeHooks):
+    """A turn's answer printed to stdout as its tokens come."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.printer = TextStreamer(tokenizer, write_out)
+
+    def kept(self, prompt: Prompt, tokens: list[int]) -> None:
+        self.printer.push(tokens)
+
+    def turn_ended(self, prompt: Prompt, result: DecodeResult) -> None:
+        self.printer.end(torn=result.finish_reason == "length")
 
 
 def stdin_lines() -> Any:
@@ -79,8 +87,8 @@ def stdin_lines() -> Any:
     return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", errors="strict", newline=None)
 
 
-def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> int:
-    """Answer every turn read from ``lines``; the number of answers."""
+def converse(opened: Opened, lines: Any) -> int:
+    """Answer every turn read from ``lines`` with the opened method; the number of answers."""
     history: list[dict[str, str]] = []
     answers = 0
     tty = lines.isatty()
@@ -100,23 +108,21 @@ def converse(meth: Any, session: Session, cfg: GenerationConfig, lines: Any) -> 
             history.clear()
             log("[dim]a new conversation[/dim]")
             continue
-        if not text.strip():
-            continue
-        history.append({"role": "user", "content": text})
-        ids = encode_turn(session.tokenizer, history, session.chat_template)
-        if len(ids) + cfg.max_new_tokens > session.context_length:
-            history.pop()
-            log(f"the conversation ({len(ids)} token{'s' if len(ids) != 1 else ''}) and an answer of {cfg.max_new_tokens} "
-                "no longer fit the model's "
-                "context; /reset starts a new one")
-            continue
-        printer = TextStreamer(session.tokenizer, write_out)
-        t0 = time.perf_counter()
-        res = meth.generate(ids, cfg, on_tokens=printer.push)
-        printer.end(torn=res.finish_reason == "length")
-        write_out("\n")
-        wall = time.perf_counter() - t0
-        answer = session.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        history.append({"role": "assistant", "content": answer.rstrip("\ufffd") if res.finish_reason == "length" else answer})
-        answers += 1
-        log(f"[dim]{count(len(res.token_ids), 'token')} in {wall:.1f} s ({len(res.token_ids) / max(wall, 1e-9):.1f} tok/s)[/dim]")
+        if text.strip() and _answer(opened, history, text):
+            answers += 1
+
+
+def _answer(opened: Opened, history: list[dict[str, str]], text: str) -> bool:
+    """The answer to ``text`` after ``history`` (which it extends), printed as it comes and its pace on stderr;
+    False, and one line, when the conversation and an answer no longer fit the model's context."""
+    session, cfg = opened.session, opened.cfg
+    n = len(encode_turn(session.tokenizer, [*history, {"role": "user", "content": text}], session.chat_template))
+    if n + cfg.max_new_tokens > session.context_length:
+        log(f"the conversation ({n} token{'s' if n != 1 else ''}) and an answer of {cfg.max_new_tokens} "
+            "no longer fit the model's context; /reset starts a new one")
+        return False
+    [rec] = opened.decode([Prompt(id=len(history) // 2 + 1, turns=(text,))], _Answer(session.tokenizer), history)
+    write_out("\n")
+    wall = rec["wall_time_s"]
+    log(f"[dim]{count(rec['new_tokens'], 'token')} in {wall:.1f} s ({rec['new_tokens'] / max(wall, 1e-9):.1f} tok/s)[/dim]")
+    return True

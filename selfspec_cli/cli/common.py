@@ -238,46 +238,60 @@ def output_stream(path: Path | None, *, force: bool = False, append: bool = Fals
     if path is None or str(path) == "-":
         yield sys.stdout  # a failed write is write_record's one line about stdout
         return
-
-    def unwritable(exc: OSError) -> ConfigError:
-        return ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path")
-
-    def failed(exc: OutputWriteError) -> OutputWriteError:  # a record's write failed (disk full, /dev/full)
-        return OutputWriteError(f"cannot write --output '{path}' ({exc.reason}); {_write_fix(exc.errno, '--output')}")
-
     stream = _is_stream(path)  # a pipe, >(cmd), /dev/stdout: written in place, as a shell redirection would
     check_output(path, force=force, append=append, inputs=inputs)  # nothing to check for a stream
-    if not (stream or append):
-        def keep(partial: Path) -> bool:  # whole lines only; named in the exit message
-            n = cut_to_last_line(partial)
-            if n:
-                set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {partial} ('{path}' is unchanged)")
-            return n > 0
+    with (_in_place(path, append, stream) if stream or append else _replacing(path)) as f:
+        yield f
 
-        try:
-            with atomic_open(path, "w", encoding="utf-8", keep=keep, error=unwritable) as f:
-                yield f
-        except OutputWriteError as exc:  # keep() has named the partial file in the exit note
-            raise failed(exc) from None
-        return
+
+def _unwritable(path: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"cannot write --output '{path}' ({exc.strerror}); choose a writable path")
+
+
+def _failed(path: Path, exc: OutputWriteError) -> OutputWriteError:
+    """A record's write failed (disk full, /dev/full): worded for the --output file."""
+    return OutputWriteError(f"cannot write --output '{path}' ({exc.reason}); {_write_fix(exc.errno, '--output')}")
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[IO[str]]:
+    """``<path>.<random>.partial``, which replaces ``path`` when the block ends; on an interrupt or error it is
+    kept (whole lines only) and named in the exit note (:func:`output_stream`)."""
+    def keep(partial: Path) -> bool:  # whole lines only; named in the exit message
+        n = cut_to_last_line(partial)
+        if n:
+            set_exit_note(f"{n} finished record{'s are' if n != 1 else ' is'} in {partial} ('{path}' is unchanged)")
+        return n > 0
+
+    try:
+        with atomic_open(path, "w", encoding="utf-8", keep=keep, error=lambda exc: _unwritable(path, exc)) as f:
+            yield f
+    except OutputWriteError as exc:  # keep() has named the partial file in the exit note
+        raise _failed(path, exc) from None
+
+
+@contextmanager
+def _in_place(path: Path, append: bool, stream: bool) -> Iterator[IO[str]]:
+    """``path`` written in place: a stream (pipe, character device, socket), or a file appended to (after a
+    newline when its last line lacks one)."""
     try:
         f = path.open("a" if append else "w", encoding="utf-8")
         if append and not stream and path.stat().st_size and not _ends_with_newline(path):  # a last record without its newline
             f.write("\n")
     except OSError as exc:
-        raise unwritable(exc) from None
+        raise _unwritable(path, exc) from None
     try:
         yield f
     except BaseException as exc:
         with suppress(OSError):  # a failed write leaves its bytes buffered: closing would fail again
             f.close()
         if isinstance(exc, OutputWriteError):
-            raise failed(exc) from None
+            raise _failed(path, exc) from None
         raise
     try:
         f.close()
     except OSError as exc:
-        raise unwritable(exc) from None
+        raise _unwritable(path, exc) from None
 
 
 class OutputClosed(Exception):

@@ -1,30 +1,35 @@
-"""``selfspec generate``: decode every prompt of a file (or given with ``--prompt``) with one method; JSONL out."""
+"""``selfspec generate``: decode every prompt of a file (or given with ``--prompt``) with one method; JSONL out.
+
+The command parses and prints: its flags are checked before any loading, in one order; the method is opened
+(:func:`selfspec_cli.methods.application.open_method`) and decodes the prompts
+(:func:`~selfspec_cli.methods.application.decode_prompts`), and this module hears of the run through hooks that
+draw the bar, write the records or print the text as it comes."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import click
 import typer
+from rich.progress import Progress, TaskID
 
-from ..artifacts import check_new_artifact, recording_loads
-from ..config import GenerationConfig, check_seed
+from ..artifacts import check_new_artifact
+from ..config import check_choice
 from ..decoding import cost_store
-from ..decoding.state import PREFILL_PROGRESS
+from ..decoding.output import DecodeResult
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError, count
 from ..loading import config_num_layers, resolve_model_path
-from ..methods import METHODS, Method, build
+from ..methods import Method
+from ..methods.application import DecodeHooks, Opened, open_method
 from ..prompts import PROMPT_FORMATS, Prompt, prompts_from_texts, read_prompts
-from ..runtime import run_prompt
-from ..session import Session, apply_threads, check_device
+from ..session import apply_threads, check_device
 from . import options as opt
-from .method_options import check_layer_ids, flag_error, generation_config, given_options, method_config, with_method_options
-from ..config import check_choice
+from .method_options import MethodChoice, check_layer_ids, choose_method, flag_error, given_options, with_method_options
 from .resume import check_append, prompt_sha, resume as resume_output, run_settings
 from .streaming import TextStreamer, write_out
-from .common import OutputClosed, check_output, log, output_stream, progress, set_exit_note, signals_held, write_record
+from .common import check_output, log, output_stream, progress, set_exit_note, signals_held, write_record
 from .summary import Pace, no_draft_note
 
 LONG_PROMPT = 256  # prompt tokens from which a turn's prefill is said on stderr before it starts (issue 50)
@@ -38,21 +43,21 @@ def generate(
     prompt_format: str = opt.prompt_format("auto (JSONL when the name ends in .jsonl/.json or the first line starts with '{'), text (one prompt per line) or jsonl."),
     model: Optional[str] = opt.model(),
     method: str = opt.method(),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Exact upper bound on generated tokens per turn."),
+    max_new_tokens: int = opt.max_new_tokens(128, "Exact upper bound on generated tokens per turn."),
     temperature: float = opt.temperature(),
     top_p: float = opt.top_p(),
     top_k: int = opt.top_k(),
-    seed: int = typer.Option(0, "--seed", help="Seed for sampling (reproducible)."),
+    seed: int = opt.seed("Seed for sampling (reproducible)."),
     sampling_rule: str = opt.sampling_rule(),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); the output keeps it."),
     chat_template: bool = opt.chat_template(),
     dtype: str = opt.dtype(),
     target_precision: str = opt.target_precision(),
     device: str = opt.device(),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
+    output: Optional[Path] = opt.output("Write JSONL here instead of stdout: streamed into <output>.<random>.partial beside it, which replaces it at the end (kept, and named, if the run stops early). Never the prompt file."),
     force: bool = opt.force("Replace an existing --output (or --save-layers artifact)."),
     append: bool = typer.Option(False, "--append", help="Add the records to the end of an existing --output instead of refusing."),
-    resume: bool = typer.Option(False, "--resume", help="Carry on --output: decode only the prompts whose records it (or the .partial file an interrupted run kept beside it) does not hold yet, and add theirs."),
+    resume: bool = opt.resume("Carry on --output: decode only the prompts whose records it (or the .partial file an interrupted run kept beside it) does not hold yet, and add theirs."),
     threads: Optional[str] = opt.threads(),
     save_layers: Optional[Path] = typer.Option(None, "--save-layers", help="swift: write the skip set found as an artifact that --method self-sd --layers can load."),
     stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help="Print each prompt's text as its tokens come (default: when stdout is a terminal and no --output) instead of JSONL records; --no-stream keeps JSONL on a terminal too."),
@@ -61,64 +66,57 @@ def generate(
     """Generate a continuation for every prompt; one JSON object per prompt, flushed as it finishes.
     Every method is lossless except specee (LOSSY: its records say lossless false)."""
     _check_prompt_options(ctx, prompt_file, prompt_texts, prompt_format)
-    check_choice(method, METHODS, "--method")
-    check_seed(seed)  # before the methods' configs take it
-    given = given_options(ctx, method_options)
-    method_cfg = method_config(method, given, seed=seed)  # validates before any loading
-    cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, sampling_rule, stop)
+    choice = choose_method(method, seed, max_new_tokens, temperature, top_k, top_p, sampling_rule, stop,
+                           given=given_options(ctx, method_options))
     _check_output_options(output, force, append, save_layers, method, resume)
-    _streaming(stream, output)  # a conflict is refused before any loading
+    streaming = _streaming(stream, output)  # a conflict is refused before any loading
     check_choice(prompt_format, PROMPT_FORMATS, "--prompt-format")
     check_choice(target_precision, TARGET_PRECISIONS, "--target-precision")
     n_threads = apply_threads(threads)
     append = append or resume
     check_output(output, force=force, append=append, inputs=(prompt_file,))  # before any work
     prompts = prompts_from_texts(prompt_texts) if prompt_texts else read_prompts(prompt_file, prompt_format)
-    settings = _settings(model, method, method_cfg, given, cfg, chat_template, dtype, device, target_precision)
+    settings = _settings(model, choice, chat_template, dtype, device, target_precision)
     if not (prompts := _to_decode(output, prompts, method, settings, resume, append, bool(prompt_texts))):
         return
-    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
-    cfg = session.generation(cfg)
-    session.check_fits(prompts, cfg)
-    engine = session.engine(target_precision)
-    meth, used = _build(method, engine, session, method_cfg, len(prompts))
-    if _streaming(stream, output):
-        pace = _stream_all(session, meth, method, prompts, cfg, engine.device)
+    opened = _open(model, choice, prompts, dtype, device, chat_template, target_precision)
+    if streaming:
+        pace = _stream_all(opened, prompts)
     else:
         with output_stream(output, force=force, append=append, inputs=(prompt_file,)) as out:
-            pace = _decode_all(out, session, meth, method, prompts, cfg, engine.device, n_threads, used, settings)
-    _log_pace(meth, method, engine, pace, session, cfg.max_new_tokens)
+            pace = _decode_all(out, opened, prompts, n_threads, settings)
+    _log_pace(opened, pace)
     if save_layers is not None:
-        _save_layers(meth, save_layers)
+        _save_layers(opened.method, save_layers)
 
 
-def _settings(model: str | None, method: str, method_cfg: Any, given: dict[str, Any], cfg: GenerationConfig,
-              chat_template: bool, dtype: str, device: str, target_precision: str) -> dict[str, Any]:
+def _settings(model: str | None, choice: MethodChoice, chat_template: bool, dtype: str, device: str,
+              target_precision: str) -> dict[str, Any]:
     """The options checked against the model's config.json (no weights loaded yet), then the run's settings,
     which every record keeps and --resume checks (cli/resume.py)."""
     check_device(dtype, device)  # a bad --dtype or --device before anything is read
     where = resolve_model_path(model, log)  # a GGUF is converted here, once (the first time)
-    check_layer_ids(method_cfg, config_num_layers(where))
-    return run_settings(where, cfg, chat_template=chat_template, dtype=dtype, device=device,
-                        target_precision=target_precision, lossy_options=None if METHODS[method].lossless else given)
+    check_layer_ids(choice.config, config_num_layers(where))
+    return run_settings(where, choice.generation, chat_template=chat_template, dtype=dtype, device=device,
+                        target_precision=target_precision, lossy_options=None if choice.lossless else choice.given)
 
 
-def _build(method: str, engine: Any, session: Session, method_cfg: Any, n_prompts: int) -> tuple[Method, dict[str, str]]:
-    """The method on the engine, and the artifact files it read (named on stderr and in each record)."""
+def _open(model: str | None, choice: MethodChoice, prompts: list[Prompt], dtype: str, device: str, chat_template: bool,
+          target_precision: str) -> Opened:
+    """The method opened on the model (a field checked against it, such as a layer id out of range, is one line
+    naming its flag); the model, target and method on stderr, and the artifact files the method read."""
     try:
-        with recording_loads() as used:
-            meth = build(method, engine, session.tokenizer, method_cfg)
+        opened = open_method(model, choice.name, choice.config, cfg=choice.generation, prompts=prompts, dtype=dtype,
+                             device=device, chat_template=chat_template, target_precision=target_precision)
     except FieldError as exc:  # a field checked against the model (layer ids out of range, ...)
         raise flag_error(exc) from None
-    # every draft is built: the float matrices a block or packed-panel target no longer reads go (docs/engine.md, Memory)
-    freed = engine.release_float_weights(panels=True)
-    mdl = session.model
+    engine, freed, mdl = opened.engine, opened.freed, opened.session.model
     log(f"[dim]model {mdl.config.model_type} {mdl.config.num_hidden_layers} layers, {engine.dtype}, {engine.device}; "
         f"target {engine.target_precision}{f' ({freed / 2**20:.0f} MB of float matrices freed)' if freed else ''}; "
-        f"method {method}; {count(n_prompts, 'prompt')}[/dim]")
-    for kind, path in used.items():
+        f"method {choice.name}; {count(len(prompts), 'prompt')}[/dim]")
+    for kind, path in opened.artifacts.items():
         log(f"[dim]using {kind} {path}[/dim]")
-    return meth, dict(used)
+    return opened
 
 
 def _check_prompt_options(ctx: typer.Context, prompt_file: str | None, prompt_texts: list[str], prompt_format: str) -> None:
@@ -165,50 +163,59 @@ def _check_output_options(output: Path | None, force: bool, append: bool, save_l
                                   f"drop {flag} or pass --output FILE")
 
 
-def _decode_all(out: Any, session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
-                device: Any, n_threads: int, used: dict[str, str], settings: dict[str, Any]) -> Pace:
+class _Records(DecodeHooks):
+    """generate's records: each written into ``out`` (above the bar on a terminal) with the run's fields, the bar
+    moved per round (a long prompt's prefill said first, then counted per chunk), the totals kept in ``pace``."""
+
+    def __init__(self, out: IO[str], bar: Progress, task: TaskID, n_threads: int, used: dict[str, str],
+                 settings: dict[str, Any]) -> None:
+        self.out, self.bar, self.task, self.n_threads, self.used, self.settings = out, bar, task, n_threads, used, settings
+        self.pace = Pace()
+        self.made = 0  # this prompt's tokens so far: the bar moves per round, not only per prompt
+
+    def prompt_started(self, index: int, prompt: Prompt) -> None:
+        self.made = 0
+
+    def turn_started(self, prompt: Prompt, turn: int, prompt_tokens: int) -> Any:
+        if prompt_tokens < LONG_PROMPT:
+            return None
+        # its prefill takes a while (82 s for 6,034 tokens on a busy 2-core host): said, then counted per chunk
+        self.bar.update(self.task, info=f"{prompt.id}: prefilling {prompt_tokens} tokens")
+        log(f"[dim]{prompt.id}: prefilling {count(prompt_tokens, 'prompt token')} before the first new token[/dim]")
+
+        def prefilled(done: int, total: int) -> None:
+            self.bar.update(self.task, info=f"{prompt.id}: prefilled {done}/{total} prompt tokens")
+
+        return prefilled
+
+    def kept(self, prompt: Prompt, tokens: list[int]) -> None:
+        self.made += len(tokens)
+        self.bar.update(self.task, info=f"{prompt.id}: {self.made} tokens")
+
+    def record(self, prompt: Prompt, rec: dict[str, Any]) -> None:
+        rec["threads"] = self.n_threads
+        rec["prompt_sha256"] = prompt_sha(prompt)  # what --resume matches a record by, beside its id
+        rec["settings"] = self.settings  # and what it checks the record was made with (cli/resume.py)
+        if self.used:
+            rec["artifacts"] = dict(self.used)
+        pace, out = self.pace, self.out
+        with signals_held():  # the record and the note that counts it, together
+            write_record(out, rec, self.bar)  # on a terminal: above the bar, never on its line
+            pace.add(rec)
+            # what an interrupt keeps (cli/exits.py); an --output's partial file says it itself (output_stream)
+            where = "stdout" if out is sys.stdout else f"'{getattr(out, 'name', 'the output')}'"
+            set_exit_note(f"{count(pace.records, 'finished record')} {'was' if pace.records == 1 else 'were'} "
+                          f"written to {where}")
+        self.bar.update(self.task, advance=1, info=f"{pace.tokens / max(pace.seconds, 1e-9):.1f} tok/s")
+
+
+def _decode_all(out: IO[str], opened: Opened, prompts: list[Prompt], n_threads: int, settings: dict[str, Any]) -> Pace:
     """Decode every prompt, one record each into ``out`` (above the bar on a terminal); the totals."""
-    pace = Pace()
     with progress() as bar:
         task = bar.add_task("generate", total=len(prompts), info="")
-        for p in prompts:
-            made = [0]  # this prompt's tokens so far: the bar moves per round, not only per prompt
-
-            def generate(ids: list[int], c: GenerationConfig) -> Any:
-                def kept(tokens: list[int]) -> None:
-                    made[0] += len(tokens)
-                    bar.update(task, info=f"{p.id}: {made[0]} tokens")
-
-                if len(ids) < LONG_PROMPT:
-                    return meth.generate(ids, c, kept)
-                # its prefill takes a while (82 s for 6,034 tokens on a busy 2-core host): said, then counted per chunk
-                bar.update(task, info=f"{p.id}: prefilling {len(ids)} tokens")
-                log(f"[dim]{p.id}: prefilling {count(len(ids), 'prompt token')} before the first new token[/dim]")
-
-                def prefilled(done: int, total: int) -> None:
-                    bar.update(task, info=f"{p.id}: prefilled {done}/{total} prompt tokens")
-
-                token = PREFILL_PROGRESS.set(prefilled)
-                try:
-                    return meth.generate(ids, c, kept)
-                finally:
-                    PREFILL_PROGRESS.reset(token)
-
-            rec = run_prompt(generate, session.tokenizer, p, cfg, device, method, session.chat_template, meth.lossless)
-            rec["threads"] = n_threads
-            rec["prompt_sha256"] = prompt_sha(p)  # what --resume matches a record by, beside its id
-            rec["settings"] = settings  # and what it checks the record was made with (cli/resume.py)
-            if used:
-                rec["artifacts"] = dict(used)
-            with signals_held():  # the record and the note that counts it, together
-                write_record(out, rec, bar)  # on a terminal: above the bar, never on its line
-                pace.add(rec)
-                # what an interrupt keeps (cli/exits.py); an --output's partial file says it itself (output_stream)
-                where = "stdout" if out is sys.stdout else f"'{getattr(out, 'name', 'the output')}'"
-                set_exit_note(f"{count(pace.records, 'finished record')} {'was' if pace.records == 1 else 'were'} "
-                              f"written to {where}")
-            bar.update(task, advance=1, info=f"{pace.tokens / max(pace.seconds, 1e-9):.1f} tok/s")
-    return pace
+        hooks = _Records(out, bar, task, n_threads, opened.artifacts, settings)
+        opened.decode(prompts, hooks)
+    return hooks.pace
 
 
 def _streaming(stream: bool | None, output: Path | None) -> bool:
@@ -219,35 +226,49 @@ def _streaming(stream: bool | None, output: Path | None) -> bool:
     return to_stdout and sys.stdout.isatty() if stream is None else stream
 
 
-def _stream_all(session: Session, meth: Method, method: str, prompts: list[Prompt], cfg: GenerationConfig,
-                device: Any) -> Pace:
-    """Print each prompt's text to stdout as its tokens come (a header per prompt when there are several;
-    turns apart by a blank line); no progress bar, the text is the progress. The totals."""
-    pace = Pace()
-    tok = session.tokenizer
-    for i, p in enumerate(prompts):
-        if len(prompts) > 1:
-            write_out(("\n" if i else "") + f"--- {p.id}\n")
-        printer = TextStreamer(tok, write_out)
+class _Printed(DecodeHooks):
+    """--stream: each prompt's text printed to stdout as its tokens come (a header per prompt when there are
+    several; turns apart by a blank line); the totals kept in ``pace``."""
 
-        def generate(ids: list[int], c: GenerationConfig, pr: TextStreamer = printer) -> Any:
-            if pr.turns:  # a later turn of the conversation
-                write_out("\n\n")
-            res = meth.generate(ids, c, on_tokens=pr.push)
-            pr.end(torn=res.finish_reason == "length")
-            return res
+    def __init__(self, tokenizer: Any, many: bool) -> None:
+        self.tokenizer, self.many = tokenizer, many
+        self.pace = Pace()
+        self.printer = TextStreamer(tokenizer, write_out)
 
-        rec = run_prompt(generate, tok, p, cfg, device, method, session.chat_template, meth.lossless)
+    def prompt_started(self, index: int, prompt: Prompt) -> None:
+        if self.many:
+            write_out(("\n" if index else "") + f"--- {prompt.id}\n")
+        self.printer = TextStreamer(self.tokenizer, write_out)
+
+    def turn_started(self, prompt: Prompt, turn: int, prompt_tokens: int) -> None:
+        if turn:  # a later turn of the conversation
+            write_out("\n\n")
+
+    def kept(self, prompt: Prompt, tokens: list[int]) -> None:
+        self.printer.push(tokens)
+
+    def turn_ended(self, prompt: Prompt, result: DecodeResult) -> None:
+        self.printer.end(torn=result.finish_reason == "length")
+
+    def record(self, prompt: Prompt, rec: dict[str, Any]) -> None:
         write_out("\n")
-        pace.add(rec)
-        set_exit_note(f"the text of {count(pace.records, 'finished prompt')} was printed (--stream keeps no records)")
-    return pace
+        self.pace.add(rec)
+        set_exit_note(f"the text of {count(self.pace.records, 'finished prompt')} was printed (--stream keeps no "
+                      "records)")
 
 
-def _log_pace(meth: Method, method: str, engine: Any, pace: Pace, session: Session, budget: int) -> None:
+def _stream_all(opened: Opened, prompts: list[Prompt]) -> Pace:
+    """Print each prompt's text as its tokens come; no progress bar, the text is the progress. The totals."""
+    hooks = _Printed(opened.session.tokenizer, len(prompts) > 1)
+    opened.decode(prompts, hooks)
+    return hooks.pace
+
+
+def _log_pace(opened: Opened, pace: Pace) -> None:
     """The summary line (cli/summary.py): measured figures, ar's pace only as a labelled prediction; before it,
     once, the note of a speculative method that drafted in no round."""
-    up = session.startup()
+    meth, method, engine = opened.method, opened.name, opened.engine
+    up = opened.session.startup()
     start = (f"model loaded in {up['model_load_s']:.1f} s (ready {up['model_ready_s']:.1f} s after the process "
              f"started), peak RSS {up['peak_rss_mb']:.0f} MB")
     target = engine.target_precision
@@ -255,7 +276,7 @@ def _log_pace(meth: Method, method: str, engine: Any, pace: Pace, session: Sessi
         log(f"[dim]{method}, target {target}: {start}[/dim]")
         return
     speculative = method != "ar" and meth.lossless
-    if speculative and (note := no_draft_note(method, pace, _best_gain(meth, budget),
+    if speculative and (note := no_draft_note(method, pace, _best_gain(meth, opened.cfg.max_new_tokens),
                                               hasattr(meth.config, "paper_drafting"))):
         log(note)
     # the stored costs, when the method plans with them (its draft policy holds them)

@@ -12,11 +12,12 @@ import dataclasses
 import inspect
 import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import typer
 
-from ..config import GenerationConfig, SamplingConfig, check_sampling_options
+from ..config import GenerationConfig, SamplingConfig, check_choice, check_sampling_options, check_seed
 from ..errors import ConfigError, FieldError
 from ..methods import METHODS
 
@@ -101,6 +102,30 @@ def check_layer_ids(config: Any, num_layers: int | None) -> None:
     if bad := sorted(i for i in ids if not 0 <= i < num_layers):
         raise flag_error(FieldError("skip_attn/skip_mlp", f"layer ids {bad} are out of range for a {num_layers}-layer "
                                                           f"model (valid: 0..{num_layers - 1})"))
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """The method a command decodes with, as its flags chose it: the name, its config (None: the method's
+    defaults), the method options the command line set, and the generation config."""
+
+    name: str
+    config: Any
+    generation: GenerationConfig
+    lossless: bool
+    given: dict[str, Any] = field(default_factory=dict)
+
+
+def choose_method(method: str, seed: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                  rule: str, stop: Sequence[str] = (), given: dict[str, Any] | None = None) -> MethodChoice:
+    """``--method`` and the flags that configure it, checked in the commands' order before any loading: the
+    name, ``--seed``'s range, the method's options (``given``: those the command line set; None: the method's
+    defaults, no config made) and the generation config."""
+    check_choice(method, METHODS, "--method")
+    check_seed(seed)  # before the methods' configs take it
+    config = None if given is None else method_config(method, given, seed=seed)  # validates before any loading
+    cfg = generation_config(method, max_new_tokens, temperature, top_k, top_p, seed, rule, stop)
+    return MethodChoice(method, config, cfg, METHODS[method].lossless, given or {})
 
 
 def generation_config(method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,

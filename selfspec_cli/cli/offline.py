@@ -5,9 +5,9 @@ In order, so that a mistake costs no model load: the step named by ``--method``/
 the options only other steps take refused with one line, ``--seed``'s range checked, the
 step's own options checked (``prepare``), the prompts read and counted (a step's ``min_prompts``),
 an explicit ``--output`` checked (without one: that the user directory the default path lies in can
-be written); then the model loads, the default output path (the artifact spec's, fingerprint-keyed)
-is checked, the prompts are encoded and checked against the context, and the step's ``run`` does the
-work. Its summary is printed as one JSON object on stdout; no manifest is written here.
+be written); then the application layer (:func:`selfspec_cli.methods.application.run_offline`) loads the
+model, checks the default output path (the artifact spec's, fingerprint-keyed), encodes the prompts and checks
+them against the context, and the step's ``run`` does the work. Its summary is printed as one JSON object on stdout; no manifest is written here.
 
 The options only some steps take are each step's typed ``Options`` dataclass (fields made with
 :func:`selfspec_cli.methods.base.option`, as a method's ``Config``); :func:`with_step_options`
@@ -28,10 +28,11 @@ from ..config import GenerationConfig, check_seed
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError
 from ..methods import OFFLINE
-from ..methods.offline import OfflineJob, OfflineStep
+from ..methods.application import OfflineInputs, run_offline
+from ..methods.offline import OfflineStep
 from ..paths import check_home_writable
-from ..prompts import PROMPT_FORMATS, Prompt, load_calibration_prompts, prompts_digest
-from ..session import Session, apply_threads
+from ..prompts import PROMPT_FORMATS, load_calibration_prompts
+from ..session import apply_threads
 from ..config import check_choice
 from .common import invocation_args, log, print_json, progress, set_exit_note
 
@@ -127,22 +128,10 @@ def run_step(step: OfflineStep, options: dict[str, Any], *, model: str | None, p
         step.artifact.check_output(output, force)
     elif writes:  # the default path lies in the user's home: an unwritable one fails now, not after the work
         check_home_writable()
-
-    # lite: a GGUF's matrices stay in its blocks, as for generate (the 1.5B model's calibration held 8.5 GB
-    # of float32 weights through transformers' loader); every step reads the model through the engine
-    session = Session.open(model, dtype=dtype, device=device, chat_template=chat_template, lite=True)
-    out_path = output or step.artifact.default_path(session.model)
-    if writes:
-        step.artifact.check_output(out_path, force)  # before the slow part
-    gen = session.generation(GenerationConfig(max_new_tokens=new_tokens))
-    turns = [Prompt(id=i + 1, turns=(t,)) for i, t in enumerate(texts)]
-    session.check_fits(turns, gen)
-    prompt_ids = session.encode_first_turns(turns)
-    prompts = {"source": prompt_file if prompt_file is not None else dataset, "num_prompts": len(prompt_ids),
-               "sha256": prompts_digest(prompt_ids), "chat_template": chat_template,
-               **({"dataset_field": dataset_field} if dataset is not None else {})}
-    job = OfflineJob(session.engine(target_precision), session.tokenizer, prompt_ids, gen, out_path, output is not None,
-                     force, prompts, setting, log, progress, invocation_args(), set_exit_note)
-    summary = step.load().run(job)
+    inputs = OfflineInputs(model, texts, prompt_file if prompt_file is not None else dataset,
+                           dataset_field if dataset is not None else None, new_tokens, output, force, chat_template,
+                           dtype, device, target_precision)
+    summary = run_offline(step, setting, inputs, log=log, progress=progress, argv=invocation_args(),
+                          exit_note=set_exit_note)
     if summary is not None:
         print_json(summary)

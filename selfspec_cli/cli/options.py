@@ -1,5 +1,7 @@
 """The options several commands share, declared once: each function returns a fresh
-``typer.Option`` for a command's signature (``model: Optional[str] = options.model()``)."""
+``typer.Option`` for a command's signature (``model: Optional[str] = options.model()``). A flag's
+name, short form and kind live here; where its default or help differs between commands (``-n``'s
+budget, ``--output``'s kind of file), the command passes its own."""
 from __future__ import annotations
 
 from typing import Any
@@ -93,3 +95,31 @@ def method() -> Any:
 
     return typer.Option("auto", "--method", help=f"Decoding method: {', '.join(METHODS)} (auto: per round the best "
                                                  "draft by measured costs; ar: plain decoding).")
+
+
+def max_new_tokens(default: int | None, help: str) -> Any:
+    return typer.Option(default, "--max-new-tokens", "-n", help=help)
+
+
+def seed(help: str) -> Any:
+    return typer.Option(0, "--seed", help=help)
+
+
+def output(help: str) -> Any:
+    return typer.Option(None, "--output", "-o", help=help)
+
+
+def num_prompts(default: int | None, help: str) -> Any:
+    return typer.Option(default, "--num-prompts", help=help)
+
+
+def plots(help: str) -> Any:
+    return typer.Option(True, "--plots/--no-plots", help=help)
+
+
+def suite(help: str) -> Any:
+    return typer.Option(None, "--suite", help=help)
+
+
+def resume(help: str) -> Any:
+    return typer.Option(False, "--resume", help=help)

@@ -30,7 +30,7 @@ from .summary import age_text
 
 def profile(
     model: Optional[str] = opt.model(),
-    suite: Optional[str] = typer.Option(None, "--suite", help=f"Prompts for the context and the redundancy map (default {DEFAULT_SUITE})."),
+    suite: Optional[str] = opt.suite(f"Prompts for the context and the redundancy map (default {DEFAULT_SUITE})."),
     prompt_file: Optional[str] = opt.prompt_file("Prompts from a file instead of a suite (first turn of each)."),
     prompt_format: str = opt.prompt_format(),
     output_dir: Path = typer.Option(Path("profile-out"), "--output-dir", "-o", help="Where profile.json and the plots go."),
@@ -41,7 +41,7 @@ def profile(
     layers: Optional[Path] = typer.Option(None, "--layers", help="Skip-set artifact for the map's calibrated row (default: this model's calibrated set, if any)."),
     predict: str = typer.Option(",".join(PREDICT_METHODS), "--predict", help="Methods whose speedup to predict from the measured costs and the acceptance they show on the prompts ('' for none)."),
     predict_tokens: int = typer.Option(32, "--predict-tokens", help="Greedy tokens per prompt for the predictions (on --redundancy-prompts prompts, at least 1)."),
-    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
+    plots: bool = opt.plots("Write the PNG plots."),
     remeasure: bool = typer.Option(False, "--remeasure", help="Take a fresh full reading of the verify curve and the draft costs, and store it, instead of reading what this machine's cost store holds."),
     threads: Optional[str] = opt.threads(),
     chat_template: bool = opt.chat_template(),
