@@ -1,21 +1,21 @@
-"""What a proposer offers in one round, as one of five typed values, and what it gets back.
+"""What a drafter offers in one round, as one of five typed values, and what it gets back.
 
 The driver (:mod:`.driver`) matches on the draft's type, never on flags:
 
-* :class:`NoDraft`: the round is a plain decoding step (``ar``; a proposer that declines);
+* :class:`NoDraft`: the round is a plain decoding step (``ar``; a drafter that declines);
 * :class:`Chain`: tokens to verify with one full-depth forward of the pending token and the
   chain (``q``: the laws they were sampled from; None: deterministic drafts);
 * :class:`Tree`: nodes with their parents (-1: a child of the pending token), verified by one
   tree-masked forward and the tree rule;
-* :class:`Deferred`: a chain whose full-depth rows the proposer already computed (``logits``
+* :class:`Deferred`: a chain whose full-depth rows the drafter already computed (``logits``
   of ``[pending, *tokens]``, AdaDecode's); only the chain rule is applied;
-* :class:`Decided`: a lossy proposer's final tokens (SpecEE), committed unverified.
+* :class:`Decided`: a lossy drafter's final tokens (SpecEE), committed unverified.
 
 ``plan`` (drafting kinds): the planner's prediction for the round, expected tokens and cost in
-plain steps (:mod:`.planning`, a :class:`Plan`); ``note``: the proposer's own typed record of how it
-drafted (one class per kind of draft), which the driver never reads and hands back in :class:`Round`. After the round the proposer's ``update``
+plain steps (:mod:`.planning`, a :class:`Plan`); ``note``: the drafter's own typed record of how it
+drafted (one class per kind of draft), which the driver never reads and hands back in :class:`Round`. After the round the drafter's ``accept``
 receives a :class:`Round`: the draft, the verdict, the verification forward and the round's
-measured cost in plain steps. Nothing the driver learns is written into a proposer.
+measured cost in plain steps. Nothing the driver learns is written into a drafter.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class NoDraft:
 class Chain:
     tokens: list[int]
     q: torch.Tensor | None = None  # (k, V): the laws the tokens were sampled from; None: deterministic
-    forwards: int = 0  # draft forwards the proposer made
+    forwards: int = 0  # draft forwards the drafter made
     plan: Plan | None = None
     note: Note = None
 
@@ -124,7 +124,7 @@ def depth(draft: Draft) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    """What a proposer learns from one round (``update``'s argument)."""
+    """What a drafter learns from one round (``accept``'s argument)."""
 
     draft: Draft
     verdict: Verdict

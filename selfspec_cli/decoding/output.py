@@ -4,7 +4,7 @@ A prompt's output record is an :class:`OutputRecord` (its turns :class:`TurnReco
 once at I/O (:meth:`OutputRecord.to_dict`, :meth:`OutputRecord.from_dict`: the same keys and values
 on disk as ever). A decode's statistics are counted in :class:`DecodeStats` and kept, in every output record,
 as :class:`TurnStats` serialized flat (:meth:`TurnStats.to_dict`: the same keys as ever, what
-the driver and the proposer add beside the counters); readers parse a record's ``stats`` back
+the driver and the drafter add beside the counters); readers parse a record's ``stats`` back
 with :meth:`TurnStats.from_dict`, which takes older records that lack newer fields.
 
 Methods produce tokens in bursts (one per step for plain decoding, several per
@@ -27,11 +27,11 @@ from ..config import GenerationConfig
 class DecodeStats:
     """Per-prompt counters, with one definition for every method (the driver fills them).
 
-    * a *round* is one call of the proposer and its verification (the prefill is
+    * a *round* is one draft of the drafter and its verification (the prefill is
       round 0); ``accept_lengths[i]`` is the number of tokens round ``i`` added to
       the output, so their mean is M, tokens per round;
     * ``target_forwards``: full-depth forwards of the target (prefill, verification
-      forwards, and rounds a lossy proposer ran at full depth);
+      forwards, and rounds a lossy drafter ran at full depth);
     * ``drafted_tokens``: draft positions proposed (a chain's length, a tree's depth);
       ``accepted_draft_tokens``: drafted tokens that were accepted and kept;
     * ``draft_rounds``: rounds that proposed at least one draft token.
@@ -46,7 +46,7 @@ class DecodeStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> TurnStats:
-        """The counters and their derived figures, with what the driver and the proposer added (``extra``)."""
+        """The counters and their derived figures, with what the driver and the drafter added (``extra``)."""
         n = len(self.accept_lengths)
         out: dict[str, Any] = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
                                "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
@@ -74,7 +74,7 @@ class PlanTotals:
 class TurnStats:
     """One decode's statistics as an output record keeps them (a turn's ``stats``). A field that is
     None is absent from the record (older records, a method that does not draft or plan, a
-    multi-turn record's totals); ``extra`` holds the other keys (timings, the proposer's
+    multi-turn record's totals); ``extra`` holds the other keys (timings, the drafter's
     description), kept flat beside the fields on disk."""
 
     target_forwards: int = 0
@@ -85,7 +85,7 @@ class TurnStats:
     accepted_draft_tokens: int | None = None
     acceptance_rate: float | None = None
     plan: PlanTotals | None = None
-    skip_attn: list[int] | None = None  # a layer-skipping proposer's skip set
+    skip_attn: list[int] | None = None  # a layer-skipping drafter's skip set
     skip_mlp: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,6 +1,6 @@
 """The decode state of one prompt: the KV cache, the committed tokens, the tokens in flight.
 
-Proposers and the driver touch the cache only through this object, so no method
+Drafters and the driver touch the cache only through this object, so no method
 does position or cache-length arithmetic:
 
 * ``committed``: prompt + emitted tokens. The newest one, ``pending``, is not yet in
@@ -13,13 +13,13 @@ does position or cache-length arithmetic:
 * :meth:`verify_forward` drops whatever drafting wrote past ``pos`` and runs the
   pending token plus a chain or tree of drafts at full depth; :meth:`commit` keeps
   the accepted chain prefix or tree path (accept-path) and drops the rest;
-* :meth:`commit_decided` commits tokens a lossy proposer decided without a
+* :meth:`commit_decided` commits tokens a lossy drafter decided without a
   verification forward (SpecEE), whose rows it has already run;
 * :meth:`replay` is a teacher-forced forward over committed tokens in scratch
   slots (SWIFT's scoring), restored on exit.
 
 The cache records every slot's position and refuses out-of-order writes (see
-:mod:`selfspec_cli.engine.cache`), so a proposer that mixes up rows fails loudly.
+:mod:`selfspec_cli.engine.cache`), so a drafter that mixes up rows fails loudly.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ class DecodeState:
         self.commit_decided(tokens)
 
     def commit_decided(self, tokens: Sequence[int]) -> None:
-        """Commit tokens a (lossy) proposer chose itself; the rows it ran stay cached."""
+        """Commit tokens a (lossy) drafter chose itself; the rows it ran stay cached."""
         self.committed.extend(int(t) for t in tokens)
         self.in_flight.clear()
         if self.noise is not None:

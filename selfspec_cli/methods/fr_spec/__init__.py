@@ -12,7 +12,7 @@ model's expected frequency at those positions (the sum of its next-token
 probabilities over every output position), so a few thousand counted tokens still
 rank the whole vocabulary sensibly.
 
-Exactness (what the layer-skip proposer relies on, :mod:`selfspec_cli.decoding.layer_skip`):
+Exactness (what the layer-skip drafter relies on, :mod:`selfspec_cli.decoding.layer_skip`):
 
 * **greedy**: the draft proposes the argmax over the subset; verification compares
   each draft token with the full model's argmax over the whole vocabulary and keeps
