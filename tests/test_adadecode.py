@@ -153,7 +153,7 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
     model = make_tiny_model("llama-gqa", layers=6)
     eng = Engine(model)
     m = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02))
-    assert m.head_cost > 0
+    assert m.policy.head_cost > 0
     ar = AR(eng)
     for seed in range(3):
         prompt = _prompt(10, seed)

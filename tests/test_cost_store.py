@@ -55,7 +55,7 @@ def _fresh_process() -> None:
 
 def test_a_second_build_reads_the_curve_from_disk_without_timing_forwards(timings, capsys):
     eng = Engine(make_tiny_model("llama-gqa"))
-    first = build("pld", eng).curve
+    first = build("pld", eng).policy.curve
     assert timings["curve"] == 1 and sorted(first.ratios) == list(SHORT_ROWS)  # a short first reading, said once
     assert capsys.readouterr().err.count("measured a short verify curve") == 1
     path = cost_store.path_for(cost_store.engine_key(eng))
@@ -63,7 +63,7 @@ def test_a_second_build_reads_the_curve_from_disk_without_timing_forwards(timing
     _fresh_process()
     timed = timings["timed"]
     again = Engine(make_tiny_model("llama-gqa"))  # the same weights: the same fingerprint
-    curve = build("pld", again).curve
+    curve = build("pld", again).policy.curve
     assert timings["curve"] == 1 and timings["timed"] == timed  # read: not one forward timed
     assert curve.times_s == first.times_s and curve.ratios == first.ratios
     assert "measured" not in capsys.readouterr().err

@@ -113,7 +113,7 @@ def test_specee_random_predictors_exit_at_several_layers_and_keep_their_books_in
         if mode == "empty":
             assert [lengths[0] - n for n in lengths] == [sum(exits.get(x, 0) for x in range(j)) for j in range(L)]
         else:
-            waiting = {s: rows.shape[0] for s, rows in m._waiting.items()}
+            waiting = {s: rows.shape[0] for s, rows in m.drafter._waiting.items()}
             assert [lengths[0] - n for n in lengths] == [sum(w for s, w in waiting.items() if s <= j) for j in range(L)]
             wrong_exits = n_exits - round(ev["early_exit_agreement"] * n_exits)
             assert rounds - round(ev["token_agreement"] * rounds) == wrong_exits  # only exits disagree

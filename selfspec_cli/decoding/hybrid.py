@@ -9,7 +9,7 @@ tokens per cost beat the chain's alone (:func:`merged_plan`); when layer skippin
 pay this round, the n-gram branch alone may. The chain part is a layer-skip drafter or a
 :class:`~.layer_skip.SkipOrFullDepth` of two (each answers ``configuration(state, budget)``
 with the configuration that drafts this round); its length comes from that configuration's
-policy (:class:`~.policy.LengthPolicy`), the branch's from the planner here. The n-gram source
+policy (:class:`~.policy.LengthPolicy`), the branch's from its own policy (:class:`BranchPolicy`). The n-gram source
 is composed in (:class:`~.ngram.NgramLookup`, or any :class:`NgramSource`), never patched on.
 Invariant: every planner is asked in the order it was before the drafter/policy split, so a
 round's plan and draft are what they were.
@@ -23,6 +23,7 @@ from .planning import Planner, round_plan
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating
 from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter, SkipOrFullDepth
+from .policy import LengthPolicy
 from .state import DecodeState
 from .verify import tree_children
 
@@ -64,13 +65,68 @@ def merged_plan(chain: Planner, ngram: Planner, k: int, n: int, nodes: int, c: f
     return round_plan(chain.curve, k, reach, c, nodes, chain.overhead.value, chain.context)
 
 
+class BranchPolicy:
+    """The n-gram branch's draft policy in hybrid drafts: how many looked-up tokens pay (they cost no
+    draft forward; a planner of its own, made on the first cost-aware round with the chain's verify
+    curve), and whether merging the branch into a drafted chain pays (:func:`merged_plan` against
+    the chain's own plan). Unplanned (no ``cost_aware``): the whole branch, always merged."""
+
+    def __init__(self, settings: DraftSettings) -> None:
+        self.settings = settings
+        self.planner: Planner | None = None
+
+    def length(self, cont: list[int], chain: LengthPolicy, context: int) -> list[int]:
+        """The looked-up tokens worth verifying this round."""
+        if not (cont and self.settings.cost_aware):
+            return cont
+        if self.planner is None:
+            self.planner = Planner(chain.planner.curve, self.settings.lookahead)
+        return cont[: self.planner.at(context).plan(0.0, len(cont))]
+
+    def alone(self, fallback: Plan | None) -> Plan | None:
+        """The plan of a round that verifies the branch alone (the chain's ``fallback`` when unplanned)."""
+        return self.planner.last if self.planner is not None else fallback
+
+    def merge(self, chain: LengthPolicy, plan: Plan | None, steps: int, branch: int, nodes: int,
+              chain_nodes: int) -> tuple[bool, Plan | None]:
+        """Whether to merge a ``branch``-token branch into a chain drafted in ``steps`` steps
+        (``chain_nodes`` nodes, ``nodes`` merged), and the round's plan then (unplanned: always)."""
+        if plan is None or self.planner is None:
+            return True, plan
+        # the branch's rows are verified only when its expected extra tokens pay for them: against a
+        # chain accepted 98 % of the time they seldom do (and the merged estimate errs low)
+        m_plan = merged_plan(chain.planner, self.planner, steps, branch, nodes, chain.draft_cost())
+        merge = nodes == chain_nodes or m_plan[0] / m_plan[1] > plan[0] / plan[1]
+        return merge, m_plan if merge else plan
+
+    def observe(self, rnd: Round, note: LayerSkipNote) -> None:
+        """After a round that carried the branch (its path's accepted nodes), or was the branch alone (its cost)."""
+        if self.planner is None:
+            return
+        if note.ngram_path:
+            path = note.ngram_path
+            self.planner.observe(len(path), len(set(path) & set(rnd.verdict.accepted)))
+        if not rnd.draft.forwards:  # the n-gram branch's own round
+            self.planner.observe_round(rnd.steps, rnd.draft.plan)
+
+
 class Hybrid(Delegating):
-    """A layer-skip chain source (``chain``, the delegate) with an n-gram branch (``ngram``) merged into its drafts."""
+    """A layer-skip chain source (``chain``, the delegate) with an n-gram branch (``ngram``) merged into
+    its drafts, as long as the branch's policy (:class:`BranchPolicy`) says."""
 
     def __init__(self, chain: LayerSkipDrafter | SkipOrFullDepth, ngram: NgramSource, settings: DraftSettings) -> None:
         super().__init__(chain)
         self.chain, self.ngram, self.settings = chain, ngram, settings
-        self.ngram_planner: Planner | None = None
+        self.branch = BranchPolicy(settings)
+
+    @property
+    def ngram_planner(self) -> Planner | None:
+        """The branch policy's planner (None before a cost-aware round looked anything up)."""
+        return self.branch.planner
+
+    @ngram_planner.setter
+    def ngram_planner(self, planner: Planner | None) -> None:
+        self.branch.planner = planner
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.chain.begin(state, prefill)
@@ -84,14 +140,11 @@ class Hybrid(Delegating):
             return NoDraft()
         drafter = self.chain.configuration(state, budget)
         k, plan = drafter.policy.length(budget, state.pos)
-        if cont and s.cost_aware:  # how many looked-up tokens pay (they cost no draft forward)
-            if self.ngram_planner is None:
-                self.ngram_planner = Planner(drafter.policy.planner.curve, s.lookahead)
-            cont = cont[: self.ngram_planner.at(state.pos).plan(0.0, len(cont))]
+        cont = self.branch.length(cont, drafter.policy, state.pos)  # how many looked-up tokens pay
         if k <= 0:
             if cont:  # layer skipping does not pay this round, the n-gram branch alone may (its own plan)
                 note = LayerSkipNote(hit_limit=True, chain_nodes=0, by=drafter, ngram_path=list(range(len(cont))))
-                return Chain(cont, note=note, plan=self.ngram_planner.last if self.ngram_planner is not None else plan)
+                return Chain(cont, note=note, plan=self.branch.alone(plan))
             return NoDraft(plan=plan)
         made = drafter.draw(state, k, deterministic=bool(cont))
         plan = drafter.as_drafted(plan, made, k)
@@ -106,15 +159,7 @@ class Hybrid(Delegating):
         """The draft with the n-gram branch merged in when it pays (unplanned: always, the paper-style hybrid)."""
         chain_parents = made.parents if made.parents is not None else list(range(-1, len(made.tokens) - 1))
         merged, merged_parents, path = merge_branch(made.tokens, chain_parents, cont)
-        merge = plan is None or self.ngram_planner is None
-        if not merge:
-            # the branch's rows are verified only when its expected extra tokens pay for them: against a
-            # chain accepted 98 % of the time they seldom do (and the merged estimate errs low)
-            m_plan = merged_plan(drafter.policy.planner, self.ngram_planner, made.steps, len(cont), len(merged),
-                                 drafter.policy.draft_cost())
-            merge = len(merged) == len(made.tokens) or m_plan[0] / m_plan[1] > plan[0] / plan[1]
-            if merge:
-                plan = m_plan
+        merge, plan = self.branch.merge(drafter.policy, plan, made.steps, len(cont), len(merged), len(made.tokens))
         if not merge:
             return made.tokens, made.parents, plan
         note.ngram_path = path
@@ -124,14 +169,9 @@ class Hybrid(Delegating):
         draft = rnd.draft
         if not isinstance(draft, (Chain, Tree)) or not isinstance(draft.note, LayerSkipNote):
             return
-        note = draft.note
         if draft.forwards:  # the layer-skip draft's own statistics
-            note.by.accept(state, rnd)
-        if note.ngram_path and self.ngram_planner is not None:
-            path = note.ngram_path
-            self.ngram_planner.observe(len(path), len(set(path) & set(rnd.verdict.accepted)))
-        if not draft.forwards and self.ngram_planner is not None:  # the n-gram branch's own round
-            self.ngram_planner.observe_round(rnd.steps, draft.plan)
+            draft.note.by.accept(state, rnd)
+        self.branch.observe(rnd, draft.note)
 
     def end(self) -> dict[str, Any]:
         return self.chain.end()

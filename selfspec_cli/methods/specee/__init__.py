@@ -271,7 +271,7 @@ class ExitDrafter:
                 break
             if l == k0:  # 2) the drafter: the shallowest head's top-4 are the speculative tokens
                 spec = self.head.tokens(head_logits(prev_last, self.head, self.head_lm, a.rms_eps)[0]
-                                           .topk(NUM_SPEC_TOKENS).indices)
+                                        .topk(NUM_SPEC_TOKENS).indices)
                 spec_rows = eng.head_rows(spec)  # (4, d) (also after a block target released the float table)
             if not can_exit or l not in active:
                 continue
