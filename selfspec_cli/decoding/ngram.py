@@ -1,20 +1,10 @@
-"""N-gram drafts from the context (prompt lookup, Saxena 2023): the lookup, its drafter and its policy.
+"""N-gram drafts from the context (prompt lookup, Saxena 2023; methods/pld.py): three parts, composed where used.
 
-Each round, the longest suffix of the committed tokens of ``max_ngram`` down to ``min_ngram``
-tokens that occurred earlier in the context is looked up (the most recent earlier occurrence
-wins), and the tokens that followed it are the draft (:func:`lookup`, :class:`NgramLookup`,
-which computes one round's lookup once however many ask). Three parts, composed where they are
-used:
-
-* :class:`NgramLookup`: the source of n-gram continuations; also the n-gram branch that a
-  layer-skip method's hybrid drafts merge into their trees (:mod:`.hybrid`);
-* :class:`NgramPolicy`: how many looked-up tokens to verify, per n-gram order a
-  :class:`~.planning.Planner` of its own (longer matches draft better) sharing one round overhead:
-  drafting a lookup costs no model forward, verifying ``k`` drafts costs ``v(k + 1)`` plain
-  steps; none when they do not pay. Without planning (``planned`` False: the paper's drafting)
-  every looked-up token is verified;
-* :class:`NgramDrafter`: the :class:`~.driver.Drafter` of ``--method pld`` and of ``auto``'s
-  n-gram source.
+* :func:`lookup`, :class:`NgramLookup`: the continuation of the longest earlier match of the
+  context's suffix, once per round however many ask; also the n-gram branch of hybrid drafts;
+* :class:`NgramPolicy`: how many looked-up tokens to verify (a :class:`~.planning.Planner` per
+  n-gram order, one shared round overhead; none when they do not pay; all when unplanned);
+* :class:`NgramDrafter`: the drafter of ``--method pld`` and of ``auto``'s n-gram source.
 
 Invariants: the draft is deterministic, so the driver verifies it exactly; the policy measures
 the verify curve when it is made (once per engine), never inside a timed decode.

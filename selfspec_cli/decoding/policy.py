@@ -3,20 +3,15 @@ cap, and whether to draft at all, fed by the cost model.
 
 A :class:`LengthPolicy` is the separate object a :class:`~.layer_skip.LayerSkipDrafter` asks
 before each draft (:meth:`LengthPolicy.length`); the drafter only draws the tokens. The policy
-holds everything measured about its drafter's configuration: the engine's verify curve, the
-draft cost ``c`` (one draft forward over one plain step: before any draft, the weight-byte share
-of :func:`~.measure.prior_draft_cost`, or a quantized draft's stored or timed step,
-:func:`~.cost_store.draft_cost_for`; then a running average of the measured steps), the prior
-acceptance of depth 1 (:func:`agreement_prior` for a full-depth quantized draft) and the
-:class:`~.planning.Planner` that turns them into a length. All measuring happens in
-:meth:`LengthPolicy.setup`, before a decode starts, never in a drafter's constructor nor inside a
-timed decode.
+holds what is measured about its configuration: the verify curve, the draft cost ``c`` (before
+any draft the weight-byte prior, :func:`~.measure.prior_draft_cost`, or a quantized draft's
+stored or timed step, :func:`~.cost_store.draft_cost_for`; then the measured steps' average),
+depth 1's prior acceptance (:func:`agreement_prior`) and the :class:`~.planning.Planner`. All
+measuring happens in :meth:`LengthPolicy.setup`, before a decode, never in a drafter's constructor.
 
-Invariants: the planning arithmetic is decoding/planning.py's (:class:`~.planning.Planner`,
-:func:`~.planning.round_cost`), called in the same order as when it lived in the drafter, so a
-round's plan is what it was; without ``cost_aware`` nothing is measured and nothing planned (the
-paper's drafting: the configured length). The one planning function of its own here is
-:meth:`LengthPolicy.tree_cap` (a cost-aware tree verifies at most 2k nodes).
+Invariants: the planning arithmetic is decoding/planning.py's, called in the same order as when it
+lived in the drafter, so a round's plan is what it was; without ``cost_aware`` nothing is measured
+or planned. Its one planning function of its own: :meth:`LengthPolicy.tree_cap`.
 """
 from __future__ import annotations
 
