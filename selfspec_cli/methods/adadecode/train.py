@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ...engine import Engine
 from ...errors import ConfigError
