@@ -93,8 +93,13 @@ def test_trained_heads_score_through_the_files_head(cache, tmp_path, monkeypatch
     monkeypatch.setenv("SELFSPEC_GGUF_DIRECT", "0")
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache2"))
     converted, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
-    got, want = frozen_head(Engine(direct, target_precision="auto")), frozen_head(Engine(converted, target_precision="auto"))
+    eng_direct, eng_converted = Engine(direct, target_precision="auto"), Engine(converted, target_precision="auto")
+    got, want = frozen_head(eng_direct), frozen_head(eng_converted)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+    # a draft vocabulary's rows only (AdaDecode's heads over FR-Spec): those rows of the whole head, from either model
+    rows = torch.tensor([7, 0, 250, 3, 99])
+    assert torch.equal(frozen_head(eng_direct, rows)[0], want[0][rows])
+    assert torch.equal(frozen_head(eng_converted, rows)[0], want[0][rows])
 
 
 def test_header_reader_agrees_with_gguf_py(tmp_path):

@@ -100,12 +100,11 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig, pro
 
     L = engine.num_layers
     layers = cfg.layers if cfg.layers is not None else default_head_layers(L)
-    lm_head, final_norm, eps = frozen_head(engine)
-    train_idx, val_idx, hold_idx = splits(data)
-    teacher = teacher_logprobs(engine, data.hidden[:, L - 1], vocab=vocab)
     if vocab is not None:
         vocab = vocab.to(torch.int64)
-        lm_head = lm_head[vocab]  # the rows the heads score
+    lm_head, final_norm, eps = frozen_head(engine, vocab)  # the rows the heads score, only those widened
+    train_idx, val_idx, hold_idx = splits(data)
+    teacher = teacher_logprobs(engine, data.hidden[:, L - 1], vocab=vocab)
     held = data.target[hold_idx]
     in_vocab = 1.0 if vocab is None else float(torch.isin(held, vocab).float().mean())
     gen = torch.Generator().manual_seed(cfg.seed)
