@@ -12,7 +12,7 @@ import torch
 
 from selfspec_cli.bench import metrics
 from selfspec_cli.bench.peers import make_peer
-from selfspec_cli.bench.report import spec_bench_answers, summarize
+from selfspec_cli.bench.report import MethodSummary, spec_bench_answers, summarize
 from selfspec_cli.bench.runner import Contender, ContenderResult, run_bench
 from selfspec_cli.cli.app import main
 from selfspec_cli.cli.bench import _table
@@ -258,6 +258,7 @@ def test_injected_wrong_token_drops_the_parity_column(tiny):
     results = run_bench(contenders, PROMPTS, _Tok(), cfg, torch.device("cpu"), warmup=0, repeats=2)
     summary = summarize(results, "ar", None)
     s = _dicts(summary)
+    assert _dicts({n: MethodSummary.from_dict(json.loads(json.dumps(m))) for n, m in s.items()}) == s  # read back
     assert s["ar"]["parity"]["parity"] == 1.0
     par = s["broken"]["parity"]
     assert par["parity"] == pytest.approx(0.75)

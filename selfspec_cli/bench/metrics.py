@@ -65,6 +65,10 @@ class Paired:
     def to_dict(self) -> JsonObject:
         return {"speedup": self.speedup, "ci95": None if self.ci95 is None else list(self.ci95), "pairs": self.pairs}
 
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> Paired:
+        return cls(d["speedup"], None if d.get("ci95") is None else tuple(d["ci95"]), d["pairs"])
+
 
 @dataclass(frozen=True, slots=True)
 class StepLog:
@@ -101,6 +105,11 @@ class Parity:
     def to_dict(self) -> JsonObject:
         return {"prompts_identical": self.prompts_identical, "prompts": self.prompts, "parity": self.parity,
                 "token_parity": self.token_parity, "differing": [d.to_dict() for d in self.differing]}
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> Parity:
+        return cls(d["prompts_identical"], d["prompts"], d["parity"], d["token_parity"],
+                   [Divergence(x["id"], x["first_divergence"], bool(x.get("missing"))) for x in d["differing"]])
 
 
 def prompt_tps(rec: Record) -> float:

@@ -61,6 +61,14 @@ class Block:
                 out[f.name] = v
         return out
 
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> Block:
+        """A block as results.json holds it (the report read back from disk)."""
+        kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
+        kw["paired_vs_ar"] = None if kw["paired_vs_ar"] is None else Paired.from_dict(kw["paired_vs_ar"])
+        kw["parity"] = None if kw["parity"] is None else Parity.from_dict(kw["parity"])
+        return cls(**kw)
+
 
 @dataclass(slots=True)
 class CostModelSummary:
@@ -81,6 +89,10 @@ class CostModelSummary:
         if self.measured_over_predicted is not None:
             out["measured_over_predicted"] = self.measured_over_predicted
         return out
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> CostModelSummary:
+        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(slots=True)
@@ -111,6 +123,15 @@ class MethodSummary:
         if self.artifacts is not None:
             out["artifacts"] = self.artifacts
         return out
+
+    @classmethod
+    def from_dict(cls, d: JsonObject) -> MethodSummary:
+        """A row of results.json read back from disk (:meth:`to_dict`'s inverse)."""
+        cm = d.get("cost_model")
+        return cls(d["kind"], d["lossless"], d.get("description"), Block.from_dict(d), d.get("optimization_s"),
+                   d.get("offline"), None if cm is None else CostModelSummary.from_dict(cm), d.get("peak_rss_mb"),
+                   d.get("peak_cuda_mb"), {c: Block.from_dict(b) for c, b in (d.get("categories") or {}).items()},
+                   d.get("artifacts"))
 
 
 def _block(repeats: Repeats, ref: Repeats | None, base: Repeats | None) -> Block:
