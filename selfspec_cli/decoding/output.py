@@ -87,8 +87,7 @@ class DecodeStats:
             out.update(drafted_tokens=self.drafted_tokens, accepted_draft_tokens=self.accepted_draft_tokens,
                        acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens)
         driver = {k: getattr(self, k) for k in _DRIVER_FIELDS}
-        stats = TurnStats.from_dict({**out, **{k: v for k, v in driver.items() if v is not None}, **self.extra})
-        return stats
+        return TurnStats.from_dict({**out, **{k: v for k, v in driver.items() if v is not None}, **self.extra})
 
     def as_dict(self) -> JsonObject:
         """:meth:`summary` as a record keeps it."""
