@@ -101,7 +101,7 @@ def main() -> int:
         same, differing, t1 = 0, [], time.perf_counter()
         for p in prompts:
             rec = run_prompt(meth.generate, tok, p, cfg, torch.device("cpu"), name, args.chat_template)
-            got = [t["token_ids"] for t in rec["turns"]] if "turns" in rec else [rec["token_ids"]]
+            got = [t.token_ids for t in rec.all_turns()]
             if got == ref[p.id]:
                 same += 1
             else:

@@ -4,12 +4,21 @@ Invariant: the text is standard JSON (RFC 8259). A non-finite float (NaN, +-inf:
 empty mean, a KL with no rows) is written as ``null``, never as the bare ``NaN`` or
 ``Infinity`` that Python's ``json`` emits by default and that ``jq`` and most
 parsers refuse.
+
+:data:`JsonObject` names, once, a JSON object whose keys are free-form: a manifest or store read from disk,
+a document written as it is built (results.json, run.json, the profile's costs), a drafter's or a planner's
+description of itself, config overrides from the command line. Records, results and statistics are
+dataclasses (decoding/output.py, bench/metrics.py, bench/report.py); tests/test_layout.py refuses any other
+``dict[str, Any]`` in the signature of a public function of decoding/, methods/ or bench/.
 """
 from __future__ import annotations
 
 import json
 import math
 from typing import Any
+
+# a JSON object with free-form keys (see the module docstring): the one name such a value has in a signature
+JsonObject = dict[str, Any]
 
 
 def finite(obj: Any) -> Any:

@@ -70,9 +70,9 @@ def run_prompt(
     use_chat_template: bool = True,
     lossless: bool = True,
     history: list[dict[str, str]] | None = None,
-) -> dict[str, Any]:
-    """Decode every turn of ``prompt`` and return its output record (an :class:`OutputRecord`, serialized:
-    :meth:`OutputRecord.to_dict`, the keys and values records always had). ``history``: the conversation before
+) -> OutputRecord:
+    """Decode every turn of ``prompt`` and return its output record (an :class:`OutputRecord`; a writer
+    serializes it once, :meth:`OutputRecord.to_dict`: the keys and values records always had). ``history``: the conversation before
     the prompt's first turn (``chat``), which its turns and answers extend in place; None: a conversation of its own.
 
     Top-level fields cover the whole record: for a multi-turn prompt ``token_ids`` are the
@@ -106,7 +106,7 @@ def run_prompt(
         tokens_per_s=round(new_tokens / wall, 3) if wall > 0 else None, finish_reason=turns[-1].finish_reason,
         stats=turns[0].stats if len(turns) == 1 else _merge_stats([t.stats for t in turns]), category=prompt.category,
         turns=None if len(turns) == 1 else tuple(dataclasses.replace(t, wall_time_s=round(t.wall_time_s, 6)) for t in turns),
-    ).to_dict()
+    )
 
 
 def _merge_stats(parts: list[TurnStats]) -> TurnStats:

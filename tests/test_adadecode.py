@@ -160,7 +160,7 @@ def test_cost_aware_heads_stay_exact_and_stop_checking_useless_heads():
         cfg = GenerationConfig(max_new_tokens=40)
         res = m.generate(prompt, cfg)
         assert res.token_ids == ar.generate(prompt, cfg).token_ids
-        assert "predicted_gain" not in res.stats.extra  # its early tokens are not planned: no prediction claimed
+        assert res.stats.predicted_gain is None  # its early tokens are not planned: no prediction claimed
     # random heads at a low threshold fire and are mostly wrong: checks become rare probes
     checks = {k: v[0] - 2 for k, v in m.policy.head_stats.items()}
     paper = AdaDecode(eng, heads=random_heads(model, [0, 2, 3]), config=AdaDecodeConfig(adadecode_threshold=0.02, paper_drafting=True))

@@ -46,7 +46,7 @@ def test_open_method_refuses_a_prompt_that_does_not_fit_before_building(tiny_mod
 
 class Heard(DecodeHooks):
     def __init__(self):
-        self.events = []
+        self.events, self.records = [], []
 
     def prompt_started(self, index, prompt):
         self.events.append(("prompt", index, prompt.id))
@@ -62,13 +62,13 @@ class Heard(DecodeHooks):
         self.events.append(("ended", prompt.id, list(result.token_ids)))
 
     def record(self, prompt, record):
-        record["heard"] = True
+        self.records.append(record)
         self.events.append(("record", prompt.id))
 
 
 def _plain(rec):
     """A record's fields that no timing moves."""
-    return {k: rec[k] for k in ("id", "method", "lossless", "text", "token_ids", "new_tokens", "prompt_tokens",
+    return {k: getattr(rec, k) for k in ("id", "method", "lossless", "text", "token_ids", "new_tokens", "prompt_tokens",
                                 "finish_reason")}
 
 
@@ -78,14 +78,14 @@ def test_decode_prompts_gives_run_prompts_records_and_tells_its_hooks(opened):
     heard = Heard()
     got = opened.decode(PROMPTS, heard)
     assert [_plain(r) for r in got] == [_plain(r) for r in want]
-    assert all(r["heard"] for r in got)  # a hook may add fields to the record it is handed
+    assert all(a is b for a, b in zip(heard.records, got, strict=True))  # the hook is handed each record returned
     events = heard.events
     assert [e for e in events if e[0] in ("prompt", "turn", "record")] == [
         ("prompt", 0, 1), ("turn", 1, 0), ("record", 1), ("prompt", 1, "x"), ("turn", "x", 0), ("turn", "x", 1),
         ("record", "x")]
     for rec in got:  # the tokens kept, round by round, are the turns' tokens
-        kept = [t for e in events if e[0] == "kept" and e[1] == rec["id"] for t in e[2]]
-        assert kept == rec["token_ids"]
+        kept = [t for e in events if e[0] == "kept" and e[1] == rec.id for t in e[2]]
+        assert kept == rec.token_ids
 
 
 def test_decode_prompts_without_hooks_calls_generate_as_a_peer_takes_it(opened):
@@ -97,7 +97,7 @@ def test_decode_prompts_without_hooks_calls_generate_as_a_peer_takes_it(opened):
 
     [rec] = decode_prompts(generate, PROMPTS[:1], opened.session.tokenizer, opened.cfg, opened.engine.device, "peer",
                            chat_template=False)
-    assert len(calls) == 1 and rec["method"] == "peer" and rec["new_tokens"] == len(rec["token_ids"])
+    assert len(calls) == 1 and rec.method == "peer" and rec.new_tokens == len(rec.token_ids)
 
 
 def test_a_carried_conversation_answers_as_one_multi_turn_prompt(opened):
@@ -105,6 +105,6 @@ def test_a_carried_conversation_answers_as_one_multi_turn_prompt(opened):
     whole = opened.decode([PROMPTS[1]])[0]
     history: list[dict[str, str]] = []
     answers = [opened.decode([Prompt(id=k, turns=(t,))], DecodeHooks(), history)[0] for k, t in enumerate(PROMPTS[1].turns)]
-    assert [a["token_ids"] for a in answers] == [t["token_ids"] for t in whole["turns"]]
+    assert [a.token_ids for a in answers] == [t.token_ids for t in whole.turns]
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
-    assert history[-1]["content"] == whole["turns"][-1]["text"]
+    assert history[-1]["content"] == whole.turns[-1].text

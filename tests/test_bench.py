@@ -12,12 +12,12 @@ import torch
 
 from selfspec_cli.bench import metrics
 from selfspec_cli.bench.peers import make_peer
-from selfspec_cli.bench.report import spec_bench_answers, summarize
+from selfspec_cli.bench.report import MethodSummary, spec_bench_answers, summarize
 from selfspec_cli.bench.runner import Contender, ContenderResult, run_bench
 from selfspec_cli.cli.app import main
 from selfspec_cli.cli.bench import _table
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.decoding.output import DecodeResult, DecodeStats
+from selfspec_cli.decoding.output import DecodeResult, DecodeStats, OutputRecord
 from selfspec_cli.engine import Engine
 from selfspec_cli.methods import build
 from selfspec_cli.prompts import Prompt
@@ -33,7 +33,12 @@ def rec(pid, tokens, wall, accept, drafted=None, accepted=None, category=None, i
          "token_ids": ids if ids is not None else list(range(tokens))}
     if category:
         r["category"] = category
-    return r
+    return OutputRecord.from_dict(r)
+
+
+def _dicts(summary):
+    """The summary as results.json holds it."""
+    return {n: m.to_dict() for n, m in summary.items()}
 
 
 # ---------------------------------------------------------------- metric arithmetic
@@ -51,9 +56,9 @@ def test_mean_accepted_length_and_acceptance_rate_pool_all_steps():
     assert metrics.mean_accepted_length([c]) == 1.0
     assert metrics.acceptance_rate([c]) is None
     # multi-turn records pool their turns
-    mt = {"id": "m", "new_tokens": 6, "wall_time_s": 1.0, "token_ids": [], "turns": [
+    mt = OutputRecord.from_dict({"id": "m", "new_tokens": 6, "wall_time_s": 1.0, "token_ids": [], "turns": [
         {"stats": {"accept_lengths": [1, 2], "drafted_tokens": 2, "accepted_draft_tokens": 1}},
-        {"stats": {"accept_lengths": [1, 1, 1], "drafted_tokens": 3, "accepted_draft_tokens": 0}}]}
+        {"stats": {"accept_lengths": [1, 1, 1], "drafted_tokens": 3, "accepted_draft_tokens": 0}}]})
     assert metrics.mean_accepted_length([mt]) == pytest.approx(6 / 5)
     assert metrics.acceptance_rate([mt]) == pytest.approx(1 / 5)
 
@@ -64,9 +69,9 @@ def test_throughput_is_spec_bench_mean_of_per_prompt_rates_and_speedup_is_ratio_
             [rec("a", 10, 0.5, [1] * 10), rec("b", 40, 1.0, [1] * 40)],
             [rec("a", 10, 2.0, [1] * 10), rec("b", 15, 1.0, [1] * 15)]]
     s = metrics.throughput_summary(reps)
-    assert s["tokens_per_s"] == pytest.approx(20.0)  # median of 20, 30, 10
-    assert (s["tokens_per_s_min"], s["tokens_per_s_max"]) == (pytest.approx(10.0), pytest.approx(30.0))
-    assert s["tokens_per_s_mean"] == pytest.approx(20.0)
+    assert s.tokens_per_s == pytest.approx(20.0)  # median of 20, 30, 10
+    assert (s.tokens_per_s_min, s.tokens_per_s_max) == (pytest.approx(10.0), pytest.approx(30.0))
+    assert s.tokens_per_s_mean == pytest.approx(20.0)
     base = [[rec("a", 10, 1.0, [1] * 10), rec("b", 10, 1.0, [1] * 10)]]  # mean 10 tok/s
     assert metrics.speedup(reps, base) == pytest.approx(2.0)
     # not the ratio of total tokens / total time (which would weight long prompts)
@@ -79,35 +84,37 @@ def test_paired_speedup_cancels_a_slowdown_both_contenders_saw():
     means only happens to agree; with noisy ratios the interval is Student's t on the logs."""
     base = [[rec("a", 10, 1.0, [1]), rec("b", 20, 1.0, [1])], [rec("a", 10, 2.0, [1]), rec("b", 20, 2.0, [1])]]
     fast = [[rec("a", 10, 0.5, [1]), rec("b", 20, 0.5, [1])], [rec("a", 10, 1.0, [1]), rec("b", 20, 1.0, [1])]]
-    p = metrics.paired_speedup(fast, base)
+    p = metrics.paired_speedup(fast, base).to_dict()
     assert p["speedup"] == pytest.approx(2.0) and p["ci95"] == [pytest.approx(2.0), pytest.approx(2.0)] and p["pairs"] == 4
     # pairs are matched by repeat and prompt id, not by position
     swapped = [list(reversed(rs)) for rs in fast]
-    assert metrics.paired_speedup(swapped, base)["speedup"] == pytest.approx(2.0)
+    assert metrics.paired_speedup(swapped, base).speedup == pytest.approx(2.0)
     # ratios 1.1, 0.9, 1.0, 1.2 -> exp(mean log), t(0.975, 3) = 3.182
     noisy = [[rec("a", 11, 1.0, [1]), rec("b", 18, 1.0, [1])], [rec("a", 10, 2.0, [1]), rec("b", 24, 2.0, [1])]]
-    p = metrics.paired_speedup(noisy, base)
+    p = metrics.paired_speedup(noisy, base).to_dict()
     logs = [math.log(x) for x in (1.1, 0.9, 1.0, 1.2)]
     m, half = statistics.fmean(logs), 3.1824463 * statistics.stdev(logs) / 2
     assert p["speedup"] == pytest.approx(math.exp(m))
     assert p["ci95"] == [pytest.approx(math.exp(m - half), rel=1e-6), pytest.approx(math.exp(m + half), rel=1e-6)]
     assert metrics.paired_speedup([[rec("c", 10, 1.0, [1])]], base) is None  # no common prompt
     one = metrics.paired_speedup([[rec("a", 20, 1.0, [1])]], base)
-    assert one["speedup"] == pytest.approx(2.0) and one["ci95"] is None
+    assert one.speedup == pytest.approx(2.0) and one.ci95 is None
 
 
 def test_decode_only_throughput_leaves_out_each_turns_prefill():
     # one turn: 11 tokens in 1.5 s of which 0.5 s prefill -> 10 tokens in 1.0 s
     a = {"id": "a", "new_tokens": 11, "wall_time_s": 1.5, "stats": {"prefill_s": 0.5}}
+    fast = OutputRecord.from_dict({**a, "wall_time_s": 1.0})  # 10 tokens in 0.5 s: 2x decode-only, 1.5x end to end
+    a = OutputRecord.from_dict(a)
     # two turns: (5 - 1) tokens in 1.0 - 0.2 s and (9 - 1) in 2.0 - 0.4 s -> 12 tokens in 2.4 s
     mt = {"id": "m", "new_tokens": 14, "wall_time_s": 3.0, "stats": {"prefill_s": 0.6}, "turns": [
         {"new_tokens": 5, "wall_time_s": 1.0, "stats": {"prefill_s": 0.2}},
         {"new_tokens": 9, "wall_time_s": 2.0, "stats": {"prefill_s": 0.4}}]}
+    mt = OutputRecord.from_dict(mt)
     assert metrics.decode_tps(a) == pytest.approx(10.0)
     assert metrics.decode_tps(mt) == pytest.approx(12 / 2.4)
-    peer = {"id": "a", "new_tokens": 11, "wall_time_s": 1.5, "stats": {"accept_lengths": [1] * 11}}
+    peer = OutputRecord.from_dict({"id": "a", "new_tokens": 11, "wall_time_s": 1.5, "stats": {"accept_lengths": [1] * 11}})
     assert metrics.decode_tps(peer) is None  # no prefill reported: no decode-only figure
-    fast = {**a, "wall_time_s": 1.0}  # 10 tokens in 0.5 s: 2x decode-only, 1.5x end to end
     assert metrics.decode_speedup([[fast]], [[a]]) == pytest.approx(2.0)
     assert metrics.speedup([[fast]], [[a]]) == pytest.approx(1.5)
     assert metrics.decode_speedup([[fast]], [[peer]]) is None
@@ -116,16 +123,16 @@ def test_decode_only_throughput_leaves_out_each_turns_prefill():
 def test_parity_reports_first_divergence_and_token_share():
     ref = [rec(1, 4, 1.0, [1] * 4, ids=[5, 6, 7, 8]), rec(2, 4, 1.0, [1] * 4, ids=[1, 2, 3, 4]),
            rec(3, 2, 1.0, [1] * 2, ids=[9, 9])]
-    same = metrics.parity(ref, ref)
+    same = metrics.parity(ref, ref).to_dict()
     assert same["parity"] == 1.0 and same["token_parity"] == 1.0 and same["differing"] == []
     mine = [rec(1, 4, 1.0, [1] * 4, ids=[5, 6, 0, 8]), rec(2, 3, 1.0, [1] * 3, ids=[1, 2, 3]),
             rec(3, 2, 1.0, [1] * 2, ids=[9, 9])]
-    p = metrics.parity(mine, ref)
+    p = metrics.parity(mine, ref).to_dict()
     assert p["prompts_identical"] == 1 and p["parity"] == pytest.approx(1 / 3)
     assert p["differing"] == [{"id": 1, "first_divergence": 2}, {"id": 2, "first_divergence": 3}]
     assert p["token_parity"] == pytest.approx((2 + 3 + 2) / 10)
     # a missing prompt counts as differing
-    assert metrics.parity(mine[:1], ref)["differing"][-1] == {"id": 3, "first_divergence": 0, "missing": True}
+    assert metrics.parity(mine[:1], ref).to_dict()["differing"][-1] == {"id": 3, "first_divergence": 0, "missing": True}
 
 
 def test_summary_per_category_and_spec_bench_answers():
@@ -135,7 +142,7 @@ def test_summary_per_category_and_spec_bench_answers():
                       for i, (c, w) in enumerate(zip(["x", "x", "y"], walls))]]
         return r
     results = {"ar": res("ar", [1.0, 1.0, 1.0]), "fast": res("fast", [0.5, 0.5, 0.25])}
-    s = summarize(results, "ar", None)
+    s = _dicts(summarize(results, "ar", None))
     assert s["fast"]["speedup_vs_ar"] == pytest.approx((20 + 20 + 40) / 3 / 10, abs=1e-4)
     assert s["fast"]["categories"]["x"]["speedup_vs_ar"] == pytest.approx(2.0)
     assert s["fast"]["categories"]["y"]["speedup_vs_ar"] == pytest.approx(4.0)
@@ -157,7 +164,7 @@ def test_predicted_decode_speedup_weighs_prompts_as_the_measured_one_does():
 
     def rec(pid, new, wall, plan=None):
         st = {"prefill_s": 0.0, **({"plan": {"expected_tokens": plan[0], "cost_steps": plan[1]}} if plan else {})}
-        return {"id": pid, "new_tokens": new, "wall_time_s": wall, "stats": st}
+        return OutputRecord.from_dict({"id": pid, "new_tokens": new, "wall_time_s": wall, "stats": st})
 
     ar = [[rec("a", 11, 1.0), rec("b", 31, 1.0)], [rec("a", 11, 1.0), rec("b", 31, 1.0)]]
     method = [[rec("a", 11, 0.4, (30.0, 10.0)), rec("b", 31, 0.9, (5.0, 5.0)), rec("c", 5, 0.1)]]
@@ -180,9 +187,10 @@ def test_cost_model_predicts_decode_only_speed():
 
     def record(pid, turns, last_stats=None):
         if len(turns) == 1:
-            return {"id": pid, **turns[0]}
-        return {"id": pid, "new_tokens": sum(t["new_tokens"] for t in turns), "token_ids": [],
-                "wall_time_s": sum(t["wall_time_s"] for t in turns), "stats": last_stats or {}, "turns": turns}
+            return OutputRecord.from_dict({"id": pid, **turns[0]})
+        return OutputRecord.from_dict({"id": pid, "new_tokens": sum(t["new_tokens"] for t in turns), "token_ids": [],
+                                       "wall_time_s": sum(t["wall_time_s"] for t in turns), "stats": last_stats or {},
+                                       "turns": turns})
 
     def result(name, records):
         r = ContenderResult(name, True, "selfspec")
@@ -196,7 +204,7 @@ def test_cost_model_predicts_decode_only_speed():
     fast = [record("a", [turn(11, 1.0, 0.5, (30.0, 10.0), 0.5)]), record("b", [turn(11, 1.0, 0.5, (6.0, 5.0), 0.1)]),
             record("c", [turn(6, 0.75, 0.5, (4.0, 2.0), 0.2), turn(6, 0.75, 0.5, (2.0, 2.0), 0.4)],
                    last_stats={"skip_attn": [1, 2], "skip_mlp": [3]})]
-    s = summarize({"ar": result("ar", ar), "fast": result("fast", fast)}, "ar", None, num_layers=6)
+    s = _dicts(summarize({"ar": result("ar", ar), "fast": result("fast", fast)}, "ar", None, num_layers=6))
     m = s["fast"]
     assert m["decode_speedup_vs_ar"] == pytest.approx(2.0)
     assert m["speedup_vs_ar"] == pytest.approx((11 + 11 + 8) / 3 / ((11 / 1.5 + 11 / 1.5 + 6) / 3), abs=1e-4)
@@ -248,7 +256,9 @@ def test_injected_wrong_token_drops_the_parity_column(tiny):
 
     contenders = [Contender("ar", lambda: ar.generate), Contender("broken", lambda: corrupt)]
     results = run_bench(contenders, PROMPTS, _Tok(), cfg, torch.device("cpu"), warmup=0, repeats=2)
-    s = summarize(results, "ar", None)
+    summary = summarize(results, "ar", None)
+    s = _dicts(summary)
+    assert _dicts({n: MethodSummary.from_dict(json.loads(json.dumps(m))) for n, m in s.items()}) == s  # read back
     assert s["ar"]["parity"]["parity"] == 1.0
     par = s["broken"]["parity"]
     assert par["parity"] == pytest.approx(0.75)
@@ -258,7 +268,7 @@ def test_injected_wrong_token_drops_the_parity_column(tiny):
     from rich.console import Console
 
     console = Console(width=250, record=True)
-    console.print(_table(s, "t", True, False))
+    console.print(_table(summary, "t", True, False))
     text = console.export_text()
     row = next(line for line in text.splitlines() if "broken" in line)
     assert "75%" in row and "p2@5" in row
@@ -283,7 +293,7 @@ def test_hf_assisted_peers_match_greedy_and_report_steps(tiny, peer):
     assert sum(st["accept_lengths"]) == len(got.token_ids)
     assert st["target_forwards"] == len(st["accept_lengths"]) <= len(got.token_ids)
     assert st.get("drafted_tokens", 0) >= st.get("accepted_draft_tokens", 0)
-    assert metrics.mean_accepted_length([{"stats": st}]) >= 1.0
+    assert metrics.mean_accepted_length([OutputRecord.from_dict({"stats": st})]) >= 1.0
 
 
 @pytest.mark.parametrize("peer", ["hf", "hf-static"])
@@ -439,7 +449,7 @@ def test_target_peer_decodes_in_its_own_process_and_the_block_side_frees_its_flo
     ar = build("ar", Engine(mdl, target_precision="fp32"), tok)
     cfg = GenerationConfig(max_new_tokens=12, eos_token_ids=(tok.eos_token_id,))
     for i, t in enumerate(texts):
-        want = run_prompt(ar.generate, tok, Prompt(id=i, turns=(t,)), cfg, torch.device("cpu"), "ar")["token_ids"]
+        want = run_prompt(ar.generate, tok, Prompt(id=i, turns=(t,)), cfg, torch.device("cpu"), "ar").token_ids
         assert got[i] == want
     assert doc["methods"]["ar"]["peak_rss_mb"] != doc["methods"]["ar-fp32"]["peak_rss_mb"]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from selfspec_cli.bench.ranks import Ranks, merge_repeats
+from selfspec_cli.decoding.output import OutputRecord
 
 from .conftest import needs_shipped_model
 
@@ -79,8 +80,8 @@ def test_shares_cover_the_suite_once_and_merge_in_order():
     items = list(range(11))
     shares = [Ranks(r, 3).share(items) for r in range(3)]
     assert sorted(x for s in shares for x in s) == items
-    recs = [[[{"id": x} for x in s]] for s in shares]  # one pass per rank
-    assert [r["id"] for r in merge_repeats(recs, items)[0]] == items
+    recs = [[[OutputRecord.from_dict({"id": x}) for x in s]] for s in shares]  # one pass per rank
+    assert [r.id for r in merge_repeats(recs, items)[0]] == items
 
 
 def _rank_pid(rank: int) -> int | None:

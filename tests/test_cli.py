@@ -7,6 +7,7 @@ Hugging Face on the same machine, whether or not CUDA is present.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import io
 import json
@@ -77,12 +78,15 @@ def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
     from selfspec_cli.cli.summary import Pace
     from selfspec_cli.decoding.measure import VerifyCurve
 
+    from selfspec_cli.decoding.output import OutputRecord
+
+    rec = OutputRecord.from_dict  # a record as generate writes it, read back
     pace = Pace()
     stats = {"prefill_s": 0.5}
-    pace.add({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": stats})  # 4 tokens in 0.02 s
-    pace.add({"new_tokens": 6, "wall_time_s": 1.53, "prompt_tokens": 200, "stats": {},  # two turns
-              "turns": [{"new_tokens": 1, "wall_time_s": 0.5, "prompt_tokens": 100, "stats": stats},  # prefill's token only
-                        {"new_tokens": 5, "wall_time_s": 1.03, "prompt_tokens": 100, "stats": stats}]})  # 4 in 0.53 s
+    pace.add(rec({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": stats}))  # 4 tokens in 0.02 s
+    pace.add(rec({"new_tokens": 6, "wall_time_s": 1.53, "prompt_tokens": 200, "stats": {},  # two turns
+                  "turns": [{"new_tokens": 1, "wall_time_s": 0.5, "prompt_tokens": 100, "stats": stats},  # prefill's only
+                            {"new_tokens": 5, "wall_time_s": 1.03, "prompt_tokens": 100, "stats": stats}]}))  # 4 in 0.53 s
     assert pace.tokens == 11 and pace.decoded == [(64, 4, pytest.approx(0.02)), (100, 4, pytest.approx(0.53))]
     curve = VerifyCurve(t1_s=0.01, ratios={1: 1.0}, context=64, slope_s=0.001)
     store = {"stored": True, "t1_samples": 7, "age_s": 5400.0, "settled": True}
@@ -97,10 +101,10 @@ def test_the_summary_compares_decoding_with_ar_at_the_same_contexts():
     # the rounds that drafted nothing, each an ar step, scale the stored costs to this process: from 16 of them
     few = dict(stats, plain_rounds={"count": 15, "verify_s": 0.3, "stored_t1_s": 0.2})
     pace = Pace()
-    pace.add({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": few})
+    pace.add(rec({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": few}))
     assert "scaled" not in pace.line(curve, store)
-    pace.add({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": dict(few, plain_rounds={
-        "count": 1, "verify_s": 0.06, "stored_t1_s": 0.04})})
+    pace.add(rec({"new_tokens": 5, "wall_time_s": 0.52, "prompt_tokens": 64, "stats": dict(few, plain_rounds={
+        "count": 1, "verify_s": 0.06, "stored_t1_s": 0.04})}))
     line = pace.line(curve, store)
     ar_s = 1.5 * 2 * sum(0.01 + 0.001 * i for i in range(4))  # the rounds took 0.36 s where the store says 0.24
     assert "scaled by this call's 16 rounds that drafted nothing, each an ar step, which took 1.50x them" in line
@@ -118,9 +122,9 @@ def test_the_driver_counts_the_rounds_that_drafted_nothing(tiny_model_dir):
     method = build("pld", s.engine("auto"), s.tokenizer)
     res = method.generate([5, 6, 7, 8], s.generation(GenerationConfig(max_new_tokens=12)))
     rounds = len(res.stats.accept_lengths) - 1
-    plain = res.stats.extra["plain_rounds"]
-    assert plain["count"] == rounds - res.stats.draft_rounds and plain["count"] > 0
-    assert 0 < plain["verify_s"] and 0 < plain["stored_t1_s"]
+    plain = res.stats.plain_rounds
+    assert plain.count == rounds - res.stats.draft_rounds and plain.count > 0
+    assert 0 < plain.verify_s and 0 < plain.stored_t1_s
 
 
 def test_a_method_that_drafted_in_no_round_says_so_once_with_the_reason(capsys, tiny_model_dir, tmp_path, selfspec_home):
@@ -561,11 +565,11 @@ def test_bench_ar_vs_hf(capsys, monkeypatch, virtual_clock, tiny_model_dir, prom
 
     def run_prompt(generate, tokenizer, prompt, *args):
         rec = real_run(generate, tokenizer, prompt, *args)
-        runs[rec["method"], prompt.id] += 1
-        if rec["method"] == "ar" and (i := faults.get((runs["ar", prompt.id], prompt.id))) is not None:
-            ids = rec["token_ids"]
+        runs[rec.method, prompt.id] += 1
+        if rec.method == "ar" and (i := faults.get((runs["ar", prompt.id], prompt.id))) is not None:
+            ids = rec.token_ids
             assert len(ids) > i
-            rec["token_ids"] = [*ids[:i], (ids[i] + 1) % 320, *ids[i + 1:]]
+            rec = dataclasses.replace(rec, token_ids=[*ids[:i], (ids[i] + 1) % 320, *ids[i + 1:]])
         return rec
 
     monkeypatch.setattr(application, "run_prompt", run_prompt)  # bench decodes through it

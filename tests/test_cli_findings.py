@@ -42,6 +42,7 @@ def test_bench_tables_keep_every_figure_whole_at_80_columns(capsys, tiny_model_d
     columns are split over as many tables as the width needs, each repeating the method."""
     from rich.console import Console
 
+    from selfspec_cli.bench.report import MethodSummary
     from selfspec_cli.cli import bench as bench_cli
     from selfspec_cli.cli import common
 
@@ -62,7 +63,7 @@ def test_bench_tables_keep_every_figure_whole_at_80_columns(capsys, tiny_model_d
         assert re.search(rf"│ {re.escape(name)} +│", err), name  # the method names are whole too
     # one table when the width allows it
     wide = Console(width=250, record=True, file=io.StringIO())
-    wide.print(bench_cli._table(summary, "t", True, False))
+    wide.print(bench_cli._table({n: MethodSummary.from_dict(m) for n, m in summary.items()}, "t", True, False))
     assert wide.export_text().count("method") == 1
 
 

@@ -13,6 +13,7 @@ from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import cost_store
 from selfspec_cli.decoding.hybrid import merged_plan
 from selfspec_cli.decoding.measure import VerifyCurve
+from selfspec_cli.decoding.output import OutputRecord
 from selfspec_cli.decoding.planning import (Planner, expected_tokens, iid_chain_gains, predicted_speedup, round_cost,
                                             round_gain, round_plan)
 from selfspec_cli.engine import Engine
@@ -73,8 +74,8 @@ def test_a_decodes_and_the_benchs_predicted_speedups_come_from_its_plans():
     res = method.generate(ids, GenerationConfig(max_new_tokens=24))
     plan = res.stats.summary().plan
     assert plan is not None
-    assert res.stats.extra["predicted_gain"] == round(predicted_speedup([(plan.expected_tokens, plan.cost_steps)]), 4)
-    rec = {"id": "p", "new_tokens": len(res.token_ids), "wall_time_s": 1.0, "token_ids": res.token_ids,
-           "stats": res.stats.as_dict()}
+    assert res.stats.predicted_gain == round(predicted_speedup([(plan.expected_tokens, plan.cost_steps)]), 4)
+    rec = OutputRecord("p", "pld", True, "", res.token_ids, len(res.token_ids), len(ids), 1.0, None, res.finish_reason,
+                       res.stats.summary())
     summary = summarize({"pld": ContenderResult("pld", True, "selfspec", [[rec]])}, None, None)
-    assert summary["pld"]["cost_model"]["predicted_speedup"] == round(plan.expected_tokens / plan.cost_steps, 4)
+    assert summary["pld"].cost_model.predicted_speedup == round(plan.expected_tokens / plan.cost_steps, 4)

@@ -87,7 +87,9 @@ def test_counts_take_their_plural():
 
     assert (count(1, "prompt"), count(2, "prompt"), count(0, "thread")) == ("1 prompt", "2 prompts", "0 threads")
     pace = Pace()
-    pace.add({"new_tokens": 1, "wall_time_s": 0.5, "prompt_tokens": 3, "stats": {"prefill_s": 0.5}})
+    from selfspec_cli.decoding.output import OutputRecord
+
+    pace.add(OutputRecord.from_dict({"new_tokens": 1, "wall_time_s": 0.5, "prompt_tokens": 3, "stats": {"prefill_s": 0.5}}))
     assert pace.line(None).startswith("1 token in 0.5 s")
 
 

@@ -55,6 +55,7 @@ from ..errors import SelfSpecError
 from ..methods import build, fr_spec
 from ..methods.self_sd.study import uniform_layers
 from .plots import pyplot, save_figure
+from ..jsonio import JsonObject
 
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
 
@@ -117,7 +118,7 @@ def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, dr
 
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = (1,),
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
-                  draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
+                  draft_vocab: torch.Tensor | None = None) -> JsonObject:
     """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.measure.VerifyCurve`:
     one full reading per engine, shared with the planners, read from this machine's store of costs
     when it holds a full one, else measured and stored), and c(r) and the LM head's share at
@@ -156,7 +157,7 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         "rounds": rounds, **vocab}
 
 
-def curve_fields(curve: VerifyCurve) -> dict[str, Any]:
+def curve_fields(curve: VerifyCurve) -> JsonObject:
     """T(1), its growth with the context and v(k), as profile.json and bench's ``engine_costs`` hold them."""
     return {"context_tokens": curve.context, "step_ms": round(curve.t1_s * 1e3, 3),
             "step_ms_per_1k_context": round(curve.slope_s * 1e6, 3),
@@ -166,7 +167,7 @@ def curve_fields(curve: VerifyCurve) -> dict[str, Any]:
 
 
 def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
-                 on_round: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 on_round: Callable[[int, int], None] | None = None) -> JsonObject:
     """The floor and the measured costs in one record (what profile.json and bench's
     ``engine_costs`` hold): bandwidth, weight bytes, floor, T(1), v(k), c(r), LM head share."""
     bw = read_bandwidth_gbs(device=engine.device)
@@ -201,7 +202,7 @@ def kernel_logit_diff(engine: Engine, prompt_ids: Sequence[int], steps: int = 4)
 @torch.inference_mode()
 def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int,
                    calibrated: tuple[frozenset[int], frozenset[int]] | None = None,
-                   on_token: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                   on_token: Callable[[int, int], None] | None = None) -> JsonObject:
     """Top-1 agreement with the full model of one-token drafts that skip one sublayer (each in
     turn) or the calibrated set, along the full model's greedy continuation of each prompt.
     The context's KV always comes from the full model: the draft row is cropped away before
@@ -221,7 +222,7 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     return red
 
 
-def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
+def verify_cost_plot(profile: JsonObject, path: Any) -> Any:
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
     ax.plot([int(k) for k in profile["verify_cost"]], list(profile["verify_cost"].values()), marker="o",
             label="measured v(k)")
@@ -234,7 +235,7 @@ def verify_cost_plot(profile: dict[str, Any], path: Any) -> Any:
     return save_figure(fig, path)
 
 
-def redundancy_plot(red: dict[str, Any], path: Any, title: str = "") -> Any:
+def redundancy_plot(red: JsonObject, path: Any, title: str = "") -> Any:
     L = len(red["attn"])
     fig, ax = pyplot().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
     im = ax.imshow([red["attn"], red["mlp"]], aspect="auto", cmap="viridis", vmin=0, vmax=1)
@@ -252,7 +253,7 @@ PREDICT_METHODS = ("pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecod
 @torch.inference_mode()
 def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[Sequence[int]], tokens: int,
                      rounds: int = 7, precisions: Sequence[str] = PRECISIONS,
-                     draft_vocab: torch.Tensor | None = None) -> dict[str, Any]:
+                     draft_vocab: torch.Tensor | None = None) -> JsonObject:
     """Per draft precision: c (full depth, and with the draft vocabulary), one-token agreement
     with the target along its greedy continuations of ``prompts``, bytes and load time."""
     out: dict[str, Any] = {}
@@ -294,7 +295,7 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
     return out
 
 
-def draft_verdict(quantized: dict[str, Any], verify_cost: dict[str, float]) -> dict[str, Any]:
+def draft_verdict(quantized: JsonObject, verify_cost: dict[str, float]) -> JsonObject:
     """Whether any full-depth copy can pay against this target: for each draft with a measured c and
     one-token agreement a, the best expected gain of a chain of k drafts, 1 + a + ... + a^k tokens per
     k c + v(k+1) target steps (a i.i.d. per token, an optimistic reading: the planners' one round-cost
@@ -324,7 +325,7 @@ def draft_verdict(quantized: dict[str, Any], verify_cost: dict[str, float]) -> d
 
 def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], methods: Sequence[str],
                        max_new_tokens: int, eos_ids: tuple[int, ...] = (),
-                       on_method: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+                       on_method: Callable[[int, str], None] | None = None) -> JsonObject:
     """Each cost-aware method's predicted speedup over plain decoding on this machine: its
     rounds' expected tokens over their cost in plain steps (decoding/planning.py), summed over
     greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and

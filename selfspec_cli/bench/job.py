@@ -28,7 +28,8 @@ from ..decoding.cost_store import curve_for, measure_fresh, refresh_curve
 from ..engine import Engine, threads as governor
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, count
-from ..jsonio import dumps
+from ..decoding.output import OutputRecord
+from ..jsonio import JsonObject, dumps
 from ..methods import METHODS, Method, build, config_for
 from ..paths import atomic_write, check_not_input, cut_to_last_line
 from ..prompts import PROMPT_FORMATS, Prompt, uses_chat_template
@@ -37,12 +38,12 @@ from . import engine_profile as prof, plots, ranks as rk
 from .metrics import step_log
 from .peer_process import PeerSpec, ProcessPeer
 from .peers import PEERS, make_peer
-from .report import document, spec_bench_answers, summarize
+from .report import MethodSummary, document, spec_bench_answers, summarize
 from .runner import Contender, ContenderResult, run_bench
 from .suite_loader import load_prompts
 
 # contenders that are a method with non-default options: name -> (method, config fields, description suffix)
-VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
+VARIANTS: dict[str, tuple[str, JsonObject, str]] = {
     "specee-empty": ("specee", {"specee_kv_mode": "empty"}, " [empty KV: deeper layers never get an exited token's K/V, as in the paper]"),
     "self-sd-hybrid": ("self-sd", {"hybrid": True}, " [hybrid: the n-gram continuation merged into the draft tree]"),
     "self-sd-full-vocab": ("self-sd", {"draft_vocab": "full"}, " [drafts over the full vocabulary, no FR-Spec subset]"),
@@ -108,7 +109,7 @@ class BenchIO:
 
     log: Callable[[str], None]  # one stderr line, rich markup allowed
     progress: Callable[..., Any]  # progress(disable=...) -> a context manager giving a bar (rich's Progress)
-    write_record: Callable[[IO[str], dict[str, Any]], None]  # one JSON line, flushed; a failed write is one line
+    write_record: Callable[[IO[str], JsonObject], None]  # one JSON line, flushed; a failed write is one line
     set_exit_note: Callable[[str], None]  # said on stderr when the run is interrupted
     invocation: str  # this command line, recorded in results.json
 
@@ -124,7 +125,7 @@ class BenchPlan:
     sampling: SamplingConfig
     decoding: str
     prompts: list[Prompt]
-    source: dict[str, Any]
+    source: JsonObject  # where the prompts came from, as results.json's setup says it
     say: Callable[[str], None]
 
 
@@ -132,8 +133,8 @@ class BenchPlan:
 class BenchOutcome:
     """What the command prints: the summary per contender and the results document."""
 
-    summary: dict[str, dict[str, Any]]
-    doc: dict[str, Any]
+    summary: dict[str, MethodSummary]
+    doc: JsonObject  # results.json, as written
     title: str
     reference: str | None
     baseline: str | None
@@ -146,7 +147,7 @@ class Contenders:
     names: list[str]
     contenders: list[Contender] = field(default_factory=list)
     descriptions: dict[str, str] = field(default_factory=dict)
-    offline: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    offline: dict[str, JsonObject | None] = field(default_factory=dict)
     artifacts: dict[str, dict[str, str]] = field(default_factory=dict)
     built: dict[str, list[Method]] = field(default_factory=dict)  # each pass's method instances (search histories)
     processes: dict[str, ProcessPeer] = field(default_factory=dict)  # TARGET_PEERS' child processes
@@ -274,7 +275,7 @@ def build_contenders(names: list[str], session: Session, engine: Engine, req: Be
 # ---------------------------------------------------------------- --resume
 
 
-def run_key(req: BenchRequest, plan: BenchPlan, names: list[str], session: Session, engine: Engine) -> dict[str, Any]:
+def run_key(req: BenchRequest, plan: BenchPlan, names: list[str], session: Session, engine: Engine) -> JsonObject:
     """What a resumed run must share with the interrupted one (run.json)."""
     return {"methods": names, "prompts": [p.id for p in plan.prompts], "max_new_tokens": req.max_new_tokens,
             "decoding": plan.decoding, "model_fingerprint": session.fingerprint, "dtype": str(engine.dtype),
@@ -285,8 +286,8 @@ def run_key(req: BenchRequest, plan: BenchPlan, names: list[str], session: Sessi
             "ranks": plan.ranks.world}
 
 
-def earlier_records(output_dir: Path, key: dict[str, Any], names: list[str],
-                    records_dir: Path) -> dict[str, dict[tuple[int, Any], dict]]:
+def earlier_records(output_dir: Path, key: JsonObject, names: list[str],
+                    records_dir: Path) -> dict[str, dict[tuple[int, Any], OutputRecord]]:
     """--resume: the finished records of the interrupted run in ``output_dir``, per contender,
     keyed by (pass, prompt id); a torn last line is dropped. Refused when that run was another command."""
     try:
@@ -298,7 +299,7 @@ def earlier_records(output_dir: Path, key: dict[str, Any], names: list[str],
     if diff:
         raise ConfigError(f"--resume: the run in '{output_dir}' was made with other settings ({', '.join(diff)}); "
                           "resume it with its own command, or choose another --output-dir")
-    done: dict[str, dict[tuple[int, Any], dict]] = {}
+    done: dict[str, dict[tuple[int, Any], OutputRecord]] = {}
     for n in names:
         path = records_dir / f"{n}.jsonl"
         if not path.is_file():
@@ -306,9 +307,9 @@ def earlier_records(output_dir: Path, key: dict[str, Any], names: list[str],
         cut_to_last_line(path)
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             try:
-                rec = json.loads(line)
-                done.setdefault(n, {})[(rec["repeat"], rec["id"])] = rec
-            except (ValueError, KeyError, TypeError):
+                d = json.loads(line)
+                done.setdefault(n, {})[(d["repeat"], d["id"])] = OutputRecord.from_dict(d)
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise ConfigError(f"--resume: line {i} of '{path}' is not a bench record; start the run again "
                                   "with --force") from None
     return done
@@ -321,11 +322,11 @@ def complete_cells(partial: dict[str, ContenderResult], prompts: Sequence[Prompt
     passes = min(len(r.repeats) for r in partial.values())
     out = {n: ContenderResult(r.name, r.lossless, r.kind, peak_rss_mb=r.peak_rss_mb) for n, r in partial.items()}
     for rep in range(passes):
-        ids = set.intersection(*({rec["id"] for rec in r.repeats[rep]} for r in partial.values()))
+        ids = set.intersection(*({rec.id for rec in r.repeats[rep]} for r in partial.values()))
         if not ids:
             continue
         for n, r in partial.items():
-            out[n].repeats.append([rec for rec in r.repeats[rep] if rec["id"] in ids])
+            out[n].repeats.append([rec for rec in r.repeats[rep] if rec.id in ids])
     return out if any(r.repeats for r in out.values()) else None
 
 
@@ -345,7 +346,7 @@ class _Run:
     contenders: Contenders
     prompts: list[Prompt]  # this rank's share (every prompt in one process)
     records_dir: Path
-    done: dict[str, dict[tuple[int, Any], dict]] = field(default_factory=dict)
+    done: dict[str, dict[tuple[int, Any], OutputRecord]] = field(default_factory=dict)
     startup: dict[str, float] = field(default_factory=dict)  # the model's load and the memory then (Session.startup)
 
     @property
@@ -428,7 +429,7 @@ def _start(r: _Run) -> None:
         "MB with the contenders built[/dim]")
 
 
-def _engine_costs(r: _Run) -> dict[str, Any]:
+def _engine_costs(r: _Run) -> JsonObject:
     """The engine's costs, as ``selfspec profile`` measures them (rank 0 only)."""
     engine = r.engine
     ids = sorted(r.session.encode_first_turns(r.prompts), key=len)
@@ -452,19 +453,18 @@ def _time(r: _Run, cfg: GenerationConfig) -> dict[str, ContenderResult]:
         task = bar.add_task("bench", total=len(r.prompts) * len(r.contenders.contenders) * req.repeats, info="")
         bar.update(task, advance=sum(len(v) for v in r.done.values()))
 
-        def on_record(name: str, rep: int, rec: dict[str, Any]) -> None:
-            if ranks.many:
-                rec["rank"] = ranks.rank
-            r.io.write_record(files[name], rec)
+        def on_record(name: str, rep: int, rec: OutputRecord) -> None:
+            r.io.write_record(files[name], rec.to_dict())
             c = running[name]
-            c.update(tokens=rec["new_tokens"], seconds=rec["wall_time_s"])
+            c.update(tokens=rec.new_tokens, seconds=rec.wall_time_s)
             bar.update(task, advance=1, info=f"{name} {c['tokens'] / max(c['seconds'], 1e-9):.1f} tok/s")
 
         try:
             # one process: pool another verify-curve reading before each pass (decoding/cost_store.py, refresh_curve)
             return run_bench(r.contenders.contenders, r.prompts, r.session.tokenizer, cfg, r.dev, req.warmup,
                              req.repeats, req.chat_template, on_record=on_record, done=r.done, partial=partial,
-                             between_passes=None if ranks.many else lambda: refresh_curve(r.engine))
+                             between_passes=None if ranks.many else lambda: refresh_curve(r.engine),
+                             rank=ranks.rank if ranks.many else None)
         except KeyboardInterrupt:
             stack.close()
             _keep_interrupted(r, partial)
@@ -504,20 +504,20 @@ def _gather(r: _Run, results: dict[str, ContenderResult]) -> bool:
         res.repeats = rk.merge_repeats([part[n]["repeats"] for part in parts], [p.id for p in r.plan.prompts])
         for k in ("peak_rss_mb", "peak_cuda_mb"):
             setattr(res, k, max((v for part in parts if (v := part[n][k]) is not None), default=None))
-        write_jsonl(r.req.output_dir / "records" / f"{n}.jsonl", (rec for passed in res.repeats for rec in passed),
-                    r.io.write_record)
+        write_jsonl(r.req.output_dir / "records" / f"{n}.jsonl",
+                    (rec.to_dict() for passed in res.repeats for rec in passed), r.io.write_record)
     r.prompts = r.plan.prompts
     return True
 
 
-def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str, Any] | None) -> BenchOutcome:
+def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: JsonObject | None) -> BenchOutcome:
     """results.json, the answers and the plots."""
     req, plan, engine, mdl, c = r.req, r.plan, r.engine, r.session.model, r.contenders
     ref = REFERENCE if REFERENCE in results else None
     base = BASELINE if BASELINE in results else None
     summary = summarize(results, ref, base, c.descriptions, c.offline, num_layers=engine.num_layers)
     for n, m in summary.items():
-        m["artifacts"] = c.artifacts.get(n, {})
+        m.artifacts = c.artifacts.get(n, {})
     setup = {**plan.source, "prompts": len(r.prompts), "categories": dict(Counter(p.category or "all" for p in plan.prompts)),
              "max_new_tokens": req.max_new_tokens, "warmup": req.warmup, "repeats": req.repeats,
              "decoding": plan.decoding, "batch_size": 1,
@@ -552,16 +552,16 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: dict[str
     return BenchOutcome(summary, doc, title, ref, base)
 
 
-def write_jsonl(path: Path | str, rows: Iterable[dict[str, Any]],
-                write_record: Callable[[IO[str], dict[str, Any]], None]) -> None:
+def write_jsonl(path: Path | str, rows: Iterable[JsonObject], write_record: Callable[[IO[str], JsonObject], None]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
             write_record(f, row)
 
 
-def make_plots(results: dict[str, ContenderResult], summary: dict[str, dict[str, Any]], num_layers: int,
+def make_plots(results: dict[str, ContenderResult], summary: dict[str, MethodSummary], num_layers: int,
                out: Path, ref: str | None, built: dict[str, list[Method]]) -> dict[str, str]:
-    logs = {n: step_log(r.records)["accept_lengths"] for n, r in results.items() if summary[n]["acceptance_rate"] is not None}
+    logs = {n: step_log(r.records).accept_lengths for n, r in results.items()
+            if summary[n].overall.acceptance_rate is not None}
     made = {"speedup_by_category": plots.speedup_by_category(summary, out / "speedup_by_category.png", reference=ref)
             if ref else None,
             "accept_lengths": plots.accept_length_histogram(logs, out / "accept_lengths.png")}

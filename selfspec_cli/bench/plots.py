@@ -4,9 +4,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..jsonio import JsonObject
 from ..paths import atomic_write
+
+if TYPE_CHECKING:
+    from .report import MethodSummary
 
 
 def pyplot():
@@ -44,22 +48,22 @@ def palette_png(png: bytes, out: Any) -> None:
         im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
 
 
-def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, reference: str = "ar",
+def speedup_by_category(summary: Mapping[str, MethodSummary], path: Path, reference: str = "ar",
                         title: str = "") -> Path | None:
     """Grouped bars: speedup over the reference per category (and overall) for each method."""
-    names = [n for n, m in summary.items() if n != reference and m.get("speedup_vs_ar") is not None]
+    names = [n for n, m in summary.items() if n != reference and m.overall.speedup_vs_ar is not None]
     if not names:
         return None
-    cats = sorted({c for n in names for c in (summary[n].get("categories") or {})})
+    cats = sorted({c for n in names for c in summary[n].categories})
     groups = ["all", *cats]
     width = 0.8 / len(names)
     fig, ax = pyplot().subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(names)) / 3), 4.2))
     for i, n in enumerate(names):
         m = summary[n]
-        vals = [m["speedup_vs_ar"]] + [(m["categories"].get(c) or {}).get("speedup_vs_ar") or 0.0 for c in cats]
+        vals = [m.overall.speedup_vs_ar] + [(b.speedup_vs_ar if (b := m.categories.get(c)) else None) or 0.0 for c in cats]
         xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
-        label = n if m.get("lossless", True) else f"{n} (lossy)"
-        bars = ax.bar(xs, vals, width, label=label, hatch=None if m.get("lossless", True) else "//")
+        label = n if m.lossless else f"{n} (lossy)"
+        bars = ax.bar(xs, vals, width, label=label, hatch=None if m.lossless else "//")
         ax.bar_label(bars, labels=[f"{v:.2f}" for v in vals], fontsize=7, padding=1)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(groups)), groups)
@@ -69,7 +73,7 @@ def speedup_by_category(summary: Mapping[str, Mapping[str, Any]], path: Path, re
     return save_figure(fig, path)
 
 
-def swift_heatmap(history: Sequence[Mapping[str, Any]], num_layers: int, path: Path, title: str = "") -> Path | None:
+def swift_heatmap(history: Sequence[JsonObject], num_layers: int, path: Path, title: str = "") -> Path | None:
     """SWIFT's layer search: which sublayers each evaluated candidate skips (light) and the
     best set so far (dark) at every optimization step, with matchness on top."""
     if not history:

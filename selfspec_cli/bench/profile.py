@@ -25,6 +25,7 @@ from ..prompts import PROMPT_FORMATS, Prompt
 from ..session import Session, apply_threads
 from . import engine_profile as prof
 from .suite_loader import load_prompts
+from ..jsonio import JsonObject
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
 
@@ -103,7 +104,7 @@ def _calibrated(layers: Path | None, model: Any, log: Callable[[str], None]) -> 
 
 
 def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
-        progress: Callable[[], Any]) -> dict[str, Any]:
+        progress: Callable[[], Any]) -> JsonObject:
     """Load the model, measure, write profile.json (and the plots); returns what profile.json holds. Under
     ``--force`` an earlier profile's files go first, so no plot of it stays beside the new profile.json."""
     if req.force:

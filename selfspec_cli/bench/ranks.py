@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..decoding.output import OutputRecord
 from ..errors import ConfigError
 
 GATHER_TIMEOUT = datetime.timedelta(hours=48)  # ranks finish their shares at different times
@@ -94,10 +95,10 @@ def close(ranks: Ranks) -> None:
             dist.destroy_process_group()
 
 
-def merge_repeats(parts: Sequence[Sequence[Sequence[dict[str, Any]]]], order: Sequence[Any]) -> list[list[dict[str, Any]]]:
+def merge_repeats(parts: Sequence[Sequence[Sequence[OutputRecord]]], order: Sequence[Any]) -> list[list[OutputRecord]]:
     """One contender's passes from every rank (``parts[rank][pass]`` = records) as one list of
     passes, each in the suite's prompt ``order`` (prompt ids)."""
     where = {pid: i for i, pid in enumerate(order)}
     passes = max((len(p) for p in parts), default=0)
-    return [sorted((rec for p in parts if rep < len(p) for rec in p[rep]), key=lambda r: where[r["id"]])
+    return [sorted((rec for p in parts if rep < len(p) for rec in p[rep]), key=lambda r: where[r.id])
             for rep in range(passes)]

@@ -12,6 +12,7 @@ synchronized on both sides).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.output import DecodeResult
+from ..decoding.output import DecodeResult, OutputRecord
 from ..prompts import Prompt
 from ..methods.application import decode_prompts
 
@@ -42,12 +43,12 @@ class ContenderResult:
     name: str
     lossless: bool
     kind: str
-    repeats: list[list[dict[str, Any]]] = field(default_factory=list)  # per timed pass: per-prompt records
+    repeats: list[list[OutputRecord]] = field(default_factory=list)  # per timed pass: per-prompt records
     peak_rss_mb: float | None = None
     peak_cuda_mb: float | None = None
 
     @property
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[OutputRecord]:
         """The last pass's records (answers and plots use them)."""
         return self.repeats[-1] if self.repeats else []
 
@@ -99,7 +100,7 @@ class MemorySampler:
 
 
 def _timed_record(c: Contender, gen: Generate, res: ContenderResult, mem: MemorySampler, tokenizer: Any, p: Prompt,
-                  cfg: GenerationConfig, device: torch.device, use_chat_template: bool) -> dict[str, Any]:
+                  cfg: GenerationConfig, device: torch.device, use_chat_template: bool) -> OutputRecord:
     """One timed decode of prompt ``p`` by contender ``c``: its memory attributed to it while it runs, and its
     CUDA peak (on a GPU) folded into ``res``."""
     cuda = device.type == "cuda"
@@ -115,10 +116,10 @@ def _timed_record(c: Contender, gen: Generate, res: ContenderResult, mem: Memory
 
 def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokenizer: Any, cfg: GenerationConfig,
               device: torch.device, warmup: int = 1, repeats: int = 1, use_chat_template: bool = True,
-              on_record: Callable[[str, int, dict[str, Any]], None] | None = None,
-              done: dict[str, dict[tuple[int, Any], dict[str, Any]]] | None = None,
+              on_record: Callable[[str, int, OutputRecord], None] | None = None,
+              done: dict[str, dict[tuple[int, Any], OutputRecord]] | None = None,
               partial: dict[str, ContenderResult] | None = None,
-              between_passes: Callable[[], None] | None = None) -> dict[str, ContenderResult]:
+              between_passes: Callable[[], None] | None = None, rank: int | None = None) -> dict[str, ContenderResult]:
     """Warm up each contender on the first prompt, then ``repeats`` timed passes.
 
     Within a pass the order is prompt-major: every contender decodes prompt 1, then every
@@ -130,7 +131,9 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
     ``done``: records of an interrupted run, per contender and (pass, prompt id), kept as
     they are and not run again (``bench --resume``). ``partial``: filled as the run goes, so
     that a caller interrupted mid-run has every finished record. ``between_passes``: run before
-    every pass after the first, outside any timed region (the bench pools cost readings there).
+    every pass after the first, outside any timed region (the bench pools cost readings there). Each timed
+    record is marked with its pass (``repeat``) and ``rank`` (torchrun's; None: one process) before it is
+    kept and handed to ``on_record``.
     """
     done = done or {}
     results = {c.name: ContenderResult(c.name, c.lossless, c.kind) for c in contenders}
@@ -155,7 +158,7 @@ def run_bench(contenders: Sequence[Contender], prompts: Sequence[Prompt], tokeni
                         res.repeats[-1].append(done[c.name][(rep, p.id)])
                         continue
                     rec = _timed_record(c, gens[c.name], res, mem, tokenizer, p, cfg, device, use_chat_template)
-                    rec["repeat"] = rep
+                    rec = dataclasses.replace(rec, repeat=rep, rank=rank)
                     res.repeats[-1].append(rec)
                     if on_record:
                         on_record(c.name, rep, rec)

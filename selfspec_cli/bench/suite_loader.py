@@ -33,6 +33,7 @@ from typing import Any
 
 from ..errors import ConfigError, PromptFileError, first_line
 from ..prompts import Prompt, prompt_from_row, read_prompts
+from ..jsonio import JsonObject
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPEC_BENCH_FILE = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
@@ -187,7 +188,7 @@ def load_suite(name_or_path: str = DEFAULT_SUITE) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(prompt_file: str | None, suite: str | None, fmt: str = "auto") -> tuple[list[Prompt], dict[str, Any]]:
+def load_prompts(prompt_file: str | None, suite: str | None, fmt: str = "auto") -> tuple[list[Prompt], JsonObject]:
     """The prompts of ``--prompt-file`` or ``--suite`` (default :data:`DEFAULT_SUITE`), and which source it was."""
     if prompt_file is not None and suite is not None:
         raise ConfigError("give --prompt-file or --suite, not both")

@@ -16,7 +16,8 @@ import typer
 from ..bench import job
 from ..bench.job import DEFAULT_METHODS, VARIANTS
 from ..bench.peers import PEERS
-from ..bench.report import headline
+from ..bench.metrics import Paired
+from ..bench.report import Block, MethodSummary, headline
 from ..bench.suite_loader import DEFAULT_SUITE
 from ..methods import METHODS
 from . import options as opt
@@ -72,7 +73,7 @@ def _report(outcome: job.BenchOutcome, plan: job.BenchPlan, output_dir: Path) ->
     for extra in (_category_table(summary, has_base), _cost_table(summary)):
         if extra is not None:
             err_console.print(extra)
-    lossless_bad = [n for n, m in summary.items() if m["lossless"] and m.get("parity") and m["parity"]["parity"] < 1]
+    lossless_bad = [n for n, m in summary.items() if m.lossless and m.overall.parity and m.overall.parity.parity < 1]
     if lossless_bad and not plan.sampling.greedy and plan.sampling.rule == "speculative":
         log("parity below 100% is expected under --sampling-rule speculative: the same law, other samples")
     elif lossless_bad:
@@ -86,62 +87,62 @@ def _f(x: Any, suffix: str = "", fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt) + suffix
 
 
-def _table(summary: dict[str, dict[str, Any]], title: str, has_ref: bool, has_base: bool) -> FigureTable:
+def _table(summary: dict[str, MethodSummary], title: str, has_ref: bool, has_base: bool) -> FigureTable:
     vs = [k for k, shown in (("ar", has_ref), ("hf", has_base)) if shown]  # the speedup columns
     t = FigureTable(title + ("; vs ar/hf: ratio of mean tok/s, paired: geometric mean of per-prompt ratios" if vs else ""),
                     ["method", "tok/s", "min-max", *(f"vs {k}" for k in vs), "paired vs ar [95 %]", "decode tok/s", "M",
                      "alpha", "parity", "differs (first token)", "optim s", "peak MB"],
                     left=("method", "differs (first token)"), wrap=("differs (first token)",))
-    for n, m in summary.items():
-        par = m.get("parity")
-        differs = ", ".join(f"{d['id']}@{d['first_divergence']}" for d in (par or {}).get("differing", [])[:4])
-        if par and len(par["differing"]) > 4:
-            differs += f" +{len(par['differing']) - 4}"
-        speedups = [f"{m['speedup_vs_' + k]:.2f}x" for k in vs]
-        t.add_row(n + ("" if m["lossless"] else " (lossy)"), f"{m['tokens_per_s']:.1f}",
-                  f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}", *speedups, _paired(m.get("paired_vs_ar")),
-                  _f(m.get("decode_tokens_per_s"), fmt=".1f"), _f(m["mean_accepted_length"]), _f(m["acceptance_rate"]),
-                  f"{par['parity']:.0%} ({par['token_parity']:.1%} tok)" if par else "-", differs,
-                  _f(m["optimization_s"], fmt=".1f"), f"{m['peak_cuda_mb'] or m['peak_rss_mb'] or 0:.0f}")
+    for n, s in summary.items():
+        m, par = s.overall, s.overall.parity
+        differs = ", ".join(f"{d.id}@{d.first_divergence}" for d in (par.differing if par else [])[:4])
+        if par and len(par.differing) > 4:
+            differs += f" +{len(par.differing) - 4}"
+        speedups = [f"{getattr(m, 'speedup_vs_' + k):.2f}x" for k in vs]
+        t.add_row(n + ("" if s.lossless else " (lossy)"), f"{m.tokens_per_s:.1f}",
+                  f"{m.tokens_per_s_min:.1f}-{m.tokens_per_s_max:.1f}", *speedups, _paired(m.paired_vs_ar),
+                  _f(m.decode_tokens_per_s, fmt=".1f"), _f(m.mean_accepted_length), _f(m.acceptance_rate),
+                  f"{par.parity:.0%} ({par.token_parity:.1%} tok)" if par else "-", differs,
+                  _f(s.optimization_s, fmt=".1f"), f"{s.peak_cuda_mb or s.peak_rss_mb or 0:.0f}")
     return t
 
 
-def _paired(p: dict[str, Any] | None) -> str:
+def _paired(p: Paired | None) -> str:
     if not p:
         return "-"
-    return f"{p['speedup']:.3f}x" + (f" [{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}]" if p["ci95"] else "")
+    return f"{p.speedup:.3f}x" + (f" [{p.ci95[0]:.2f}-{p.ci95[1]:.2f}]" if p.ci95 else "")
 
 
-def _category_table(summary: dict[str, dict[str, Any]], has_base: bool) -> FigureTable | None:
-    cats = sorted({c for m in summary.values() for c in m.get("categories", {})})
+def _category_table(summary: dict[str, MethodSummary], has_base: bool) -> FigureTable | None:
+    cats = sorted({c for m in summary.values() for c in m.categories})
     if not cats:
         return None
     t = FigureTable("speedup by category: vs ar [paired, 95 % interval]" + (" / vs hf" if has_base else "") + "  (M)",
                     ["method", *cats])
     for n, m in summary.items():
-        t.add_row(n, *(_category_cell(m["categories"].get(c), has_base) for c in cats))
+        t.add_row(n, *(_category_cell(m.categories.get(c), has_base) for c in cats))
     return t
 
 
-def _category_cell(b: dict[str, Any] | None, has_base: bool) -> str:
+def _category_cell(b: Block | None, has_base: bool) -> str:
     if not b:
         return "-"
-    hf = f" / {b['speedup_vs_hf']:.2f}" if has_base and b["speedup_vs_hf"] is not None else ""
-    m = "" if b["mean_accepted_length"] is None else f" ({b['mean_accepted_length']:.2f})"
-    ci = (b.get("paired_vs_ar") or {}).get("ci95")
-    return _f(b["speedup_vs_ar"]) + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "") + hf + m
+    hf = f" / {b.speedup_vs_hf:.2f}" if has_base and b.speedup_vs_hf is not None else ""
+    m = "" if b.mean_accepted_length is None else f" ({b.mean_accepted_length:.2f})"
+    ci = b.paired_vs_ar.ci95 if b.paired_vs_ar else None
+    return _f(b.speedup_vs_ar) + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "") + hf + m
 
 
-def _cost_table(summary: dict[str, dict[str, Any]]) -> FigureTable | None:
-    rows = {n: m["cost_model"] for n, m in summary.items() if m.get("cost_model")}
+def _cost_table(summary: dict[str, MethodSummary]) -> FigureTable | None:
+    rows = {n: m.cost_model for n, m in summary.items() if m.cost_model}
     if not rows:
         return None
     t = FigureTable("cost-aware drafting: predicted (measured costs and acceptance) vs measured speedup, decode-only",
                     ("method", "rounds drafted", "predicted vs ar", "measured vs ar", "measured / predicted",
                      "end to end vs ar", "skip ratio"))
     for n, cm in rows.items():
-        m = summary[n]
-        t.add_row(n, f"{cm['draft_round_share']:.0%}", _f(cm.get("predicted_speedup"), "x"),
-                  _f(m.get("decode_speedup_vs_ar"), "x"), _f(cm.get("measured_over_predicted")),
-                  _f(m.get("speedup_vs_ar"), "x"), _f(cm.get("skip_ratio")))
+        m = summary[n].overall
+        t.add_row(n, f"{cm.draft_round_share:.0%}", _f(cm.predicted_speedup, "x"),
+                  _f(m.decode_speedup_vs_ar, "x"), _f(cm.measured_over_predicted),
+                  _f(m.speedup_vs_ar, "x"), _f(cm.skip_ratio))
     return t

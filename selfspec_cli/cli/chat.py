@@ -123,6 +123,6 @@ def _answer(opened: Opened, history: list[dict[str, str]], text: str) -> bool:
         return False
     [rec] = opened.decode([Prompt(id=len(history) // 2 + 1, turns=(text,))], _Answer(session.tokenizer), history)
     write_out("\n")
-    wall = rec["wall_time_s"]
-    log(f"[dim]{count(rec['new_tokens'], 'token')} in {wall:.1f} s ({rec['new_tokens'] / max(wall, 1e-9):.1f} tok/s)[/dim]")
+    wall = rec.wall_time_s
+    log(f"[dim]{count(rec.new_tokens, 'token')} in {wall:.1f} s ({rec.new_tokens / max(wall, 1e-9):.1f} tok/s)[/dim]")
     return True

@@ -6,6 +6,7 @@ The command parses and prints: its flags are checked before any loading, in one 
 draw the bar, write the records or print the text as it comes."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import IO, Any, Optional
@@ -17,7 +18,7 @@ from rich.progress import Progress, TaskID
 from ..artifacts import check_new_artifact
 from ..config import check_choice
 from ..decoding import cost_store
-from ..decoding.output import DecodeResult
+from ..decoding.output import DecodeResult, OutputRecord
 from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, FieldError, count
 from ..loading import config_num_layers, resolve_model_path
@@ -192,15 +193,14 @@ class _Records(DecodeHooks):
         self.made += len(tokens)
         self.bar.update(self.task, info=f"{prompt.id}: {self.made} tokens")
 
-    def record(self, prompt: Prompt, rec: dict[str, Any]) -> None:
-        rec["threads"] = self.n_threads
-        rec["prompt_sha256"] = prompt_sha(prompt)  # what --resume matches a record by, beside its id
-        rec["settings"] = self.settings  # and what it checks the record was made with (cli/resume.py)
-        if self.used:
-            rec["artifacts"] = dict(self.used)
+    def record(self, prompt: Prompt, rec: OutputRecord) -> None:
+        # prompt_sha256: what --resume matches a record by, beside its id; settings: what it checks the record
+        # was made with (cli/resume.py)
+        rec = dataclasses.replace(rec, threads=self.n_threads, prompt_sha256=prompt_sha(prompt), settings=self.settings,
+                                  artifacts=dict(self.used) if self.used else None)
         pace, out = self.pace, self.out
         with signals_held():  # the record and the note that counts it, together
-            write_record(out, rec, self.bar)  # on a terminal: above the bar, never on its line
+            write_record(out, rec.to_dict(), self.bar)  # on a terminal: above the bar, never on its line
             pace.add(rec)
             # what an interrupt keeps (cli/exits.py); an --output's partial file says it itself (output_stream)
             where = "stdout" if out is sys.stdout else f"'{getattr(out, 'name', 'the output')}'"
@@ -250,7 +250,7 @@ class _Printed(DecodeHooks):
     def turn_ended(self, prompt: Prompt, result: DecodeResult) -> None:
         self.printer.end(torn=result.finish_reason == "length")
 
-    def record(self, prompt: Prompt, rec: dict[str, Any]) -> None:
+    def record(self, prompt: Prompt, rec: OutputRecord) -> None:
         write_out("\n")
         self.pace.add(rec)
         set_exit_note(f"the text of {count(self.pace.records, 'finished prompt')} was printed (--stream keeps no "

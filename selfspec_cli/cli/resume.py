@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import GenerationConfig
+from ..decoding.output import OutputRecord
 from ..errors import ConfigError
 from ..paths import cut_to_last_line
 from ..prompts import Prompt
@@ -58,17 +59,17 @@ def prompt_sha(prompt: Prompt) -> str:
     return hashlib.sha256("\x1e".join(prompt.turns).encode("utf-8")).hexdigest()[:16]
 
 
-def _records(path: Path) -> list[tuple[dict[str, Any], str]]:
-    """The whole-line JSON records of ``path`` with their lines as written (an unreadable line is
-    left out)."""
+def _records(path: Path) -> list[tuple[OutputRecord, str]]:
+    """The whole-line JSON records of ``path``, read back (:meth:`OutputRecord.from_dict`), with their lines as
+    written (an unreadable line is left out)."""
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            d = json.loads(line)
+            if isinstance(d, dict) and "id" in d:
+                out.append((OutputRecord.from_dict(d), line))
+        except (json.JSONDecodeError, AttributeError, TypeError):
             continue
-        if isinstance(rec, dict) and "id" in rec:
-            out.append((rec, line))
     return out
 
 
@@ -78,7 +79,7 @@ def check_append(path: Path | None, prompts: list[Prompt], numbered: bool = Fals
     the file's largest integer id instead."""
     if path is None or str(path) == "-" or not path.is_file():
         return prompts
-    held = {rec["id"] for rec, _ in _records(path)}
+    held = {rec.id for rec, _ in _records(path)}
     if numbered:
         start = max([i for i in held if isinstance(i, int) and not isinstance(i, bool)], default=0)
         return [dataclasses.replace(p, id=start + k) for k, p in enumerate(prompts, start=1)]
@@ -104,8 +105,8 @@ def resume(path: Path, prompts: list[Prompt], method: str, settings: dict[str, A
         cut_to_last_line(path)  # a record torn by an interrupted --append run: decoded again, not kept half
     done = [rec for rec, _ in _records(path)] if path.exists() else []
     partials = kept_partials(path)
-    have = {str(r["id"]) for r in done}
-    carried = [(rec, line) for rec, line in (_records(partials[-1]) if partials else []) if str(rec["id"]) not in have]
+    have = {str(r.id) for r in done}
+    carried = [(rec, line) for rec, line in (_records(partials[-1]) if partials else []) if str(rec.id) not in have]
     for rec in done:
         _check(rec, by_id, method, settings, path)
     for rec, _ in carried:
@@ -116,20 +117,20 @@ def resume(path: Path, prompts: list[Prompt], method: str, settings: dict[str, A
                 f.write(line + "\n")
             f.flush()
         partials[-1].unlink()
-    have |= {str(rec["id"]) for rec, _ in carried}
+    have |= {str(rec.id) for rec, _ in carried}
     return [p for p in prompts if str(p.id) not in have], len(have)
 
 
-def _check(rec: dict[str, Any], by_id: dict[str, Prompt], method: str, settings: dict[str, Any], where: Path) -> None:
-    p = by_id.get(str(rec["id"]))
+def _check(rec: OutputRecord, by_id: dict[str, Prompt], method: str, settings: dict[str, Any], where: Path) -> None:
+    p = by_id.get(str(rec.id))
     fix = "pass --force to start over, or another --output"
     if p is None:
-        raise ConfigError(f"--resume: '{where}' holds a record for prompt id {rec['id']}, which the prompts do not have; {fix}")
-    if rec.get("method") != method:
-        raise ConfigError(f"--resume: '{where}' holds records of --method {rec.get('method')}, not {method}; {fix}")
-    if "prompt_sha256" in rec and rec["prompt_sha256"] != prompt_sha(p):
-        raise ConfigError(f"--resume: '{where}' holds a record for another text of prompt id {rec['id']}; {fix}")
-    held = rec.get("settings")
+        raise ConfigError(f"--resume: '{where}' holds a record for prompt id {rec.id}, which the prompts do not have; {fix}")
+    if rec.method != method:
+        raise ConfigError(f"--resume: '{where}' holds records of --method {rec.method}, not {method}; {fix}")
+    if rec.prompt_sha256 is not None and rec.prompt_sha256 != prompt_sha(p):
+        raise ConfigError(f"--resume: '{where}' holds a record for another text of prompt id {rec.id}; {fix}")
+    held = rec.settings
     if isinstance(held, dict) and held != settings:
         keys = [*SETTING_FLAGS, *sorted((set(held) | set(settings)) - set(SETTING_FLAGS))]  # flags first, then any other
         diff = [k for k in keys if held.get(k) != settings.get(k)]

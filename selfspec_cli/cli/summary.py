@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..decoding.output import OutputRecord
 from ..errors import count
 
 PLAIN_ROUNDS = 16  # rounds that drafted nothing, from which they scale ar's estimate to this process
@@ -60,30 +61,30 @@ class Pace:
     plain_s: float = 0.0
     plain_t1_s: float = 0.0
 
-    def add(self, rec: dict[str, Any]) -> None:
+    def add(self, rec: OutputRecord) -> None:
         self.records += 1
-        self.tokens += rec["new_tokens"]
-        self.seconds += rec["wall_time_s"]
-        for turn in rec.get("turns") or [rec]:
-            st = turn.get("stats") or {}
-            prefill = st.get("prefill_s")
+        self.tokens += rec.new_tokens
+        self.seconds += rec.wall_time_s
+        for turn in rec.all_turns():
+            st = turn.stats
+            prefill = st.prefill_s
             if prefill is not None:
                 self.prefill_s += prefill
-                self.prompt_tokens += turn["prompt_tokens"]
-                if turn["new_tokens"] > 1:
-                    self.decoded.append((turn["prompt_tokens"], turn["new_tokens"] - 1, turn["wall_time_s"] - prefill))
-            rounds = max(0, len(st.get("accept_lengths") or []) - 1)  # the rounds after the prefill
+                self.prompt_tokens += turn.prompt_tokens
+                if turn.new_tokens > 1:
+                    self.decoded.append((turn.prompt_tokens, turn.new_tokens - 1, turn.wall_time_s - prefill))
+            rounds = max(0, len(st.accept_lengths or []) - 1)  # the rounds after the prefill
             self.rounds += rounds
-            self.draft_rounds += round((st.get("draft_round_share") or 0.0) * rounds)
-            self.drafted += st.get("drafted_tokens") or 0
-            self.accepted += st.get("accepted_draft_tokens") or 0
-            if isinstance(st.get("cost_model"), dict):
-                self.cost_model = st["cost_model"]
-            plain = st.get("plain_rounds") or {}
-            if plain.get("stored_t1_s"):
-                self.plain_rounds += plain["count"]
-                self.plain_s += plain["verify_s"]
-                self.plain_t1_s += plain["stored_t1_s"]
+            self.draft_rounds += round((st.draft_round_share or 0.0) * rounds)
+            self.drafted += st.drafted_tokens or 0
+            self.accepted += st.accepted_draft_tokens or 0
+            if isinstance(st.extra.get("cost_model"), dict):  # the drafter's description of its cost model
+                self.cost_model = st.extra["cost_model"]
+            plain = st.plain_rounds
+            if plain is not None and plain.stored_t1_s:
+                self.plain_rounds += plain.count
+                self.plain_s += plain.verify_s
+                self.plain_t1_s += plain.stored_t1_s
 
     def line(self, curve: Any = None, store: dict[str, Any] | None = None, drafts: bool = True) -> str:
         """The measured figures, then (given ``curve``, the stored verify curve the method planned with, and

@@ -16,13 +16,14 @@ source answered for itself (its probes count the rounds it is asked).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..engine import ForwardOutput
 from .measure import VerifyCurve
 from .drafts import Draft, NoDraft, Round
 from .driver import Drafter, DraftPolicy, Taps
 from .state import DecodeState
+from ..jsonio import JsonObject
 
 
 class Option(NamedTuple):
@@ -105,5 +106,5 @@ class Choose:
         if self.best.last is not None:
             self.best.last.drafter.accept(state, rnd)
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         return {o.name: o.drafter.end() for o in self.best.options}

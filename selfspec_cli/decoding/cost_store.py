@@ -77,6 +77,7 @@ import torch
 from ..engine import Engine, kernels
 from ..engine.adapter import model_fingerprint
 from ..errors import ArtifactError
+from ..jsonio import JsonObject
 from ..paths import atomic_write, cache_root
 from .measure import CURVE_ROWS, SHORT_ROUNDS, SHORT_ROWS, VerifyCurve, draft_step_cost
 
@@ -135,7 +136,7 @@ def path_for(key: dict[str, str]) -> Path:
     return costs_dir() / f"{digest}.json"
 
 
-def read(key: dict[str, str], path: Path | None = None) -> dict[str, Any] | None:
+def read(key: dict[str, str], path: Path | None = None) -> JsonObject | None:
     """The stored record for ``key`` (at ``path``, by default :func:`path_for`); None when there is
     none, or it is unreadable or foreign."""
     try:
@@ -149,7 +150,7 @@ def read(key: dict[str, str], path: Path | None = None) -> dict[str, Any] | None
     return rec
 
 
-def write(key: dict[str, str], rec: dict[str, Any], path: Path | None = None) -> Path | None:
+def write(key: dict[str, str], rec: JsonObject, path: Path | None = None) -> Path | None:
     """Store ``rec`` (its ``curve`` and ``draft_costs``) for ``key``, atomically (at ``path``, by
     default :func:`path_for`); None when the cache cannot be written."""
     now = time.time()
@@ -163,8 +164,8 @@ def write(key: dict[str, str], rec: dict[str, Any], path: Path | None = None) ->
     return path
 
 
-def update(key: dict[str, str], *, curve: dict[str, Any] | None = None,
-           draft_costs: dict[str, dict[str, Any]] | None = None) -> Path | None:
+def update(key: dict[str, str], *, curve: JsonObject | None = None,
+           draft_costs: dict[str, JsonObject] | None = None) -> Path | None:
     """Replace the stored curve (when given) and add or replace draft costs (the newest
     :data:`DRAFT_KEEP`), keeping the rest."""
     rec = read(key) or {}
@@ -175,7 +176,7 @@ def update(key: dict[str, str], *, curve: dict[str, Any] | None = None,
     return write(key, rec)
 
 
-def describe(key: dict[str, str]) -> dict[str, Any]:
+def describe(key: dict[str, str]) -> JsonObject:
     """What is stored for ``key``, as ``selfspec profile`` shows it: path, key, age, rows, readings."""
     path = path_for(key)
     rec = read(key)
@@ -206,8 +207,8 @@ def slope_fit(plain: list[tuple[int, float]]) -> float | None:
     return max(0.0, sum((x - mx) * (y - my) for x, y in plain) / sxx)
 
 
-def blend(rec: dict[str, Any], rows: dict[int, list[float]], drafts: dict[str, list[float]],
-          plain: list[tuple[int, float]] = ()) -> dict[str, Any] | None:
+def blend(rec: JsonObject, rows: dict[int, list[float]], drafts: dict[str, list[float]],
+          plain: list[tuple[int, float]] = ()) -> JsonObject | None:
     """``rec`` with one process's observations folded in (the module docstring's rule); None when
     there is nothing to fold (no stored curve, or too few observations of anything). ``rows``: an
     m-row verify forward's seconds at the curve's context; ``drafts``: one draft step's seconds;
@@ -240,7 +241,7 @@ def blend(rec: dict[str, Any], rows: dict[int, list[float]], drafts: dict[str, l
     return {**rec, "curve": new_curve, "draft_costs": costs}
 
 
-def settled(rec: dict[str, Any], now: float | None = None) -> bool:
+def settled(rec: JsonObject, now: float | None = None) -> bool:
     """Whether a stored record takes no process's reading now: its curve holds :data:`BLEND_CAP` readings
     and was updated less than :data:`REFRESH_S` ago (the module docstring's deliberate refresh)."""
     curve = rec.get("curve") or {}

@@ -40,21 +40,29 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
+from ..jsonio import JsonObject
 from .cost_store import observe_forward
 from .measure import VerifyCurve
 from .planning import RoundClock, round_gain
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
-from .output import DecodeResult, DecodeStats, TokenSink
+from .output import DecodeResult, DecodeStats, PlainRounds, PlanTotals, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
 from .state import DecodeState
 from .verify import GREEDY, Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
+
+
+class ForwardOptions(TypedDict, total=False):
+    """The keyword options of an engine forward that a drafter's taps ask for."""
+
+    output_hidden: tuple[int, ...]
+    attn_cosine: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +79,11 @@ class Taps:
         """What either needs (the drafters of a composite)."""
         return Taps(self.attn_cosine or other.attn_cosine, tuple(dict.fromkeys((*self.hidden, *other.hidden))))
 
-    def verify_options(self) -> dict[str, Any]:
+    def verify_options(self) -> ForwardOptions:
         """The engine options of every verify forward."""
         return {"output_hidden": self.hidden} if self.hidden else {}
 
-    def prefill_options(self) -> dict[str, Any]:
+    def prefill_options(self) -> ForwardOptions:
         """The engine options of the prefill (the verify forwards' too)."""
         return {**self.verify_options(), **({"attn_cosine": True} if self.attn_cosine else {})}
 
@@ -89,7 +97,8 @@ class Drafter(Protocol):
     :meth:`begin` once (the prompt cached, the first token committed), then per round :meth:`draft`
     (``budget``: the most draft tokens the round may still emit) and, once the round is verified and
     committed, :meth:`accept` with what was accepted and what the round cost (:class:`~.drafts.Round`),
-    and finally :meth:`end`, whose answer goes into the prompt's ``stats``. How long to draft, and
+    and finally :meth:`end`, whose answer (the drafter's description of itself, free-form JSON) goes into
+    the prompt's ``stats`` beside the driver's counters and timings (:class:`~.output.DecodeStats`). How long to draft, and
     whether to draft at all, is the drafter's :class:`DraftPolicy`'s, a separate object the drafter
     asks (docs/design.md, "Drafters and policies")."""
 
@@ -102,7 +111,7 @@ class Drafter(Protocol):
 
     def accept(self, state: DecodeState, rnd: Round) -> None: ...
 
-    def end(self) -> dict[str, Any]: ...
+    def end(self) -> JsonObject: ...
 
 
 @runtime_checkable
@@ -136,7 +145,7 @@ class Plain:
     def accept(self, state: DecodeState, rnd: Round) -> None:
         pass
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         return {}
 
 
@@ -170,7 +179,7 @@ class Delegating:
     def accept(self, state: DecodeState, rnd: Round) -> None:
         self.inner.accept(state, rnd)
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         return self.inner.end()
 
 
@@ -237,16 +246,17 @@ def decode(eng: Engine, tokenizer: Any, drafter: Drafter, prompt_ids: list[int],
                 observe_forward(eng, verdict_rows(draft), forward_s, pos)
             drafter.accept(state, Round(draft, verdict, out, steps))
             timings["update_s"] += time.perf_counter() - t4
-    stats.extra.update({k: round(v, 6) for k, v in timings.items()})
+    stats.prefill_s, stats.draft_s, stats.verify_s, stats.update_s = (
+        round(timings[k], 6) for k in ("prefill_s", "draft_s", "verify_s", "update_s"))
     if plain_n:
-        stats.extra["plain_rounds"] = {"count": plain_n, "verify_s": round(plain_s, 6), "stored_t1_s": round(plain_t1, 6)}
+        stats.plain_rounds = PlainRounds(plain_n, round(plain_s, 6), round(plain_t1, 6))
     decode_s = timings["draft_s"] + timings["verify_s"] + timings["update_s"]  # a drafter's own work counts
     curve = policy.curve
     if curve is not None and curve.t1_s and decode_s > 0:  # plain steps' time over the time taken: the gain realized
-        stats.extra["realized_gain"] = round(plain_equiv / decode_s, 4)
+        stats.realized_gain = round(plain_equiv / decode_s, 4)
         if cost > 0 and not unplanned:
-            stats.extra["predicted_gain"] = round(round_gain(expected, cost), 4)
-            stats.extra["plan"] = {"expected_tokens": round(expected, 4), "cost_steps": round(cost, 4)}
+            stats.predicted_gain = round(round_gain(expected, cost), 4)
+            stats.plan = PlanTotals(round(expected, 4), round(cost, 4))
     stats.extra.update(drafter.end())
     return sink.result(stats)
 

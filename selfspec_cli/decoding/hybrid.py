@@ -16,7 +16,7 @@ round's plan and draft are what they were.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..engine import ForwardOutput
 from .planning import Planner, round_plan
@@ -26,6 +26,7 @@ from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter, SkipOrFullDept
 from .policy import LengthPolicy
 from .state import DecodeState
 from .verify import tree_children
+from ..jsonio import JsonObject
 
 
 class NgramSource(Protocol):
@@ -173,5 +174,5 @@ class Hybrid(Delegating):
             draft.note.by.accept(state, rnd)
         self.branch.observe(rnd, draft.note)
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         return self.chain.end()

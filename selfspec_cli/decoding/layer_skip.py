@@ -38,6 +38,7 @@ from .driver import Delegating, Drafter, Taps
 from .policy import LengthPolicy
 from .sampling import processed_scores, sample_from
 from .state import DecodeState
+from ..jsonio import JsonObject
 
 PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
@@ -120,7 +121,7 @@ class SkipSource:
     def update(self, state: DecodeState, rnd: Round, own: bool) -> None:
         pass
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {}
 
 
@@ -313,7 +314,7 @@ class LayerSkipDrafter:
             self.threshold.update(own, steps, note.hit_limit)
         self.policy.observe(steps, own, rnd.steps, draft.plan)
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         attn, mlp = self.skip_sets()
         out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.weights or "target",
                "verify": "tree" if self.settings.tree else "chain",
@@ -365,7 +366,7 @@ class SkipOrFullDepth(Choose):
         """The configuration whose expected gain is the best this round."""
         return self.best.pick(state, budget).drafter
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         out = self.skip.end()
         if any(self.skip.skip_sets()) and (model := self.full.policy.report()) is not None:
             out["full_depth"] = {"rounds": self.full.policy.drafting_rounds, "cost_model": model}
@@ -394,5 +395,5 @@ class Adapting(Delegating):
                and draft.note.by is self.drafter)
         self.source.update(state, rnd, own)
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         return {**self.inner.end(), **self.source.describe()}

@@ -31,6 +31,7 @@ import torch
 from ..engine import Engine
 from ..engine.kernels import stream_bytes
 from ..errors import ArtifactError
+from ..jsonio import JsonObject
 from ..paths import atomic_write
 
 T = TypeVar("T")
@@ -147,7 +148,7 @@ class VerifyCurve:
         ratios = {m: round(r, 4) for m, r in zip(rows, accumulate((times[m] / times[1] for m in rows), max))}
         return cls(times[1], ratios, context, slope_s, dict(times), readings, row_slope_s)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> JsonObject:
         """The reading as the store keeps it (decoding/cost_store.py): the forward times, not the ratios."""
         return {"context": self.context, "slope_s": self.slope_s, "times_s": {str(m): t for m, t in sorted(self.times_s.items())},
                 "readings": self.readings, **({} if self.row_slope_s is None else {"row_slope_s": self.row_slope_s})}

@@ -22,6 +22,7 @@ from .planning import Overhead, Planner
 from .drafts import Chain, Draft, NgramNote, NoDraft, Plan, Round
 from .driver import Taps
 from .state import DecodeState
+from ..jsonio import JsonObject
 
 # prompt lookup's defaults: the longest and shortest suffix n-gram looked up, the most draft tokens per round
 MAX_NGRAM, MIN_NGRAM, MAX_DRAFT = 3, 1, 10
@@ -106,7 +107,7 @@ class NgramPolicy:
             if draft.tokens:
                 self.planners[n].observe_round(rnd.steps, draft.plan)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> JsonObject:
         return {"cost_model": {str(n): p.report() for n, p in sorted(self.planners.items())}} if self.planners else {}
 
 
@@ -139,5 +140,5 @@ class NgramDrafter:
         if n:
             self.policy.observe_round(rnd, n)
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         return self.policy.report()

@@ -1,11 +1,13 @@
 """What a decode outputs: the tokens kept under the stopping rules, and the statistics.
 
-A prompt's output record is an :class:`OutputRecord` (its turns :class:`TurnRecord`), serialized
-once at I/O (:meth:`OutputRecord.to_dict`, :meth:`OutputRecord.from_dict`: the same keys and values
-on disk as ever). A decode's statistics are counted in :class:`DecodeStats` and kept, in every output record,
-as :class:`TurnStats` serialized flat (:meth:`TurnStats.to_dict`: the same keys as ever, what
-the driver and the drafter add beside the counters); readers parse a record's ``stats`` back
-with :meth:`TurnStats.from_dict`, which takes older records that lack newer fields.
+A prompt's output record is an :class:`OutputRecord` (its turns :class:`TurnRecord`): what
+:func:`~selfspec_cli.runtime.run_prompt` returns and every reader takes, serialized once at I/O
+(:meth:`OutputRecord.to_dict` where a line is written, :meth:`OutputRecord.from_dict` where a file is
+read back: the same keys, values and order on disk as ever). A decode's statistics are counted in
+:class:`DecodeStats` (the driver's counters and timings as typed fields; ``extra``: what the drafter
+reports of itself, free-form JSON) and kept, in every output record, as :class:`TurnStats` serialized
+flat (:meth:`TurnStats.to_dict`: the same keys as ever); :meth:`TurnStats.from_dict` takes older
+records that lack newer fields.
 
 Methods produce tokens in bursts (one per step for plain decoding, several per
 verification for speculative methods). :class:`TokenSink` takes each burst and
@@ -21,6 +23,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import GenerationConfig
+from ..jsonio import JsonObject
+
+
+@dataclass(frozen=True, slots=True)
+class PlanTotals:
+    """What a decode's drafting plans predicted, summed over its rounds (decoding/planning.py)."""
+
+    expected_tokens: float
+    cost_steps: float  # in plain steps
+
+
+@dataclass(frozen=True, slots=True)
+class PlainRounds:
+    """The rounds of a decode that drafted nothing (each one an ``ar`` step): how many, their verify
+    seconds and the stored T(1) at their contexts (cli/summary.py scales ``ar``'s estimate by them)."""
+
+    count: int
+    verify_s: float
+    stored_t1_s: float
 
 
 @dataclass(slots=True)
@@ -34,7 +55,10 @@ class DecodeStats:
       forwards, and rounds a lossy drafter ran at full depth);
     * ``drafted_tokens``: draft positions proposed (a chain's length, a tree's depth);
       ``accepted_draft_tokens``: drafted tokens that were accepted and kept;
-    * ``draft_rounds``: rounds that proposed at least one draft token.
+    * ``draft_rounds``: rounds that proposed at least one draft token;
+    * the driver's timings (seconds, None where no driver ran: an outside peer), the plain rounds, the
+      gain realized against plain steps and the one its plans predicted (with the plans' totals);
+    * ``extra``: what the drafter reports of itself (its ``end()``: its settings, skip sets, cost model).
     """
 
     target_forwards: int = 0
@@ -43,39 +67,43 @@ class DecodeStats:
     accepted_draft_tokens: int = 0
     draft_rounds: int = 0
     draft_lengths: list[int] = field(default_factory=list)  # per round after the prefill: draft depth (0: none)
-    extra: dict[str, Any] = field(default_factory=dict)
+    prefill_s: float | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+    update_s: float | None = None
+    plain_rounds: PlainRounds | None = None
+    realized_gain: float | None = None
+    predicted_gain: float | None = None
+    plan: PlanTotals | None = None
+    extra: JsonObject = field(default_factory=dict)
 
     def summary(self) -> TurnStats:
-        """The counters and their derived figures, with what the driver and the drafter added (``extra``)."""
+        """The counters and their derived figures, with the driver's timings and what the drafter added (``extra``)."""
         n = len(self.accept_lengths)
-        out: dict[str, Any] = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
-                               "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
+        out: JsonObject = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
+                           "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
         out["draft_round_share"] = self.draft_rounds / max(1, n - 1)  # 0.0 also for a planner that never drafted
         if self.drafted_tokens:
             out.update(drafted_tokens=self.drafted_tokens, accepted_draft_tokens=self.accepted_draft_tokens,
                        acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens)
-        out.update(self.extra)
-        return TurnStats.from_dict(out)
+        driver = {k: getattr(self, k) for k in _DRIVER_FIELDS}
+        return TurnStats.from_dict({**out, **{k: v for k, v in driver.items() if v is not None}, **self.extra})
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         """:meth:`summary` as a record keeps it."""
         return self.summary().to_dict()
 
 
-@dataclass(frozen=True, slots=True)
-class PlanTotals:
-    """What a decode's drafting plans predicted, summed over its rounds (decoding/planning.py)."""
-
-    expected_tokens: float
-    cost_steps: float  # in plain steps
+_DRIVER_FIELDS = ("prefill_s", "draft_s", "verify_s", "update_s", "plain_rounds", "realized_gain", "predicted_gain",
+                  "plan")
 
 
 @dataclass(slots=True)
 class TurnStats:
     """One decode's statistics as an output record keeps them (a turn's ``stats``). A field that is
-    None is absent from the record (older records, a method that does not draft or plan, a
-    multi-turn record's totals); ``extra`` holds the other keys (timings, the drafter's
-    description), kept flat beside the fields on disk."""
+    None is absent from the record (older records, a method that does not draft or plan, an outside
+    peer, a multi-turn record's totals); ``extra`` holds the other keys (the drafter's description of
+    itself), kept flat after the fields on disk."""
 
     target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
@@ -87,19 +115,27 @@ class TurnStats:
     plan: PlanTotals | None = None
     skip_attn: list[int] | None = None  # a layer-skipping drafter's skip set
     skip_mlp: list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    prefill_s: float | None = None  # the driver's timings (seconds)
+    draft_s: float | None = None
+    verify_s: float | None = None
+    update_s: float | None = None
+    plain_rounds: PlainRounds | None = None
+    realized_gain: float | None = None
+    predicted_gain: float | None = None
+    extra: JsonObject = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         out = dataclasses.asdict(self)
         extra = out.pop("extra")
         return {**{k: v for k, v in out.items() if v is not None}, **extra}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TurnStats:
+    def from_dict(cls, d: JsonObject) -> TurnStats:
         typed = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kw = {k: v for k, v in d.items() if k in typed}
-        if isinstance(kw.get("plan"), Mapping):
-            kw["plan"] = PlanTotals(**kw["plan"])
+        for key, kind in (("plan", PlanTotals), ("plain_rounds", PlainRounds)):
+            if isinstance(kw.get(key), Mapping):
+                kw[key] = kind(**kw[key])
         return cls(**kw, extra={k: v for k, v in d.items() if k not in typed})
 
 
@@ -107,7 +143,9 @@ TURN_SEPARATOR = "\n\n"  # between a multi-turn record's turns in its top-level 
 _TURN_KEYS = ("text", "token_ids", "new_tokens", "accept_lengths", "prompt_tokens", "wall_time_s", "tokens_per_s",
               "finish_reason", "stats")
 _RECORD_KEYS = ("id", "method", "lossless", "text", "token_ids", "new_tokens", "prompt_tokens", "wall_time_s",
-                "tokens_per_s", "finish_reason", "stats", "category", "num_turns", "turns", "repeat", "rank")
+                "tokens_per_s", "finish_reason", "stats", "category", "num_turns", "turns", "repeat", "rank", "threads",
+                "prompt_sha256", "settings", "artifacts")
+_LATE_KEYS = _RECORD_KEYS[14:]  # written after the turns, each only when set
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +162,12 @@ class TurnRecord:
     finish_reason: str
     stats: TurnStats
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The turn as JSONL holds it (the keys in this order; ``stats`` flat, :meth:`TurnStats.to_dict`)."""
         return {k: getattr(self, k) for k in _TURN_KEYS[:-1]} | {"stats": self.stats.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TurnRecord:
+    def from_dict(cls, d: JsonObject) -> TurnRecord:
         return cls(**{k: d.get(k) for k in _TURN_KEYS[:-1]}, stats=TurnStats.from_dict(d.get("stats") or {}))
 
 
@@ -138,8 +176,9 @@ class OutputRecord:
     """One prompt's output record, what ``generate`` prints and the bench keeps in records/<method>.jsonl
     (docs/benchmarks.md): the fields cover the whole prompt (a multi-turn prompt's totals, its last turn's
     ``finish_reason``; ``turns``: each turn, multi-turn records only); ``repeat`` and ``rank``: the bench's
-    pass and torchrun rank (absent elsewhere); ``extra``: keys this version does not know (an outside
-    peer's, a newer file's), kept as read. Serialized once at I/O: :meth:`to_dict` writes exactly the keys
+    pass and torchrun rank (absent elsewhere); ``threads``, ``prompt_sha256``, ``settings`` (the run's settings,
+    cli/resume.py) and ``artifacts`` (kind -> path): what ``generate`` adds (absent elsewhere); ``extra``: keys
+    this version does not know (an outside peer's, a newer file's), kept as read. Serialized once at I/O: :meth:`to_dict` writes exactly the keys
     and values records always had, in the same order, and :meth:`from_dict` reads any record back."""
 
     id: Any
@@ -157,7 +196,11 @@ class OutputRecord:
     turns: tuple[TurnRecord, ...] | None = None
     repeat: int | None = None
     rank: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None
+    prompt_sha256: str | None = None
+    settings: JsonObject | None = None
+    artifacts: dict[str, str] | None = None
+    extra: JsonObject = field(default_factory=dict)
 
     def all_turns(self) -> tuple[TurnRecord, ...]:
         """Its turns (a one-turn record is its own turn)."""
@@ -166,22 +209,22 @@ class OutputRecord:
         return (TurnRecord(self.text, self.token_ids, self.new_tokens, list(self.stats.accept_lengths),
                            self.prompt_tokens, self.wall_time_s, self.tokens_per_s, self.finish_reason, self.stats),)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         out = {k: getattr(self, k) for k in _RECORD_KEYS[:10]}
         out["stats"] = self.stats.to_dict()
         if self.category is not None:
             out["category"] = self.category
         if self.turns is not None:
             out.update(num_turns=len(self.turns), turns=[t.to_dict() for t in self.turns])
-        out.update({k: v for k, v in (("repeat", self.repeat), ("rank", self.rank)) if v is not None})
+        out.update({k: v for k in _LATE_KEYS if (v := getattr(self, k)) is not None})
         return {**out, **self.extra}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> OutputRecord:
+    def from_dict(cls, d: JsonObject) -> OutputRecord:
         turns = d.get("turns")
         return cls(**{k: d.get(k) for k in _RECORD_KEYS[:10]}, stats=TurnStats.from_dict(d.get("stats") or {}),
                    category=d.get("category"), turns=None if turns is None else tuple(TurnRecord.from_dict(t) for t in turns),
-                   repeat=d.get("repeat"), rank=d.get("rank"), extra={k: v for k, v in d.items() if k not in _RECORD_KEYS})
+                   **{k: d.get(k) for k in _LATE_KEYS}, extra={k: v for k, v in d.items() if k not in _RECORD_KEYS})
 
 
 @dataclass(slots=True)

@@ -62,8 +62,8 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
 
+from ..jsonio import JsonObject
 from .drafts import Plan
 from .measure import VerifyCurve
 
@@ -270,7 +270,7 @@ class Planner:
             return
         self.overhead.observe(steps - (plan.cost - self.overhead.value))
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> JsonObject:
         return {"prior": round(self.prior, 3), "acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
                 "round_overhead": round(self.overhead.value, 4),
                 "verify_curve": {m: round(self.curve.v(m), 3) for m in (2, 4, 8)}}  # the reading this planner uses

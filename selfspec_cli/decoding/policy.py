@@ -24,6 +24,7 @@ from .measure import VerifyCurve, draft_agreement, prior_draft_cost
 from .planning import Planner, ema
 from .drafts import Plan
 from .state import DecodeState
+from ..jsonio import JsonObject
 
 if TYPE_CHECKING:
     from .layer_skip import DraftModel, DraftSettings, SkipPair
@@ -148,6 +149,6 @@ class LengthPolicy:
             if steps:
                 self.planner.observe_round(round_steps, plan)
 
-    def report(self) -> dict[str, Any] | None:
+    def report(self) -> JsonObject | None:
         """The cost model as the prompt's ``stats`` report it (None: unplanned)."""
         return None if self.planner is None else {"c": round(self.draft_cost(), 4), **self.planner.report()}

@@ -11,11 +11,11 @@ method does not have.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from ..engine import Engine
 from ..errors import ConfigError
+from ..jsonio import JsonObject
 from . import adadecode, fr_spec, self_sd, specee
 from .adadecode import AdaDecode
 from .ar import AR
@@ -41,7 +41,7 @@ def method_class(name: str) -> type[Method]:
     return METHODS[name]
 
 
-def config_for(name: str, values: Mapping[str, Any] | None = None) -> Any:
+def config_for(name: str, values: JsonObject | None = None) -> Any:
     """``name``'s config with ``values`` for some of its fields (the rest default)."""
     cls = method_class(name).Config
     known = {f.name for f in dataclasses.fields(cls)}

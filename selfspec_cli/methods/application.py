@@ -33,7 +33,7 @@ from typing import Any
 
 from ..artifacts import recording_loads
 from ..config import GenerationConfig
-from ..decoding.output import DecodeResult
+from ..decoding.output import DecodeResult, OutputRecord
 from ..decoding.state import PREFILL_PROGRESS
 from ..engine import Engine
 from ..prompts import Prompt, prompts_digest
@@ -62,7 +62,7 @@ class Opened:
     freed: int = 0
 
     def decode(self, prompts: Iterable[Prompt], hooks: DecodeHooks | None = None,
-               history: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
+               history: list[dict[str, str]] | None = None) -> list[OutputRecord]:
         """:func:`decode_prompts` with this method, on its session's tokenizer, chat template and device."""
         return decode_prompts(self.method.generate, prompts, self.session.tokenizer, self.cfg, self.engine.device,
                               self.name, chat_template=self.session.chat_template, lossless=self.method.lossless,
@@ -108,13 +108,13 @@ class DecodeHooks:
     def turn_ended(self, prompt: Prompt, result: DecodeResult) -> None:
         """The turn is decoded (inside its timed span, as the tokens' printing is)."""
 
-    def record(self, prompt: Prompt, record: dict[str, Any]) -> None:
-        """The prompt's record is finished (a caller may add fields before it is returned)."""
+    def record(self, prompt: Prompt, record: OutputRecord) -> None:
+        """The prompt's record is finished (a caller that writes it adds its own fields to the copy it writes)."""
 
 
 def decode_prompts(generate: Generate, prompts: Iterable[Prompt], tokenizer: Any, cfg: GenerationConfig, device: Any,
                    name: str, *, chat_template: bool = True, lossless: bool = True, hooks: DecodeHooks | None = None,
-                   history: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
+                   history: list[dict[str, str]] | None = None) -> list[OutputRecord]:
     """Decode every prompt in order with ``generate``, one record each (returned in order, and each handed
     to ``hooks.record`` as it finishes). ``history``: the conversation before each prompt's first turn, which
     its turns extend (chat); None: every prompt starts a conversation of its own."""

@@ -15,12 +15,12 @@ uses Draft & Verify's adaptive draft exit; verification is exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..decoding.drafts import Round
 from ..decoding.layer_skip import NO_SKIPS, SkipPair, SkipSource
 from ..decoding.state import DecodeState
 from ..engine import ForwardOutput
+from ..jsonio import JsonObject
 from .base import LayerSkipMethod, LayerSkipOptions, option, require
 
 
@@ -68,7 +68,7 @@ class PromptSkips(SkipSource):
     def update(self, state: DecodeState, rnd: Round, own: bool) -> None:
         pass
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {"attn_cosine": [round(c, 5) for c in self.cosines]}
 
 

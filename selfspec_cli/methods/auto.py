@@ -36,6 +36,7 @@ from .base import (AUTO_PRECISION_HELP, DRAFT_PRECISIONS, DraftInputs, LayerSkip
                    require, resolve_precision)
 from .self_sd import SelfSD, SkipSet
 from .specqd import SpecQD
+from ..jsonio import JsonObject
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class AutoDrafter:
             # the n-gram branch of a hybrid round is a verified n-gram draft: its planner learns from it too
             self.ngram.policy.observe(self._ngram_n, len(path), len(set(path) & set(rnd.verdict.accepted)))
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         out: dict[str, Any] = {"auto_rounds": dict(self.rounds), "ngram": self.ngram.end()}
         if self.layer_skip is not None:
             out["layer_skip"] = {"method": self.layer_skip.name, **self.layer_skip.describe()}

@@ -29,6 +29,7 @@ from ..engine import Engine
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..engine.target import QUANT_TARGETS
 from ..errors import ConfigError, FieldError
+from ..jsonio import JsonObject
 
 DRAFT_PRECISIONS = ("auto", "target", *PRECISIONS)
 # what --draft-precision auto picks (resolve_precision), said once for every method's help
@@ -115,7 +116,7 @@ class Method:
                  on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
         return decode(self.engine, self.tokenizer, self.drafter, prompt_ids, cfg, on_tokens, policy=self.policy)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         """What the drafter reports (its :meth:`~selfspec_cli.decoding.driver.Drafter.end`), also between decodes."""
         return self.drafter.end()
 
@@ -125,18 +126,18 @@ class Method:
         model's defaults). Methods with artifacts override this."""
         return cls(engine, tokenizer, config or cls.Config())
 
-    def search_history(self) -> list[dict[str, Any]] | None:
+    def search_history(self) -> list[JsonObject] | None:
         """Candidates an online search evaluated (SWIFT), for plots; None for other methods."""
         return None
 
-    def offline_info(self) -> dict[str, Any] | None:
+    def offline_info(self) -> JsonObject | None:
         """Offline time behind this method's artifacts (``selfspec bench`` reports it), or None."""
         parts = [p for p in self.offline_parts if p.get("seconds") is not None]
         return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
                 "parts": parts} if parts else None
 
 
-def training_cost(what: str, manifest: dict[str, Any]) -> dict[str, Any]:
+def training_cost(what: str, manifest: JsonObject) -> JsonObject:
     """Seconds a trained artifact cost (data collection + training), from its manifest."""
     tr = manifest.get("training") or {}
     secs = [float(x) for x in (tr.get("collect_seconds"), tr.get("train_seconds")) if x is not None]

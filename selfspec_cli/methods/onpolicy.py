@@ -36,6 +36,7 @@ from ..decoding.driver import Plain, Taps, decode
 from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError, ConfigError, count
 from ..paths import atomic_write, cache_root
+from ..jsonio import JsonObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +204,7 @@ class TrainSetting:
     draft_vocab: str | None = None  # lm-heads: the vocabulary the heads score (auto, full, or an FR-Spec artifact path)
 
 
-def check_options(options: dict[str, Any], epochs: int, batch_size: int, lr: float) -> TrainSetting:
+def check_options(options: JsonObject, epochs: int, batch_size: int, lr: float) -> TrainSetting:
     """The options of a training step, with this kind's defaults for those not given."""
     o = {"epochs": epochs, "batch_size": batch_size, "lr": lr, **{k: v for k, v in options.items() if v is not None}}
     for name in ("epochs", "batch_size", "rank"):
@@ -214,7 +215,7 @@ def check_options(options: dict[str, Any], epochs: int, batch_size: int, lr: flo
     return TrainSetting(**o)
 
 
-def collect(job: Any) -> tuple[OnPolicyData, dict[str, Any]]:
+def collect(job: Any) -> tuple[OnPolicyData, JsonObject]:
     """The job's on-policy rows (cached) and the manifest fields every trained artifact records:
     the data (prompts, rows, split) and the environment."""
     import time
@@ -255,8 +256,8 @@ def progress_callback(bar: Any) -> Progress:
 UNUSABLE_TAG = "unusable"  # beside the default path (<default>.unusable): trained, but never loaded by default
 
 
-def finish(job: Any, spec: Any, items: dict[int, Any], manifest: dict[str, Any], train_s: float, lines: list[str],
-           unusable: str | None = None, **summary: Any) -> dict[str, Any]:
+def finish(job: Any, spec: Any, items: dict[int, Any], manifest: JsonObject, train_s: float, lines: list[str],
+           unusable: str | None = None, **summary: Any) -> JsonObject:
     """Log the per-layer report ``lines``, save the per-layer artifact (``manifest``: the fields of
     :func:`collect` and the trainer's own, its ``training`` completed with the two durations),
     say where; returns the command's summary. ``unusable`` (why the artifact has no usable quality):

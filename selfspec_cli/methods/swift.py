@@ -42,6 +42,7 @@ from ..decoding.layer_skip import DraftSettings, SkipPair, SkipSource
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
+from ..jsonio import JsonObject
 from .base import LayerSkipMethod, LayerSkipOptions, option, require
 from .self_sd import SKIP_SET, SkipSet
 
@@ -280,7 +281,7 @@ class SwiftSearch(SkipSource):
         self.optimize_s += self._last - t0
         self._spent_s += self._last - t0
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {"optimize_s": round(self.optimize_s, 6),
                 "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
                           "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio}}
@@ -299,7 +300,7 @@ class Swift(LayerSkipMethod):
     def draft_settings(self) -> DraftSettings:  # the paper's top-k per confidence bin, no adaptive threshold
         return self.config.settings(adaptive=False, tree=True, tree_max_nodes=self.config.tree_nodes)
 
-    def search_history(self) -> list[dict[str, Any]]:
+    def search_history(self) -> list[JsonObject]:
         return self.search.history
 
     def save_layers(self, path: str | Path) -> Path:

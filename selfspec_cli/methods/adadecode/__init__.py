@@ -70,6 +70,7 @@ from ...errors import FieldError
 from ..base import Method, layer_list, option, require, training_cost
 from ..offline import OfflineStep
 from .heads import LowRankHead, head_logits
+from ...jsonio import JsonObject
 
 HEADS = ArtifactSpec(kind="adadecode-heads", folder="adadecode", what="AdaDecode heads artifact",
                      make="selfspec train-heads --kind lm-heads")
@@ -95,7 +96,7 @@ TRAIN = OfflineStep("train-heads", "lm-heads", HEADS, "selfspec_cli.methods.adad
                     max_new_tokens=256, min_prompts=3, Options=TrainOptions)
 
 
-def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], dict[str, Any]]:
+def load_heads(path: Path | None, model: Any) -> tuple[dict[int, LowRankHead], JsonObject]:
     """The heads (layer -> :class:`~.heads.LowRankHead`) of :data:`HEADS` at ``path`` (None: this model's default)."""
     return load_layers(HEADS, path, model, LowRankHead, "head")
 
@@ -169,7 +170,7 @@ class HeadsPolicy:
             return True
         return self.probes[k].probe(-value)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> JsonObject:
         return {"head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()},
                 "head_cost": round(self.head_cost, 4)}
 
@@ -278,7 +279,7 @@ class HeadsDrafter:
         for k in made_by[: len(rnd.verdict.accepted)]:
             self.policy.head_stats[k][2] += 1
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         sizes = sorted({"full" if h.vocab is None else h.vocab.numel() for h in self.heads.values()}, key=str)
         return {"early_exits": {str(k): v for k, v in self.exits.items()},
                 "head_vocab": sizes[0] if len(sizes) == 1 else sizes,  # the tokens the heads score

@@ -32,6 +32,7 @@ from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, col
                         progress_callback, splits, teacher_logprobs)
 from . import HEADS
 from .heads import LowRankHead, head_logits, init_head
+from ...jsonio import JsonObject
 
 DEFAULT_THRESHOLDS = (0.5, 0.75, 0.9, 0.95)
 
@@ -72,7 +73,7 @@ class HeadReport:
 
 @torch.no_grad()
 def evaluate_head(x: torch.Tensor, teacher_logp: torch.Tensor, target: torch.Tensor, head: LowRankHead,
-                  lm_head: torch.Tensor, eps: float, thresholds: Sequence[float], chunk: int = 1024) -> dict[str, Any]:
+                  lm_head: torch.Tensor, eps: float, thresholds: Sequence[float], chunk: int = 1024) -> JsonObject:
     """KL(p*||p_i), top-1 agreement with the full model's token ``target``, precision/coverage at
     ``thresholds`` over rows ``x``. ``teacher_logp`` and ``lm_head`` are over the head's vocabulary."""
     kl_sum, maxp, pred = 0.0, [], []
@@ -114,7 +115,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig, pro
         t0 = time.perf_counter()
         x_all = data.hidden[:, layer]
 
-        def evaluate(rows: torch.Tensor, head: LowRankHead, thresholds: Sequence[float] = ()) -> dict[str, Any]:
+        def evaluate(rows: torch.Tensor, head: LowRankHead, thresholds: Sequence[float] = ()) -> JsonObject:
             return evaluate_head(x_all[rows], teacher[rows], data.target[rows], head, lm_head, eps, thresholds)
 
         init = init_head(final_norm, cfg.rank, gen, vocab)
@@ -157,7 +158,7 @@ def train_lm_heads(engine: Engine, data: OnPolicyData, cfg: HeadTrainConfig, pro
     return heads, reports
 
 
-def prepare(options: dict[str, Any]) -> TrainSetting:
+def prepare(options: JsonObject) -> TrainSetting:
     layers = layer_list(options.get("layers"), "--layers")  # "3,7" -> (3, 7); a bad list is one line naming the flag
     if layers is not None and (twice := sorted({k for k in layers if layers.count(k) > 1})):
         raise ConfigError(f"--layers names layer {', '.join(map(str, twice))} more than once (one head per layer); "
@@ -165,7 +166,7 @@ def prepare(options: dict[str, Any]) -> TrainSetting:
     return check_options({**options, "layers": layers}, epochs=30, batch_size=128, lr=5e-3)
 
 
-def head_vocabulary(spec: str | None, model: Any) -> tuple[torch.Tensor | None, dict[str, Any]]:
+def head_vocabulary(spec: str | None, model: Any) -> tuple[torch.Tensor | None, JsonObject]:
     """The token ids the heads score and the manifest's note of them: ``auto`` (the default): this
     model's FR-Spec draft vocabulary when it has one (the user's first, then the shipped one), as
     every other draft of the model scores; ``full``: the whole vocabulary; else an artifact path."""
@@ -177,7 +178,7 @@ def head_vocabulary(spec: str | None, model: Any) -> tuple[torch.Tensor | None, 
     return vocab.ids, {"size": int(vocab.n), "source": "fr-spec", "artifact_id": vocab.manifest.get("artifact_id")}
 
 
-def run(job: OfflineJob) -> dict[str, Any]:
+def run(job: OfflineJob) -> JsonObject:
     """Collect the on-policy data, train the heads, save :data:`~selfspec_cli.methods.adadecode.HEADS`."""
     s: TrainSetting = job.setting
     L, width = job.engine.num_layers, job.engine.adapter.hidden_size

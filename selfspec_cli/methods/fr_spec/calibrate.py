@@ -46,6 +46,7 @@ from ...engine import Engine
 from ..ar import AR
 from ..offline import OfflineJob
 from . import VOCAB, coverage, ranked_from_outputs
+from ...jsonio import JsonObject
 
 BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
 COVERAGE_SE = 0.02  # the held-out coverage's standard error a vocabulary that may become the default is chosen at
@@ -69,7 +70,7 @@ class VocabCalibration:
     head_ms: float
     decode_s: float
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JsonObject:
         return {"n": self.n, "tokens_counted": self.tokens, "distinct_tokens": int((self.counts > 0).sum()),
                 "step_ms": round(self.step_ms, 3), "full_head_ms": round(self.head_ms, 3),
                 "candidates": self.candidates, "rule": f"argmax coverage(n) / (c_body + head(n)), c_body = "
@@ -161,7 +162,7 @@ def artifact_tensors(res: Any) -> dict[str, torch.Tensor]:
             "counts": res.counts[seen].to(torch.int32)}
 
 
-def run(job: OfflineJob) -> dict[str, Any]:
+def run(job: OfflineJob) -> JsonObject:
     """Count the model's greedy output tokens, rank, choose the size by measurement; save the artifact."""
     engine = job.engine
     job.log(f"[dim]FR-Spec draft vocabulary: {count(len(job.prompt_ids), 'prompt')} x {count(job.gen.max_new_tokens, 'token')}, greedy, "

@@ -29,6 +29,7 @@ from ...engine import Engine
 from ...errors import FieldError
 from ..base import DraftInputs, LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
 from ..offline import OfflineStep
+from ...jsonio import JsonObject
 
 DEFAULT_HEARTBEAT_S = 10  # seconds between a running calibration trial's heartbeats (methods/self_sd/study.py)
 
@@ -117,8 +118,8 @@ class SkipSet:
         value = self.manifest.get("draft_precision")
         return str(value) if value else None
 
-    def to_manifest(self, model: torch.nn.Module, *, objective: Mapping[str, Any], trials: int,
-                    search: Mapping[str, Any], environment: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    def to_manifest(self, model: torch.nn.Module, *, objective: JsonObject, trials: int,
+                    search: JsonObject, environment: JsonObject, **extra: Any) -> JsonObject:
         """The artifact's JSON object: the one schema every writer (calibration, SWIFT) uses."""
         return {**SKIP_SET.header(model), "skip_attn": sorted(self.attn), "skip_mlp": sorted(self.mlp),
                 "objective": dict(objective), "trials": trials, **extra, "search": dict(search),

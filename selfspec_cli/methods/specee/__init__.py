@@ -66,6 +66,7 @@ from ..adadecode import LowRankHead, head_logits, load_heads
 from ..base import Method, option, require, training_cost
 from ..offline import OfflineStep
 from .predictor import NUM_SPEC_TOKENS, ExitPredictor, exit_probability, spec_local, specee_features
+from ...jsonio import JsonObject
 
 EXIT_MLPS = ArtifactSpec(kind="specee-exit-mlp", folder="specee", what="SpecEE exit-predictor artifact",
                          make="selfspec train-heads --kind exit-mlp")
@@ -93,11 +94,11 @@ TRAIN = OfflineStep("train-heads", "exit-mlp", EXIT_MLPS, "selfspec_cli.methods.
 CALIBRATE = OfflineStep("calibrate", "specee", SCHEDULE, "selfspec_cli.methods.specee.calibrate")
 
 
-def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], dict[str, Any]]:
+def load_exit_mlps(path: Path | None, model: Any) -> tuple[dict[int, ExitPredictor], JsonObject]:
     return load_layers(EXIT_MLPS, path, model, ExitPredictor, "predictor")
 
 
-def load_schedule(path: Path | None, model: Any) -> tuple[list[int], dict[str, Any]]:
+def load_schedule(path: Path | None, model: Any) -> tuple[list[int], JsonObject]:
     p, manifest, _ = SCHEDULE.load(path, model)
     layers = manifest.get("selected_layers")
     if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
@@ -328,7 +329,7 @@ class ExitDrafter:
     def accept(self, state: DecodeState, rnd: Round) -> None:
         pass
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> JsonObject:
         n = self._counts
         rounds = max(1, n["rounds"])
         out: dict[str, Any] = {

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ...config import GenerationConfig
 from ...errors import count
+from ...jsonio import JsonObject
 from ..offline import OfflineJob
 from . import SCHEDULE, SpecEE, load_exit_mlps, load_heads
 
@@ -37,7 +37,7 @@ class ExitStatistics:
         total = sum(self.exits.values())
         return {l: (self.exits.get(l, 0) / total if total else 0.0) for l in self.predictor_layers}
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         total = sum(self.exits.values())
         selected_share = sum(self.exits.get(l, 0) for l in self.selected_layers) / total if total else 0.0
         return {"predictor_layers": self.predictor_layers, "exits_per_layer": {str(k): v for k, v in sorted(self.exits.items())},
@@ -72,7 +72,7 @@ def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: Generation
     return ExitStatistics(layers, exits, full_depth, tokens, select_layers(exits, layers))
 
 
-def run(job: OfflineJob) -> dict[str, Any]:
+def run(job: OfflineJob) -> JsonObject:
     """SpecEE's offline schedule: decode with every exit predictor on, count exits per layer, keep the frequent layers."""
     mdl = job.model
     heads, heads_manifest = load_heads(None, mdl)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from ..onpolicy import (OnPolicyData, Progress, TrainSetting, check_options, col
                         progress_callback, splits)
 from . import EXIT_MLPS
 from .predictor import NUM_FEATURES, NUM_SPEC_TOKENS, PREDICTOR_HIDDEN, ExitPredictor, exit_logit, spec_local, specee_features
+from ...jsonio import JsonObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,14 +201,14 @@ def train_exit_mlps(engine: Engine, data: OnPolicyData, drafter_layer: int, draf
     return predictors, reports
 
 
-def prepare(options: dict[str, Any]) -> TrainSetting:
+def prepare(options: JsonObject) -> TrainSetting:
     setting = check_options(options, epochs=100, batch_size=1024, lr=1e-3)
     if setting.heads is not None:  # a wrong path costs no model load
         HEADS.precheck(setting.heads, "--heads")
     return setting
 
 
-def run(job: OfflineJob) -> dict[str, Any]:
+def run(job: OfflineJob) -> JsonObject:
     """Load the drafter heads (before the slow data collection), collect, train the predictors,
     choose each layer's threshold, save :data:`~selfspec_cli.methods.specee.EXIT_MLPS`."""
     s: TrainSetting = job.setting
