@@ -241,6 +241,7 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
     import signal
 
     from selfspec_cli.prompts import prompts_digest
+    from selfspec_cli.methods.self_sd.measure import Candidates
     from selfspec_cli.methods.self_sd.search import SearchConfig
     from selfspec_cli.methods.self_sd.study import calibrate_self_sd
 
@@ -256,8 +257,9 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
             signal.raise_signal(signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
-        calibrate_self_sd(Engine(model), tok, ids, cfg, SearchConfig(study_path=db, n_trials=5), fingerprint="f",
-                          prompts_sha=prompts_digest(ids), on_trial=on_trial)
+        eng = Engine(model)
+        calibrate_self_sd(eng, len(ids), cfg, SearchConfig(study_path=db, n_trials=5), Candidates(eng, tok, ids, cfg, ["target"]),
+                          fingerprint="f", prompts_sha=prompts_digest(ids), on_trial=on_trial)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with contextlib.closing(sqlite3.connect(db)) as con:
         assert con.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall() == [("COMPLETE", 2)]
