@@ -265,6 +265,26 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
         assert con.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall() == [("COMPLETE", 2)]
 
 
+def test_the_search_decodes_only_through_its_scorer(tiny_model):
+    """study.py runs the search over whatever Scorer it is handed (the offline step passes measure.Candidates) and
+    imports no decoder, so a calibration never goes back from the search into the measuring module; Candidates
+    refuse a sampling configuration before anything is decoded."""
+    import ast
+
+    from selfspec_cli.config import SamplingConfig
+    from selfspec_cli.errors import ConfigError
+    from selfspec_cli.methods.self_sd import study
+    from selfspec_cli.methods.self_sd.measure import Candidates
+
+    tree = ast.parse(Path(study.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert "measure" not in imported and not any(m and m.startswith(("ar", "decoding")) for m in imported)
+    model, tok = tiny_model
+    sampling = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0.7))
+    with pytest.raises(ConfigError, match="greedily"):
+        Candidates(Engine(model), tok, [tok(PROMPTS[0])["input_ids"]], sampling, ["target"])
+
+
 # ---------------------------------------------------------------- loading skip sets
 
 
