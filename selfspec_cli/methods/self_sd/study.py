@@ -782,9 +782,10 @@ def calibrate_self_sd(
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    """One calibration as the offline step sets it up (:func:`~.calibrate.run` builds it from its job): what is
-    decoded, the search (its study placed and its precisions chosen), the processes that share it and how it
-    reports. :func:`run_calibration` carries it out with the offline step's :class:`Scorer`."""
+    """One calibration as the offline step sets it up (:func:`~.calibrate.run` builds it from its job): the model and
+    the prompts' count and length (the study's setup records them), the search (its study placed and its precisions
+    chosen), the processes that share it and how it reports. :func:`run_calibration` carries it out over the
+    offline step's :class:`Scorer`, which decodes."""
 
     engine: Engine
     num_prompts: int
