@@ -102,9 +102,12 @@ def check_new_artifact(path: Path, force: bool, option: str = "--output") -> Non
         raise ArtifactError(f"{option} '{path}' already exists; pass --force to replace it, or choose another {option}")
 
 
-def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any]) -> Path:
-    """Write ``obj`` as indented JSON, atomically."""
+def save_json_artifact(path: str | os.PathLike, obj: Mapping[str, Any], first: tuple[Path, bytes] | None = None) -> Path:
+    """Write ``obj`` as indented JSON, atomically; ``first``: a file and its bytes written (atomically) before it,
+    the tensors a manifest describes (:func:`save_tensors_artifact`)."""
     data = (dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+    if first is not None:
+        atomic_write(first[0], lambda f: f.write(first[1]))
     return atomic_write(path, lambda f: f.write(data))
 
 
@@ -195,6 +198,12 @@ def save_tensors_artifact(dir_or_path: str | os.PathLike, tensors: Mapping[str, 
     tensors file is replaced first and the manifest last, so a reader never sees a
     manifest describing tensors that were not written. Returns the manifest path.
     """
+    return save_json_artifact(*tensors_files(dir_or_path, tensors, manifest))
+
+
+def tensors_files(dir_or_path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                  manifest: Mapping[str, Any]) -> tuple[Path, dict[str, Any], tuple[Path, bytes]]:
+    """What :func:`save_tensors_artifact` writes: ``(manifest file, full manifest, (tensors file, its bytes))``."""
     from safetensors.torch import save as st_save
 
     for key in ("kind", "model_fingerprint"):
@@ -204,7 +213,6 @@ def save_tensors_artifact(dir_or_path: str | os.PathLike, tensors: Mapping[str, 
     artifact_id = uuid.uuid4().hex
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     data = st_save(tensors, metadata={"artifact_id": artifact_id, "kind": str(manifest["kind"])})
-    atomic_write(tfile, lambda f: f.write(data))
     full = {
         "format_version": FORMAT_VERSION,
         **manifest,
@@ -213,7 +221,7 @@ def save_tensors_artifact(dir_or_path: str | os.PathLike, tensors: Mapping[str, 
         "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in tensors.items()},
         "created": manifest.get("created") or now_iso(),
     }
-    return save_json_artifact(mfile, full)
+    return mfile, full, (tfile, data)
 
 
 def load_tensors_artifact(dir_or_path: str | os.PathLike, model: torch.nn.Module | None = None, *,
@@ -381,7 +389,9 @@ class ArtifactSpec:
              tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
         """Write it atomically: the header, ``manifest``, the creation time (and the tensors)."""
         full = {**self.header(model), **manifest, "created": manifest.get("created") or now_iso()}
-        return save_json_artifact(path, full) if self.is_json else save_tensors_artifact(path, tensors or {}, full)
+        # a tensors artifact: its tensors file first, then the manifest that describes it
+        files = (path, full, None) if self.is_json else tensors_files(path, tensors or {}, full)
+        return save_json_artifact(*files)
 
     def set_aside(self, path: Path, tag: str) -> Path:
         """Where a result that may not become the default is written, beside ``path`` and named by ``tag``

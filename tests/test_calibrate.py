@@ -241,6 +241,7 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
     import signal
 
     from selfspec_cli.prompts import prompts_digest
+    from selfspec_cli.methods.self_sd.measure import Candidates
     from selfspec_cli.methods.self_sd.search import SearchConfig
     from selfspec_cli.methods.self_sd.study import calibrate_self_sd
 
@@ -256,11 +257,32 @@ def test_ctrl_c_during_bookkeeping_is_deferred(tiny_model, tmp_path):
             signal.raise_signal(signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
-        calibrate_self_sd(Engine(model), tok, ids, cfg, SearchConfig(study_path=db, n_trials=5), fingerprint="f",
-                          prompts_sha=prompts_digest(ids), on_trial=on_trial)
+        eng = Engine(model)
+        calibrate_self_sd(eng, len(ids), cfg, SearchConfig(study_path=db, n_trials=5), Candidates(eng, tok, ids, cfg, ["target"]),
+                          fingerprint="f", prompts_sha=prompts_digest(ids), on_trial=on_trial)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with contextlib.closing(sqlite3.connect(db)) as con:
         assert con.execute("SELECT state, count(*) FROM trials GROUP BY state").fetchall() == [("COMPLETE", 2)]
+
+
+def test_the_search_decodes_only_through_its_scorer(tiny_model):
+    """study.py runs the search over whatever Scorer it is handed (the offline step passes measure.Candidates) and
+    imports no decoder, so a calibration never goes back from the search into the measuring module; Candidates
+    refuse a sampling configuration before anything is decoded."""
+    import ast
+
+    from selfspec_cli.config import SamplingConfig
+    from selfspec_cli.errors import ConfigError
+    from selfspec_cli.methods.self_sd import study
+    from selfspec_cli.methods.self_sd.measure import Candidates
+
+    tree = ast.parse(Path(study.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert "measure" not in imported and not any(m and m.startswith(("ar", "decoding")) for m in imported)
+    model, tok = tiny_model
+    sampling = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0.7))
+    with pytest.raises(ConfigError, match="greedily"):
+        Candidates(Engine(model), tok, [tok(PROMPTS[0])["input_ids"]], sampling, ["target"])
 
 
 # ---------------------------------------------------------------- loading skip sets

@@ -4,8 +4,9 @@
 :class:`~selfspec_cli.errors.ConfigError` line for a bad one) and :func:`run` does the work on
 the loaded model, top to bottom: :func:`plan_calibration` builds the typed plan (where the study
 lives, ``--study-path``, by default beside ``--output``, or ``--storage``, and that its file can
-be written; the draft weights searched, ``--draft-precision``); :func:`~.study.run_calibration`
-runs the search, its ``--workers`` helpers and its confirmation and returns a typed
+be written; the draft weights searched, ``--draft-precision``); :class:`~.measure.Candidates`
+fixes how every candidate set is decoded and scored; :func:`~.study.run_calibration` runs the
+search over them, its ``--workers`` helpers and its confirmation and returns a typed
 :class:`~.study.SelfSDCalibration`; :func:`write_result` writes the artifact
 (:func:`build_manifest`, through :data:`~selfspec_cli.methods.self_sd.SKIP_SET` and
 :meth:`~selfspec_cli.methods.offline.OfflineJob.publish`) and returns the summary the command prints.
@@ -31,8 +32,9 @@ from ...loading import model_fingerprint
 from ..base import resolve_precision
 from ..offline import OfflineJob
 from . import DEFAULT_HEARTBEAT_S, SKIP_SET, SkipSet
+from .measure import Candidates
 from .search import SearchConfig
-from .study import STUDY_NAME, CalibrationPlan, SelfSDCalibration, check_storage, describe, run_calibration, worker_id
+from .study import STUDY_NAME, CalibrationPlan, SelfSDCalibration, check_storage, run_calibration, worker_id
 
 
 # ---------------------------------------------------------------- the artifact
@@ -71,7 +73,7 @@ def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: Ge
                      + (f", precision in {list(search.precisions)}" if len(search.precisions) > 1 else ""),
             "precisions": list(search.precisions), "draft_vocab": result.draft_vocab,
             "target_precision": target_precision,
-            "seed_points": result.seed_points, "study_path": describe(str(result.study_path)), "study_name": STUDY_NAME,
+            "seed_points": result.seed_points, "study_path": search.where(), "study_name": STUDY_NAME,
             "max_new_tokens": cfg.max_new_tokens,
             "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive", "tree")},
             "prompts": prompts,
@@ -127,7 +129,9 @@ def run(job: OfflineJob) -> dict[str, Any] | None:
         f"{engine.dtype}, {engine.device}; {count(len(job.prompt_ids), 'prompt')} x {count(job.gen.max_new_tokens, 'token')}"
         f"{f' x {search.repeats} passes' if search.repeats > 1 else ''}; sampler {search.sampler}, seed {search.seed}; "
         f"draft weights {', '.join(search.precisions)}; study {where}{f'; {plan.workers} workers' if plan.workers > 1 else ''}[/dim]")
-    result = run_calibration(plan)
+    candidates = Candidates(engine, job.tokenizer, job.prompt_ids, job.gen, search.precisions, draft=search.draft,
+                            repeats=search.repeats, proxy=search.objective == "proxy")
+    result = run_calibration(plan, candidates)
     if search.search_only:
         return None
     if not result.writer:
@@ -152,7 +156,7 @@ def plan_calibration(job: OfflineJob) -> CalibrationPlan:
     own = ("target",) if s.draft_precision in ("auto", "target") else ()  # auto searches both weights
     search = dataclasses.replace(search, study_path=db_path, precisions=own + ((quantized,) if quantized else ()))
     return CalibrationPlan(
-        engine=job.engine, tokenizer=job.tokenizer, prompt_ids=job.prompt_ids, gen=job.gen, search=search,
+        engine=job.engine, num_prompts=len(job.prompt_ids), gen=job.gen, search=search,
         fingerprint=model_fingerprint(job.model), prompts_sha=job.prompts["sha256"], workers=s.workers, argv=job.argv,
         unit="x ar (predicted)" if search.objective == "proxy" else "tok/s", log=job.log, progress=job.progress,
         exit_note=job.exit_note)

@@ -5,13 +5,15 @@ quantized copy). :class:`Candidates` holds what every candidate of one study is 
 scored with: the engine, the prompts, the generation settings, the draft settings, the passes
 per measurement, each precision's draft vocabulary, and the proxy's measured inputs (the
 verify curve and a quantized draft's full-depth cost, measured once per study and kept in
-it: :meth:`Candidates.inputs`). The search scores its trials with :meth:`Candidates.measure`
-(one worker's loop: :func:`~.study.run_search`); after it, :meth:`Candidates.confirm` re-measures
-the best set, the starting points and plain autoregressive decoding back to back. Invariants:
+it: :meth:`Candidates.inputs`). The offline step builds it and hands it to the search as its
+:class:`~.study.Scorer`, which scores its trials with :meth:`Candidates.measure` (one worker's
+loop: :func:`~.study.run_search`); after it, :meth:`Candidates.confirm` re-measures the best set,
+the starting points and plain autoregressive decoding back to back; it never calls the search
+back. Invariants:
 
-* every measurement is one or more greedy passes over all prompts with a fresh decoder per
-  pass (the adaptive draft threshold starts from the same value for every candidate); per
-  prompt the fastest pass counts (:func:`measure`);
+* every measurement is one or more greedy passes over all prompts (a sampling configuration
+  is refused) with a fresh decoder per pass (the adaptive draft threshold starts from the same
+  value for every candidate); per prompt the fastest pass counts (:func:`measure`);
 * the proxy score (:func:`proxy_speedup`) times nothing per trial: acceptance and draft
   lengths come from decoding, a draft step's cost ``c`` from weight bytes
   (:func:`draft_cost_from_bytes`), a round's verification ``v`` from the study's verify curve,
@@ -36,6 +38,7 @@ from ...decoding.planning import round_cost
 from ...decoding.layer_skip import DraftSettings
 from ...decoding.output import DecodeResult
 from ...engine import Engine
+from ...errors import ConfigError
 from ..ar import AR
 from ..base import DraftInputs
 from . import SelfSD, SelfSDConfig, SkipSet
@@ -168,6 +171,8 @@ class Candidates:
     def __init__(self, engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], cfg: GenerationConfig,
                  precisions: Sequence[str], *, draft: DraftSettings = DEFAULT_DRAFT, repeats: int = 1,
                  proxy: bool = True) -> None:
+        if not cfg.sampling.greedy:
+            raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
         self.engine, self.tokenizer, self.prompt_ids, self.cfg = engine, tokenizer, prompt_ids, cfg
         self.precisions, self.draft, self.repeats, self.proxy = tuple(precisions), draft, repeats, proxy
         self.vocabs = draft_vocabs(engine, self.precisions)

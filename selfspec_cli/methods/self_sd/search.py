@@ -41,11 +41,12 @@ calibration prompts. Here:
   starting point re-measured clearly faster (:data:`CONTRADICTED`), the log says so.
 
 The parts, each entered once by a calibration: :mod:`.calibrate` (the offline step) builds a
-:class:`~.study.CalibrationPlan` from its job and hands it to :func:`~.study.run_calibration`;
-:mod:`.study` runs the whole search (the study's setup, the starting points, one worker's
-loop, the best trial, the confirmation: :func:`~.study.calibrate_self_sd`, which knows no job,
-no command line and no artifact) and returns a typed :class:`~.study.SelfSDCalibration`;
-:mod:`.measure` decodes and scores the candidates; the offline step writes the artifact. This
+:class:`~.study.CalibrationPlan` from its job and the :class:`~.measure.Candidates` that decode
+and score every candidate, and hands both to :func:`~.study.run_calibration`; :mod:`.study`
+runs the whole search (the study's setup, the starting points, one worker's loop, the best
+trial, the confirmation: :func:`~.study.calibrate_self_sd`, which knows no job, no command line,
+no decoder and no artifact) and returns a typed :class:`~.study.SelfSDCalibration`; the offline
+step writes the artifact. This
 module holds only the search's settings. Invariants: the search decodes
 greedily (a sampling configuration is refused); two runs share a study only with the same
 setup (model, prompts, tokens, passes, objective, draft settings, precisions, draft

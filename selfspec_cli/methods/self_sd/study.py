@@ -25,14 +25,17 @@ It also holds the search itself, apart from what a trial measures: the parameter
 (:func:`params_for`), the starting points enqueued first (:func:`seed_points`, from the uniform
 sets of :func:`uniform_layers`), the sampler, the study's setup check (:func:`open_study`, given
 an SQLite path the offline step has already checked for writing), Ctrl-C at safe points
-(:class:`DeferredInterrupt`), one worker's loop (:func:`run_search`, driven with three
-callables, :class:`~.measure.Candidates`' methods: the measured inputs every trial is scored
-with, an untimed warm-up, and the decode of one candidate), and the calibration around it: the
-study's setup, the best trial and the confirmation (:func:`calibrate_self_sd`), run with the
-helper processes of ``--workers`` (:class:`Workers`) and a progress bar (:class:`TrialBar`) by
-:func:`run_calibration` from the :class:`CalibrationPlan` the offline step builds. The functions
-that call each other back and forth live here together, so a calibration enters this module
-once and :mod:`.measure` only to measure (``scripts/walk.py``). No typer or rich here.
+(:class:`DeferredInterrupt`), one worker's loop (:func:`run_search`), and the calibration around
+it: the study's setup, the best trial and the confirmation (:func:`calibrate_self_sd`), run with
+the helper processes of ``--workers`` (:class:`Workers`) and a progress bar (:class:`TrialBar`)
+by :func:`run_calibration` from the :class:`CalibrationPlan` the offline step builds.
+
+The search decodes nothing itself: it is handed a :class:`Scorer` (the offline step passes
+:class:`~.measure.Candidates`) that gives the measured inputs every trial is scored with, an
+untimed warm-up, the decode of one candidate and the confirmation. So this module imports no
+decoder and never calls back into the offline step: a calibration flows down from
+:mod:`.calibrate` through :mod:`.measure` (the candidates set up), this module (the whole
+search) and back to :mod:`.calibrate` only to write the artifact. No typer or rich here.
 """
 from __future__ import annotations
 
@@ -43,12 +46,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...config import GenerationConfig
 from ...errors import ConfigError, first_line
 from . import DEFAULT_HEARTBEAT_S
-from .measure import Candidates
 
 if TYPE_CHECKING:
     from ...engine import Engine
@@ -695,12 +697,27 @@ def faster_starting_point(confirm: dict[str, dict[str, Any]], seeds: Sequence[di
     return None
 
 
+class Scorer(Protocol):
+    """What the search decodes and scores its candidates with (:class:`~.measure.Candidates`): the precisions
+    whose drafts score a draft vocabulary and each precision's vocabulary size, the study's measured inputs, an
+    untimed warm-up, one candidate's measurement and the back-to-back confirmation. The search knows no decoder."""
+
+    cheap_heads: list[str]
+    vocab_sizes: dict[str, int | str]
+
+    def inputs(self, study: Any) -> None: ...
+    def warm_up(self, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> None: ...
+    def measure(self, skip_attn: frozenset[int], skip_mlp: frozenset[int], precision: str) -> Any: ...
+    def confirm(self, best: tuple[frozenset[int], frozenset[int], str],
+                points: Sequence[Any]) -> dict[str, dict[str, Any]]: ...
+
+
 def calibrate_self_sd(
     engine: Engine,
-    tokenizer: Any,
-    prompt_ids: Sequence[list[int]],
+    num_prompts: int,
     cfg: GenerationConfig,
     search: SearchConfig,
+    candidates: Scorer,
     *,
     fingerprint: str,
     prompts_sha: str,
@@ -710,23 +727,21 @@ def calibrate_self_sd(
     before_finish: Callable[[], None] = lambda: None,
 ) -> SelfSDCalibration:
     """Run (or resume, or join) the search until the study holds ``search.n_trials`` COMPLETE
-    trials. ``on_ready``: called once the study holds its setup, starting points and measured
-    costs (other workers may start then); ``before_finish``: called when the study is complete,
-    before this worker decides whether it writes the result (wait for the other local workers)."""
-    if not cfg.sampling.greedy:
-        raise ConfigError("Self-SD calibration decodes greedily; pass a greedy GenerationConfig")
+    trials, each candidate decoded and scored by ``candidates`` (over ``num_prompts`` prompts of
+    ``cfg.max_new_tokens`` tokens). ``on_ready``: called once the study holds its setup, starting
+    points and measured costs (other workers may start then); ``before_finish``: called when the
+    study is complete, before this worker decides whether it writes the result (wait for the other
+    local workers)."""
     L = engine.num_layers
     precisions = search.precisions
     # what must not change between runs that share a study (values would not compare)
     setup = {"kind": "self-sd-layers", "model_fingerprint": fingerprint, "num_layers": L,
-             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": len(prompt_ids),
+             "max_new_tokens": cfg.max_new_tokens, "prompts_sha256": prompts_sha, "num_prompts": num_prompts,
              "repeats": search.repeats, "objective": search.objective,
              "target_precision": engine.target_precision,  # the verify curve and the drafts' costs are this target's
              "draft": {k: getattr(search.draft, k) for k in ("max_draft", "threshold", "adaptive")}}
     if precisions != ("target",):
         setup["precisions"] = list(precisions)
-    candidates = Candidates(engine, tokenizer, prompt_ids, cfg, precisions, draft=search.draft, repeats=search.repeats,
-                            proxy=search.objective == "proxy")
     points = seed_points(L, precisions=precisions, cheap_head=candidates.cheap_heads)
     if candidates.cheap_heads:  # drafts over an FR-Spec vocabulary: their sizes
         setup["draft_vocab"] = dict(candidates.vocab_sizes)
@@ -767,13 +782,13 @@ def calibrate_self_sd(
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    """One calibration as the offline step sets it up (:func:`~.calibrate.run` builds it from its job): what is
-    decoded, the search (its study placed and its precisions chosen), the processes that share it and how it
-    reports. :func:`run_calibration` carries it out."""
+    """One calibration as the offline step sets it up (:func:`~.calibrate.run` builds it from its job): the model and
+    the prompts' count and length (the study's setup records them), the search (its study placed and its precisions
+    chosen), the processes that share it and how it reports. :func:`run_calibration` carries it out over the
+    offline step's :class:`Scorer`, which decodes."""
 
     engine: Engine
-    tokenizer: Any
-    prompt_ids: Sequence[list[int]]
+    num_prompts: int
     gen: GenerationConfig
     search: Any  # a SearchConfig (search.py) with study_path and precisions set
     fingerprint: str  # the model's (the study's setup holds it)
@@ -874,16 +889,17 @@ class TrialBar:
         self.bar.update(self.task, completed=min(r.done, self.total), info=info)
 
 
-def run_calibration(plan: CalibrationPlan) -> SelfSDCalibration:
-    """The search of ``plan`` (:func:`calibrate_self_sd`) with its ``--workers`` helpers started once the study is
-    set up and waited for before the result, and its progress bar. A helper (``search_only``) reports nothing."""
+def run_calibration(plan: CalibrationPlan, candidates: Scorer) -> SelfSDCalibration:
+    """The search of ``plan`` over ``candidates`` (:func:`calibrate_self_sd`) with its ``--workers`` helpers started
+    once the study is set up and waited for before the result, and its progress bar. A helper (``search_only``)
+    reports nothing."""
     search, helper = plan.search, plan.search.search_only
     workers = Workers(plan.argv, plan.workers, search, plan.log, plan.exit_note)
     say = (lambda _m: None) if helper else plan.log  # the helpers of --workers report through the first process
     with contextlib.ExitStack() as stack:
         bar = TrialBar(stack, plan.progress, search.n_trials, plan.unit, workers)
         with workers:
-            return calibrate_self_sd(plan.engine, plan.tokenizer, plan.prompt_ids, plan.gen, search,
+            return calibrate_self_sd(plan.engine, plan.num_prompts, plan.gen, search, candidates,
                                      fingerprint=plan.fingerprint, prompts_sha=plan.prompts_sha,
                                      on_trial=(lambda _r: None) if helper else bar.report, log=say,
                                      on_ready=workers.start, before_finish=workers.wait)
