@@ -37,6 +37,7 @@ from typing import Any
 from ..artifacts import ArtifactSpec, environment_info
 from ..config import GenerationConfig
 from ..engine import Engine
+from ..jsonio import JsonObject
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class OfflineStep:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
-    def prepare(self, options: dict[str, Any]) -> Any:
+    def prepare(self, options: JsonObject) -> Any:
         return getattr(self.load(), "prepare", lambda _o: None)(options)
 
 
@@ -74,7 +75,7 @@ class OfflineJob:
     output: Path  # checked already (unless the setting does not write)
     explicit_output: bool  # --output was given (a Self-SD set below ar then keeps that path)
     force: bool
-    prompts: dict[str, Any]  # provenance recorded in the manifest: source, count, sha256, ...
+    prompts: JsonObject  # provenance recorded in the manifest: source, count, sha256, ...
     setting: Any  # what prepare() returned
     log: Callable[[str], None]  # stderr, rich markup allowed
     progress: Callable[[], Any]  # a context manager giving a bar with add_task/update (rich's Progress)
@@ -102,7 +103,7 @@ class OfflineJob:
                  + ("" if self.explicit_output or self.force else ", or pass --force to make it the default anyway")
                  + f"; delete it with {rm}[/bold yellow]")
 
-    def publish(self, spec: ArtifactSpec, manifest: dict[str, Any], throwaway: str | None, tag: str,
+    def publish(self, spec: ArtifactSpec, manifest: JsonObject, throwaway: str | None, tag: str,
                 advice: Callable[[Path], str], said: Sequence[str] = ()) -> Path:
         """Write ``manifest`` for this job's model through ``spec`` where :meth:`destination` says, log ``said``
         and the path written, then the throwaway warning (:meth:`warn_throwaway`, with ``advice(path)``) when there
@@ -116,6 +117,6 @@ class OfflineJob:
             self.warn_throwaway(out, throwaway, advice(out))
         return out
 
-    def environment(self) -> dict[str, Any]:
+    def environment(self) -> JsonObject:
         return environment_info(self.engine.device, self.engine.dtype)
 

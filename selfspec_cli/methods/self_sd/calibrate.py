@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -35,18 +34,19 @@ from . import DEFAULT_HEARTBEAT_S, SKIP_SET, SkipSet
 from .measure import Candidates
 from .search import SearchConfig
 from .study import STUDY_NAME, CalibrationPlan, SelfSDCalibration, check_storage, run_calibration, worker_id
+from ...jsonio import JsonObject
 
 
 # ---------------------------------------------------------------- the artifact
 
 
 def build_manifest(result: SelfSDCalibration, *, model: torch.nn.Module, cfg: GenerationConfig,
-                   search: SearchConfig, prompts: dict[str, Any], environment: dict[str, Any],
-                   target_precision: str | None = None) -> dict[str, Any]:
+                   search: SearchConfig, prompts: JsonObject, environment: JsonObject,
+                   target_precision: str | None = None) -> JsonObject:
     """The ``self-sd-layers`` manifest (:data:`~selfspec_cli.methods.self_sd.SKIP_SET`)."""
     ar, best_c = result.confirm["ar"]["tokens_per_s"], result.confirm["best"]["tokens_per_s"]
     proxy = search.objective == "proxy"
-    objective: dict[str, Any] = {
+    objective: JsonObject = {
         "name": "self-sd predicted speedup (hardware-aware proxy)" if proxy else "self-sd greedy decoding throughput",
         "value": round(result.best_value, 4 if proxy else 3),
         "unit": "x ar" if proxy else "tokens/s",
@@ -97,7 +97,7 @@ class Setting:
         return not self.search.search_only
 
 
-def prepare(options: dict[str, Any]) -> Setting:
+def prepare(options: JsonObject) -> Setting:
     o = {"trials": 100, "seed": 0, "sampler": "tpe", "objective": "proxy", "repeats": None, "study_path": None,
          "storage": None, "workers": 1, "heartbeat": DEFAULT_HEARTBEAT_S, "worker_index": 0, "worker_group": None,
          "draft_precision": "auto", **options}
@@ -117,7 +117,7 @@ def prepare(options: dict[str, Any]) -> Setting:
     return Setting(search, o["workers"], o["draft_precision"])
 
 
-def run(job: OfflineJob) -> dict[str, Any] | None:
+def run(job: OfflineJob) -> JsonObject | None:
     """Search, confirm, write the skip set (a set predicted slower than ``ar`` goes beside the
     default path as ``*.below-ar.json``, never as the model's default). A ``--workers`` helper
     returns None; a worker that did not finish the study last reports ``"writer": false``."""
@@ -162,7 +162,7 @@ def plan_calibration(job: OfflineJob) -> CalibrationPlan:
         exit_note=job.exit_note)
 
 
-def write_result(job: OfflineJob, result: SelfSDCalibration, search: SearchConfig, where: str, unit: str) -> dict[str, Any]:
+def write_result(job: OfflineJob, result: SelfSDCalibration, search: SearchConfig, where: str, unit: str) -> JsonObject:
     """The skip set written (never as the model's default when it is predicted slower than plain decoding:
     methods/offline.py, the one rule; the same command run again, the study resuming, replaces its own below-ar
     result) and the summary the command prints."""

@@ -42,6 +42,7 @@ from ...errors import ConfigError
 from ..ar import AR
 from ..base import DraftInputs
 from . import SelfSD, SelfSDConfig, SkipSet
+from ...jsonio import JsonObject
 
 DEFAULT_DRAFT = DraftSettings(cost_aware=False)  # the paper's drafting: every candidate drafts (the proxy scores its rounds)
 
@@ -71,7 +72,7 @@ class Measurement:
     def acceptance_rate(self) -> float | None:
         return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {
             "tokens_per_s": round(self.tokens_per_s, 3), "tokens": self.tokens, "wall_s": round(self.wall_s, 6),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
@@ -209,7 +210,7 @@ class Candidates:
         return measure_self_sd(self.engine, self.tokenizer, self.prompt_ids, self.cfg, skip_attn, skip_mlp, self.draft,
                                self.repeats, precision, self.full_c.get(precision), self.curve, self.vocabs[precision])
 
-    def confirm(self, best: tuple[frozenset[int], frozenset[int], str], points: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    def confirm(self, best: tuple[frozenset[int], frozenset[int], str], points: Sequence[Any]) -> dict[str, JsonObject]:
         """Plain decoding, the best set and every starting point (each with ``name``, ``skip_attn``,
         ``skip_mlp`` and ``precision``) measured again back to back, in that order, as ``name ->
         as_dict()``: the numbers compared are taken under the same machine load. A starting point

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...config import GenerationConfig
 from ...errors import ConfigError, first_line
 from . import DEFAULT_HEARTBEAT_S
+from ...jsonio import JsonObject
 
 if TYPE_CHECKING:
     from ...engine import Engine
@@ -321,17 +322,17 @@ STUDY_NAME = "self-sd"
 
 
 def params_for(num_layers: int, skip_attn: frozenset[int], skip_mlp: frozenset[int],
-               precision: str | None = None) -> dict[str, Any]:
+               precision: str | None = None) -> JsonObject:
     """The parameters attn_0 .. attn_<L-1>, mlp_0 .. mlp_<L-1> (in that order): 1 where skipped;
     then ``precision`` when the search has that dimension (``precision`` not None)."""
-    out: dict[str, Any] = {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
+    out: JsonObject = {f"{kind}_{l}": int(l in skip) for kind, skip in (("attn", skip_attn), ("mlp", skip_mlp))
                            for l in range(num_layers)}
     if precision is not None:
         out["precision"] = precision
     return out
 
 
-def skip_sets_from_params(params: dict[str, Any], num_layers: int) -> tuple[frozenset[int], ...]:
+def skip_sets_from_params(params: JsonObject, num_layers: int) -> tuple[frozenset[int], ...]:
     return tuple(frozenset(l for l in range(num_layers) if int(params[f"{kind}_{l}"])) for kind in ("attn", "mlp"))
 
 
@@ -448,7 +449,7 @@ class DeferredInterrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def open_study(search: Any, sampler: Any, setup: dict[str, Any]):
+def open_study(search: Any, sampler: Any, setup: JsonObject):
     """Create or join the study in ``search``'s storage; refuse a study made for another model or
     another calibration setup, and a throughput study timed on another machine. An SQLite
     ``search.study_path`` is checked for writing by the caller (the offline step does it before
@@ -515,7 +516,7 @@ def enqueue_seeds(study: Any, points: Sequence[SeedPoint], num_layers: int, sear
 
 
 def seed_values(complete: Sequence[Any], points: Sequence[SeedPoint], num_layers: int,
-                 searched: bool = False) -> list[dict[str, Any]]:
+                 searched: bool = False) -> list[JsonObject]:
     """The study's best value of each starting point (None if it never completed)."""
     out = []
     for p in points:
@@ -538,7 +539,7 @@ class SearchOutcome:
     finished: list[Any]
     best: Any
     durations: list[float]
-    seeds: list[dict[str, Any]]
+    seeds: list[JsonObject]
     writer: bool
     worker: str
 
@@ -560,7 +561,7 @@ def _warm_up(points: Sequence[SeedPoint], warm_up: Callable[[frozenset[int], fro
         warm_up(warm.skip_attn, warm.skip_mlp)
 
 
-def run_search(search: Any, setup: dict[str, Any], points: Sequence[SeedPoint], L: int,
+def run_search(search: Any, setup: JsonObject, points: Sequence[SeedPoint], L: int,
                evaluate: Callable[[frozenset[int], frozenset[int], str], Any], inputs: Callable[[Any], None],
                warm_up: Callable[[frozenset[int], frozenset[int]], None], *, on_trial: Callable[[TrialReport], None], log: Callable[[str], None],
                on_ready: Callable[[], None], before_finish: Callable[[], None]) -> SearchOutcome:
@@ -666,13 +667,13 @@ class SelfSDCalibration:
     precision: str
     best_trial: int
     best_value: float  # tokens/s measured in the search
-    best_attrs: dict[str, Any]
+    best_attrs: JsonObject
     trials: int  # COMPLETE trials in the study
     new_trials: int  # trials run by this call
     study_path: Path | str  # the SQLite file, or the --storage as given (the manifest hides its password)
-    baseline: dict[str, Any] | None  # the better uniform set
-    confirm: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> Measurement.as_dict()
-    seed_points: list[dict[str, Any]] = field(default_factory=list)
+    baseline: JsonObject | None  # the better uniform set
+    confirm: dict[str, JsonObject] = field(default_factory=dict)  # name -> Measurement.as_dict()
+    seed_points: list[JsonObject] = field(default_factory=list)
     search_time_s: float | None = None  # wall time of every complete trial in the study (resumed runs included)
     writer: bool = True  # False: another worker finished the study last and writes the artifact
     draft_vocab: dict[str, int | str] = field(default_factory=dict)  # precision -> tokens its drafts score ("full": all)
@@ -681,7 +682,7 @@ class SelfSDCalibration:
 CONTRADICTED = 1.10  # a starting point re-measured this much faster than the chosen set is worth a line
 
 
-def faster_starting_point(confirm: dict[str, dict[str, Any]], seeds: Sequence[dict[str, Any]], finished: Sequence[Any],
+def faster_starting_point(confirm: dict[str, JsonObject], seeds: Sequence[JsonObject], finished: Sequence[Any],
                           num_layers: int, default_precision: str, margin: float = 1.0) -> tuple[str, Any] | None:
     """The starting point that re-measured fastest, if more than ``margin`` times as fast as the search's best set
     (``confirm["best"]``), with its best complete trial; else None. A starting point no trial completed is left out."""
@@ -709,7 +710,7 @@ class Scorer(Protocol):
     def warm_up(self, skip_attn: frozenset[int], skip_mlp: frozenset[int]) -> None: ...
     def measure(self, skip_attn: frozenset[int], skip_mlp: frozenset[int], precision: str) -> Any: ...
     def confirm(self, best: tuple[frozenset[int], frozenset[int], str],
-                points: Sequence[Any]) -> dict[str, dict[str, Any]]: ...
+                points: Sequence[Any]) -> dict[str, JsonObject]: ...
 
 
 def calibrate_self_sd(
