@@ -85,3 +85,13 @@ def test_every_backend_computes_the_one_layer(arch, backend):
     with torch.no_grad():
         theirs = model(ids[None]).logits[0].float()
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
+
+
+def test_a_term_the_layer_does_not_compute_is_refused():
+    """A family entry reads only what the one layer computes: a rotary over part of each head (Phi-3.5/4-mini's
+    ``partial_rotary_factor``) is refused with its name, not run wrong."""
+    from selfspec_cli.errors import UnsupportedModelError
+
+    model = make_tiny_model("phi3-fused", partial_rotary_factor=0.5)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        Engine(model)
