@@ -34,3 +34,40 @@ def test_partial_or_foreign_file_is_refused(tmp_path):
     path.write_bytes(b"not a panel file at all")
     with pytest.raises(ValueError, match="not a selfspec panel file"):
         panel_file.load(path)
+
+
+def test_writer_streams_each_tensor_and_reads_back(tmp_path):
+    """A tensor handed to the Writer is on disk at once: the caller may drop it (the block copy's build holds one
+    matrix at a time); the header written last still names every tensor."""
+    from selfspec_cli.paths import atomic_open
+
+    path = tmp_path / "s.panels"
+    want = {}
+    with atomic_open(path) as f:
+        out = panel_file.Writer(f)
+        for i in range(5):
+            t = torch.full((i + 1, 64), i, dtype=torch.uint8)
+            want[f"m{i}"] = t.clone()
+            out.add(f"m{i}", t)
+            assert f.tell() % 64 == 0 and f.tell() >= 64 * (i + 2)  # written now, not at the end
+            del t
+        with pytest.raises(ValueError, match="twice"):
+            out.add("m0", torch.zeros(1, dtype=torch.uint8))
+        out.finish({"k": 1})
+    got, meta = panel_file.load(path)
+    assert meta == {"k": 1} and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_first_layout_still_read(tmp_path):
+    """A file of the first layout (SSPANEL1: the header first) loads as before."""
+    import json
+    import struct
+
+    t = torch.arange(16, dtype=torch.int32)
+    header = json.dumps({"metadata": {"a": 2}, "tensors": {"t": {"dtype": "int32", "shape": [16], "offset": 128,
+                                                                  "nbytes": 64}}}).encode()
+    blob = panel_file.MAGIC_V1 + struct.pack("<Q", len(header)) + header
+    path = tmp_path / "v1.panels"
+    path.write_bytes(blob + b"\0" * (128 - len(blob)) + t.numpy().tobytes())
+    got, meta = panel_file.load(path)
+    assert meta == {"a": 2} and torch.equal(got["t"], t)

@@ -7,11 +7,14 @@ tensor starts on a 64-byte line of the file, and :func:`load` maps the file copy
 page cache's pages, read from disk as the kernel first streams them, shared by every process that maps the
 same file, and never copied.
 
-Layout: 8 bytes (little-endian length ``N``), ``N`` bytes of JSON (``{"metadata": {...}, "tensors": {name:
-{"dtype", "shape", "offset", "nbytes"}}}``), then each tensor's bytes at its ``offset`` (from the file's
-start, a multiple of 64), zero-padded between.
+Layout: the 8 bytes ``SSPANEL2``, the header's offset and length (two little-endian 8-byte integers), each
+tensor's bytes at its ``offset`` (from the file's start, a multiple of 64), zero-padded between, then the header,
+``N`` bytes of JSON (``{"metadata": {...}, "tensors": {name: {"dtype", "shape", "offset", "nbytes"}}}``). The
+header comes last so that a :class:`Writer` streams each tensor to the file as it is made and holds none of them
+(building a 1.5B model's block copy held the whole gigabyte before it was written). Files of the first layout
+(``SSPANEL1``: the header's length and the header first) are still read.
 
-Invariants: :func:`save` writes atomically (a reader sees the whole file or none); :func:`load` checks every
+Invariants: :func:`save` and :class:`Writer` write atomically (a reader sees the whole file or none); :func:`load` checks every
 tensor lies inside the file and raises ``ValueError`` for a partial or foreign file (the caller rebuilds);
 loaded tensors alias the mapping (no copy), start 64-byte aligned, and are never written by the engine.
 """
@@ -20,14 +23,15 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from ..paths import atomic_write
 
-MAGIC = b"SSPANEL1"  # the first 8 bytes; the header's length follows
+MAGIC = b"SSPANEL2"  # the first 8 bytes; the header's offset and length follow
+MAGIC_V1 = b"SSPANEL1"  # the first layout: the header's length, then the header, then the tensors
 ALIGN = 64
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
            "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
@@ -39,28 +43,48 @@ def _up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+class Writer:
+    """Tensors streamed into an open binary file (:func:`selfspec_cli.paths.atomic_open`'s temporary file), each
+    written when :meth:`add` gets it, so the caller may let it go; :meth:`finish` writes the header. A tensor's name
+    is written once."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.index: dict[str, dict[str, Any]] = {}
+        f.write(MAGIC + b"\0" * (ALIGN - len(MAGIC)))  # the header's offset and length are filled in by finish()
+        self.at = ALIGN
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Write ``t`` (a CPU tensor of a dtype in ``_DTYPES``) at the next 64-byte line."""
+        if name in self.index:
+            raise ValueError(f"tensor {name} written twice")
+        if t.dtype not in _NUMPY:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} is not stored")
+        nbytes = t.numel() * t.element_size()
+        self.index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": nbytes,
+                            "offset": self.at}
+        if nbytes:
+            self.f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.f.write(b"\0" * (_up(self.at + nbytes) - self.at - nbytes))
+        self.at = _up(self.at + nbytes)
+
+    def finish(self, metadata: dict[str, Any]) -> None:
+        """Write the header (``metadata``: JSON) after the tensors, and its place at the file's start."""
+        header = json.dumps({"metadata": metadata, "tensors": self.index}).encode("utf-8")
+        self.f.write(header)
+        self.f.seek(len(MAGIC))
+        self.f.write(struct.pack("<QQ", self.at, len(header)))
+        self.f.seek(0, 2)
+
+
 def save(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
     """Write ``tensors`` (contiguous CPU tensors of the dtypes in ``_DTYPES``) and ``metadata`` (JSON) to ``path``."""
-    index: dict[str, dict[str, Any]] = {}
-    names = list(tensors)
-    for name in names:
-        t = tensors[name]
-        index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                       "nbytes": t.numel() * t.element_size()}
-    # the header's size depends on the offsets' digits: lay out with a generous bound, then fix
-    bound = len(json.dumps({"metadata": metadata, "tensors": index})) + 32 * len(index) + 64
-    at = _up(len(MAGIC) + 8 + bound)
-    for name in names:
-        index[name]["offset"] = at
-        at = _up(at + index[name]["nbytes"])
-    header = json.dumps({"metadata": metadata, "tensors": index}).encode("utf-8")
-    assert len(MAGIC) + 8 + len(header) <= index[names[0]]["offset"] if names else True
 
     def write(f: Any) -> None:
-        f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-        for name in names:
-            f.write(b"\0" * (index[name]["offset"] - f.tell()))
-            f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().data if tensors[name].numel() else b"")
+        out = Writer(f)
+        for name, t in tensors.items():
+            out.add(name, t)
+        out.finish(metadata)
 
     atomic_write(path, write)
 
@@ -68,10 +92,17 @@ def save(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
 def load(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors aliasing a copy-on-write mapping of ``path``, metadata). ``ValueError`` for a foreign or partial file."""
     mapped = np.memmap(str(path), dtype=np.uint8, mode="c")
-    if mapped.shape[0] < len(MAGIC) + 8 or bytes(mapped[:len(MAGIC)]) != MAGIC:
+    size = mapped.shape[0]
+    magic = bytes(mapped[:len(MAGIC)]) if size >= ALIGN else b""
+    if magic == MAGIC:
+        at, n = struct.unpack("<QQ", bytes(mapped[len(MAGIC):len(MAGIC) + 16]))
+    elif magic == MAGIC_V1:
+        at, (n,) = len(MAGIC) + 8, struct.unpack("<Q", bytes(mapped[len(MAGIC):len(MAGIC) + 8]))
+    else:
         raise ValueError(f"{path} is not a selfspec panel file")
-    (n,) = struct.unpack("<Q", bytes(mapped[len(MAGIC):len(MAGIC) + 8]))
-    head = json.loads(bytes(mapped[len(MAGIC) + 8:len(MAGIC) + 8 + n]).decode("utf-8"))
+    if at + n > size or n == 0:
+        raise ValueError(f"{path}: its header lies outside the file (a partial file)")
+    head = json.loads(bytes(mapped[at:at + n]).decode("utf-8"))
     out: dict[str, torch.Tensor] = {}
     for name, t in head["tensors"].items():
         dtype = _DTYPES[t["dtype"]]

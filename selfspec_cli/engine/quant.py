@@ -37,7 +37,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import ArtifactError
-from ..paths import cache_root
+from ..paths import atomic_open, cache_root
 from . import kernels, panel_file
 from .adapter import LINEARS, ModelAdapter
 from .kernels import PartsLinear, QLinear, QuantWeight, quantize_int8
@@ -266,11 +266,17 @@ class _GGUFBlocks:
         return self.pack(None, "head", self.load(head_name, adapter.lm_head))
 
 
-def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[str, Any]], Any, dict]:
+def _keep_all(key: str, q: Any) -> Any:
+    return q
+
+
+def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any,
+          keep: Callable[[str, Any], Any] = _keep_all) -> tuple[list[dict[str, Any]], Any, dict]:
     """The GGUF's own blocks for every matrix, rows matched to the target's, each handed to ``pack(layer, name,
     QuantWeight)`` as soon as it is read (so the unpacked codes of one matrix at a time are held; the head of a
-    model read from the file, the largest matrix, in super-panels of rows). A tensor whose type the kernel does
-    not take is quantized to int8 per channel instead (reported)."""
+    model read from the file, the largest matrix, in super-panels of rows), then to ``keep(key, packed)``, whose
+    result is what the returned layers hold (a writer that streams each matrix to the cache file returns None).
+    A tensor whose type the kernel does not take is quantized to int8 per channel instead (reported)."""
     from .gguf_file import GGUFTensors
 
     if not Path(gguf_file).is_file():
@@ -280,8 +286,8 @@ def _gguf(adapter: ModelAdapter, gguf_file: str, pack: Any) -> tuple[list[dict[s
     except (OSError, ValueError) as exc:
         raise GGUFDraftError(f"cannot read {gguf_file} ({exc})") from None
     blocks = _GGUFBlocks(adapter, gguf_file, source, pack)
-    layers = [blocks.layer(l, w) for l, w in enumerate(adapter.layers)]
-    head = blocks.head()
+    layers = [{n: keep(f"{l}.{n}", q) for n, q in blocks.layer(l, w).items()} for l, w in enumerate(adapter.layers)]
+    head = keep("head", blocks.head())
     info = {"gguf_file": gguf_file, "exact_matrices": blocks.exact, "int8_fallback": blocks.fallback,
             "types": sorted({t.tensor_type.name for t in blocks.tensors.values() if t.name.endswith(".weight")})}
     return layers, head, info
@@ -370,25 +376,55 @@ def cache_path(fingerprint: str, precision: str, model_dir: str | None = None, d
     return cache_root() / "drafts" / name
 
 
+def _entries(key: str, q: QLinear | PartsLinear) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Matrix ``key``'s packed panels as the kernel reads them (codes, scales, minimums; a product of parts: each part
+    its own entry, ``<key>.part<i>``), and its format entries: per matrix its format, group, bits, outputs and
+    streamed bytes."""
+    formats: list[str] = []
+    items: list[tuple[str, QLinear]] = [(key, q)] if not isinstance(q, PartsLinear) else []
+    if isinstance(q, PartsLinear):
+        items = [(f"{key}.part{i}", p) for i, p in enumerate(q.parts)]
+        formats.append(f"{key}=parts:{len(q.parts)}")
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for name, m in items:
+        tensors += [(f"{name}.{part}", t) for part in ("codes", "scales", "mins") if (t := getattr(m, part)) is not None]
+        formats.append(f"{name}={m.meta.fmt}:{m.meta.group}:{m.meta.bits}:{m.out_features}:{kernels.stream_bytes(m)}")
+    return tensors, formats
+
+
 def _save(path: Path, draft: DraftWeights, meta: dict[str, Any]) -> None:
-    """The copy's packed panels as the kernel reads them (codes, scales, minimums), so that a load
-    repacks nothing; per matrix its format, group, bits, outputs and streamed bytes (engine/panel_file.py:
-    64-byte aligned, read back memory-mapped)."""
+    """The whole copy, so that a load repacks nothing (engine/panel_file.py: 64-byte aligned, read back
+    memory-mapped)."""
     tensors: dict[str, torch.Tensor] = {}
     formats: list[str] = []
-    items = []
     for key, q in [*((f"{l}.{n}", q) for l, d in enumerate(draft.layers) for n, q in d.items()), ("head", draft.head)]:
-        if isinstance(q, PartsLinear):  # a product of parts: each part its own entry, ``<key>.part<i>``
-            items += [(f"{key}.part{i}", p) for i, p in enumerate(q.parts)]
-            formats.append(f"{key}=parts:{len(q.parts)}")
-        else:
-            items.append((key, q))
-    for key, q in items:
-        parts = {"codes": q.codes, "scales": q.scales, "mins": q.mins}
-        tensors.update({f"{key}.{part}": t.contiguous() for part, t in parts.items() if t is not None})
-        m = q.meta
-        formats.append(f"{key}={m.fmt}:{m.group}:{m.bits}:{q.out_features}:{kernels.stream_bytes(q)}")
+        got, fm = _entries(key, q)
+        tensors.update((name, t.contiguous()) for name, t in got)
+        formats += fm
     panel_file.save(path, tensors, {"info": json.dumps(meta), "formats": ";".join(formats)})
+
+
+def _gguf_to_file(path: Path, adapter: ModelAdapter, gguf_file: str, pack: Any, t0: float,
+                  module: Any) -> tuple[list[dict[str, QLinear]], QLinear, dict[str, Any]] | None:
+    """The GGUF's blocks packed straight into the cache file at ``path``, each matrix written as soon as it is packed
+    and let go (a 1.5B model's copy is a gigabyte: held whole before its write, it set the first call's peak), then
+    mapped back as :func:`_load` reads it. None when the cache cannot be written (the caller builds in memory)."""
+    try:
+        with atomic_open(path) as f:
+            out, formats = panel_file.Writer(f), []
+
+            def keep(key: str, q: QLinear | PartsLinear) -> None:
+                got, fm = _entries(key, q)
+                for name, t in got:
+                    out.add(name, t)
+                formats.extend(fm)
+
+            _, _, extra = _gguf(adapter, gguf_file, pack, keep)
+            meta = {"precision": "gguf", "built_s": round(time.perf_counter() - t0, 2), **extra}
+            out.finish({"info": json.dumps(meta), "formats": ";".join(formats)})
+    except (ArtifactError, OSError):
+        return None
+    return _load(path, adapter, module)
 
 
 def _load(path: Path, adapter: ModelAdapter, module: Any) -> tuple[list[dict[str, QLinear]], QLinear, dict[str, Any]] | None:
@@ -433,6 +469,16 @@ def _drop_older_formats(path: Path) -> None:
                 old.unlink()
 
 
+def _packer(adapter: ModelAdapter, module: Any) -> Callable[[int | None, str, QuantWeight], QLinear]:
+    """``pack(layer, name, q, bias=None)``: ``q`` packed for the kernel, with layer ``layer``'s bias of matrix
+    ``name`` (layer None: ``bias``)."""
+
+    def pack(layer: int | None, name: str, q: QuantWeight, bias: torch.Tensor | None = None) -> QLinear:
+        return QLinear.make(q, bias if layer is None else getattr(adapter.layers[layer], f"b_{name}"), module)
+
+    return pack
+
+
 def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, gguf_file: str | None,
                 module: Any, model_dir: str | None = None) -> DraftWeights:
     """The draft copy at ``precision``: from the disk cache when it holds one for this model
@@ -443,15 +489,17 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
     t0 = time.perf_counter()
     path = cache_path(fingerprint, precision, model_dir, str(adapter.dtype).removeprefix("torch.")) if fingerprint else None
     loaded = _load(path, adapter, module) if path is not None and path.is_file() else None
+    cache = "hit"
+    if loaded is None and precision == "gguf" and gguf_file and path is not None:
+        loaded, cache = _gguf_to_file(path, adapter, gguf_file, _packer(adapter, module), t0, module), "miss"
     if loaded is not None:
         layers_q, head_q, meta = loaded
         draft = DraftWeights(precision, layers_q, head_q)
-        info = {"cache": "hit", **meta}
+        info = {"cache": cache, **meta}
+        if cache == "miss":
+            _drop_older_formats(path)
     else:
-        def pack(layer: int | None, name: str, q: QuantWeight, bias: torch.Tensor | None = None) -> QLinear:
-            """``q`` packed, with layer ``layer``'s bias of matrix ``name`` (None: ``bias``)."""
-            return QLinear.make(q, bias if layer is None else getattr(adapter.layers[layer], f"b_{name}"), module)
-
+        pack = _packer(adapter, module)
         if precision == "gguf":
             if not gguf_file:
                 raise GGUFDraftError("the model was not loaded from a GGUF file")
