@@ -193,9 +193,30 @@ def uses_chat_template(tokenizer: Any, use_chat_template: bool) -> bool:
     return bool(use_chat_template and getattr(tokenizer, "chat_template", None))
 
 
+_RECENT: dict[tuple, tuple[Any, tuple[int, ...]]] = {}  # the last few conversations encoded (encode_turn)
+_RECENT_MAX = 8
+
+
 def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template: bool) -> list[int]:
     """Token ids of a conversation so far (ending with a user turn), ready to continue; raw text
-    (turns joined by blank lines, the tokenizer's special tokens) where no chat template applies."""
+    (turns joined by blank lines, the tokenizer's special tokens) where no chat template applies.
+
+    The last few conversations encoded are kept (keyed by the tokenizer object, its chat template and the turns),
+    so a caller that checks a conversation's length and then decodes it (``chat``, ``generate``'s context check)
+    tokenizes it once: a long conversation's template and tokenization run once a turn, not twice."""
+    key = (id(tokenizer), getattr(tokenizer, "chat_template", None), use_chat_template,
+           tuple((m["role"], m["content"]) for m in history))
+    hit = _RECENT.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return list(hit[1])
+    ids = _encode(tokenizer, history, use_chat_template)
+    _RECENT[key] = (tokenizer, tuple(ids))
+    while len(_RECENT) > _RECENT_MAX:
+        _RECENT.pop(next(iter(_RECENT)))
+    return ids
+
+
+def _encode(tokenizer: Any, history: list[dict[str, str]], use_chat_template: bool) -> list[int]:
     if uses_chat_template(tokenizer, use_chat_template):
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

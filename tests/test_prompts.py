@@ -189,3 +189,32 @@ def test_read_prompts_stdin_errors_name_stdin(monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     with pytest.raises(PromptFileError, match="stdin holds no prompt; pipe at least one"):
         read_prompts("-")
+
+
+def test_a_conversation_is_tokenized_once_when_checked_then_decoded(tiny_tokenizer):
+    """chat checks that a conversation fits, then decodes it: the template and the tokenizer run once for both
+    (encode_turn keeps the last few); another conversation, another flag or another template is encoded anew."""
+    import copy
+
+    from selfspec_cli.prompts import encode_turn
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    calls = []
+    real = tok.apply_chat_template
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    tok.apply_chat_template = counted
+    history = [{"role": "user", "content": "def g(x):"}]
+    first = encode_turn(tok, history, True)
+    assert encode_turn(tok, list(history), True) == first and len(calls) == 1
+    first.append(0)  # a caller's list is its own
+    assert encode_turn(tok, history, True) == first[:-1]
+    assert encode_turn(tok, [*history, {"role": "assistant", "content": "1"}, {"role": "user", "content": "2"}],
+                       True) != first[:-1] and len(calls) == 2
+    assert encode_turn(tok, history, False) == tok("def g(x):")["input_ids"] and len(calls) == 2
+    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert encode_turn(tok, history, True) != first[:-1] and len(calls) == 3
