@@ -251,3 +251,34 @@ def test_a_gguf_tokenizer_checked_once_loads_without_transformers(cache, tmp_pat
             return hf_tok.decode(ids)
 
     assert not same_tokenizer(Other(), LiteTokenizer(where))
+
+
+def test_a_block_type_selfspec_cannot_read_is_one_line_naming_it_and_the_file(cache, tmp_path, capsys):
+    """A tensor of a type outside the readable ones (here a Q4_0 tensor relabelled IQ4_NL, whose blocks have the
+    same size) is refused in one line that names the type and the file, and nothing is written to the cache."""
+    import struct
+
+    path, *_ = make_tiny_gguf(tmp_path / "src", seed=3, qtype="Q4_0")
+    blob = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_down.weight"
+    at = blob.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", blob, at)
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", blob, type_at)[0] == 2  # Q4_0
+    struct.pack_into("<I", blob, type_at, 20)  # IQ4_NL: 18 bytes a block of 32, as Q4_0
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(blob))
+    assert main(["generate", "--model", str(odd), "-P", "hi", "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "IQ4_NL" in err and "odd.gguf" in err and "cannot read" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not [p for p in (cache / "models").glob("*") if p.is_dir()]
+
+
+def test_matrices_of_a_float_type_are_said_in_one_line(cache, tmp_path, capsys):
+    """A GGUF whose matrices are float32 is read (its matrices run as float matrices), and stderr says so once."""
+    path, *_ = make_tiny_gguf(tmp_path / "src", seed=4)  # qtype None: every matrix F32
+    assert main(["generate", "--model", str(path), "-P", "hi", "-n", "2"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "are float types and run as float matrices" in line]
+    assert len(said) == 1 and path.name in said[0], err

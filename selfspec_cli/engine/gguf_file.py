@@ -233,7 +233,9 @@ class GGUFTensors:
             buf = b"".join(os.pread(self._fd, size, t.data_offset + int(i) * size) for i in idx)
             raw = np.frombuffer(buf, dtype=t.data.dtype).reshape(len(idx), -1)
             values = dequantize(raw, t.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(idx), -1))
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(len(idx), -1)
+        # float32 rows read with pread come back as the read-only bytes themselves: a tensor owns its own copy
+        return torch.from_numpy(values if values.flags.writeable else values.copy())
 
 
 def row_order(architecture: str, name: str, rows: int, num_heads: int | None, num_kv_heads: int | None) -> torch.Tensor | None:
