@@ -197,7 +197,7 @@ def test_heads_over_a_draft_vocabulary_keep_greedy_output_and_propose_only_its_t
     vocab = torch.randperm(eng.vocab_size, generator=torch.Generator().manual_seed(1))[: eng.vocab_size // 3]
     method = AdaDecode(eng, heads=vocab_heads(model, [0, 2, 3], vocab),
                        config=AdaDecodeConfig(paper_drafting=True, adadecode_threshold=0.02))
-    assert method.describe()["head_vocab"] == vocab.numel()
+    assert method.describe().head_vocab == vocab.numel()
     rounds = _record_rounds(method)
     ar = AR(eng)
     for seed, n in [(0, 40), (1, 17), (4, 33)]:

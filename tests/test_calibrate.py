@@ -558,7 +558,7 @@ def test_joint_precision_search(tmp_path, tiny_model_dir, prompt_file):
     skip = SkipSet.load(out, model)
     assert skip.draft_precision == json.loads(out.read_text())["draft_precision"]
     method = build("self-sd", Engine(model), None, layers=out)
-    assert method.describe()["draft_precision"] == (skip.draft_precision or "target")
+    assert method.describe().draft_precision == (skip.draft_precision or "target")
 
 
 def test_a_set_slower_than_ar_never_becomes_the_default(tmp_path, tiny_model_dir, prompt_file, tiny_model, monkeypatch):

@@ -249,4 +249,4 @@ def test_paper_drafting_does_not_time_the_engine_inside_a_decode():
     m = build("self-sd", eng, None, skip_attn="1", skip_mlp="2", paper_drafting=True)
     res = m.generate([5, 6, 7, 8], GenerationConfig(max_new_tokens=12))
     assert res.stats.drafted_tokens > 0
-    assert cost_store.held_curve(eng) is None and "cost_model" not in res.stats.extra
+    assert cost_store.held_curve(eng) is None and "cost_model" not in res.stats.report.to_json()

@@ -4,6 +4,7 @@ refresh them, and ``selfspec profile --remeasure`` takes a fresh full reading. W
 measured is judged by counting the timing calls, never by the clock."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from selfspec_cli.cli.app import main
 from selfspec_cli.config import GenerationConfig
 from selfspec_cli.decoding import cost_store, measure
-from selfspec_cli.decoding.measure import CURVE_ROWS, SHORT_ROWS, VerifyCurve
+from selfspec_cli.decoding.cost_store import CostRecord, DraftCost
+from selfspec_cli.decoding.measure import CURVE_ROWS, SHORT_ROWS, CurveRecord, VerifyCurve
 from selfspec_cli.engine import Engine, kernels
 from selfspec_cli.methods import build
 
@@ -120,7 +122,7 @@ def test_an_unreadable_or_foreign_file_is_measured_again_and_replaced(timings, d
     again = Engine(make_tiny_model("llama-gqa"))
     curve = cost_store.curve_for(again)
     assert timings["curve"] == 2 and curve.t1_s > 0
-    assert cost_store.read(cost_store.engine_key(again))["curve"]["times_s"]["1"] == curve.t1_s  # written over
+    assert cost_store.read(cost_store.engine_key(again)).curve.times_s["1"] == curve.t1_s  # written over
 
 
 def test_the_rounds_refresh_the_stored_reading(timings):
@@ -147,33 +149,32 @@ def test_the_rounds_refresh_the_stored_reading(timings):
 
 
 def test_blend_moves_each_observed_figure_towards_the_process_reading():
-    rec = {"curve": {"context": 64, "slope_s": 0.0, "times_s": {"1": 1.0, "2": 1.2, "4": 1.6}, "readings": 3},
-           "draft_costs": {"int8/attn[]/mlp[]": {"c": 0.5, "readings": 1}}}
+    rec = CostRecord({}, 0.0, 0.0, CurveRecord(64, 0.0, {"1": 1.0, "2": 1.2, "4": 1.6}, 3),
+                     {"int8/attn[]/mlp[]": DraftCost(0.5, 1)})
     # this process: T(1) 2 s, two rows 2.8 s (ratio 1.4), eight rows (not stored yet) 6 s, a draft step 0.6 s,
     # plain steps 0.01 s dearer per token past the context; four rows seen too seldom to count
     new = cost_store.blend(rec, {1: [2.0] * 3, 2: [2.8] * 3, 8: [6.0] * 5, 4: [9.0] * 2}, {"int8/attn[]/mlp[]": [0.6] * 3},
                            [(0, 2.0), (50, 2.5), (100, 3.0)])
     t1 = (1.0 + 2.0) / 2  # the median of the stored T(1) (one sample: the curve kept none) and this process's
-    times = {int(m): t for m, t in new["curve"]["times_s"].items()}
+    times = {int(m): t for m, t in new.curve.times_s.items()}
     assert times[1] == pytest.approx(t1) and times[2] / t1 == pytest.approx(1.2 + (1.4 - 1.2) / 4)
     assert times[4] / t1 == pytest.approx(1.6) and times[8] / t1 == pytest.approx(3.0)
-    assert new["curve"]["readings"] == 4 and new["curve"]["slope_s"] == pytest.approx(0.01 / 2.0 / 4 * t1)
-    assert new["draft_costs"]["int8/attn[]/mlp[]"] == {"c": pytest.approx(0.5 + (0.3 - 0.5) / 2), "readings": 2}
+    assert new.curve.readings == 4 and new.curve.slope_s == pytest.approx(0.01 / 2.0 / 4 * t1)
+    assert new.draft_costs["int8/attn[]/mlp[]"] == DraftCost(pytest.approx(0.5 + (0.3 - 0.5) / 2), 2)
     assert cost_store.blend(rec, {1: [2.0] * 2}, {}) is None  # too few to count
-    assert new["curve"]["t1_samples"] == [1.0, 2.0]
+    assert new.curve.t1_samples == [1.0, 2.0]
 
 
 def test_one_loaded_process_does_not_move_the_stored_step_time():
     """Issue 50: each call moved the stored T(1) a tenth of the way to its own, so a loaded afternoon drifted it
     from 16.4 to 26.1 ms and the same call read 0.62x to 1.10x ar. T(1) is the median of the processes' readings."""
-    rec = {"curve": {"context": 64, "slope_s": 0.0, "times_s": {"1": 1.0, "2": 1.2}, "readings": 5,
-                     "t1_samples": [1.0, 0.98, 1.02, 1.0, 0.99]}, "draft_costs": {}}
+    rec = CostRecord({}, 0.0, 0.0, CurveRecord(64, 0.0, {"1": 1.0, "2": 1.2}, 5, t1_samples=[1.0, 0.98, 1.02, 1.0, 0.99]))
     slow = cost_store.blend(rec, {1: [1.6] * 3}, {})  # one process on a loaded minute: 60 % slower
-    assert float(slow["curve"]["times_s"]["1"]) == pytest.approx(1.0)
-    assert slow["curve"]["t1_samples"][-1] == 1.6 and len(slow["curve"]["t1_samples"]) == 6
+    assert float(slow.curve.times_s["1"]) == pytest.approx(1.0)
+    assert slow.curve.t1_samples[-1] == 1.6 and len(slow.curve.t1_samples) == 6
     # the samples are bounded: the newest T1_KEEP
-    many = {**rec, "curve": {**rec["curve"], "t1_samples": [1.0] * cost_store.T1_KEEP}}
-    assert len(cost_store.blend(many, {1: [2.0] * 3}, {})["curve"]["t1_samples"]) == cost_store.T1_KEEP
+    many = dataclasses.replace(rec, curve=dataclasses.replace(rec.curve, t1_samples=[1.0] * cost_store.T1_KEEP))
+    assert len(cost_store.blend(many, {1: [2.0] * 3}, {}).curve.t1_samples) == cost_store.T1_KEEP
 
 
 def test_a_settled_store_is_refreshed_deliberately_not_by_every_process(timings):
@@ -210,7 +211,7 @@ def test_an_engine_in_fresh_mode_measures_in_full_and_stores_it(timings):
     cost_store.measure_fresh(eng)
     curve = cost_store.curve_for(eng)
     assert timings["curve"] == 2 and curve.full and curve.slope_s >= 0
-    assert sorted(int(m) for m in cost_store.read(cost_store.engine_key(eng))["curve"]["times_s"]) == list(CURVE_ROWS)
+    assert sorted(int(m) for m in cost_store.read(cost_store.engine_key(eng)).curve.times_s) == list(CURVE_ROWS)
 
 
 def _profile(model_dir, prompts, out, *extra: str) -> dict:
@@ -254,3 +255,68 @@ def test_readings_at_one_context_share_its_prefill(monkeypatch):
     assert prefills == [64]
     VerifyCurve.measure(eng, context=32, rounds=1, rows=(1, 2), extra=0)
     assert prefills == [64, 32]
+
+
+# a store file as this version writes it (selfspec-costs version 1): a record typed on reading must write it back
+# byte for byte, and a file written before the typed record (no row slope, no T(1) samples) must still load
+STORED_TODAY = """{
+ "format": "selfspec-costs",
+ "version": 1,
+ "key": {
+  "model": "abc123",
+  "precision": "fp32",
+  "threads": "2",
+  "kernel": "F.linear",
+  "device": "cpu",
+  "cpu": "AMD EPYC"
+ },
+ "created": 1764400000.25,
+ "updated": 1764403600.5,
+ "curve": {
+  "context": 64,
+  "slope_s": 1.2e-06,
+  "times_s": {
+   "1": 0.0164,
+   "2": 0.0178,
+   "4": 0.0201
+  },
+  "readings": 3,
+  "row_slope_s": 2e-08,
+  "t1_samples": [
+   0.0162,
+   0.0164,
+   0.0166
+  ]
+ },
+ "draft_costs": {
+  "int8/attn[]/mlp[]": {
+   "c": 0.41,
+   "readings": 2
+  },
+  "target/attn[1,3]/mlp[2]": {
+   "c": 0.7,
+   "readings": 1
+  }
+ }
+}
+"""
+
+
+def test_a_store_file_in_todays_format_reads_typed_and_writes_back_the_same_text(tmp_path):
+    doc = json.loads(STORED_TODAY)
+    rec = CostRecord.from_json(doc)
+    assert rec is not None and rec.key["cpu"] == "AMD EPYC" and rec.updated == 1764403600.5
+    assert rec.curve == CurveRecord(64, 1.2e-06, {"1": 0.0164, "2": 0.0178, "4": 0.0201}, 3, 2e-08, [0.0162, 0.0164, 0.0166])
+    assert rec.draft_costs == {"int8/attn[]/mlp[]": DraftCost(0.41, 2), "target/attn[1,3]/mlp[2]": DraftCost(0.7, 1)}
+    assert json.dumps(rec.to_json(), indent=1) + "\n" == STORED_TODAY
+    curve = VerifyCurve.from_record(rec.curve)
+    assert curve is not None and curve.t1_s == 0.0164 and curve.row_slope_s == 2e-08
+    path = tmp_path / "costs.json"
+    path.write_text(STORED_TODAY)
+    assert cost_store.read(doc["key"], path) == rec and cost_store.read({**doc["key"], "cpu": "other"}, path) is None
+    cost_store.write(doc["key"], rec, path, now=rec.updated)
+    assert path.read_text() == STORED_TODAY  # written back: the same text
+    older = {**doc, "curve": {k: v for k, v in doc["curve"].items() if k not in ("row_slope_s", "t1_samples")}}
+    old = CostRecord.from_json(json.loads(json.dumps(older)))
+    assert old.curve.row_slope_s is None and old.curve.t1_samples is None and old.to_json() == older
+    assert VerifyCurve.from_record(old.curve).row_slope_s is None

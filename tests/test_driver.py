@@ -130,7 +130,7 @@ def check_stats(res, rounds: list[Round], lossless: bool, budget_respected: bool
     else:  # SpecEE: one decided token per round, full depth unless it exited
         assert all(r.decided and r.tokens == 1 and r.accepted == 0 and r.depth == 1 for r in rounds)
         assert st.drafted_tokens == st.accepted_draft_tokens == 0
-        exits = sum(st.extra["early_exits"].values())
+        exits = sum(st.report.early_exits.values())
         assert st.target_forwards == 1 + sum(r.full_depth for r in rounds) == n - exits
     if res.finish_reason == "length" and budget_respected:
         assert not cut  # a round never offers more than the remaining budget
@@ -246,7 +246,7 @@ def test_specee_stopping_contract(setup, name):
         m = make_method(name, model, eng, tok)
         free_cfg = GenerationConfig(max_new_tokens=40)
         own, _ = run(m, prompt, free_cfg, lossless=False)
-        exits += sum(own.stats.extra["early_exits"].values())
+        exits += sum(own.stats.report.early_exits.values())
         ar = make_method("ar", model, eng, tok).generate(prompt, free_cfg).token_ids
         # its own stops: deterministic, so it stops exactly there
         for stop, i in pick_stops(tok, own.token_ids):

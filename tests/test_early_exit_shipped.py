@@ -45,7 +45,7 @@ def test_specee_runs_out_of_the_box(shipped, mode):
     eng, tok, cfg, ids, want = shipped
     meth = build("specee", eng, tok, specee_kv_mode=mode, specee_eval=True)
     res = meth.generate(ids[0], cfg)
-    ev = res.stats.extra["evaluation"]
+    ev = res.stats.report.to_json()["evaluation"]
     assert not meth.lossless and len(res.token_ids) == len(want[0])
     assert ev["identical_prefix_tokens"] == next((i for i, (a, b) in enumerate(zip(res.token_ids, want[0])) if a != b),
                                                  len(want[0]))

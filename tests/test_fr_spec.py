@@ -59,9 +59,9 @@ def test_drafts_come_only_from_the_draft_vocabulary(monkeypatch):
     monkeypatch.setattr(LayerSkipDrafter, "draft", spy)
     sd.generate(_prompt(6, 0), GenerationConfig(max_new_tokens=30))
     assert seen and set(seen) <= set(ids.tolist())
-    assert sd.describe()["draft_vocab"] == 20
+    assert sd.describe().draft_vocab == 20
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=settings)  # the whole vocabulary
-    assert sd.configuration.vocab_ids is None and sd.describe()["draft_vocab"] == "full"
+    assert sd.configuration.vocab_ids is None and sd.describe().draft_vocab == "full"
 
 
 # False-positive rate per test: ALPHA = 1e-3.
@@ -151,7 +151,7 @@ def test_calibrated_artifact_round_trip(tmp_path):
     vocab = fr_spec.resolve(str(path), model, size=50)
     assert vocab.n == 50 and torch.equal(vocab.ids, res.ranked_ids[:50])
     m = build("self-sd", eng, None, skip_attn=(1, 3), skip_mlp=(2, 4), draft_vocab=str(path), draft_vocab_size=50)
-    assert m.describe()["draft_vocab"] == 50
+    assert m.describe().draft_vocab == 50
     cfg = GenerationConfig(max_new_tokens=20)
     assert m.generate(prompts[0], cfg).token_ids == AR(eng).generate(prompts[0], cfg).token_ids
     with pytest.raises(FieldError):

@@ -1,6 +1,8 @@
 """Prompt lookup, auto and the cost planner: exact greedy and sampling, and what the planner decides."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -316,8 +318,8 @@ def test_verify_curve_reads_how_rows_grow_with_the_context_and_planners_price_ro
         assert c.v_at(m, n) == pytest.approx(law(m, n) / law(1, n), rel=1e-4)  # (v is kept to 4 decimals)
     assert c.v_at(4, None) == c.v(4) and c.v_at(4, 10) == c.v(4)  # no context, or before the curve's own: v
     assert VerifyCurve.from_record(c.to_record()) == c  # the store keeps the row slope
-    assert VerifyCurve.from_record({**c.to_record(), "row_slope_s": -1.0}) is None
-    no_rows = VerifyCurve.from_record({k: v for k, v in c.to_record().items() if k != "row_slope_s"})
+    assert VerifyCurve.from_record(dataclasses.replace(c.to_record(), row_slope_s=-1.0)) is None
+    no_rows = VerifyCurve.from_record(dataclasses.replace(c.to_record(), row_slope_s=None))
     assert no_rows.row_slope_s is None and no_rows.v_at(4, 250) == no_rows.v(4)  # an older record: v as read
     p = Planner(c, 8)
     assert p.at(250).cost(3, 0.2) == pytest.approx(3 * 0.2 + law(4, 250) / law(1, 250) + p.overhead.value, rel=1e-4)

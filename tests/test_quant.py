@@ -389,7 +389,7 @@ def test_quantized_drafts_keep_greedy_parity(arch, method, options):
         res = m.generate(prompt, cfg)
         assert res.token_ids == ar.generate(prompt, cfg).token_ids
         drafted += res.stats.drafted_tokens
-    info = m.describe()
+    info = m.describe().to_json()
     assert (info.get("quant") or info.get("layer_skip") or info)["draft_precision"] == options["draft_precision"]
     if options.get("paper_drafting"):
         assert drafted > 0
@@ -538,10 +538,10 @@ def test_skip_set_and_full_depth_variants_keep_parity(method, options):
         prompt = _prompt(6, seed, model.config.vocab_size)
         cfg = GenerationConfig(max_new_tokens=n)
         assert m.generate(prompt, cfg).token_ids == ar.generate(prompt, cfg).token_ids
-    info = m.describe()
+    info = m.describe().to_json()
     assert any(info["skip_attn"] + info["skip_mlp"]) and "full_depth" in info  # both variants have planners
     assert info["cost_model"]["c"] > 0 and info["full_depth"]["cost_model"]["c"] > 0
-    assert m.describe() == info  # describing changes nothing
+    assert m.describe().to_json() == info  # describing changes nothing
 
 
 def test_artifact_precision_falls_back_when_this_engine_cannot_have_it(tmp_path):
@@ -557,7 +557,7 @@ def test_artifact_precision_falls_back_when_this_engine_cannot_have_it(tmp_path)
         environment=environment_info(eng.device, eng.dtype), draft_precision="gguf")
     path = save_json_artifact(tmp_path / "s.json", manifest)
     m = build("self-sd", eng, None, layers=path)
-    assert m.describe()["draft_precision"] == ("int8" if ext is not None else "target")
+    assert m.describe().draft_precision == ("int8" if ext is not None else "target")
 
 
 @needs_kernel

@@ -52,8 +52,8 @@ def test_a_record_keeps_its_keys_and_reads_back_to_the_same_text(tiny_tokenizer)
 
 
 def test_the_drivers_figures_are_typed_and_kept_where_records_always_had_them(tiny_tokenizer):
-    """The driver's timings, plain rounds and plan are typed fields of the stats (the drafter's own report stays
-    free-form in ``extra``), and a record keeps them at their old place: the counters, the plan and skip sets,
+    """The driver's timings, plain rounds and plan are typed fields of the stats (the drafter's own report is a
+    typed DraftReport, serialized after them), and a record keeps them at their old place: the counters, the plan and skip sets,
     the timings, then the drafter's keys."""
     eng = Engine(make_tiny_model("llama-gqa", layers=2))
     res = build("pld", eng, tiny_tokenizer).generate(tiny_tokenizer("import torch import torch")["input_ids"],
@@ -64,6 +64,6 @@ def test_the_drivers_figures_are_typed_and_kept_where_records_always_had_them(ti
     keys = list(st.as_dict())
     timings = keys.index("prefill_s")
     assert keys[timings:timings + 4] == ["prefill_s", "draft_s", "verify_s", "update_s"]
-    assert all(k in keys[timings:] for k in st.extra) and keys.index("draft_round_share") < timings
+    assert all(k in keys[timings:] for k in st.report.to_json()) and keys.index("draft_round_share") < timings
     text = json.dumps(st.as_dict())
     assert json.dumps(TurnStats.from_dict(json.loads(text)).to_dict()) == text

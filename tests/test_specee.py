@@ -45,7 +45,7 @@ def test_specee_never_exiting_equals_ar(arch):
         cfg = GenerationConfig(max_new_tokens=25)
         res = m.generate(_prompt(6, seed), cfg)
         assert res.token_ids == ar.generate(_prompt(6, seed), cfg).token_ids
-        ev = res.stats.extra["evaluation"]
+        ev = res.stats.report.to_json()["evaluation"]
         assert ev["early_exits"] == 0 and ev["identical_prefix_share"] == 1.0
 
 
@@ -56,7 +56,7 @@ def test_specee_deferred_mode_keeps_full_depth_tokens_exact(arch):
     model = make_tiny_model(arch, layers=6)
     m = _specee(model, score=20.0, kv_mode="deferred")
     res = m.generate(_prompt(6, 1), GenerationConfig(max_new_tokens=40))
-    ev, st = res.stats.extra["evaluation"], res.stats.extra
+    ev, st = res.stats.report.to_json()["evaluation"], res.stats.report.to_json()
     assert ev["early_exits"] == sum(st["early_exits"].values()) > 0
     disagreements = ev["early_exits"] - round(ev["early_exit_agreement"] * ev["early_exits"])
     assert round(ev["token_agreement"] * 39) == 39 - disagreements
@@ -76,7 +76,7 @@ def test_specee_empty_mode_leaves_deep_kv_short(monkeypatch):
     monkeypatch.setattr(m.engine, "new_cache", spy)
     res = m.generate(_prompt(6, 2), GenerationConfig(max_new_tokens=30))
     lengths = seen["cache"].lengths
-    exits = sum(res.stats.extra["early_exits"].values())
+    exits = sum(res.stats.report.early_exits.values())
     assert exits > 0 and lengths[0] > lengths[-1]
     assert lengths[0] - lengths[-1] <= exits
 
@@ -97,7 +97,7 @@ def test_specee_random_predictors_exit_at_several_layers_and_keep_their_books_in
         real = m.engine.new_cache
         m.engine.new_cache = lambda capacity: caches.append(real(capacity)) or caches[-1]
         res = m.generate(prompt, GenerationConfig(max_new_tokens=tokens))
-        st, ev = res.stats.extra, res.stats.extra["evaluation"]
+        st, ev = res.stats.report.to_json(), res.stats.report.to_json()["evaluation"]
         assert len(res.token_ids) == tokens and st["kv_mode"] == mode
         rounds = tokens - 1  # the prefill decides the first token
         exits = {int(l): n for l, n in st["early_exits"].items()}

@@ -145,10 +145,10 @@ def run_specee(model, prompt: list[int], n: int, kv_mode: str):
         return out
 
     def spy_propose(state, budget):
-        before = dict(m.describe()["early_exits"])
+        before = dict(m.describe().early_exits)
         calls.clear()
         draft = propose(state, budget)
-        after = m.describe()["early_exits"]
+        after = m.describe().early_exits
         exited = [int(k) for k, v in after.items() if v != before.get(k, 0)]
         assert len(exited) <= 1
         rounds.append((exited[0] if exited else L - 1, calls[-1]))
@@ -159,7 +159,7 @@ def run_specee(model, prompt: list[int], n: int, kv_mode: str):
     res = m.generate(prompt, GenerationConfig(max_new_tokens=n))
     # the statistics agree with what was seen round by round
     counts = {str(d): sum(1 for e, _ in rounds if e == d) for d in range(L - 1)}
-    assert res.stats.extra["early_exits"] == {k: v for k, v in counts.items() if v}
+    assert res.stats.report.early_exits == {k: v for k, v in counts.items() if v}
     return res, rounds, caches[0]
 
 

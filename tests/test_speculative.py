@@ -41,7 +41,7 @@ def test_self_sd_greedy_equals_ar(arch, tree, vocab):
     sd = SelfSD(eng, skip=SkipSet([1, 3], [2, 4]), draft=DraftSettings(cost_aware=False, max_draft=6, threshold=0.3, tree=tree),
                 inputs=DraftInputs(vocab=ids))
     if vocab is not None:
-        assert sd.describe()["draft_vocab"] == vocab
+        assert sd.describe().draft_vocab == vocab
     drafted = 0
     for seed, n in [(0, 40), (1, 17), (2, 1), (3, 2)]:
         prompt = _prompt(6, seed)
@@ -264,7 +264,7 @@ def test_asd_greedy_equals_ar(arch):
         cfg = GenerationConfig(max_new_tokens=30)
         res = asd.generate(prompt, cfg)
         assert res.token_ids == ar.generate(prompt, cfg).token_ids
-        assert res.stats.extra["skip_mlp"] == [2, 5]
+        assert res.stats.report.skip_mlp == [2, 5]
 
 
 def test_asd_sampling_is_exact(small_vocab_setup):
@@ -297,9 +297,9 @@ def test_swift_greedy_equals_ar_and_carries_state(arch):
         cfg = GenerationConfig(max_new_tokens=40)
         res = sw.generate(prompt, cfg)
         assert res.token_ids == ar.generate(prompt, cfg).token_ids
-        steps.append(res.stats.extra["swift"]["step"])
+        steps.append(res.stats.report.source.swift.step)
     assert steps[0] > 0 and steps == sorted(steps)  # optimization state carried across prompts
-    assert all(len(h["skip"][0]) + len(h["skip"][1]) >= 1 for h in sw.search.history)
+    assert all(len(h.skip[0]) + len(h.skip[1]) >= 1 for h in sw.search.history)
 
 
 def test_swift_scoring_leaves_the_cache_intact():

@@ -182,13 +182,13 @@ def _block_target_parity(model, method: str, options: dict, runs: list[tuple[int
         drafted += res.stats.drafted_tokens
     if options.get("paper_drafting"):
         assert drafted > 0
-    return m.describe()
+    return m.describe().to_json()
 
 
 @needs_kernel
 def test_specqd_refuses_a_draft_at_the_targets_own_precision(gguf_models):
     eng = Engine(gguf_models["Q4_1"], target_precision="gguf")
-    assert build("specqd", eng, None).describe()["draft_precision"] == "w4a8"  # auto: the W4A8 product
+    assert build("specqd", eng, None).describe().draft_precision == "w4a8"  # auto: the W4A8 product
     with pytest.raises(ConfigError, match="target"):
         build("specqd", eng, None, draft_precision="gguf")
 

@@ -83,9 +83,8 @@ class HFGenerate:
         lengths = [m + 1 for m in matches] if self.assisted else [1] * len(sink.tokens)
         stats = DecodeStats(target_forwards=len(lengths), accept_lengths=lengths,
                             drafted_tokens=sum(drafted[: len(lengths)]), accepted_draft_tokens=sum(matches))
-        if self.assisted and not stats.drafted_tokens:
-            # nothing drafted at all (e.g. no n-gram match): still report the counts
-            stats.extra.update({"drafted_tokens": 0, "accepted_draft_tokens": 0})
+        # nothing drafted at all (e.g. no n-gram match): still report the counts
+        stats.drafts_counted = self.assisted
         return sink.result(stats)
 
 

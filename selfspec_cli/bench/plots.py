@@ -6,10 +6,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..jsonio import JsonObject
 from ..paths import atomic_write
 
 if TYPE_CHECKING:
+    from ..methods.base import SearchPoint
     from .report import MethodSummary
 
 
@@ -73,7 +73,7 @@ def speedup_by_category(summary: Mapping[str, MethodSummary], path: Path, refere
     return save_figure(fig, path)
 
 
-def swift_heatmap(history: Sequence[JsonObject], num_layers: int, path: Path, title: str = "") -> Path | None:
+def swift_heatmap(history: Sequence[SearchPoint], num_layers: int, path: Path, title: str = "") -> Path | None:
     """SWIFT's layer search: which sublayers each evaluated candidate skips (light) and the
     best set so far (dark) at every optimization step, with matchness on top."""
     if not history:
@@ -81,12 +81,12 @@ def swift_heatmap(history: Sequence[JsonObject], num_layers: int, path: Path, ti
     import numpy as np
 
     cand, best = np.zeros((2, 2 * num_layers, len(history)))
-    scores, best_scores = [h["score"] for h in history], []
+    scores, best_scores = [h.score for h in history], []
     cur_best: tuple[list[int], list[int]] | None = None
     for j, h in enumerate(history):
-        attn, mlp = h["skip"]
-        if h.get("best") or cur_best is None:
-            cur_best, cur_score = (attn, mlp), h["score"]
+        attn, mlp = h.skip
+        if h.best or cur_best is None:
+            cur_best, cur_score = (attn, mlp), h.score
         cand[[*attn, *(num_layers + l for l in mlp)], j] = 1  # rows: attention 0..L-1, then MLP
         best[[*cur_best[0], *(num_layers + l for l in cur_best[1])], j] = 1
         best_scores.append(cur_score)

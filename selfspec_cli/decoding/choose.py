@@ -22,8 +22,8 @@ from ..engine import ForwardOutput
 from .measure import VerifyCurve
 from .drafts import Draft, NoDraft, Round
 from .driver import Drafter, DraftPolicy, Taps
+from .output import ByName
 from .state import DecodeState
-from ..jsonio import JsonObject
 
 
 class Option(NamedTuple):
@@ -106,5 +106,5 @@ class Choose:
         if self.best.last is not None:
             self.best.last.drafter.accept(state, rnd)
 
-    def end(self) -> JsonObject:
-        return {o.name: o.drafter.end() for o in self.best.options}
+    def end(self) -> ByName:
+        return ByName({o.name: o.drafter.end() for o in self.best.options})

@@ -68,7 +68,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ from ..engine.adapter import model_fingerprint
 from ..errors import ArtifactError
 from ..jsonio import JsonObject
 from ..paths import atomic_write, cache_root
-from .measure import CURVE_ROWS, SHORT_ROUNDS, SHORT_ROWS, VerifyCurve, draft_step_cost
+from .measure import CURVE_ROWS, SHORT_ROUNDS, SHORT_ROWS, CurveRecord, VerifyCurve, draft_step_cost
 
 FORMAT = "selfspec-costs"
 VERSION = 1
@@ -92,6 +92,48 @@ REFRESH_S = 6 * 3600  # a settled store (BLEND_CAP readings) takes a process's r
 DRAFT_KEEP = 64  # draft variants kept per key, the newest (SWIFT's search times one per skip set it tries)
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[Engine, str]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCost:
+    """A draft variant's c (one draft step over a plain step) as stored, and the readings folded into it."""
+
+    c: float
+    readings: int = 1
+
+    def to_json(self) -> JsonObject:
+        return {"c": self.c, "readings": self.readings}
+
+
+@dataclass(frozen=True, slots=True)
+class CostRecord:
+    """One key's stored costs (``<cache>/costs/<digest>.json``): the key, when it was created and last updated
+    (seconds since the epoch), the verify curve (None: none, or one that is not a curve) and each draft
+    variant's c. Read and written only through :meth:`from_json` and :meth:`to_json`, whose text is the
+    store's format (``selfspec-costs`` version 1, as it always was)."""
+
+    key: dict[str, str]
+    created: float
+    updated: float
+    curve: CurveRecord | None = None
+    draft_costs: dict[str, DraftCost] = field(default_factory=dict)
+
+    def to_json(self) -> JsonObject:
+        return {"format": FORMAT, "version": VERSION, "key": self.key, "created": self.created, "updated": self.updated,
+                "curve": None if self.curve is None else self.curve.to_json(),
+                "draft_costs": {k: v.to_json() for k, v in self.draft_costs.items()}}
+
+    @classmethod
+    def from_json(cls, rec: Any) -> CostRecord | None:
+        """The record of a stored file's JSON; None when it is of another format or version, or its times are
+        not numbers. A draft cost that is not ``{"c": number, ...}`` is left out (it is timed again)."""
+        if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION:
+            return None
+        if not all(isinstance(rec.get(t), (int, float)) for t in ("created", "updated")) or not isinstance(rec.get("draft_costs", {}), dict):
+            return None
+        costs = {k: DraftCost(v["c"], v.get("readings", 1)) for k, v in (rec.get("draft_costs") or {}).items()
+                 if isinstance(v, dict) and isinstance(v.get("c"), (int, float))}
+        return cls(rec.get("key"), rec["created"], rec["updated"], CurveRecord.from_json(rec.get("curve")), costs)
 
 
 def costs_dir() -> Path:
@@ -136,26 +178,20 @@ def path_for(key: dict[str, str]) -> Path:
     return costs_dir() / f"{digest}.json"
 
 
-def read(key: dict[str, str], path: Path | None = None) -> JsonObject | None:
+def read(key: dict[str, str], path: Path | None = None) -> CostRecord | None:
     """The stored record for ``key`` (at ``path``, by default :func:`path_for`); None when there is
     none, or it is unreadable or foreign."""
     try:
-        rec = json.loads((path or path_for(key)).read_text(encoding="utf-8"))
+        rec = CostRecord.from_json(json.loads((path or path_for(key)).read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION or rec.get("key") != key:
-        return None
-    if not all(isinstance(rec.get(t), (int, float)) for t in ("created", "updated")) or not isinstance(rec.get("draft_costs", {}), dict):
-        return None
-    return rec
+    return rec if rec is not None and rec.key == key else None
 
 
-def write(key: dict[str, str], rec: JsonObject, path: Path | None = None) -> Path | None:
-    """Store ``rec`` (its ``curve`` and ``draft_costs``) for ``key``, atomically (at ``path``, by
-    default :func:`path_for`); None when the cache cannot be written."""
-    now = time.time()
-    doc = {"format": FORMAT, "version": VERSION, "key": key, "created": rec.get("created", now), "updated": now,
-           "curve": rec.get("curve"), "draft_costs": rec.get("draft_costs") or {}}
+def write(key: dict[str, str], rec: CostRecord, path: Path | None = None, *, now: float | None = None) -> Path | None:
+    """Store ``rec`` (its ``curve`` and ``draft_costs``, created when it was) for ``key``, updated ``now`` (default:
+    the time now), atomically (at ``path``, by default :func:`path_for`); None when the cache cannot be written."""
+    doc = replace(rec, key=key, updated=time.time() if now is None else now).to_json()
     path = path or path_for(key)
     try:
         atomic_write(path, lambda f: f.write((json.dumps(doc, indent=1) + "\n").encode()))
@@ -164,16 +200,16 @@ def write(key: dict[str, str], rec: JsonObject, path: Path | None = None) -> Pat
     return path
 
 
-def update(key: dict[str, str], *, curve: JsonObject | None = None,
-           draft_costs: dict[str, JsonObject] | None = None) -> Path | None:
+def update(key: dict[str, str], *, curve: CurveRecord | None = None,
+           draft_costs: dict[str, DraftCost] | None = None) -> Path | None:
     """Replace the stored curve (when given) and add or replace draft costs (the newest
     :data:`DRAFT_KEEP`), keeping the rest."""
-    rec = read(key) or {}
+    now = time.time()
+    rec = read(key) or CostRecord(key, now, now)
     if curve is not None:
-        rec["curve"] = curve
-    old = {k: v for k, v in (rec.get("draft_costs") or {}).items() if k not in (draft_costs or {})}
-    rec["draft_costs"] = dict(list({**old, **(draft_costs or {})}.items())[-DRAFT_KEEP:])
-    return write(key, rec)
+        rec = replace(rec, curve=curve)
+    old = {k: v for k, v in rec.draft_costs.items() if k not in (draft_costs or {})}
+    return write(key, replace(rec, draft_costs=dict(list({**old, **(draft_costs or {})}.items())[-DRAFT_KEEP:])), now=now)
 
 
 def describe(key: dict[str, str]) -> JsonObject:
@@ -182,12 +218,13 @@ def describe(key: dict[str, str]) -> JsonObject:
     rec = read(key)
     if rec is None:
         return {"path": str(path), "key": key, "stored": False}
-    curve = rec.get("curve") if isinstance(rec.get("curve"), dict) else {}
-    return {"path": str(path), "key": key, "stored": True, "age_s": round(time.time() - float(rec["updated"]), 1),
-            "created_age_s": round(time.time() - float(rec["created"]), 1),
-            "rows": sorted(int(m) for m in curve.get("times_s", {})), "readings": curve.get("readings"),
-            "t1_samples": len(curve.get("t1_samples") or [1]), "settled": settled(rec),
-            "draft_costs": {k: v.get("c") if isinstance(v, dict) else None for k, v in (rec.get("draft_costs") or {}).items()}}
+    curve = rec.curve
+    return {"path": str(path), "key": key, "stored": True, "age_s": round(time.time() - float(rec.updated), 1),
+            "created_age_s": round(time.time() - float(rec.created), 1),
+            "rows": sorted(int(m) for m in curve.times_s) if curve is not None else [],
+            "readings": None if curve is None else curve.readings,
+            "t1_samples": len((curve.t1_samples if curve is not None else None) or [1]), "settled": settled(rec),
+            "draft_costs": {k: v.c for k, v in rec.draft_costs.items()}}
 
 
 # ---------------------------------------------------------------- online refresh
@@ -207,46 +244,46 @@ def slope_fit(plain: list[tuple[int, float]]) -> float | None:
     return max(0.0, sum((x - mx) * (y - my) for x, y in plain) / sxx)
 
 
-def blend(rec: JsonObject, rows: dict[int, list[float]], drafts: dict[str, list[float]],
-          plain: list[tuple[int, float]] = ()) -> JsonObject | None:
+def blend(rec: CostRecord, rows: dict[int, list[float]], drafts: dict[str, list[float]],
+          plain: list[tuple[int, float]] = ()) -> CostRecord | None:
     """``rec`` with one process's observations folded in (the module docstring's rule); None when
     there is nothing to fold (no stored curve, or too few observations of anything). ``rows``: an
     m-row verify forward's seconds at the curve's context; ``drafts``: one draft step's seconds;
     ``plain``: plain steps as taken, for the slope (:func:`slope_fit`)."""
-    curve = rec.get("curve")
-    if not curve:
+    curve = rec.curve
+    if curve is None or not curve.times_s:
         return None
-    times = {int(m): float(t) for m, t in curve["times_s"].items()}
+    times = {int(m): float(t) for m, t in curve.times_s.items()}
     med = {m: statistics.median(v) for m, v in rows.items() if len(v) >= ONLINE_MIN}
-    dmed = {k: statistics.median(v) for k, v in drafts.items() if len(v) >= ONLINE_MIN and k in (rec.get("draft_costs") or {})}
+    dmed = {k: statistics.median(v) for k, v in drafts.items() if len(v) >= ONLINE_MIN and k in rec.draft_costs}
     if not med and not dmed:
         return None
-    n, t1 = int(curve.get("readings", 1)), times[1]
+    n, t1 = int(curve.readings), times[1]
     t1_here = med.get(1, t1)  # this process's plain step (the stored one when it ran none)
-    samples = [float(x) for x in curve.get("t1_samples") or [t1]]  # a curve stored before the samples: one
+    samples = [float(x) for x in curve.t1_samples or [t1]]  # a curve stored before the samples: one
     if 1 in med:
         samples = (samples + [t1_here])[-T1_KEEP:]
     t1_new = statistics.median(samples)  # robust: one loaded minute does not move it (module docstring)
     ratios = {m: t / t1 for m, t in times.items()}
     for m, s in med.items():
         ratios[m] = _blend(ratios[m], s / t1_here, n) if m in ratios else s / t1_here
-    new_curve = {**curve, "times_s": {str(m): ratios[m] * t1_new for m in sorted(ratios)}, "readings": n + 1,
-                 "t1_samples": [round(x, 9) for x in samples]}
+    new_curve = replace(curve, times_s={str(m): ratios[m] * t1_new for m in sorted(ratios)}, readings=n + 1,
+                        t1_samples=[round(x, 9) for x in samples])
     if (slope := slope_fit(list(plain))) is not None:  # as a share of T(1), like the rows
-        new_curve["slope_s"] = _blend(float(curve["slope_s"]) / t1, slope / t1_here, n) * t1_new
-    costs = {k: dict(v) for k, v in (rec.get("draft_costs") or {}).items()}
+        new_curve = replace(new_curve, slope_s=_blend(float(curve.slope_s) / t1, slope / t1_here, n) * t1_new)
+    costs = dict(rec.draft_costs)
     for k, s in dmed.items():
-        r = int(costs[k].get("readings", 1))
-        costs[k].update(c=round(_blend(float(costs[k]["c"]), s / t1_here, r), 5), readings=r + 1)
-    return {**rec, "curve": new_curve, "draft_costs": costs}
+        r = int(costs[k].readings)
+        costs[k] = DraftCost(round(_blend(float(costs[k].c), s / t1_here, r), 5), r + 1)
+    return replace(rec, curve=new_curve, draft_costs=costs)
 
 
-def settled(rec: JsonObject, now: float | None = None) -> bool:
+def settled(rec: CostRecord, now: float | None = None) -> bool:
     """Whether a stored record takes no process's reading now: its curve holds :data:`BLEND_CAP` readings
     and was updated less than :data:`REFRESH_S` ago (the module docstring's deliberate refresh)."""
-    curve = rec.get("curve") or {}
-    age = (time.time() if now is None else now) - float(rec.get("updated", 0))
-    return int(curve.get("readings", 1)) >= BLEND_CAP and age < REFRESH_S
+    readings = 1 if rec.curve is None else rec.curve.readings
+    age = (time.time() if now is None else now) - float(rec.updated)
+    return int(readings) >= BLEND_CAP and age < REFRESH_S
 
 
 @dataclass
@@ -330,7 +367,8 @@ def curve_for(engine: Engine, full: bool = False) -> VerifyCurve:
         return _CURVES[engine]
     key = engine_key(engine)
     if engine not in _FRESH:
-        stored = VerifyCurve.from_record(((read(key) or {}).get("curve")))
+        rec = read(key)
+        stored = VerifyCurve.from_record(rec.curve if rec is not None else None)
         if stored is not None and (stored.full or not full):
             return _keep_curve(engine, stored)
     if full or engine in _FRESH:
@@ -434,14 +472,15 @@ def draft_cost_for(engine: Engine, weights: str | None, skip_attn: frozenset[int
     rows = None if vocab is None else int(vocab.numel())
     variant, key = draft_variant(weights, skip_attn, skip_mlp, rows), engine_key(engine)
     if engine not in _FRESH:
-        got = ((read(key) or {}).get("draft_costs") or {}).get(variant)
+        rec = read(key)
+        got = rec.draft_costs.get(variant) if rec is not None else None
         try:
-            c = float(got["c"])
+            c = float(got.c)
             if math.isfinite(c) and c > 0:
                 return c
-        except (KeyError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError):
             pass  # none stored, or unusable: time it
     c = draft_step_cost(engine, weights, skip_attn, skip_mlp, vocab=vocab, head=head)
-    update(key, draft_costs={variant: {"c": round(c, 5), "readings": 1}})
+    update(key, draft_costs={variant: DraftCost(round(c, 5), 1)})
     return c
 

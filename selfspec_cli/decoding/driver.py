@@ -47,12 +47,11 @@ import torch.nn.functional as F
 
 from ..config import GenerationConfig
 from ..engine import Engine, ForwardOutput
-from ..jsonio import JsonObject
 from .cost_store import observe_forward
 from .measure import VerifyCurve
 from .planning import RoundClock, round_gain
 from .drafts import Chain, Decided, Deferred, Draft, NoDraft, Round, Tree, depth as draft_depth
-from .output import DecodeResult, DecodeStats, PlainRounds, PlanTotals, TokenSink
+from .output import NO_REPORT, DecodeResult, DecodeStats, DraftReport, PlainRounds, PlanTotals, TokenSink
 from .sampling import PositionNoise, gumbel_scores, make_generator, select_token
 from .state import DecodeState
 from .verify import GREEDY, Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
@@ -97,7 +96,8 @@ class Drafter(Protocol):
     :meth:`begin` once (the prompt cached, the first token committed), then per round :meth:`draft`
     (``budget``: the most draft tokens the round may still emit) and, once the round is verified and
     committed, :meth:`accept` with what was accepted and what the round cost (:class:`~.drafts.Round`),
-    and finally :meth:`end`, whose answer (the drafter's description of itself, free-form JSON) goes into
+    and finally :meth:`end`, whose answer (the drafter's description of itself, a typed
+    :class:`~.output.DraftReport`) goes into
     the prompt's ``stats`` beside the driver's counters and timings (:class:`~.output.DecodeStats`). How long to draft, and
     whether to draft at all, is the drafter's :class:`DraftPolicy`'s, a separate object the drafter
     asks (docs/design.md, "Drafters and policies")."""
@@ -111,7 +111,7 @@ class Drafter(Protocol):
 
     def accept(self, state: DecodeState, rnd: Round) -> None: ...
 
-    def end(self) -> JsonObject: ...
+    def end(self) -> DraftReport: ...
 
 
 @runtime_checkable
@@ -145,8 +145,8 @@ class Plain:
     def accept(self, state: DecodeState, rnd: Round) -> None:
         pass
 
-    def end(self) -> JsonObject:
-        return {}
+    def end(self) -> DraftReport:
+        return NO_REPORT
 
 
 class Unplanned:
@@ -179,7 +179,7 @@ class Delegating:
     def accept(self, state: DecodeState, rnd: Round) -> None:
         self.inner.accept(state, rnd)
 
-    def end(self) -> JsonObject:
+    def end(self) -> DraftReport:
         return self.inner.end()
 
 
@@ -257,7 +257,7 @@ def decode(eng: Engine, tokenizer: Any, drafter: Drafter, prompt_ids: list[int],
         if cost > 0 and not unplanned:
             stats.predicted_gain = round(round_gain(expected, cost), 4)
             stats.plan = PlanTotals(round(expected, 4), round(cost, 4))
-    stats.extra.update(drafter.end())
+    stats.report = drafter.end()
     return sink.result(stats)
 
 

@@ -22,11 +22,10 @@ from ..engine import ForwardOutput
 from .planning import Planner, round_plan
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating
-from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter, SkipOrFullDepth
+from .layer_skip import DraftSettings, Drafted, LayerSkipDrafter, LayerSkipReport, SkipOrFullDepth
 from .policy import LengthPolicy
 from .state import DecodeState
 from .verify import tree_children
-from ..jsonio import JsonObject
 
 
 class NgramSource(Protocol):
@@ -174,5 +173,5 @@ class Hybrid(Delegating):
             draft.note.by.accept(state, rnd)
         self.branch.observe(rnd, draft.note)
 
-    def end(self) -> JsonObject:
+    def end(self) -> LayerSkipReport:
         return self.chain.end()

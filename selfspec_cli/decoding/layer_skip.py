@@ -26,7 +26,7 @@ the driver with their laws, so the driver's speculative-sampling rule is exact.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,10 +35,10 @@ from ..engine import Engine, ForwardOutput
 from .choose import BestOf, Choose, Option
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating, Drafter, Taps
-from .policy import LengthPolicy
+from .output import NO_REPORT, DraftReport, Merged, flat, optional
+from .policy import CostModelReport, LengthPolicy
 from .sampling import processed_scores, sample_from
 from .state import DecodeState
-from ..jsonio import JsonObject
 
 PAPER_TREE_TOPK = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
@@ -95,6 +95,33 @@ class AdaptiveThreshold:
         self.value = min(1.0, max(0.0, 0.9 * self.value + 0.1 * cand))
 
 
+@dataclass(frozen=True, slots=True)
+class FullDepthReport(DraftReport):
+    """Full depth on a quantized configuration's weights, as weighed against its skip set
+    (:class:`SkipOrFullDepth`): the rounds it drafted and its cost model."""
+
+    rounds: int
+    cost_model: CostModelReport
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSkipReport(DraftReport):
+    """A layer-skip drafter's report (its ``end()``): its skip set, draft weights (``"target"``: the target's
+    own), verification, draft-exit threshold, draft vocabulary (``"full"``: all rows), its cost model (absent:
+    unplanned), full depth's where a choice weighed it (:class:`SkipOrFullDepth`), and what an adapting skip
+    source says of itself (:meth:`SkipSource.describe`, its keys written flat)."""
+
+    skip_attn: list[int]
+    skip_mlp: list[int]
+    draft_precision: str
+    verify: str
+    draft_threshold: float
+    draft_vocab: int | str
+    cost_model: CostModelReport | None = optional()
+    full_depth: FullDepthReport | None = optional()
+    source: DraftReport | None = flat(omit=True, default=None)
+
+
 SkipPair = tuple[frozenset[int], frozenset[int]]
 NO_SKIPS: SkipPair = (frozenset(), frozenset())
 
@@ -121,8 +148,9 @@ class SkipSource:
     def update(self, state: DecodeState, rnd: Round, own: bool) -> None:
         pass
 
-    def describe(self) -> JsonObject:
-        return {}
+    def describe(self) -> DraftReport:
+        """What the source says of itself in its drafter's report (:class:`LayerSkipReport`'s ``source``)."""
+        return NO_REPORT
 
 
 @dataclass(frozen=True)
@@ -314,15 +342,11 @@ class LayerSkipDrafter:
             self.threshold.update(own, steps, note.hit_limit)
         self.policy.observe(steps, own, rnd.steps, draft.plan)
 
-    def end(self) -> JsonObject:
+    def end(self) -> LayerSkipReport:
         attn, mlp = self.skip_sets()
-        out = {"skip_attn": sorted(attn), "skip_mlp": sorted(mlp), "draft_precision": self.weights or "target",
-               "verify": "tree" if self.settings.tree else "chain",
-               "draft_threshold": round(self.threshold.value, 4),
-               "draft_vocab": self.vocab_rows or "full"}
-        if (model := self.policy.report()) is not None:
-            out["cost_model"] = model
-        return out
+        return LayerSkipReport(sorted(attn), sorted(mlp), self.weights or "target",
+                               "tree" if self.settings.tree else "chain", round(self.threshold.value, 4),
+                               self.vocab_rows or "full", self.policy.report())
 
 
 class _TreeBuilder:
@@ -366,10 +390,10 @@ class SkipOrFullDepth(Choose):
         """The configuration whose expected gain is the best this round."""
         return self.best.pick(state, budget).drafter
 
-    def end(self) -> JsonObject:
+    def end(self) -> LayerSkipReport:
         out = self.skip.end()
         if any(self.skip.skip_sets()) and (model := self.full.policy.report()) is not None:
-            out["full_depth"] = {"rounds": self.full.policy.drafting_rounds, "cost_model": model}
+            out = replace(out, full_depth=FullDepthReport(self.full.policy.drafting_rounds, model))
         return out
 
 
@@ -395,5 +419,8 @@ class Adapting(Delegating):
                and draft.note.by is self.drafter)
         self.source.update(state, rnd, own)
 
-    def end(self) -> JsonObject:
-        return {**self.inner.end(), **self.source.describe()}
+    def end(self) -> DraftReport:
+        inner = self.inner.end()
+        if isinstance(inner, LayerSkipReport) and inner.source is None:
+            return replace(inner, source=self.source.describe())
+        return Merged((inner, self.source.describe()))

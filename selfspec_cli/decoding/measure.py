@@ -54,6 +54,40 @@ _PREFIX: "weakref.WeakKeyDictionary[Engine, tuple[int, Any]]" = weakref.WeakKeyD
 _AGREEMENT: "weakref.WeakKeyDictionary[Engine, dict[tuple, tuple[int, int]]]" = weakref.WeakKeyDictionary()
 
 
+@dataclass(frozen=True, slots=True)
+class CurveRecord:
+    """A verify curve as the store of engine costs keeps it (decoding/cost_store.py): the forward times by row
+    count (``times_s``, keyed by the row count's text), not the ratios; the context they were read at, T(1)'s
+    growth with the context, the readings folded in, a verify forward's growth per row (absent: not read) and
+    the processes' T(1) readings whose median is T(1) (absent: one, the first). Values are kept as read, so
+    that a record written back is the text it was; :meth:`VerifyCurve.from_record` checks them."""
+
+    context: int
+    slope_s: float
+    times_s: dict[str, float]
+    readings: int = 1
+    row_slope_s: float | None = None
+    t1_samples: list[float] | None = None
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"context": self.context, "slope_s": self.slope_s, "times_s": dict(self.times_s),
+                           "readings": self.readings}
+        if self.row_slope_s is not None:
+            out["row_slope_s"] = self.row_slope_s
+        if self.t1_samples is not None:
+            out["t1_samples"] = list(self.t1_samples)
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any) -> CurveRecord | None:
+        """The record of a stored curve's JSON; None for one that is not an object with the fields."""
+        try:
+            return cls(d["context"], d["slope_s"], {str(m): t for m, t in d["times_s"].items()}, d.get("readings", 1),
+                       d.get("row_slope_s"), d.get("t1_samples"))
+        except (KeyError, TypeError, AttributeError):
+            return None
+
+
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     """``fn()`` and its wall time, with a device synchronize on each side on CUDA."""
     if device.type == "cuda":
@@ -148,20 +182,22 @@ class VerifyCurve:
         ratios = {m: round(r, 4) for m, r in zip(rows, accumulate((times[m] / times[1] for m in rows), max))}
         return cls(times[1], ratios, context, slope_s, dict(times), readings, row_slope_s)
 
-    def to_record(self) -> JsonObject:
+    def to_record(self) -> CurveRecord:
         """The reading as the store keeps it (decoding/cost_store.py): the forward times, not the ratios."""
-        return {"context": self.context, "slope_s": self.slope_s, "times_s": {str(m): t for m, t in sorted(self.times_s.items())},
-                "readings": self.readings, **({} if self.row_slope_s is None else {"row_slope_s": self.row_slope_s})}
+        return CurveRecord(self.context, self.slope_s, {str(m): t for m, t in sorted(self.times_s.items())},
+                           self.readings, self.row_slope_s)
 
     @classmethod
-    def from_record(cls, rec: Any) -> VerifyCurve | None:
-        """The curve of a stored record; None for anything that is not a usable one (missing fields,
-        T(1) missing or not positive, fewer than two row counts, a negative slope)."""
+    def from_record(cls, rec: CurveRecord | None) -> VerifyCurve | None:
+        """The curve of a stored record; None for anything that is not a usable one (none, values that are
+        not numbers, T(1) missing or not positive, fewer than two row counts, a negative slope)."""
+        if rec is None:
+            return None
         try:
-            times = {int(m): float(t) for m, t in rec["times_s"].items()}
-            context, slope, readings = int(rec["context"]), float(rec["slope_s"]), int(rec.get("readings", 1))
-            row_slope = None if rec.get("row_slope_s") is None else float(rec["row_slope_s"])
-        except (KeyError, TypeError, ValueError, AttributeError):
+            times = {int(m): float(t) for m, t in rec.times_s.items()}
+            context, slope, readings = int(rec.context), float(rec.slope_s), int(rec.readings)
+            row_slope = None if rec.row_slope_s is None else float(rec.row_slope_s)
+        except (TypeError, ValueError, AttributeError):
             return None
         if (1 not in times or len(times) < 2 or context < 1 or readings < 1 or not math.isfinite(slope) or slope < 0
                 or not all(m >= 1 and math.isfinite(t) and t > 0 for m, t in times.items())

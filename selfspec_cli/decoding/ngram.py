@@ -11,6 +11,7 @@ the verify curve when it is made (once per engine), never inside a timed decode.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,11 +19,11 @@ import numpy as np
 from ..engine import Engine, ForwardOutput
 from .cost_store import curve_for
 from .measure import VerifyCurve
-from .planning import Overhead, Planner
+from .output import DraftReport, optional
+from .planning import Overhead, Planner, PlannerReport
 from .drafts import Chain, Draft, NgramNote, NoDraft, Plan, Round
 from .driver import Taps
 from .state import DecodeState
-from ..jsonio import JsonObject
 
 # prompt lookup's defaults: the longest and shortest suffix n-gram looked up, the most draft tokens per round
 MAX_NGRAM, MIN_NGRAM, MAX_DRAFT = 3, 1, 10
@@ -45,6 +46,13 @@ def lookup(context: list[int], max_ngram: int, min_ngram: int, max_len: int) -> 
             if e >= n - 1 and np.array_equal(arr[e - n + 1 : e + 1], tail):
                 return context[e + 1 : e + 1 + max_len], n
     return [], 0
+
+
+@dataclass(frozen=True, slots=True)
+class NgramReport(DraftReport):
+    """An n-gram policy's report: a planner's per n-gram order (absent when it planned nothing)."""
+
+    cost_model: dict[str, PlannerReport] | None = optional()
 
 
 class NgramLookup:
@@ -107,8 +115,8 @@ class NgramPolicy:
             if draft.tokens:
                 self.planners[n].observe_round(rnd.steps, draft.plan)
 
-    def report(self) -> JsonObject:
-        return {"cost_model": {str(n): p.report() for n, p in sorted(self.planners.items())}} if self.planners else {}
+    def report(self) -> NgramReport:
+        return NgramReport({str(n): p.report() for n, p in sorted(self.planners.items())} if self.planners else None)
 
 
 class NgramDrafter:
@@ -140,5 +148,5 @@ class NgramDrafter:
         if n:
             self.policy.observe_round(rnd, n)
 
-    def end(self) -> JsonObject:
+    def end(self) -> NgramReport:
         return self.policy.report()

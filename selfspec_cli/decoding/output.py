@@ -5,9 +5,10 @@ A prompt's output record is an :class:`OutputRecord` (its turns :class:`TurnReco
 (:meth:`OutputRecord.to_dict` where a line is written, :meth:`OutputRecord.from_dict` where a file is
 read back: the same keys, values and order on disk as ever). A decode's statistics are counted in
 :class:`DecodeStats` (the driver's counters and timings as typed fields; ``extra``: what the drafter
-reports of itself, free-form JSON) and kept, in every output record, as :class:`TurnStats` serialized
-flat (:meth:`TurnStats.to_dict`: the same keys as ever); :meth:`TurnStats.from_dict` takes older
-records that lack newer fields.
+reports of itself, a typed :class:`DraftReport`) and kept, in every output record, as :class:`TurnStats`
+serialized flat (:meth:`TurnStats.to_dict`: the same keys as ever; the report through
+:meth:`DraftReport.to_json`, once, where the statistics are summarized); :meth:`TurnStats.from_dict` takes
+older records that lack newer fields, and keeps the keys it does not type as read (``extra``: JSON from a file).
 
 Methods produce tokens in bursts (one per step for plain decoding, several per
 verification for speculative methods). :class:`TokenSink` takes each burst and
@@ -24,6 +25,74 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..jsonio import JsonObject
+
+
+class DraftReport:
+    """What a drafter, a policy or a skip source reports of itself (a drafter's ``end()``, decoding/driver.py;
+    a policy's ``report()``; a skip source's ``describe()``): a frozen dataclass per kind, with typed fields,
+    serialized once, by :meth:`to_json`, where a decode's statistics are summarized (:meth:`DecodeStats.summary`).
+
+    :meth:`to_json` writes the fields in their declared order under their own names (so the JSON keys, their
+    order and values are what the reports always wrote); a nested report, a list or a dict of them is written
+    as JSON too. A field's metadata may say ``omit`` (absent when None, :func:`optional`) or ``flat`` (its
+    own keys written in its place, :func:`flat`)."""
+
+    __slots__ = ()
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if v is None and f.metadata.get("omit"):
+                continue
+            if f.metadata.get("flat"):
+                for part in v if isinstance(v, (list, tuple)) else (v,):
+                    out.update(_json(part) if part is not None else {})
+            else:
+                out[f.name] = _json(v)
+        return out
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, DraftReport):
+        return v.to_json()
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json(x) for x in v]
+    return v
+
+
+def optional(**kw: Any) -> Any:
+    """A report's field absent from its JSON when None (default None)."""
+    return field(default=None, metadata={"omit": True}, **kw)
+
+
+def flat(*, omit: bool = False, **kw: Any) -> Any:
+    """A report's field (a report or a dict) whose keys are written in its place, not under its name."""
+    return field(metadata={"flat": True, "omit": omit}, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class NoReport(DraftReport):
+    """A drafter or a skip source with nothing to report (``ar``; a fixed skip set)."""
+
+
+NO_REPORT = NoReport()
+
+
+@dataclass(frozen=True, slots=True)
+class Merged(DraftReport):
+    """Several reports written as one (their keys in turn; a later one's win)."""
+
+    parts: tuple[DraftReport, ...] = flat()
+
+
+@dataclass(frozen=True, slots=True)
+class ByName(DraftReport):
+    """One report per named source (a choice among drafters, decoding/choose.py), each under its name."""
+
+    sources: dict[str, DraftReport] = flat()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +127,8 @@ class DecodeStats:
     * ``draft_rounds``: rounds that proposed at least one draft token;
     * the driver's timings (seconds, None where no driver ran: an outside peer), the plain rounds, the
       gain realized against plain steps and the one its plans predicted (with the plans' totals);
-    * ``extra``: what the drafter reports of itself (its ``end()``: its settings, skip sets, cost model).
+    * ``report``: what the drafter reports of itself (its ``end()``: its settings, skip sets, cost model);
+    * ``drafts_counted``: the draft counts are written even when nothing was drafted (an assisted outside peer).
     """
 
     target_forwards: int = 0
@@ -75,10 +145,11 @@ class DecodeStats:
     realized_gain: float | None = None
     predicted_gain: float | None = None
     plan: PlanTotals | None = None
-    extra: JsonObject = field(default_factory=dict)
+    report: DraftReport = NO_REPORT
+    drafts_counted: bool = False
 
     def summary(self) -> TurnStats:
-        """The counters and their derived figures, with the driver's timings and what the drafter added (``extra``)."""
+        """The counters and their derived figures, with the driver's timings and what the drafter reported."""
         n = len(self.accept_lengths)
         out: JsonObject = {"target_forwards": self.target_forwards, "accept_lengths": self.accept_lengths,
                            "mean_accepted_length": (sum(self.accept_lengths) / n) if n else 0.0}
@@ -86,8 +157,11 @@ class DecodeStats:
         if self.drafted_tokens:
             out.update(drafted_tokens=self.drafted_tokens, accepted_draft_tokens=self.accepted_draft_tokens,
                        acceptance_rate=self.accepted_draft_tokens / self.drafted_tokens)
+        elif self.drafts_counted:
+            out.update(drafted_tokens=0, accepted_draft_tokens=0)
         driver = {k: getattr(self, k) for k in _DRIVER_FIELDS}
-        return TurnStats.from_dict({**out, **{k: v for k, v in driver.items() if v is not None}, **self.extra})
+        return TurnStats.from_dict({**out, **{k: v for k, v in driver.items() if v is not None},
+                                    **self.report.to_json()})
 
     def as_dict(self) -> JsonObject:
         """:meth:`summary` as a record keeps it."""

@@ -63,11 +63,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from ..jsonio import JsonObject
 from .drafts import Plan
 from .measure import VerifyCurve
+from .output import DraftReport
 
 PROBE_BUDGET = 0.01  # share of a plain step a source that does not draft saves up per round, to probe
+
+@dataclass(frozen=True, slots=True)
+class PlannerReport(DraftReport):
+    """A planner's state as the prompt's ``stats`` report it (:meth:`Planner.report`): its prior, the
+    acceptance it measured at depths 1..8, its round overhead ``o`` and the verify curve's v(2), v(4), v(8)."""
+
+    prior: float
+    acceptance_by_depth: list[float]
+    round_overhead: float
+    verify_curve: dict[int, float]
+
 
 @dataclass
 class Acceptance:
@@ -270,10 +281,11 @@ class Planner:
             return
         self.overhead.observe(steps - (plan.cost - self.overhead.value))
 
-    def report(self) -> JsonObject:
-        return {"prior": round(self.prior, 3), "acceptance_by_depth": [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
-                "round_overhead": round(self.overhead.value, 4),
-                "verify_curve": {m: round(self.curve.v(m), 3) for m in (2, 4, 8)}}  # the reading this planner uses
+    def report(self) -> PlannerReport:
+        return PlannerReport(round(self.prior, 3),
+                             [round(self.acceptance.rate(j), 3) for j in range(1, min(self.max_len, 8) + 1)],
+                             round(self.overhead.value, 4),
+                             {m: round(self.curve.v(m), 3) for m in (2, 4, 8)})  # the reading this planner uses
 
 
 EMA_OLD = 0.8  # the running averages of measured seconds: this much of the old value, the rest new

@@ -15,16 +15,17 @@ or planned. Its one planning function of its own: :meth:`LengthPolicy.tree_cap`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..engine import Engine
 from ..prompts import encode_turn
 from .cost_store import curve_for, draft_cost_for, observe_draft_step
 from .measure import VerifyCurve, draft_agreement, prior_draft_cost
-from .planning import Planner, ema
+from .planning import Planner, PlannerReport, ema
 from .drafts import Plan
+from .output import DraftReport, flat
 from .state import DecodeState
-from ..jsonio import JsonObject
 
 if TYPE_CHECKING:
     from .layer_skip import DraftModel, DraftSettings, SkipPair
@@ -45,6 +46,15 @@ def agreement_prior(engine: Engine, tokenizer: Any, weights: str) -> float:
     ids = encode_turn(tokenizer, [{"role": "user", "content": AGREEMENT_PROMPT}], True)
     hits, n = draft_agreement(engine, weights, ids)
     return (hits + 1) / (n + 2)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelReport(DraftReport):
+    """A planned configuration's cost model as the prompt's ``stats`` report it (``cost_model``): its draft
+    cost ``c``, then its planner's report (:class:`~.planning.PlannerReport`)."""
+
+    c: float
+    planner: PlannerReport = flat()
 
 
 class LengthPolicy:
@@ -149,6 +159,6 @@ class LengthPolicy:
             if steps:
                 self.planner.observe_round(round_steps, plan)
 
-    def report(self) -> JsonObject | None:
+    def report(self) -> CostModelReport | None:
         """The cost model as the prompt's ``stats`` report it (None: unplanned)."""
-        return None if self.planner is None else {"c": round(self.draft_cost(), 4), **self.planner.report()}
+        return None if self.planner is None else CostModelReport(round(self.draft_cost(), 4), self.planner.report())

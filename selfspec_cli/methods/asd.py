@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from ..decoding.drafts import Round
 from ..decoding.layer_skip import NO_SKIPS, SkipPair, SkipSource
+from ..decoding.output import DraftReport
 from ..decoding.state import DecodeState
 from ..engine import ForwardOutput
-from ..jsonio import JsonObject
 from .base import LayerSkipMethod, LayerSkipOptions, option, require
 
 
@@ -68,8 +68,15 @@ class PromptSkips(SkipSource):
     def update(self, state: DecodeState, rnd: Round, own: bool) -> None:
         pass
 
-    def describe(self) -> JsonObject:
-        return {"attn_cosine": [round(c, 5) for c in self.cosines]}
+    def describe(self) -> CosineReport:
+        return CosineReport([round(c, 5) for c in self.cosines])
+
+
+@dataclass(frozen=True, slots=True)
+class CosineReport(DraftReport):
+    """ASD's skip source in its drafter's report: the prefill's per-layer attention cosines."""
+
+    attn_cosine: list[float]
 
 
 class ASD(LayerSkipMethod):

@@ -26,7 +26,8 @@ from typing import Any
 
 from ..decoding.choose import BestOf, Choose, Option
 from ..decoding.drafts import Chain, Draft, LayerSkipNote, NoDraft, Round, Tree, depth
-from ..decoding.ngram import NgramDrafter, NgramLookup, NgramPolicy
+from ..decoding.ngram import NgramDrafter, NgramLookup, NgramPolicy, NgramReport
+from ..decoding.output import DraftReport, flat, optional
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..errors import ArtifactError, FieldError
@@ -36,7 +37,6 @@ from .base import (AUTO_PRECISION_HELP, DRAFT_PRECISIONS, DraftInputs, LayerSkip
                    require, resolve_precision)
 from .self_sd import SelfSD, SkipSet
 from .specqd import SpecQD
-from ..jsonio import JsonObject
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,25 @@ class AutoConfig:
         if self.ngram_only and self.draft_precision != "auto":
             raise FieldError("ngram_only/draft_precision", "conflict: n-gram drafts read no weights, so a draft "
                                                            "precision would be ignored; drop one of them")
+
+
+@dataclass(frozen=True, slots=True)
+class MethodReport(DraftReport):
+    """A source method's name and its drafter's report (its keys written after the name)."""
+
+    method: str
+    report: DraftReport = flat()
+
+
+@dataclass(frozen=True, slots=True)
+class AutoReport(DraftReport):
+    """``auto``'s report: the rounds each source drafted, the n-gram source's report, and the layer-skip
+    and quantized sources' (absent where ``auto`` has none)."""
+
+    auto_rounds: dict[str, int]
+    ngram: NgramReport
+    layer_skip: MethodReport | None = optional()
+    quant: DraftReport | None = optional()
 
 
 class AutoDrafter:
@@ -89,13 +108,10 @@ class AutoDrafter:
             # the n-gram branch of a hybrid round is a verified n-gram draft: its planner learns from it too
             self.ngram.policy.observe(self._ngram_n, len(path), len(set(path) & set(rnd.verdict.accepted)))
 
-    def end(self) -> JsonObject:
-        out: dict[str, Any] = {"auto_rounds": dict(self.rounds), "ngram": self.ngram.end()}
-        if self.layer_skip is not None:
-            out["layer_skip"] = {"method": self.layer_skip.name, **self.layer_skip.describe()}
-        if self.quant is not None:
-            out["quant"] = self.quant.describe()
-        return out
+    def end(self) -> AutoReport:
+        return AutoReport(dict(self.rounds), self.ngram.end(),
+                          None if self.layer_skip is None else MethodReport(self.layer_skip.name, self.layer_skip.describe()),
+                          None if self.quant is None else self.quant.describe())
 
 
 class Auto(Method):

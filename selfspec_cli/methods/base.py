@@ -23,7 +23,7 @@ from ..config import GenerationConfig
 from ..decoding.driver import UNPLANNED, Drafter, DraftPolicy, Plain, decode
 from ..decoding.layer_skip import FixedSkips, LayerSkipDrafter, SkipPair, SkipSource, DraftSettings
 from ..decoding.ngram import NgramLookup
-from ..decoding.output import DecodeResult
+from ..decoding.output import DecodeResult, DraftReport
 from ..decoding.stack import DraftParts, NgramSource, assemble
 from ..engine import Engine
 from ..engine.quant import PRECISIONS, GGUFDraftError
@@ -92,6 +92,20 @@ class NoConfig:
     """A method without options."""
 
 
+@dataclass(frozen=True, slots=True)
+class SearchPoint:
+    """One candidate an online skip-set search evaluated (SWIFT, methods/swift.py): its optimization step, the
+    skipped (attention, MLP) layers, its matchness, whether Bayesian optimization proposed it, whether it became
+    the best set, and the skip ratio then."""
+
+    step: int
+    skip: tuple[list[int], list[int]]
+    score: float
+    bo: bool
+    best: bool
+    ratio: float
+
+
 class Method:
     """A decoding method bound to one engine: its config, its artifacts' offline cost, and the
     drafter the driver runs with its policy (``drafter``, ``policy``; by default the drafter that
@@ -116,7 +130,7 @@ class Method:
                  on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
         return decode(self.engine, self.tokenizer, self.drafter, prompt_ids, cfg, on_tokens, policy=self.policy)
 
-    def describe(self) -> JsonObject:
+    def describe(self) -> DraftReport:
         """What the drafter reports (its :meth:`~selfspec_cli.decoding.driver.Drafter.end`), also between decodes."""
         return self.drafter.end()
 
@@ -126,7 +140,7 @@ class Method:
         model's defaults). Methods with artifacts override this."""
         return cls(engine, tokenizer, config or cls.Config())
 
-    def search_history(self) -> list[JsonObject] | None:
+    def search_history(self) -> list[SearchPoint] | None:
         """Candidates an online search evaluated (SWIFT), for plots; None for other methods."""
         return None
 

@@ -32,18 +32,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..artifacts import environment_info
 from ..decoding.drafts import Round
 from ..decoding.layer_skip import DraftSettings, SkipPair, SkipSource
+from ..decoding.output import DraftReport
 from ..decoding.state import DecodeState
 from ..engine import Engine, ForwardOutput
 from ..errors import ConfigError
-from ..jsonio import JsonObject
-from .base import LayerSkipMethod, LayerSkipOptions, option, require
+from .base import LayerSkipMethod, LayerSkipOptions, SearchPoint, option, require
 from .self_sd import SKIP_SET, SkipSet
 
 
@@ -159,7 +158,7 @@ class SwiftSearch(SkipSource):
         self.best_score, self.since_improved, self.optimizing = -1.0, 0, True
         self.step = 0
         self.observations: list[tuple[tuple[int, ...], float]] = []
-        self.history: list[dict[str, Any]] = []  # every evaluated candidate, for plots
+        self.history: list[SearchPoint] = []  # every evaluated candidate, for plots
         # (accepted, drafted) of the last drafting rounds since the ratio last changed; it fills no faster
         # than rounds pass, so a full window also means acceptance_window rounds at this ratio
         self._acceptance: deque[tuple[int, int]] = deque(maxlen=self.config.acceptance_window)
@@ -228,8 +227,8 @@ class SwiftSearch(SkipSource):
         score = self._score(state, cand)
         self.observations.append((cand, score))
         improved = score > self.best_score
-        self.history.append({"step": self.step, "skip": [list(map(int, s)) for s in map(sorted, self._as_sets(cand))],
-                             "score": round(score, 4), "bo": use_bo, "best": improved, "ratio": round(self.ratio, 3)})
+        attn, mlp = ([int(l) for l in sorted(s)] for s in self._as_sets(cand))
+        self.history.append(SearchPoint(self.step, (attn, mlp), round(score, 4), use_bo, improved, round(self.ratio, 3)))
         if improved:
             self.best, self.best_score, self.since_improved = cand, score, 0
         else:
@@ -281,10 +280,28 @@ class SwiftSearch(SkipSource):
         self.optimize_s += self._last - t0
         self._spent_s += self._last - t0
 
-    def describe(self) -> JsonObject:
-        return {"optimize_s": round(self.optimize_s, 6),
-                "swift": {"phase": "optimization" if self.optimizing else "acceleration", "step": self.step,
-                          "best_matchness": round(self.best_score, 4), "skip_ratio": self.ratio}}
+    def describe(self) -> SwiftReport:
+        return SwiftReport(round(self.optimize_s, 6),
+                           SwiftPhase("optimization" if self.optimizing else "acceleration", self.step,
+                                      round(self.best_score, 4), self.ratio))
+
+
+@dataclass(frozen=True, slots=True)
+class SwiftPhase(DraftReport):
+    """Where SWIFT's search stands: its phase, optimization step, best matchness and skip ratio."""
+
+    phase: str
+    step: int
+    best_matchness: float
+    skip_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class SwiftReport(DraftReport):
+    """SWIFT's search in its drafter's report: the seconds it spent and where it stands."""
+
+    optimize_s: float
+    swift: SwiftPhase
 
 
 class Swift(LayerSkipMethod):
@@ -300,7 +317,7 @@ class Swift(LayerSkipMethod):
     def draft_settings(self) -> DraftSettings:  # the paper's top-k per confidence bin, no adaptive threshold
         return self.config.settings(adaptive=False, tree=True, tree_max_nodes=self.config.tree_nodes)
 
-    def search_history(self) -> list[JsonObject]:
+    def search_history(self) -> list[SearchPoint]:
         return self.search.history
 
     def save_layers(self, path: str | Path) -> Path:

@@ -61,6 +61,7 @@ from ...decoding.cost_store import curve_for
 from ...decoding.measure import VerifyCurve, timed
 from ...decoding.planning import ProbeBudget
 from ...decoding.drafts import Deferred, Draft, HeadsNote, NoDraft, Round
+from ...decoding.output import DraftReport, flat
 from ...decoding.driver import Taps
 from ...decoding.sampling import processed_probs
 from ...decoding.state import DecodeState
@@ -170,9 +171,28 @@ class HeadsPolicy:
             return True
         return self.probes[k].probe(-value)
 
-    def report(self) -> JsonObject:
-        return {"head_checks": {str(k): int(v[0] - 2) for k, v in self.head_stats.items()},
-                "head_cost": round(self.head_cost, 4)}
+    def report(self) -> HeadsPolicyReport:
+        return HeadsPolicyReport({str(k): int(v[0] - 2) for k, v in self.head_stats.items()}, round(self.head_cost, 4))
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsPolicyReport(DraftReport):
+    """AdaDecode's policy in the prompt's ``stats``: the checks of each head, and a check's cost in plain steps."""
+
+    head_checks: dict[str, int]
+    head_cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsReport(DraftReport):
+    """AdaDecode's drafter's report: early exits per head layer, the heads' vocabulary size(s) (``"full"``: all
+    rows), its policy's report (written flat), the threshold and the head layers used."""
+
+    early_exits: dict[str, int]
+    head_vocab: int | str | list[int | str]
+    policy: HeadsPolicyReport = flat()
+    adadecode_threshold: float
+    head_layers: list[int]
 
 
 class HeadsDrafter:
@@ -279,12 +299,11 @@ class HeadsDrafter:
         for k in made_by[: len(rnd.verdict.accepted)]:
             self.policy.head_stats[k][2] += 1
 
-    def end(self) -> JsonObject:
+    def end(self) -> HeadsReport:
         sizes = sorted({"full" if h.vocab is None else h.vocab.numel() for h in self.heads.values()}, key=str)
-        return {"early_exits": {str(k): v for k, v in self.exits.items()},
-                "head_vocab": sizes[0] if len(sizes) == 1 else sizes,  # the tokens the heads score
-                **self.policy.report(),
-                "adadecode_threshold": self.config.adadecode_threshold, "head_layers": sorted(self.heads)}
+        return HeadsReport({str(k): v for k, v in self.exits.items()},
+                           sizes[0] if len(sizes) == 1 else sizes,  # the tokens the heads score
+                           self.policy.report(), self.config.adadecode_threshold, sorted(self.heads))
 
 
 class AdaDecode(Method):

@@ -56,7 +56,7 @@ from ...artifacts import ArtifactSpec, load_layers
 from ...config import GenerationConfig
 from ...decoding.drafts import Decided, Draft, Round
 from ...decoding.driver import Taps
-from ...decoding.output import DecodeResult
+from ...decoding.output import DecodeResult, DraftReport, optional
 from ...decoding.state import DecodeState
 from ...engine import Engine, ForwardOutput
 from ...engine.runner import LAST_ROW
@@ -208,6 +208,38 @@ class SpecEE(Method):
         return super().generate(prompt_ids, cfg, on_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class SpecEEEvaluation(DraftReport):
+    """SpecEE's evaluation against the full-depth decoder (``--specee-evaluate``): early exits, the share of
+    them and of all tokens that agreed (None: none counted), and the identical prefix (tokens, share)."""
+
+    early_exits: int
+    early_exit_agreement: float | None
+    token_agreement: float | None
+    identical_prefix_tokens: int
+    identical_prefix_share: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpecEEReport(DraftReport):
+    """SpecEE's drafter's report: lossy, its KV mode, early exits per layer (only layers that exited), exit rate,
+    mean layers run per token, the predictor's checks, verifications and failed ones, the drafter layer, the
+    offline layers, the thresholds per layer, and its evaluation (absent without one)."""
+
+    lossless: bool
+    kv_mode: str
+    early_exits: dict[str, int]
+    exit_rate: float
+    mean_layers_run_per_token: float
+    predictor_checks: int
+    verifications: int
+    failed_verifications: int
+    drafter_layer: int
+    offline_layers: list[int]
+    thresholds: dict[str, float]
+    evaluation: SpecEEEvaluation | None = optional()
+
+
 class ExitDrafter:
     """SpecEE's drafter: one round is the pending token's layers run segment by segment, exiting
     where a predictor fires and the full-vocabulary check agrees (see the module docstring); its
@@ -329,26 +361,19 @@ class ExitDrafter:
     def accept(self, state: DecodeState, rnd: Round) -> None:
         pass
 
-    def end(self) -> JsonObject:
+    def end(self) -> SpecEEReport:
         n = self._counts
         rounds = max(1, n["rounds"])
-        out: dict[str, Any] = {
-            "lossless": False, "kv_mode": self.config.specee_kv_mode,
-            "early_exits": {str(k): v for k, v in self._exits.items() if v},
-            "exit_rate": sum(self._exits.values()) / rounds, "mean_layers_run_per_token": n["layers_run"] / rounds,
-            **{k: n[k] for k in ("predictor_checks", "verifications", "failed_verifications")},
-            "drafter_layer": self.k0, "offline_layers": sorted(self.offline),
-            "thresholds": {str(k): v for k, v in self.thresholds.items()},
-        }
+        evaluation = None
         if self._shadow is not None:
             ev = self._ev
             ev_len = ev["tokens"] + 1  # the prefill's token plus every evaluated round's
             # identical up to the first divergence (all of it when there is none)
             prefix = ev_len if ev["first_divergence"] is None else ev["first_divergence"]
-            out["evaluation"] = {
-                "early_exits": ev["exits"],
-                "early_exit_agreement": ev["exits_agree"] / ev["exits"] if ev["exits"] else None,
-                "token_agreement": ev["tokens_agree"] / ev["tokens"] if ev["tokens"] else None,
-                "identical_prefix_tokens": prefix, "identical_prefix_share": prefix / ev_len,
-            }
-        return out
+            evaluation = SpecEEEvaluation(ev["exits"], ev["exits_agree"] / ev["exits"] if ev["exits"] else None,
+                                          ev["tokens_agree"] / ev["tokens"] if ev["tokens"] else None,
+                                          prefix, prefix / ev_len)
+        return SpecEEReport(False, self.config.specee_kv_mode, {str(k): v for k, v in self._exits.items() if v},
+                            sum(self._exits.values()) / rounds, n["layers_run"] / rounds,
+                            n["predictor_checks"], n["verifications"], n["failed_verifications"],
+                            self.k0, sorted(self.offline), {str(k): v for k, v in self.thresholds.items()}, evaluation)

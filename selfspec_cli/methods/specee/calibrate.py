@@ -21,7 +21,7 @@ from ...config import GenerationConfig
 from ...errors import count
 from ...jsonio import JsonObject
 from ..offline import OfflineJob
-from . import SCHEDULE, SpecEE, load_exit_mlps, load_heads
+from . import SCHEDULE, SpecEE, SpecEEReport, load_exit_mlps, load_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +64,12 @@ def exit_statistics(method: SpecEE, prompt_ids: list[list[int]], cfg: Generation
     for i, ids in enumerate(prompt_ids, 1):
         res = method.generate(ids, cfg)
         steps = len(res.token_ids) - 1  # the first token comes from the prefill
-        for k, v in res.stats.extra["early_exits"].items():
+        report = res.stats.report
+        assert isinstance(report, SpecEEReport)  # SpecEE's drafter reports its exits
+        for k, v in report.early_exits.items():
             exits[int(k)] += v
         tokens += steps
-        full_depth += steps - sum(res.stats.extra["early_exits"].values())
+        full_depth += steps - sum(report.early_exits.values())
         on_prompt(i, len(prompt_ids))
     return ExitStatistics(layers, exits, full_depth, tokens, select_layers(exits, layers))
 
