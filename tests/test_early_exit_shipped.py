@@ -54,13 +54,15 @@ def test_specee_runs_out_of_the_box(shipped, mode):
 def test_offline_cost_is_read_from_the_committed_artifacts(shipped):
     """`selfspec bench` reports what each method's artifacts cost offline, from their manifests."""
     eng, tok, *_ = shipped
-    ada = build("adadecode", eng, tok).offline_info()
+    ada = build("adadecode", eng, tok).offline_info().to_json()
     assert ada["what"] == "lm-heads training" and ada["seconds"] > 0
-    spe = build("specee", eng, tok).offline_info()
+    spe = build("specee", eng, tok).offline_info().to_json()
     kinds = [p["what"] for p in spe["parts"]]
     assert "drafter-head training" in kinds and "exit-mlp training" in kinds
     assert spe["seconds"] == pytest.approx(sum(p["seconds"] for p in spe["parts"]), abs=0.2)
-    sd = build("self-sd", eng, tok).offline_info()
+    assert list(spe["parts"][0]) == ["what", "seconds", "created"] and list(spe["parts"][-1]) == ["what", "seconds"]
+    sd = build("self-sd", eng, tok).offline_info().to_json()
     assert sd["what"] == "self-sd calibration" and sd["seconds"] > 0 and sd["parts"][0]["trials"] > 0
+    assert list(sd["parts"][0]) == ["what", "seconds", "trials", "created"]  # results.json's keys, as always written
     # inline skip sets come from no artifact: nothing to report
     assert build("self-sd", eng, tok, skip_attn=(3,), skip_mlp=()).offline_info() is None

@@ -743,8 +743,6 @@ JSON_OBJECT_EXCEPTIONS: dict[str, tuple[str, set[str]]] = {
                            "JSON file holds", {"prepare", "publish", "environment"}),
     "methods/onpolicy.py": ("training options from the command line; the manifest written beside the heads",
                             {"check_options", "collect", "finish"}),
-    "methods/base.py": ("offline cost read from artifacts' manifests into results.json (not typed yet: issue 49)",
-                        {"offline_info", "training_cost"}),
     "methods/adadecode/__init__.py": ("the heads artifact's manifest, as read from disk", {"load_heads"}),
     "methods/adadecode/train.py": ("the training options and the manifest written beside the heads",
                                    {"evaluate_head", "prepare", "head_vocabulary", "run"}),

@@ -233,7 +233,7 @@ def _method_contender(c: Contenders, n: str, engine: Engine, tok: Any, seed: int
     with recording_loads() as c.artifacts[n]:  # the artifact files it reads, recorded in results.json
         first = build(base, engine, tok, conf)
     c.descriptions[n] = first.description + note
-    c.offline[n] = first.offline_info()  # calibration / training time, from its artifacts
+    c.offline[n] = (info := first.offline_info()) and info.to_json()  # calibration / training time, from its artifacts
     c.built[n] = []
 
     def make(b: str = base, conf: Any = conf, n: str = n) -> Any:

@@ -15,9 +15,9 @@ plans with before any decode (docs/design.md, "Drafters and policies").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..config import GenerationConfig
 from ..decoding.driver import UNPLANNED, Drafter, DraftPolicy, Plain, decode
@@ -122,7 +122,7 @@ class Method:
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config or self.Config()
-        self.offline_parts: list[dict[str, Any]] = []  # what the method's artifacts cost offline
+        self.offline_parts: list[OfflinePart] = []  # what the method's artifacts cost offline
         self.drafter: Drafter = Plain()
         self.policy: DraftPolicy = UNPLANNED
 
@@ -144,18 +144,56 @@ class Method:
         """Candidates an online search evaluated (SWIFT), for plots; None for other methods."""
         return None
 
-    def offline_info(self) -> JsonObject | None:
+    def offline_info(self) -> OfflineInfo | None:
         """Offline time behind this method's artifacts (``selfspec bench`` reports it), or None."""
-        parts = [p for p in self.offline_parts if p.get("seconds") is not None]
-        return {"what": " + ".join(p["what"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
-                "parts": parts} if parts else None
+        parts = tuple(p for p in self.offline_parts if p.seconds is not None)
+        return OfflineInfo(parts) if parts else None
 
 
-def training_cost(what: str, manifest: JsonObject) -> JsonObject:
-    """Seconds a trained artifact cost (data collection + training), from its manifest."""
-    tr = manifest.get("training") or {}
+@dataclass(frozen=True, slots=True)
+class OfflinePart:
+    """What one of a method's artifacts cost offline, from its manifest: ``kind`` says which fields its JSON holds
+    (``calibration``: what, seconds, trials, created; ``training``: what, seconds, created; ``search``: what,
+    seconds), as results.json has always written them."""
+
+    what: str
+    seconds: float | None
+    kind: Literal["calibration", "training", "search"] = "search"
+    trials: int | None = None
+    created: str | None = None
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"what": self.what, "seconds": self.seconds}
+        if self.kind == "calibration":
+            out["trials"] = self.trials
+        if self.kind != "search":
+            out["created"] = self.created
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineInfo:
+    """A method's offline time: its parts, their names joined and their seconds summed."""
+
+    parts: tuple[OfflinePart, ...]
+
+    @property
+    def seconds(self) -> float:
+        return round(sum(p.seconds or 0.0 for p in self.parts), 1)
+
+    def to_json(self) -> JsonObject:
+        return {"what": " + ".join(p.what for p in self.parts), "seconds": self.seconds,
+                "parts": [p.to_json() for p in self.parts]}
+
+
+def training_cost(what: str, manifest: Mapping[str, object]) -> OfflinePart:
+    """Seconds a trained artifact cost (data collection + training), from its manifest (a JSON document)."""
+    tr = manifest.get("training")
+    tr = tr if isinstance(tr, dict) else {}
     secs = [float(x) for x in (tr.get("collect_seconds"), tr.get("train_seconds")) if x is not None]
-    return {"what": what, "seconds": round(sum(secs), 1) if secs else None, "created": manifest.get("created")}
+    created = manifest.get("created")
+    return OfflinePart(what, round(sum(secs), 1) if secs else None, "training",
+                       created=None if created is None else str(created))
 
 
 def require(ok: bool, name: str, rule: str, value: Any) -> None:

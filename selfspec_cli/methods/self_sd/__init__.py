@@ -27,7 +27,7 @@ from ...artifacts import ArtifactSpec, now_iso
 from ...decoding.layer_skip import DraftSettings, FixedSkips, SkipSource
 from ...engine import Engine
 from ...errors import FieldError
-from ..base import DraftInputs, LayerSkipMethod, LayerSkipOptions, Method, layer_list, option
+from ..base import DraftInputs, LayerSkipMethod, LayerSkipOptions, Method, OfflinePart, layer_list, option
 from ..offline import OfflineStep
 from ...jsonio import JsonObject
 
@@ -160,8 +160,8 @@ class SelfSD(LayerSkipMethod):
                          weigh_full_depth=weigh_full_depth)
         self.artifact_precision = skip.draft_precision  # the precision the set was calibrated with, if any
         if m := skip.manifest:
-            self.offline_parts.append({"what": "self-sd calibration", "seconds": m.get("search_time_s"),
-                                       "trials": m.get("trials"), "created": m.get("created")})
+            self.offline_parts.append(OfflinePart("self-sd calibration", m.get("search_time_s"), "calibration",
+                                                  trials=m.get("trials"), created=m.get("created")))
 
     def skip_source(self) -> SkipSource:
         return FixedSkips(self.skip.attn, self.skip.mlp)

@@ -63,7 +63,7 @@ from ...engine.runner import LAST_ROW
 from ...errors import ArtifactError, ConfigError, FieldError
 from ...loading import EXAMPLES_DIR
 from ..adadecode import LowRankHead, head_logits, load_heads
-from ..base import Method, option, require, training_cost
+from ..base import Method, OfflinePart, option, require, training_cost
 from ..offline import OfflineStep
 from .predictor import NUM_SPEC_TOKENS, ExitPredictor, exit_probability, spec_local, specee_features
 from ...jsonio import JsonObject
@@ -199,7 +199,7 @@ class SpecEE(Method):
         method = cls(engine, tokenizer, config, drafter_layer=drafter, drafter=heads[drafter], predictors=predictors,
                      offline_layers=schedule, thresholds=thresholds)
         method.offline_parts += [training_cost("drafter-head training", hman), training_cost("exit-mlp training", pman),
-                                 {"what": "specee calibration", "seconds": sman.get("search_time_s")}]
+                                 OfflinePart("specee calibration", sman.get("search_time_s"))]
         return method
 
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig, on_tokens: Any = None) -> DecodeResult:
