@@ -282,7 +282,8 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
     for p in avail:
         jobs[p] = partial(engine.forward, cache, tok, positions=ctx, route=Route(weights=p))
         if p in subs:
-            jobs[p + "/vocab"] = partial(engine.forward, cache, tok, positions=ctx, route=Route(weights=p, head=subs[p]))
+            jobs[p + "/vocab"] = partial(engine.forward, cache, tok, positions=ctx,
+                                         route=Route(weights=p, head=subs[p]))
     med = _median_times(engine, cache, ctx, jobs, list(jobs), rounds)  # every job warmed up once
     hits, total = _agreement(engine, prompts, tokens, [Route(weights=p) for p in avail])
     for p, h in zip(avail, hits):

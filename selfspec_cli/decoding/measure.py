@@ -194,8 +194,8 @@ class VerifyCurve:
 def _median_forward_s(engine: Engine, context: int, runs: dict[T, tuple[int, Route, slice]],
                       rounds: int) -> dict[T, float]:
     """Per key of ``runs``, ``(rows, route, logits rows)``: the median seconds of a forward of that many
-    rows on that route (engine/route.py), scoring those rows, after a ``context``-token prefix, over ``rounds`` interleaved passes
-    after one warm-up pass (so that every key sees the same drifts of the host). The prefilled prefix
+    rows on that route (engine/route.py), scoring those rows, after a ``context``-token prefix, over
+    ``rounds`` interleaved passes after one warm-up pass (so that every key sees the same drifts of the host). The prefilled prefix
     (up to :data:`HELD_PREFIX` tokens) is kept with the engine for the next reading at that context:
     a first call on a new machine reads the verify curve and a quantized draft's c on one prefill."""
     most = max(m for m, _, _ in runs.values())
