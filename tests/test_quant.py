@@ -625,7 +625,7 @@ def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draf
     eng.drafts["int8"].info = {"path": str(draft_cache / "drafts" / "copy.safetensors")}
     ctx = _prompt(6, 0, model.config.vocab_size)
     hits, n = measure.draft_agreement(eng, "int8", ctx, tokens=24)
-    assert n == 24 and [hits] == engine_profile._agreement(eng, [ctx], 24, [{"weights": "int8"}])[0]  # profile's count
+    assert n == 24 and [hits] == engine_profile._agreement(eng, [ctx], 24, [Route(weights="int8")])[0]  # profile's count
     assert 0 < hits < n
     side = list((draft_cache / "drafts").glob("copy.safetensors.agreement-*.json"))
     assert len(side) == 1 and json.loads(side[0].read_text())["hits"] == hits
