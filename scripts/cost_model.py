@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from selfspec_cli.bench.suite_loader import load_suite  # noqa: E402
 from selfspec_cli.decoding.planning import expected_tokens, round_gain  # noqa: E402
-from selfspec_cli.engine import Engine  # noqa: E402
+from selfspec_cli.engine import Engine, ForwardTaps, Route  # noqa: E402
 from selfspec_cli.loading import load_model  # noqa: E402
 
 
@@ -97,9 +97,10 @@ def measure_timing(eng, L: int, res: dict) -> None:
 
     def step(t: int, sa=frozenset(), sm=frozenset(), rows=slice(-1, None)):
         ids = prefix[:t]
+        route = Route(skip_attn=sa, skip_mlp=sm)
 
         def f():
-            eng.forward(cache, ids, positions=300, skip_attn=sa, skip_mlp=sm, logits_rows=rows)
+            eng.forward(cache, ids, positions=300, route=route, logits_rows=rows)
             cache.crop(300)
         return f
 
@@ -128,7 +129,8 @@ def matchness_and_ceilings(args, eng, tok, L: int, res: dict) -> None:
         outs = []
         for s in seqs:
             c = eng.new_cache(len(s) + 1)
-            o = eng.forward(c, s, positions=0, skip_attn=sa, skip_mlp=sm, logits_rows=slice(None), attn_cosine=cos)
+            o = eng.forward(c, s, positions=0, route=Route(skip_attn=sa, skip_mlp=sm), logits_rows=slice(None),
+                            taps=ForwardTaps(attn_cosine=cos))
             outs.append(o)
         return outs
 

@@ -10,10 +10,12 @@ write before changing anything. Real tiny transformers models and a real GGUF fi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from selfspec_cli.engine import Engine, kernels
+from selfspec_cli.engine import TARGET, Engine, ForwardTaps, Route, kernels
 from selfspec_cli.engine.cache import CacheInvariantError
 
 from .conftest import make_tiny_model
@@ -30,11 +32,12 @@ def _both(eng: Engine, prefix: int, calls: list[dict], weights: str | None = Non
     for stacked in (False, True):
         eng.stack_layers = stacked
         cache = eng.new_cache(64)
-        eng.forward(cache, ids, positions=0, weights=weights)
+        eng.forward(cache, ids, positions=0, route=Route(weights=weights))
         before = eng.stacked_forwards  # the calls' forwards (the prefill may be stacked too)
         outs = []
-        for kw in calls:
-            o = eng.forward(cache, weights=weights, **kw)
+        for kw in calls:  # each call's route, on the ``weights`` copy
+            kw = {**kw, "route": dataclasses.replace(kw.get("route", TARGET), weights=weights)}
+            o = eng.forward(cache, **kw)
             outs.append((o.logits, o.hidden, dict(o.hidden_at), cache.k.clone(), cache.v.clone(),
                          [list(p) for p in cache.positions]))
         runs.append((outs, eng.stacked_forwards - before))
@@ -56,13 +59,15 @@ def _calls(eng: Engine, p: int) -> list[dict]:
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     g = torch.Generator().manual_seed(9)
     tok = lambda n: torch.randint(0, 300, (n,), generator=g)  # noqa: E731
+    has = lambda *ls: tuple(l for l in ls if l < eng.num_layers)  # noqa: E731  (a 2-layer model has no 2 or 3)
     return [
         dict(input_ids=tok(1), positions=p),  # one decode step
         dict(input_ids=tok(5), positions=p + 1, logits_rows=slice(None)),  # a chain verification
-        dict(input_ids=tok(3), positions=p + 6, skip_attn={1}, skip_mlp={0, 2}, output_hidden={1, 3}),  # a skip draft
+        dict(input_ids=tok(3), positions=p + 6, route=Route(skip_attn={1}, skip_mlp=has(0, 2)),
+             taps=ForwardTaps(hidden_at=has(1, 3))),  # a skip draft
         dict(input_ids=tok(4), positions=torch.tensor([p + 9, p + 10, p + 10, p + 11]), tree_mask=tree,
              logits_rows=slice(None)),  # a token tree
-        dict(input_ids=tok(2), positions=p + 12, kv_window=(2, 4)),  # a draft's view of a long context
+        dict(input_ids=tok(2), positions=p + 12, route=Route(kv_window=(2, 4))),  # a draft's view of a long context
     ]
 
 
@@ -98,7 +103,7 @@ def test_a_window_that_cuts_is_the_loops_cut(arch):
     window = min(w.sliding_window for w in eng.adapter.layers if w.sliding_window is not None)
     g = torch.Generator().manual_seed(3)
     calls = [dict(input_ids=torch.randint(0, 300, (3,), generator=g), positions=window + 2 + 3 * i,
-                  logits_rows=slice(None), skip_attn={1} if i == 1 else ()) for i in range(3)]
+                  logits_rows=slice(None), route=Route(skip_attn={1} if i == 1 else ())) for i in range(3)]
     _assert_same(_both(eng, window + 2, calls), expect_stacked=len(calls))
 
 
@@ -106,7 +111,7 @@ def test_a_window_that_cuts_is_the_loops_cut(arch):
 def test_what_the_stack_does_not_take_runs_op_by_op():
     """ASD's per-layer attention cosines, and more rows than the kernel's attention takes (a long prefill)."""
     eng = Engine(make_tiny_model("llama-gqa"))
-    runs = _both(eng, 6, [dict(input_ids=torch.tensor([3]), positions=6, attn_cosine=True),
+    runs = _both(eng, 6, [dict(input_ids=torch.tensor([3]), positions=6, taps=ForwardTaps(attn_cosine=True)),
                           dict(input_ids=torch.arange(70) % 300, positions=7, logits_rows=slice(None))])
     _assert_same(runs, expect_stacked=0)
 
@@ -141,7 +146,7 @@ def test_an_out_of_order_write_is_refused_before_anything_changes():
     eng = Engine(make_tiny_model("llama-gqa"))
     cache = eng.new_cache(32)
     eng.forward(cache, torch.arange(6), positions=0)
-    eng.forward(cache, torch.tensor([9]), positions=6, skip_attn={2, 3})  # layers 2-3 stay at 6 slots
+    eng.forward(cache, torch.tensor([9]), positions=6, route=Route(skip_attn={2, 3}))  # layers 2-3 stay at 6 slots
     k, v, pos = cache.k.clone(), cache.v.clone(), [list(p) for p in cache.positions]
     with pytest.raises(CacheInvariantError, match="layer 0"):
         eng.forward(cache, torch.tensor([4]), positions=6)  # layers 0-1 already hold position 6

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from selfspec_cli.engine import Engine
+from selfspec_cli.engine import Engine, ForwardTaps, Route
 from selfspec_cli.engine.tree import root_to_leaf_paths, tree_mask_from_parents, tree_positions
 from selfspec_cli.errors import UnsupportedModelError
 
@@ -134,12 +134,12 @@ def test_skip_sets_equal_zeroed_sublayers(arch):
     eng = Engine(model)
     ids = _ids(16, seed=10)
     ref = _hf_logits(ref_model, ids)
-    out = eng.forward(eng.new_cache(32), ids, positions=0, skip_attn=skip_attn, skip_mlp=skip_mlp, logits_rows=slice(None))
+    out = eng.forward(eng.new_cache(32), ids, positions=0, route=Route(skip_attn, skip_mlp), logits_rows=slice(None))
     assert_close(out.logits, ref, **TOL)
     # cached drafting with the skip set: skipped attention layers write no K/V
     cache = eng.new_cache(32)
     eng.forward(cache, ids[:10], positions=0)
-    rows = [eng.forward(cache, ids[i : i + 1], positions=i, skip_attn=skip_attn, skip_mlp=skip_mlp).logits for i in range(10, 16)]
+    rows = [eng.forward(cache, ids[i : i + 1], positions=i, route=Route(skip_attn, skip_mlp)).logits for i in range(10, 16)]
     assert cache.lengths[1] == 10 and cache.lengths[3] == 10 and cache.lengths[0] == 16
     # the draft attends to full-model K/V of the prefix and to its own (skip-set) K/V of the
     # drafted tokens: the independent reference is Hugging Face's forward of the zeroed model
@@ -162,10 +162,10 @@ def test_skip_draft_rows_match_batched_skip_forward():
     skip_attn, skip_mlp = {2, 4}, {1}
     a = eng.new_cache(32)
     eng.forward(a, ids[:12], positions=0)
-    one = [eng.forward(a, ids[i : i + 1], positions=i, skip_attn=skip_attn, skip_mlp=skip_mlp).logits for i in range(12, 18)]
+    one = [eng.forward(a, ids[i : i + 1], positions=i, route=Route(skip_attn, skip_mlp)).logits for i in range(12, 18)]
     b = eng.new_cache(32)
     eng.forward(b, ids[:12], positions=0)
-    batched = eng.forward(b, ids[12:], positions=12, skip_attn=skip_attn, skip_mlp=skip_mlp, logits_rows=slice(None)).logits
+    batched = eng.forward(b, ids[12:], positions=12, route=Route(skip_attn, skip_mlp), logits_rows=slice(None)).logits
     assert_close(torch.cat(one), batched, **TOL)
 
 
@@ -193,7 +193,7 @@ def test_hidden_states_at_requested_layers(model_and_engine):
     with torch.no_grad():
         hs = model(ids[None], output_hidden_states=True).hidden_states
     want = [0, 2]
-    out = eng.forward(eng.new_cache(16), ids, positions=0, output_hidden=want)
+    out = eng.forward(eng.new_cache(16), ids, positions=0, taps=ForwardTaps(hidden_at=want))
     assert sorted(out.hidden_at) == want
     for l in want:
         assert_close(out.hidden_at[l], hs[l + 1][0], **TOL)

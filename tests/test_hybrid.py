@@ -15,7 +15,7 @@ from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding.hybrid import Hybrid, merge_branch, merged_plan
 from selfspec_cli.decoding.layer_skip import DraftSettings
 from selfspec_cli.decoding.sampling import processed_probs
-from selfspec_cli.engine import Engine
+from selfspec_cli.engine import TARGET, Engine
 from selfspec_cli.methods import AR, build
 from selfspec_cli.methods.base import DraftInputs
 from selfspec_cli.methods.pld import lookup
@@ -182,9 +182,9 @@ def test_hybrid_round_plans_both_branches(monkeypatch, virtual_clock):
     def cost(engine, rows, kw):
         if isinstance(kw["positions"], int) and kw["positions"] == 0:  # prefill (a tree's positions are a tensor)
             return 0.0
-        skipped = len(kw.get("skip_attn") or ()) + len(kw.get("skip_mlp") or ())
-        return prior_draft_cost(engine, kw.get("skip_attn") or frozenset(), kw.get("skip_mlp") or frozenset()) \
-            if skipped else VH[rows]
+        route = kw.get("route", TARGET)
+        skipped = len(route.skip_attn) + len(route.skip_mlp)
+        return prior_draft_cost(engine, route.skip_attn, route.skip_mlp) if skipped else VH[rows]
 
     charge_forwards(monkeypatch, virtual_clock, cost)
     sd = _self_sd_on_curve(curve, inputs=DraftInputs(ngram=_Lookup()))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from selfspec_cli.config import GenerationConfig
-from selfspec_cli.engine import Engine, kernels
+from selfspec_cli.engine import Engine, ForwardTaps, Route, kernels
 from selfspec_cli.engine.runner import ALL_ROWS
 from selfspec_cli.methods import AR
 
@@ -39,7 +39,8 @@ def _forwards(eng: Engine) -> list[tuple]:
     calls = [dict(input_ids=ids[:14], positions=0, logits_rows=ALL_ROWS),  # past every tiny window
              dict(input_ids=ids[14:15], positions=14),  # a decode step
              dict(input_ids=ids[15:20], positions=15, logits_rows=ALL_ROWS),  # a 5-row verification
-             dict(input_ids=ids[20:23], positions=20, skip_attn={1}, skip_mlp={0, 2}, output_hidden={1, 3})]
+             dict(input_ids=ids[20:23], positions=20, route=Route(skip_attn={1}, skip_mlp={0, 2}),
+                  taps=ForwardTaps(hidden_at=(1, 3)))]
     cache = eng.new_cache(64)
     outs = []
     for kw in calls:

@@ -14,7 +14,7 @@ from selfspec_cli.decoding.state import DecodeState
 from selfspec_cli.decoding import cost_store
 from selfspec_cli.decoding.measure import VerifyCurve, draft_step_cost
 from selfspec_cli.decoding.planning import Planner, RoundClock
-from selfspec_cli.engine import Engine
+from selfspec_cli.engine import TARGET, Engine
 from selfspec_cli.methods import AR, build
 from selfspec_cli.methods.auto import Auto
 from selfspec_cli.methods.pld import PLDConfig, PromptLookup, lookup
@@ -34,7 +34,8 @@ def known_costs(monkeypatch, clock, draft: float = 0.05) -> None:
     def cost(e, rows, kw):
         if isinstance(kw["positions"], int) and kw["positions"] == 0:  # a prefill (a tree verify's positions: a tensor)
             return 0.05
-        drafting = kw.get("weights") is not None or bool(kw.get("skip_attn")) or bool(kw.get("skip_mlp"))
+        route = kw.get("route", TARGET)
+        drafting = route.weights is not None or bool(route.skip_attn) or bool(route.skip_mlp)
         return 0.01 * (draft if drafting else 0.9 + 0.1 * rows)
 
     charge_forwards(monkeypatch, clock, cost)
@@ -335,7 +336,7 @@ def test_curve_readings_pool_to_their_medians_and_draft_cost_is_timed_beside_a_t
     def charge(e, rows, kw):
         calls[0] += 1
         if pace[0] is None:  # every forward 1 % slower than the one before; a draft forward is 0.3 of a step
-            return (1 + 0.01 * calls[0]) * (0.3 if kw.get("skip_mlp") else 1.0)
+            return (1 + 0.01 * calls[0]) * (0.3 if kw.get("route", TARGET).skip_mlp else 1.0)
         return 0.0 if kw["positions"] == 0 else pace[0] * (1 + rows / 8)
 
     charge_forwards(monkeypatch, virtual_clock, charge)

@@ -10,7 +10,7 @@ import torch
 from selfspec_cli.bench import engine_profile as prof
 from selfspec_cli.decoding.measure import CURVE_ROWS
 from selfspec_cli.cli.app import main
-from selfspec_cli.engine import Engine
+from selfspec_cli.engine import TARGET, Engine, Route
 
 from .conftest import charge_forwards, make_tiny_model
 from .test_cli import assert_user_error, write_lines
@@ -152,7 +152,8 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
         pos = kw["positions"]
         if pos == 0:  # prefills are never timed
             return 0.0
-        skipped = len(kw.get("skip_attn") or ()) + len(kw.get("skip_mlp") or ())
+        route = kw.get("route", TARGET)
+        skipped = len(route.skip_attn) + len(route.skip_mlp)
         return F[rows] * (1 - skipped / (2 * L)) + 1e-2 * max(0, pos - 64)
 
     virtual_clock.tick = TICK
@@ -198,11 +199,11 @@ def test_redundancy_map_matches_direct_computation():
                 c = eng.new_cache(32)
                 eng.forward(c, torch.tensor(seq[:-1]), positions=0)
                 sa, sm = ({layer}, set()) if kind == "attn" else (set(), {layer})
-                d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, skip_attn=sa, skip_mlp=sm).logits[0].argmax().item()
+                d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, route=Route(skip_attn=sa, skip_mlp=sm)).logits[0].argmax().item()
                 hits[(kind, layer)] += d == full
             c = eng.new_cache(32)
             eng.forward(c, torch.tensor(seq[:-1]), positions=0)
-            d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, skip_attn={1}, skip_mlp={0, 2}).logits[0].argmax().item()
+            d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, route=Route(skip_attn={1}, skip_mlp={0, 2})).logits[0].argmax().item()
             hits["cal"] += d == full
             seq.append(full)
     assert red["attn"][1] == hits[("attn", 1)] / 4

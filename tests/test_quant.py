@@ -27,7 +27,7 @@ from selfspec_cli.decoding import layer_skip as layer_skip_mod
 from selfspec_cli.decoding import policy as policy_mod
 from selfspec_cli.decoding.drafts import Chain
 from selfspec_cli.decoding.sampling import processed_probs
-from selfspec_cli.engine import Engine, kernels, quant
+from selfspec_cli.engine import Engine, Route, kernels, quant
 from selfspec_cli.engine.kernels import QLinear, QuantWeight, quantize_int8
 from selfspec_cli.methods import AR, build
 from selfspec_cli.runtime import encode_turn
@@ -283,7 +283,7 @@ def test_gguf_block_draft_is_the_targets_weights(tmp_path, monkeypatch, qtype, f
     ids = torch.arange(2, 14)
     c1, c2 = eng.new_cache(16), eng.new_cache(16)
     want = eng.forward(c1, ids, positions=0, logits_rows=slice(None)).logits
-    got = eng.forward(c2, ids, positions=0, logits_rows=slice(None), weights="gguf").logits
+    got = eng.forward(c2, ids, positions=0, logits_rows=slice(None), route=Route(weights="gguf")).logits
     assert torch.equal(want.argmax(-1), got.argmax(-1))
     assert float((want - got).abs().max()) < 1e-3
     # a second engine on the same model reads the cache (beside the converted model)
@@ -354,9 +354,9 @@ def test_the_cache_holds_the_kernels_panels_and_a_load_repacks_nothing(draft_cac
         assert all(t.data_ptr() % 64 == 0 for t in (b.codes, b.scales, b.mins) if t is not None)
     ids = torch.arange(2, 12)
     c1, c2 = eng.new_cache(16), eng.new_cache(16)
-    got = eng.forward(c1, ids, positions=0, logits_rows=slice(None), weights="gguf").logits
+    got = eng.forward(c1, ids, positions=0, logits_rows=slice(None), route=Route(weights="gguf")).logits
     eng.drafts["gguf"] = first
-    assert torch.equal(got, eng.forward(c2, ids, positions=0, logits_rows=slice(None), weights="gguf").logits)
+    assert torch.equal(got, eng.forward(c2, ids, positions=0, logits_rows=slice(None), route=Route(weights="gguf")).logits)
     # a file of the right name whose matrices have other shapes (another model's) is not read
     other = quant._load(where, Engine(make_tiny_model("llama-gqa", layers=2)).adapter, None)
     assert other is None
@@ -431,7 +431,7 @@ def test_quantized_draft_law_is_exact_by_enumeration(monkeypatch, k):
     ids = torch.tensor(chain)
     c1, c2 = eng.new_cache(16), eng.new_cache(16)
     p_logits = eng.forward(c1, ids, positions=0, logits_rows=slice(None)).logits.double()
-    q_logits = eng.forward(c2, ids, positions=0, logits_rows=slice(None), weights="int8").logits.double()
+    q_logits = eng.forward(c2, ids, positions=0, logits_rows=slice(None), route=Route(weights="int8")).logits.double()
     p = processed_probs(p_logits, ve.SAMPLING).double()
     q = processed_probs(q_logits, ve.SAMPLING).double()
     assert float((p - q).abs().max()) > 0.02  # the coarse draft's law is not the target's
@@ -576,7 +576,7 @@ def test_draft_window_reaches_the_draft_forward():
     def last_logits(n: int, window) -> torch.Tensor:
         cache = eng.new_cache(64)
         eng.forward(cache, ids[:n], positions=0)
-        return eng.forward(cache, ids[n:n + 1], positions=n, weights="int8", kv_window=window).logits
+        return eng.forward(cache, ids[n:n + 1], positions=n, route=Route(weights="int8", kv_window=window)).logits
 
     assert torch.equal(last_logits(10, (DRAFT_SINKS, 8)), last_logits(10, None))  # 11 keys <= 4 + 8
     assert not torch.equal(last_logits(39, (DRAFT_SINKS, 8)), last_logits(39, None))
@@ -625,7 +625,7 @@ def test_draft_agreement_counts_the_drafts_top1_and_is_kept_beside_the_copy(draf
     eng.drafts["int8"].info = {"path": str(draft_cache / "drafts" / "copy.safetensors")}
     ctx = _prompt(6, 0, model.config.vocab_size)
     hits, n = measure.draft_agreement(eng, "int8", ctx, tokens=24)
-    assert n == 24 and [hits] == engine_profile._agreement(eng, [ctx], 24, [{"weights": "int8"}])[0]  # profile's count
+    assert n == 24 and [hits] == engine_profile._agreement(eng, [ctx], 24, [Route(weights="int8")])[0]  # profile's count
     assert 0 < hits < n
     side = list((draft_cache / "drafts").glob("copy.safetensors.agreement-*.json"))
     assert len(side) == 1 and json.loads(side[0].read_text())["hits"] == hits

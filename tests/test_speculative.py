@@ -15,7 +15,7 @@ from selfspec_cli.decoding.drafts import Chain, Tree
 from selfspec_cli.decoding import driver, verify
 from selfspec_cli.decoding.sampling import processed_probs
 from selfspec_cli.decoding.layer_skip import AdaptiveThreshold, DraftSettings
-from selfspec_cli.engine import Engine
+from selfspec_cli.engine import Engine, ForwardTaps, Route
 from selfspec_cli.errors import ConfigError
 from selfspec_cli.methods import AR
 from selfspec_cli.methods.self_sd import SelfSD
@@ -247,7 +247,7 @@ def test_engine_attention_cosine_matches_hooks():
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
     eng = Engine(model)
-    out = eng.forward(eng.new_cache(16), ids, positions=0, attn_cosine=True)
+    out = eng.forward(eng.new_cache(16), ids, positions=0, taps=ForwardTaps(attn_cosine=True))
     assert out.attn_cosine.tolist() == pytest.approx(hs, abs=1e-5)
 
 
@@ -310,7 +310,7 @@ def test_swift_scoring_leaves_the_cache_intact():
     eng.forward(cache, ids, positions=0)
     k_before, v_before, len_before = cache.k.clone(), cache.v.clone(), list(cache.lengths)
     with cache.scratch(12, 8):
-        eng.forward(cache, ids[12:20], positions=12, skip_attn={1, 2}, skip_mlp={3})
+        eng.forward(cache, ids[12:20], positions=12, route=Route(skip_attn={1, 2}, skip_mlp={3}))
     assert cache.lengths == len_before
     assert torch.equal(cache.k, k_before) and torch.equal(cache.v, v_before)
 

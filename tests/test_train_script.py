@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec_cli.engine import Engine
+from selfspec_cli.engine import Engine, Route
 
 from .conftest import make_tiny_model
 
@@ -42,7 +42,7 @@ def test_layerdrop_removes_exactly_the_dropped_sublayers_and_only_in_training():
     torch.testing.assert_close(again, full)  # hooks are inert outside training
     eng = Engine(model)
     for row, attn in ((0, {L - 1}), (1, {1, L - 1})):
-        want = eng.forward(eng.new_cache(16), ids[row], positions=0, skip_attn=attn, skip_mlp={L - 1},
+        want = eng.forward(eng.new_cache(16), ids[row], positions=0, route=Route(skip_attn=attn, skip_mlp={L - 1}),
                            logits_rows=slice(None)).logits
         torch.testing.assert_close(dropped[row], want, rtol=1e-4, atol=1e-4)
     drop.remove()

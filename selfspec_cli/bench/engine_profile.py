@@ -49,7 +49,7 @@ from ..config import GenerationConfig
 from ..decoding.cost_store import curve_for
 from ..decoding.measure import VerifyCurve, timed, weight_bytes
 from ..decoding.planning import iid_chain_gains, predicted_speedup
-from ..engine import Engine, KVCache
+from ..engine import Engine, KVCache, Route
 from ..engine.quant import PRECISIONS, GGUFDraftError
 from ..errors import SelfSpecError
 from ..methods import build, fr_spec
@@ -91,9 +91,9 @@ def _median_times(engine: Engine, cache: KVCache, ctx: int, jobs: dict[str, Call
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, drafts: Sequence[dict[str, Any]],
+def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, drafts: Sequence[Route],
                on_token: Callable[[int, int], None] | None = None) -> tuple[list[int], int]:
-    """Top-1 hits of one-token drafts (each the ``engine.forward`` keywords of one draft) against
+    """Top-1 hits of one-token drafts (each the :class:`~selfspec_cli.engine.route.Route` of one draft) against
     the full model along its greedy continuation of each prompt, and the positions compared.
     The context's KV always comes from the full model: a draft row is cropped away before the
     full row is computed."""
@@ -104,8 +104,8 @@ def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, dr
         tok = torch.tensor(list(ids[-1:]), device=engine.device)
         for pos in range(len(ids) - 1, len(ids) - 1 + tokens):
             guesses = []
-            for kw in drafts:
-                guesses.append(int(engine.forward(cache, tok, positions=pos, **kw).logits[0].argmax()))
+            for route in drafts:
+                guesses.append(int(engine.forward(cache, tok, positions=pos, route=route).logits[0].argmax()))
                 cache.crop(pos)
             full = int(engine.forward(cache, tok, positions=pos).logits[0].argmax())
             hits = [h + (g == full) for h, g in zip(hits, guesses)]
@@ -136,8 +136,8 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
         f"v{k}": partial(engine.forward, cache, toks[:k], positions=ctx, logits_rows=slice(None)) for k in rows}
     for r, s in draft_sets.items():
         for prefix, head in ({"c": None} if sub is None else {"c": None, "cv": sub}).items():
-            jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx, skip_attn=s, skip_mlp=s,
-                                           head=head)
+            jobs[f"{prefix}{r}"] = partial(engine.forward, cache, toks[:1], positions=ctx,
+                                           route=Route(skip_attn=s, skip_mlp=s, head=head))
     jobs["products"] = partial(engine.run_products, 1)
     jobs["head"] = partial(engine.final_logits,
                            torch.zeros(1, engine.adapter.hidden_size, dtype=engine.dtype, device=engine.device))
@@ -212,7 +212,7 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     # (skip_attn, skip_mlp): attention 0..L-1, then MLP 0..L-1, then the calibrated set
     sets = [(frozenset([l]), none) for l in range(L)] + [(none, frozenset([l])) for l in range(L)]
     sets += [calibrated] if calibrated is not None else []
-    hits, total = _agreement(engine, prompts, tokens, [{"skip_attn": sa, "skip_mlp": sm} for sa, sm in sets], on_token)
+    hits, total = _agreement(engine, prompts, tokens, [Route(skip_attn=sa, skip_mlp=sm) for sa, sm in sets], on_token)
     agree = [round(h / total, 4) for h in hits]
     red: dict[str, Any] = {"attn": agree[:L], "mlp": agree[L:2 * L], "prompts": len(prompts),
                            "tokens_per_prompt": tokens, "drafts_per_set": total}
@@ -280,11 +280,12 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
     subs = {p: engine.subset_head(draft_vocab, p) for p in avail} if draft_vocab is not None else {}
     jobs: dict[str, Callable[[], Any]] = {"t1": partial(engine.forward, cache, tok, positions=ctx)}
     for p in avail:
-        jobs[p] = partial(engine.forward, cache, tok, positions=ctx, weights=p)
+        jobs[p] = partial(engine.forward, cache, tok, positions=ctx, route=Route(weights=p))
         if p in subs:
-            jobs[p + "/vocab"] = partial(engine.forward, cache, tok, positions=ctx, weights=p, head=subs[p])
+            jobs[p + "/vocab"] = partial(engine.forward, cache, tok, positions=ctx,
+                                         route=Route(weights=p, head=subs[p]))
     med = _median_times(engine, cache, ctx, jobs, list(jobs), rounds)  # every job warmed up once
-    hits, total = _agreement(engine, prompts, tokens, [{"weights": p} for p in avail])
+    hits, total = _agreement(engine, prompts, tokens, [Route(weights=p) for p in avail])
     for p, h in zip(avail, hits):
         out[p]["c"] = round(med[p] / med["t1"], 3)
         if p + "/vocab" in med:

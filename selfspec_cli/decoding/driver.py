@@ -40,13 +40,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from ..config import GenerationConfig
-from ..engine import Engine, ForwardOutput
+from ..engine import NO_TAPS, Engine, ForwardOutput, ForwardTaps
 from .cost_store import observe_forward
 from .measure import VerifyCurve
 from .planning import RoundClock, round_gain
@@ -57,17 +57,11 @@ from .state import DecodeState
 from .verify import GREEDY, Verdict, verify_chain_greedy, verify_chain_sampling, verify_tree
 
 
-class ForwardOptions(TypedDict, total=False):
-    """The keyword options of an engine forward that a drafter's taps ask for."""
-
-    output_hidden: tuple[int, ...]
-    attn_cosine: bool
-
-
 @dataclass(frozen=True, slots=True)
 class Taps:
     """What a drafter needs the driver's forwards to report beside the logits (the driver passes
-    them on; nothing else about a drafter reaches a forward): ``attn_cosine``, the prefill's
+    them on as the engine's :class:`~selfspec_cli.engine.route.ForwardTaps`; nothing else about a
+    drafter reaches a driver's forward): ``attn_cosine``, the prefill's
     per-layer attention cosines (ASD's skip source); ``hidden``, the hidden states after these
     layers in the prefill and every verify forward (the on-policy recorder of methods/onpolicy.py)."""
 
@@ -78,13 +72,13 @@ class Taps:
         """What either needs (the drafters of a composite)."""
         return Taps(self.attn_cosine or other.attn_cosine, tuple(dict.fromkeys((*self.hidden, *other.hidden))))
 
-    def verify_options(self) -> ForwardOptions:
-        """The engine options of every verify forward."""
-        return {"output_hidden": self.hidden} if self.hidden else {}
+    def verify_taps(self) -> ForwardTaps:
+        """What every verify forward reports (engine/route.py)."""
+        return ForwardTaps(hidden_at=self.hidden) if self.hidden else NO_TAPS
 
-    def prefill_options(self) -> ForwardOptions:
-        """The engine options of the prefill (the verify forwards' too)."""
-        return {**self.verify_options(), **({"attn_cosine": True} if self.attn_cosine else {})}
+    def prefill_taps(self) -> ForwardTaps:
+        """What the prefill reports (the verify forwards' taps too)."""
+        return ForwardTaps(hidden_at=self.hidden, attn_cosine=self.attn_cosine)
 
 
 @runtime_checkable
@@ -206,7 +200,7 @@ def decode(eng: Engine, tokenizer: Any, drafter: Drafter, prompt_ids: list[int],
     unplanned = False  # a round drafted without a plan: no prediction to report
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = state.prefill(**drafter.taps.prefill_options())
+        out = state.prefill(drafter.taps.prefill_taps())
         first = select_token(out.logits[-1], cfg.sampling, gen, noise(state.pos + 1) if noise is not None else None)
         state.commit_decided([first])
         _record(stats, sink, [first], 0, on_tokens)
@@ -289,7 +283,7 @@ def _verify(state: DecodeState, draft: Draft, taps: Taps) -> tuple[Verdict, Forw
         out = None
     else:
         t0 = time.perf_counter()
-        out = state.verify_forward(tokens, parents, **taps.verify_options())
+        out = state.verify_forward(tokens, parents, taps.verify_taps())
         forward_s = time.perf_counter() - t0 if parents is None else None
     logits = draft.logits if out is None else out.logits
     sampling = state.sampling

@@ -17,7 +17,9 @@ Each round the drafter first asks its policy (:class:`~.policy.LengthPolicy`, a 
 object) how far to draft: with ``cost_aware`` (the default) how far drafting pays at the
 measured draft cost and acceptance, none when it does not pay; the drafter only draws. What a
 configuration's draft forward reads is a :class:`DraftModel`, built (quantized copy, subset
-head) before the drafter; nothing here times a forward. Choosing between configurations (a skip set, or full depth on the same
+head) before the drafter, and each draft runs as one engine :class:`~selfspec_cli.engine.route.Route`
+(:meth:`DraftModel.route`; no forward option is passed any other way); nothing here times a forward.
+Choosing between configurations (a skip set, or full depth on the same
 quantized weights) is :mod:`.choose`'s; merging an n-gram branch is :mod:`.hybrid`'s; a skip
 source that adapts sees every round through :class:`Adapting`. Greedy drafts are the draft's
 argmax; sampled chain drafts are drawn from the draft's processed distribution and handed to
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..engine import Engine, ForwardOutput
+from ..engine import Engine, ForwardOutput, Route
 from .choose import BestOf, Choose, Option
 from .drafts import Chain, Draft, LayerSkipNote, NoDraft, Plan, Round, Tree, chain_or_tree
 from .driver import Delegating, Drafter, Taps
@@ -206,6 +208,12 @@ class DraftModel:
     def skip_sets(self) -> SkipPair:
         return self.skips.sets()
 
+    def route(self, kv_window: tuple[int, int] | None = None) -> Route:
+        """What a draft forward of this configuration computes (engine/route.py), with the source's current
+        skip sets and the draft's view of a long context ``kv_window`` (None: all of it)."""
+        attn, mlp = self.skips.sets()
+        return Route(attn, mlp, self.weights, kv_window, self.vocab_head)
+
     @property
     def vocab_rows(self) -> int | None:
         """The tokens the draft's head scores (None: the whole vocabulary)."""
@@ -231,6 +239,11 @@ class LayerSkipDrafter:
 
     def skip_sets(self) -> SkipPair:
         return self.model.skip_sets()
+
+    def route(self) -> Route:
+        """This round's draft forward as one engine :class:`~selfspec_cli.engine.route.Route`: the source's
+        current skip sets, the weights copy, the settings' KV window and the subset head."""
+        return self.model.route(self.settings.kv_window)
 
     @property
     def vocab_rows(self) -> int | None:
@@ -261,7 +274,7 @@ class LayerSkipDrafter:
         the argmax too, as the nodes of a hybrid tree must be)."""
         s = self.settings
         t0 = time.perf_counter()
-        skip_attn, skip_mlp = self.skip_sets()
+        route = self.route()
         tree = _TreeBuilder(s, self.policy.tree_cap(k)) if s.tree else None
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
@@ -270,8 +283,7 @@ class LayerSkipDrafter:
         for steps in range(1, k + 1):
             inp[0] = d
             # logits over the whole vocabulary, or over the draft vocabulary (column i: token vocab[i])
-            logits = state.run(inp, skip_attn=skip_attn, skip_mlp=skip_mlp, head=self._vocab_head,
-                               weights=self.weights, kv_window=s.kv_window).logits[0]
+            logits = state.run(inp, route=route).logits[0]
             probs, key = self._law(state, logits)
             if tree is not None:
                 d, conf = tree.add(self._ranked(probs, key))

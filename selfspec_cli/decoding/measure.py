@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..engine import Engine
+from ..engine import TARGET, Engine, Route
 from ..engine.kernels import stream_bytes
+from ..engine.runner import ALL_ROWS, LAST_ROW
 from ..errors import ArtifactError
 from ..jsonio import JsonObject
 from ..paths import atomic_write
@@ -169,7 +170,7 @@ class VerifyCurve:
         undershoots what plain decoding spends per step on a shared machine, so predictions
         read high, and it moves more from run to run than the median; docs/engine.md); the slopes
         over ``extra`` more tokens (none below 64: 0, and no row slope)."""
-        med = _median_forward_s(engine, context, {m: (m, {"logits_rows": slice(None)}) for m in rows}, rounds)
+        med = _median_forward_s(engine, context, {m: (m, TARGET, ALL_ROWS) for m in rows}, rounds)
         slope, row_slope = cls._slopes(engine, context, med, rounds, extra)
         return cls._from_times(med, context, slope, row_slope_s=row_slope)
 
@@ -216,7 +217,7 @@ class VerifyCurve:
         if extra < 64:
             return 0.0, None
         m = SLOPE_ROWS if SLOPE_ROWS in med else None
-        runs = {1: (1, {})} | ({m: (m, {"logits_rows": slice(None)})} if m else {})
+        runs = {1: (1, TARGET, LAST_ROW)} | ({m: (m, TARGET, ALL_ROWS)} if m else {})
         far = _median_forward_s(engine, context + extra, runs, rounds)
         slope = max(0.0, (far[1] - med[1]) / extra)
         if m is None:
@@ -226,14 +227,14 @@ class VerifyCurve:
 
 
 @torch.inference_mode()
-def _median_forward_s(engine: Engine, context: int, runs: dict[T, tuple[int, dict[str, Any]]],
+def _median_forward_s(engine: Engine, context: int, runs: dict[T, tuple[int, Route, slice]],
                       rounds: int) -> dict[T, float]:
-    """Per key of ``runs``, ``(rows, engine options)``: the median seconds of a forward of that many
-    rows with those options after a ``context``-token prefix, over ``rounds`` interleaved passes
-    after one warm-up pass (so that every key sees the same drifts of the host). The prefilled prefix
+    """Per key of ``runs``, ``(rows, route, logits rows)``: the median seconds of a forward of that many
+    rows on that route (engine/route.py), scoring those rows, after a ``context``-token prefix, over
+    ``rounds`` interleaved passes after one warm-up pass (so that every key sees the same drifts of the host). The prefilled prefix
     (up to :data:`HELD_PREFIX` tokens) is kept with the engine for the next reading at that context:
     a first call on a new machine reads the verify curve and a quantized draft's c on one prefill."""
-    most = max(m for m, _ in runs.values())
+    most = max(m for m, _, _ in runs.values())
     ids = torch.arange(context + most, device=engine.device) % max(2, engine.vocab_size)
     held = _PREFIX.get(engine)
     if held is not None and held[0] == context and held[1].capacity >= context + most + 1:
@@ -246,8 +247,9 @@ def _median_forward_s(engine: Engine, context: int, runs: dict[T, tuple[int, dic
             _PREFIX[engine] = (context, cache)
     samples: dict[T, list[float]] = {key: [] for key in runs}
     for r in range(rounds + 1):  # pass 0 warms up
-        for key, (m, kw) in runs.items():
-            dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context, **kw), engine.device)[1]
+        for key, (m, route, rows) in runs.items():
+            dt = timed(lambda: engine.forward(cache, ids[context : context + m], positions=context, route=route,
+                                              logits_rows=rows), engine.device)[1]
             if r:
                 samples[key].append(dt)
             cache.crop(context)
@@ -304,9 +306,8 @@ def draft_step_cost(engine: Engine, weights: str | None, skip_attn: frozenset[in
     depend on how fast the host was when T(1) was read."""
     if head is None and vocab is not None:
         head = engine.subset_head(vocab, weights)
-    med = _median_forward_s(engine, context, {"draft": (1, {"skip_attn": skip_attn, "skip_mlp": skip_mlp, "weights": weights,
-                                                            "head": head}),
-                                              "target": (1, {})}, rounds)
+    draft = Route(skip_attn=skip_attn, skip_mlp=skip_mlp, weights=weights, head=head)
+    med = _median_forward_s(engine, context, {"draft": (1, draft, LAST_ROW), "target": (1, TARGET, LAST_ROW)}, rounds)
     return med["draft"] / med["target"]
 
 
@@ -339,7 +340,7 @@ def draft_agreement(engine: Engine, weights: str, context: list[int], tokens: in
     tok = context[-1]
     for pos in range(n - 1, n - 1 + tokens):  # the draft's row is cropped before the target's is computed
         x = torch.tensor([tok], device=engine.device)
-        guess = int(engine.forward(cache, x, positions=pos, weights=weights).logits[-1].argmax())
+        guess = int(engine.forward(cache, x, positions=pos, route=Route(weights=weights)).logits[-1].argmax())
         cache.crop(pos)
         tok = int(engine.forward(cache, x, positions=pos).logits[-1].argmax())
         hits += guess == tok

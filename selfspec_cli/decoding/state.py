@@ -9,7 +9,9 @@ does position or cache-length arithmetic:
 * ``in_flight``: tokens fed to the model but not verified (layer-skip drafts,
   AdaDecode's early predictions);
 * :meth:`run` (extend) runs the newest fed rows through a range of layers, at the
-  positions those tokens hold; :meth:`feed` adds a token in flight;
+  positions those tokens hold, on a drafter's :class:`~selfspec_cli.engine.route.Route` (its skip
+  sets, weights copy, KV window, head; the forward's options are typed, never free keywords);
+  :meth:`feed` adds a token in flight;
 * :meth:`verify_forward` drops whatever drafting wrote past ``pos`` and runs the
   pending token plus a chain or tree of drafts at full depth; :meth:`commit` keeps
   the accepted chain prefix or tree path (accept-path) and drops the rest;
@@ -29,8 +31,8 @@ from contextvars import ContextVar
 import torch
 
 from ..config import SamplingConfig
-from ..engine import Engine, ForwardOutput
-from ..engine.runner import ALL_ROWS
+from ..engine import NO_TAPS, TARGET, Engine, ForwardOutput, ForwardTaps, Route
+from ..engine.runner import ALL_ROWS, LAST_ROW
 from ..engine.tree import tree_depths, tree_mask_from_parents, tree_positions
 from .sampling import PositionNoise
 
@@ -94,7 +96,7 @@ class DecodeState:
         return torch.tensor(list(tokens), dtype=torch.long, device=self.engine.device)
 
     # -- extend ------------------------------------------------------------
-    def prefill(self, **kw) -> ForwardOutput:
+    def prefill(self, taps: ForwardTaps = NO_TAPS, logits_rows: slice | None = LAST_ROW) -> ForwardOutput:
         """The prompt at full depth; call once, before anything is committed after it.
 
         A prompt longer than :data:`PREFILL_CHUNK` rows runs in chunks of that many (the last one
@@ -103,19 +105,19 @@ class DecodeState:
         the very bits of one forward (the kernels are batch-invariant and each row attends the same
         keys; tests/test_decoding.py), and :data:`PREFILL_PROGRESS` hears of each. A forward asked for
         per-row extras over the whole prompt (ASD's attention cosines, hidden states) runs in one piece,
-        as those cover every row."""
+        as those cover every row (``taps``, what the drafter's :class:`~.driver.Taps` ask)."""
         ids = self.ids(self.committed)
         n = ids.shape[0]
         progress = PREFILL_PROGRESS.get()
-        if n > PREFILL_CHUNK and not kw.get("attn_cosine") and not kw.get("output_hidden"):
+        if n > PREFILL_CHUNK and not taps.per_row:
             last = (n - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # the final chunk's first row: it has 1..CHUNK rows
             for s in range(0, last, PREFILL_CHUNK):  # the same options, no logits
-                self.engine.forward(self.cache, ids[s:s + PREFILL_CHUNK], positions=s, **{**kw, "logits_rows": None})
+                self.engine.forward(self.cache, ids[s:s + PREFILL_CHUNK], positions=s, taps=taps, logits_rows=None)
                 if progress is not None:
                     progress(s + PREFILL_CHUNK, n)
-            out = self.engine.forward(self.cache, ids[last:], positions=last, **kw)
+            out = self.engine.forward(self.cache, ids[last:], positions=last, taps=taps, logits_rows=logits_rows)
         else:
-            out = self.engine.forward(self.cache, ids, positions=0, **kw)
+            out = self.engine.forward(self.cache, ids, positions=0, taps=taps, logits_rows=logits_rows)
         if progress is not None:
             progress(n, n)
         return out
@@ -124,24 +126,30 @@ class DecodeState:
         """Put a draft token in flight (it becomes the newest fed token)."""
         self.in_flight.append(int(token))
 
-    def run(self, ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, **kw) -> ForwardOutput:
+    def run(self, ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, *, start: int = 0,
+            end: int | None = None, route: Route = TARGET, taps: ForwardTaps = NO_TAPS,
+            logits_rows: slice | None = LAST_ROW) -> ForwardOutput:
         """Run the newest ``T`` fed tokens (as ids, or as residual rows from an earlier
-        call) through layers ``[start, end)``, at their own positions."""
+        call) through layers ``[start, end)``, at their own positions, on ``route`` (a draft's
+        computation; :data:`~selfspec_cli.engine.route.TARGET`, the target's)."""
         t = ids.shape[0] if ids is not None else hidden.shape[0]
         fed = len(self.committed) + len(self.in_flight)
-        return self.engine.forward(self.cache, ids, hidden=hidden, positions=fed - t, **kw)
+        return self.engine.forward(self.cache, ids, hidden=hidden, positions=fed - t, start=start, end=end, route=route,
+                                   taps=taps, logits_rows=logits_rows)
 
-    def verify_forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None, **kw) -> ForwardOutput:
+    def verify_forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None,
+                       taps: ForwardTaps = NO_TAPS) -> ForwardOutput:
         """Full-depth forward of the pending token and a chain (or tree, ``parents``) of
-        draft tokens; logits for every row. Drafting's slots past ``pos`` are dropped first."""
+        draft tokens on the target's route; logits for every row, and what ``taps`` ask.
+        Drafting's slots past ``pos`` are dropped first."""
         self.rollback()
         inp = self.ids([self.pending, *tokens])
         if parents is None:
-            return self.engine.forward(self.cache, inp, positions=self.pos, logits_rows=ALL_ROWS, **kw)
+            return self.engine.forward(self.cache, inp, positions=self.pos, logits_rows=ALL_ROWS, taps=taps)
         tree = [-1] + [p + 1 for p in parents]
         dev = self.engine.device
         return self.engine.forward(self.cache, inp, positions=tree_positions(tree, self.pos, dev),
-                                   tree_mask=tree_mask_from_parents(tree, dev), logits_rows=ALL_ROWS, **kw)
+                                   tree_mask=tree_mask_from_parents(tree, dev), logits_rows=ALL_ROWS, taps=taps)
 
     # -- commit / rollback -------------------------------------------------
     def commit(self, tokens: Sequence[int], accepted: Sequence[int], tree: bool = False) -> None:
@@ -168,9 +176,11 @@ class DecodeState:
         self.in_flight.clear()
 
     # -- scratch -----------------------------------------------------------
-    def replay(self, first: int, count: int, **kw) -> ForwardOutput:
-        """Teacher-forced forward over ``committed[first : first + count]`` written in
+    def replay(self, first: int, count: int, *, route: Route = TARGET, logits_rows: slice | None = LAST_ROW
+               ) -> ForwardOutput:
+        """Teacher-forced forward over ``committed[first : first + count]`` on ``route``, written in
         scratch slots from ``first`` on (the cache must hold positions ``0..first-1``
         densely); everything is restored afterwards."""
         with self.cache.scratch(first, count):
-            return self.engine.forward(self.cache, self.ids(self.committed[first : first + count]), positions=first, **kw)
+            return self.engine.forward(self.cache, self.ids(self.committed[first : first + count]), positions=first,
+                                       route=route, logits_rows=logits_rows)

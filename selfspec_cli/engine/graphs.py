@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .route import ForwardTaps, Route
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -101,17 +102,17 @@ class StaticForward:
 
     # -- one forward -------------------------------------------------------------
     def forward(self, cache: KVCache, input_ids: torch.Tensor | None, *, positions: int | torch.Tensor,
-                hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
-                skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
-                output_hidden: Collection[int] = (), logits_rows: Any = slice(-1, None), attn_cosine: bool = False,
-                head: Any = None, weights: str | None = None, kv_window: Any = None) -> tuple | None:
+                hidden: torch.Tensor | None, start: int, end: int | None, route: Route, taps: ForwardTaps,
+                tree_mask: torch.Tensor | None, logits_rows: Any) -> tuple | None:
         """:meth:`Engine.forward`'s result through the fixed-shape path as (logits, hidden, hidden states by
-        layer, attention cosines), or None where it does not apply."""
+        layer, attention cosines), or None where it does not apply (a route other than the target's own
+        weights, head and whole context; see the module docstring)."""
         e = self.e
         if (hidden is not None or input_ids is None or start != 0 or (end is not None and end != e.num_layers)
-                or head is not None or weights is not None or kv_window is not None):
+                or not route.is_target):
             return self._fallback()
         t = int(input_ids.shape[0])
+        skip_attn, output_hidden = route.skip_attn, taps.hidden_at
         run = [l for l in range(e.num_layers) if l not in skip_attn]
         n = self._dense_length(cache, run)
         # a chain from the first free slot, or a tree whose root takes it; else (holes, explicit positions) eager
@@ -120,8 +121,7 @@ class StaticForward:
             return self._fallback()
         cache.ensure_capacity(n + t + self.rows)  # the real rows' slots, below the padding rows' last R
         e.ensure_rope(n + t + self.rows)
-        key_sets = (frozenset(skip_attn), frozenset(skip_mlp), frozenset(output_hidden), bool(attn_cosine),
-                    tree_mask is not None)
+        key_sets = (route.skip_attn, route.skip_mlp, frozenset(output_hidden), taps.attn_cosine, tree_mask is not None)
         logits, hiddens, at, cos_sum = [], [], {l: [] for l in output_hidden}, None
         want_all = logits_rows is not None and not (isinstance(logits_rows, slice) and logits_rows == slice(-1, None))
         for s in range(0, t, self.rows):
@@ -209,8 +209,9 @@ class StaticForward:
     def _run(self, cache: KVCache, skip_attn: frozenset[int], skip_mlp: frozenset[int], output_hidden: frozenset[int],
              attn_cosine: bool, tree: bool) -> tuple:
         allowed = self._tree_allowed[cache.k.shape[2]] if tree else None
-        return self.e.fixed_forward(cache, self.ids, self.pos, self.slot0, self.count, allowed, skip_attn=skip_attn,
-                                    skip_mlp=skip_mlp, output_hidden=output_hidden, attn_cosine=attn_cosine)
+        return self.e.fixed_forward(cache, self.ids, self.pos, self.slot0, self.count, allowed,
+                                    route=Route(skip_attn, skip_mlp),
+                                    taps=ForwardTaps(tuple(sorted(output_hidden)), attn_cosine))
 
     def describe(self) -> dict[str, Any]:
         return {"rows": self.rows, "cuda_graphs": self.capture, "graphs": len(self._graphs), "captures": self.captures,

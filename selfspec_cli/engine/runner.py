@@ -14,7 +14,10 @@ positions, the head):
 
 * inputs are token ids (embedded here) or residual-stream rows from a previous
   call that stopped at ``start`` (AdaDecode's deferred layers);
-* ``skip_attn``/``skip_mlp`` remove sublayers: a skipped sublayer adds nothing to
+* what runs is a ``route`` (engine/route.py :class:`~.route.Route`, default :data:`~.route.TARGET`), what is
+  reported beside the logits ``taps`` (:class:`~.route.ForwardTaps`): named, typed values, so a drafter's
+  new need is a field there, not a keyword argument here; a layer index the model lacks is refused;
+* the route's ``skip_attn``/``skip_mlp`` remove sublayers: a skipped sublayer adds nothing to
   the residual stream and a skipped attention writes no K/V;
 * each layer ``l`` appends its K/V after its own newest slot and attends to
   everything cached before it plus the new rows, causally for a chain or through
@@ -23,10 +26,10 @@ positions, the head):
   windows are cut by stored positions (so layers with holes stay right);
 * ``positions`` are the rotary positions of the new rows: an int ``p`` means the
   chain ``p, p+1, ...``; a tensor gives explicit ids (trees);
-* ``kv_window`` = (sinks, window): a draft's cheap view of a long context, as in
+* the route's ``kv_window`` = (sinks, window): a draft's cheap view of a long context, as in
   StreamingLLM and MagicDec: each row attends to the first ``sinks`` keys it may see and
   the newest ``window`` (kernel attention only; None, the target's exact attention);
-* ``weights`` picks the matrices: None, the target's own (``target_precision``: the weights as
+* the route's ``weights`` picks the matrices: None, the target's own (``target_precision``: the weights as
   loaded, fp32, bf16/fp16 panels, or the GGUF's own blocks; engine/target.py); a precision name
   (``int8``, ``int8-g32``, ``gguf``, ``w4a8``), the quantized draft copy :meth:`Engine.quantized`
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
@@ -40,9 +43,9 @@ positions, the head):
 * on a GPU a forward first goes through the fixed-shape path (engine/graphs.py,
   :meth:`Engine.fixed_forward`: padded rows, the whole KV buffer, one CUDA graph per sublayer
   set); what it does not take runs the loop here;
-* hidden states (residual stream after layer ``l``) are returned for the layers in
-  ``output_hidden`` and logits only for the rows in ``logits_rows``, over the whole
-  vocabulary or over a subset's ``head`` (:meth:`Engine.subset_head`).
+* hidden states (residual stream after layer ``l``) are returned for the layers in the taps'
+  ``hidden_at`` and logits only for the rows in ``logits_rows``, over the whole
+  vocabulary or over the route's subset ``head`` (:meth:`Engine.subset_head`).
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ from .layer import decoder_layer
 from .sublayers import Sublayers, compile_requested, rotate
 from .graphs import DEFAULT_ROWS, StaticForward
 from .quant import DraftWeights, build_draft, gguf_source, subset
+from .route import NO_TAPS, TARGET, ForwardTaps, Route
 from .target import PANEL_DTYPES, QUANT_TARGETS, resolve_target, target_linears
 
 
@@ -178,7 +182,7 @@ class Engine:
 
     def quantized(self, precision: str) -> DraftWeights:
         """The quantized copy of the matrices at ``precision`` (engine/quant.py) that drafts read,
-        built on first use (or read from the disk cache) and kept; ``forward(..., weights=precision)``
+        built on first use (or read from the disk cache) and kept; ``forward(..., route=Route(weights=precision))``
         runs on it."""
         if precision == "w4a8" and precision not in self.drafts:  # the gguf copy's own codes, int8 activations
             base = self.quantized("gguf")
@@ -517,25 +521,43 @@ class Engine:
 
     # -- forward -----------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, **kw: Any) -> ForwardOutput:
-        """One forward (see :meth:`_forward`): on a GPU through the fixed-shape CUDA graphs where they
-        apply (engine/graphs.py); under ``--threads auto`` timed for the thread governor
-        (engine/threads.py), which may change the thread count between forwards."""
-        if self.static is not None and (out := self.static.forward(cache, input_ids, **kw)) is not None:
-            logits, hidden, hidden_at, cosines = out
-            return ForwardOutput(logits=logits, hidden=hidden, hidden_at=hidden_at, attn_cosine=cosines)
+    def forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
+                hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None, route: Route = TARGET,
+                taps: ForwardTaps = NO_TAPS, tree_mask: torch.Tensor | None = None,
+                logits_rows: slice | torch.Tensor | None = LAST_ROW) -> ForwardOutput:
+        """One forward of ``T`` new rows (token ids ``input_ids``, or residual-stream rows ``hidden``) at
+        ``positions`` through layers ``[start, end)``: the computation ``route`` names (engine/route.py;
+        :data:`~.route.TARGET`, the target's own), reporting what ``taps`` asks beside the logits of
+        ``logits_rows`` (see the module docstring). On a GPU through the fixed-shape CUDA graphs where they
+        apply (engine/graphs.py); under ``--threads auto`` timed for the thread governor (engine/threads.py),
+        which may change the thread count between forwards. A route or taps naming a layer the model does
+        not have is refused (ValueError)."""
+        if route.deepest >= self.num_layers or taps.deepest >= self.num_layers:
+            self._refuse_layers(route, taps)
+        if self.static is not None and (out := self.static.forward(
+                cache, input_ids, positions=positions, hidden=hidden, start=start, end=end, route=route, taps=taps,
+                tree_mask=tree_mask, logits_rows=logits_rows)) is not None:
+            logits, hidden_out, hidden_at, cosines = out
+            return ForwardOutput(logits=logits, hidden=hidden_out, hidden_at=hidden_at, attn_cosine=cosines)
         if self.governor is None:
-            return self._forward(cache, input_ids, **kw)
+            return self._forward(cache, input_ids, positions, hidden, start, end, route, taps, tree_mask, logits_rows)
         t0 = time.perf_counter()
-        out = self._forward(cache, input_ids, **kw)
-        rows = input_ids.shape[0] if input_ids is not None else kw["hidden"].shape[0]
+        out = self._forward(cache, input_ids, positions, hidden, start, end, route, taps, tree_mask, logits_rows)
+        rows = input_ids.shape[0] if input_ids is not None else hidden.shape[0]
         self.governor.observe(rows, time.perf_counter() - t0)
         return out
 
+    def _refuse_layers(self, route: Route, taps: ForwardTaps) -> None:
+        named = {"skip_attn": sorted(route.skip_attn), "skip_mlp": sorted(route.skip_mlp),
+                 "hidden_at": list(taps.hidden_at)}
+        bad = "; ".join(f"{k} {[l for l in v if l >= self.num_layers]}" for k, v in named.items()
+                        if any(l >= self.num_layers for l in v))
+        raise ValueError(f"a forward names layers this model does not have ({bad}); it has {self.num_layers} "
+                         f"layers, 0..{self.num_layers - 1}")
+
     def fixed_forward(self, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor, slot0: torch.Tensor,
-                      count: torch.Tensor, allowed: torch.Tensor | None = None, *, skip_attn: Collection[int] = (),
-                      skip_mlp: Collection[int] = (), output_hidden: Collection[int] = (),
-                      attn_cosine: bool = False) -> tuple:
+                      count: torch.Tensor, allowed: torch.Tensor | None = None, *, route: Route = TARGET,
+                      taps: ForwardTaps = NO_TAPS) -> tuple:
         """The fixed-shape forward of ``R = len(ids)`` rows at every layer (engine/graphs.py, whose CUDA
         graphs capture it): row ``i`` holds token ``ids[i]`` at rotary position ``pos[i]`` and writes its K/V
         at slot ``slot0 + i``. It attends causally (the slots before its own, its own included), or to
@@ -543,7 +565,10 @@ class Engine:
         padding: they write their K/V in the buffer's last ``R`` slots, which hold nothing (the caller
         keeps every real slot below them). Every op has the same shape whatever the real rows are; the
         cache's position lists are the caller's. Returns (logits (R, V) float32, residual stream (R, H),
-        hidden states by layer, per-row attention cosines (L, R) or None)."""
+        hidden states by layer, per-row attention cosines (L, R) or None). ``route`` gives the skip sets only
+        (the graphs' caller takes no other route), ``taps`` what is reported."""
+        assert route.is_target, "the fixed-shape forward runs the target's own weights, head and whole context"
+        skip_attn, skip_mlp, output_hidden = route.skip_attn, route.skip_mlp, taps.hidden_at
         a, r = self.adapter, ids.shape[0]
         cap = cache.k.shape[2]
         ar = torch.arange(r, device=self.device)
@@ -552,7 +577,7 @@ class Engine:
         if allowed is None:  # a chain: the cached prefix, then the new rows causally (padding rows: theirs too)
             allowed = (slot_ids[None, :] < slot0).expand(r, cap).clone()
             allowed.scatter_(1, slots[None, :].expand(r, r), ar[:, None] >= ar[None, :])
-        steps = _FixedOps(self, cache, pos, slots, slot_ids, allowed, attn_cosine)
+        steps = _FixedOps(self, cache, pos, slots, slot_ids, allowed, taps.attn_cosine)
         h = self.embed(ids)  # (R, H)
         hidden_at: dict[int, torch.Tensor] = {}
         for l in range(self.num_layers):
@@ -563,12 +588,12 @@ class Engine:
         return (self.sublayers.logits(h, a.final_norm, a.rms_eps, self.lm_head.weight), h, hidden_at,
                 torch.stack(cosines) if cosines else None)
 
-    def _forward(self, cache: KVCache, input_ids: torch.Tensor | None = None, *, positions: int | torch.Tensor,
-                hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None,
-                skip_attn: Collection[int] = (), skip_mlp: Collection[int] = (), tree_mask: torch.Tensor | None = None,
-                output_hidden: Collection[int] = (), logits_rows: slice | torch.Tensor | None = LAST_ROW,
-                attn_cosine: bool = False, head: Any = None, weights: str | None = None,
-                kv_window: tuple[int, int] | None = None) -> ForwardOutput:
+    def _forward(self, cache: KVCache, input_ids: torch.Tensor | None, positions: int | torch.Tensor,
+                 hidden: torch.Tensor | None, start: int, end: int | None, route: Route, taps: ForwardTaps,
+                 tree_mask: torch.Tensor | None, logits_rows: slice | torch.Tensor | None) -> ForwardOutput:
+        """:meth:`forward` through the op-by-op loop, or the one-call C++ forward (:meth:`_stacked_layers`)."""
+        skip_attn, skip_mlp, weights, kv_window = route.skip_attn, route.skip_mlp, route.weights, route.kv_window
+        output_hidden, attn_cosine = taps.hidden_at, taps.attn_cosine
         end = self.num_layers if end is None else end
         assert 0 <= start <= end <= self.num_layers, (start, end)
         assert hidden is not None or (input_ids is not None and input_ids.dim() == 1), "input_ids must be 1-D (T,)"
@@ -607,7 +632,7 @@ class Engine:
                     hidden_at[l] = h
             cosines = steps.cosines
 
-        logits = (self.final_logits(h[logits_rows], head, weights)
+        logits = (self.final_logits(h[logits_rows], route.head, weights)
                   if logits_rows is not None and end == self.num_layers else None)
         return ForwardOutput(logits=logits, hidden=h, hidden_at=hidden_at,
                              attn_cosine=torch.stack(cosines) if cosines else None)

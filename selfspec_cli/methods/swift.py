@@ -40,7 +40,7 @@ from ..decoding.drafts import Round
 from ..decoding.layer_skip import DraftSettings, SkipPair, SkipSource
 from ..decoding.output import DraftReport
 from ..decoding.state import DecodeState
-from ..engine import Engine, ForwardOutput
+from ..engine import Engine, ForwardOutput, Route
 from ..errors import ConfigError
 from .base import LayerSkipMethod, LayerSkipOptions, SearchPoint, option, require
 from .self_sd import SKIP_SET, SkipSet
@@ -184,8 +184,8 @@ class SwiftSearch(SkipSource):
         attn, mlp = self._as_sets(idx)
         n = self.config.context_window + 1
         # over the weights the draft runs on: the skip set is searched on top of a quantized copy when there is one
-        logits = state.replay(state.prompt_len, n, skip_attn=attn, skip_mlp=mlp, logits_rows=slice(0, -1),
-                              weights=self.weights).logits
+        route = Route(skip_attn=attn, skip_mlp=mlp, weights=self.weights)
+        logits = state.replay(state.prompt_len, n, route=route, logits_rows=slice(0, -1)).logits
         return float((logits.argmax(-1) == state.ids(state.output[1:n])).float().mean())
 
     def _random_candidate(self) -> tuple[int, ...]:

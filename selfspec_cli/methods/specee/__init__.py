@@ -58,7 +58,7 @@ from ...decoding.drafts import Decided, Draft, Round
 from ...decoding.driver import Taps
 from ...decoding.output import DecodeResult, DraftReport, optional
 from ...decoding.state import DecodeState
-from ...engine import Engine, ForwardOutput
+from ...engine import NO_TAPS, Engine, ForwardOutput, ForwardTaps
 from ...engine.runner import LAST_ROW
 from ...errors import ArtifactError, ConfigError, FieldError
 from ...loading import EXAMPLES_DIR
@@ -294,7 +294,7 @@ class ExitDrafter:
                 h = torch.cat([waiting.pop(s), h])
             l = e - 1
             want_prev = l in active and l - 1 >= max(k0, s)
-            out = state.run(hidden=h, start=s, end=e, output_hidden=(l - 1,) if want_prev else (),
+            out = state.run(hidden=h, start=s, end=e, taps=ForwardTaps(hidden_at=(l - 1,)) if want_prev else NO_TAPS,
                             logits_rows=LAST_ROW if e == L else None)
             n["layers_run"] += e - s
             h_prev = out.hidden_at[l - 1][-1:] if want_prev else prev_last
