@@ -374,6 +374,9 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     # the verify curve pooled over a reading per pass, and the figures derived from it restated with it
     costs = doc["engine_costs"]
     assert costs["curve_readings"] == 2
+    # profile's record, keys in its order (the last pass's curve restated in place, not appended)
+    assert list(costs)[:4] == ["weight_bytes", "bandwidth_gbs", "floor_ms", "context_tokens"]
+    assert list(costs)[-2:] == ["step_over_floor", "kernel"] and "one_thread" not in costs
     assert costs["step_over_floor"] == pytest.approx(costs["step_ms"] / costs["floor_ms"], abs=1e-3)
     # the command as given to main(), not the test runner's argv
     assert doc["setup"]["command"].startswith("selfspec bench --methods ar,hf,hf-pld,swift,asd -m ")

@@ -1,12 +1,14 @@
 """The one round-cost formula (decoding/planning.py, issue 49): every figure that prices a speculative
-round, the planners', the hybrid merge's, ``selfspec profile``'s draft verdict and the predicted speedups
-of a decode and of the bench, is computed by it and agrees with what the planner computes."""
+round, the planners', the hybrid merge's, ``selfspec profile``'s draft verdict and draft ceilings and the
+predicted speedups of a decode and of the bench, is computed by it and agrees with what the planner computes."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 
-from selfspec_cli.bench.engine_profile import draft_verdict
+from selfspec_cli.bench.engine_profile import (QuantizedDraft, QuantizedDrafts, Unavailable, draft_ceilings,
+                                               draft_verdict)
 from selfspec_cli.bench.report import summarize
 from selfspec_cli.bench.runner import ContenderResult
 from selfspec_cli.config import GenerationConfig
@@ -22,6 +24,13 @@ from selfspec_cli.methods import build
 from .conftest import make_tiny_model
 
 V = {1: 1.0, 2: 1.04, 3: 1.09, 4: 1.15, 6: 1.3, 8: 1.46, 12: 1.8, 16: 2.2, 24: 3.0, 32: 3.8}
+
+
+def measured_copies(**copies: tuple[float, float | None]) -> QuantizedDrafts:
+    """Quantized copies as profile's quantized_drafts reports them, each with the (c, agreement) given (the
+    copy's bytes and load time made up: the verdict and the ceilings read only c and the agreement)."""
+    return QuantizedDrafts({name: QuantizedDraft(draft_bytes=1, load_s=0.0, cache="hit", formats=[name], isa=None,
+                                                 c=c, agreement=a, draft_step_ms=1.0) for name, (c, a) in copies.items()})
 
 
 def _iid_planner(a: float, max_len: int = 32) -> Planner:
@@ -51,9 +60,43 @@ def test_the_profile_verdict_is_the_planners_gain(a):
     for k, g in gains.items():
         assert g == planner.gain(k, c)  # bit for bit: the same functions
         assert g == pytest.approx((1 - a ** (k + 1)) / (1 - a) / (k * c + V[k + 1]), rel=1e-12)
-    verdict = draft_verdict({"int8": {"c": c, "agreement": a}}, {str(m): v for m, v in V.items()})["drafts"]["int8"]
+    verdict = draft_verdict(measured_copies(int8=(c, a)), {str(m): v for m, v in V.items()}).drafts["int8"]
     best_k = max(ks, key=lambda k: planner.gain(k, c))
-    assert verdict["best_k"] == best_k and verdict["best_gain"] == round(planner.gain(best_k, c), 3)
+    assert verdict.best_k == best_k and verdict.best_gain == round(planner.gain(best_k, c), 3)
+
+
+def test_the_draft_ceilings_by_hand():
+    """What no draft can exceed with every drafted token accepted (a = 0.999), from known costs: the best
+    chain over the lengths the verify curve covers (1, 2, 4, 8 here), by the closed form
+    (1 - a^(k+1)) / (1 - a) / (k c + v(k+1))."""
+    a, v = 0.999, {2: 1.32, 3: 1.8, 5: 2.6, 9: 4.43}
+    verify_cost = {str(k): x for k, x in v.items()}
+    copies = measured_copies(w4a8=(0.95, 0.4), int8=(1.02, None))  # an agreement is not needed for a ceiling
+    copies = QuantizedDrafts({**copies.drafts, "w4a8": dataclasses.replace(copies.drafts["w4a8"], c_draft_vocab=0.9),
+                              "gguf": Unavailable("the model was not loaded from a GGUF file")})
+    ceil = draft_ceilings(verify_cost, {"0.3": 0.8, "0.5": 0.59}, copies)
+    got = {e.source: e for e in ceil.entries}
+    assert list(got) == ["n-gram", "layer skip at 0.3", "layer skip at 0.5", "w4a8", "int8"]
+    # skipping half the sublayers: one draft is best, (1 + a) / (c + v(2)) = 1.999 / 1.91
+    half = got["layer skip at 0.5"]
+    assert (half.c, half.best_k, half.gain) == (0.59, 1, round((1 + a) / (0.59 + 1.32), 3)) and half.gain == 1.047
+    # n-gram drafts cost nothing: the longest chain is best, 9 tokens (to rounding) over v(9)
+    ngram = got["n-gram"]
+    assert (ngram.c, ngram.best_k, ngram.gain) == (0.0, 8, round((1 - a ** 9) / (1 - a) / 4.43, 3)) and ngram.gain == 2.023
+    # a copy is priced at c with its draft vocabulary when it has one (as specqd drafts)
+    assert (got["w4a8"].c, got["w4a8"].best_k, got["w4a8"].gain) == (0.9, 1, round((1 + a) / (0.9 + 1.32), 3))
+    assert got["int8"].gain == round((1 + a) / (1.02 + 1.32), 3)
+    for e in ceil.entries:  # each entry is the planners' formula, at its best length
+        gains = iid_chain_gains(VerifyCurve(1.0, dict(v)), a, e.c, [1, 2, 4, 8])
+        assert e.gain == round(max(gains.values()), 3) and gains[e.best_k] == max(gains.values())
+    assert ceil.summary == ("at most 2.02x for n-gram drafts (k 8), 1.05x skipping 50% of the sublayers (k 1), 0.90x "
+                            "for the w4a8 copy (k 1), even if every drafted token is accepted (v(k) and c measured here)")
+    assert ceil.to_json() == {"entries": [{"source": "n-gram", "c": 0.0, "best_k": 8, "gain": 2.023}, *(
+        {"source": e.source, "c": e.c, "best_k": e.best_k, "gain": e.gain} for e in ceil.entries[1:])],
+        "summary": ceil.summary}
+    # no quantized copy measured, or a verify curve of one row: said so
+    assert draft_ceilings(verify_cost, {}, None).summary.startswith("at most 2.02x for n-gram drafts (k 8), even if")
+    assert draft_ceilings({"1": 1.0}, {"0.5": 0.59}, copies).entries == []
 
 
 def test_the_hybrid_merge_prices_its_round_with_the_formula():

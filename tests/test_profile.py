@@ -1,14 +1,17 @@
 """``selfspec profile`` on a tiny real model: the documented keys, consistent figures, the
-plots, the redundancy map against a direct computation, and one-line errors."""
+plots, the redundancy map against a direct computation, and one-line errors; each typed section of
+profile.json written with the keys, order and values the document always had."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from selfspec_cli.bench import engine_profile as prof
-from selfspec_cli.decoding.measure import CURVE_ROWS
+from selfspec_cli.decoding.measure import CURVE_ROWS, VerifyCurve
+from selfspec_cli.decoding.planning import iid_chain_gains
 from selfspec_cli.cli.app import main
 from selfspec_cli.engine import TARGET, Engine, Route
 
@@ -85,6 +88,17 @@ def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
     # int8 per 32 stores a scale per 32 weights, per channel one per row: more bytes, by exactly that
     assert quant["int8-g32"]["draft_bytes"] > quant["int8"]["draft_bytes"]
     assert quant["_"]["agreement_positions"] == 2 * 3
+    # the ceilings: n-gram, layer skip at each measured r, each measured copy, from the figures in this document
+    ceil = doc["draft_ceilings"]
+    curve = VerifyCurve(1.0, {int(k): v for k, v in doc["verify_cost"].items()})
+    ks = [int(k) - 1 for k in doc["verify_cost"] if int(k) >= 2]
+    want = {"n-gram": 0.0, **{f"layer skip at {r}": c for r, c in doc["draft_cost"].items()},
+            **{n: quant[n].get("c_draft_vocab", quant[n]["c"]) for n in ("int8", "int8-g32")}}
+    assert [e["source"] for e in ceil["entries"]] == list(want)
+    for e in ceil["entries"]:
+        assert e["c"] == want[e["source"]]
+        assert e["gain"] == round(max(iid_chain_gains(curve, 0.999, e["c"], ks).values()), 3)
+    assert ceil["summary"].startswith("at most ") and "ceiling, every draft accepted" in err
     line = json.loads(stdout.strip().splitlines()[-1])
     assert line["step_ms"] == doc["step_ms"] and line["verify_cost"] == doc["verify_cost"]
     # a second run into the same directory needs --force
@@ -126,8 +140,8 @@ def test_profile_reports_the_planners_own_verify_curve(monkeypatch):
     costs = prof.measure_costs(eng, [5, 17, 42], rounds=1)
     assert sorted(set(seen)) == list(CURVE_ROWS)
     curve = cost_store.curve_for(eng)
-    assert costs["verify_cost"] == {str(k): round(v, 3) for k, v in curve.ratios.items()}
-    assert costs["step_ms"] == round(curve.t1_s * 1e3, 3)
+    assert costs.curve.verify_cost == {str(k): round(v, 3) for k, v in curve.ratios.items()}
+    assert costs.curve.step_ms == round(curve.t1_s * 1e3, 3)
     multi = lambda: sum(k > 1 for k in seen)  # noqa: E731 (profile's own one-row steps at the prompt's context aside)
     n = multi()
     prof.measure_costs(eng, [5, 17, 42], rounds=1)
@@ -158,7 +172,7 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
 
     virtual_clock.tick = TICK
     charge_forwards(monkeypatch, virtual_clock, cost, head_cost=H)
-    doc = prof.engine_costs(eng, list(range(2, 102)), rounds=3)
+    doc = prof.engine_costs(eng, list(range(2, 102)), rounds=3).to_json()  # as profile.json holds it
 
     t1 = TICK + F[1] + H  # 13 s: one row with its logits, at the curve's context (64)
     step = t1 + 0.36  # the same at the prompt's context (100 tokens)
@@ -206,6 +220,88 @@ def test_redundancy_map_matches_direct_computation():
             d = eng.forward(c, torch.tensor(seq[-1:]), positions=len(seq) - 1, route=Route(skip_attn={1}, skip_mlp={0, 2})).logits[0].argmax().item()
             hits["cal"] += d == full
             seq.append(full)
-    assert red["attn"][1] == hits[("attn", 1)] / 4
-    assert red["mlp"][2] == hits[("mlp", 2)] / 4
-    assert red["calibrated"]["agreement"] == hits["cal"] / 4
+    assert red.attn[1] == hits[("attn", 1)] / 4
+    assert red.mlp[2] == hits[("mlp", 2)] / 4
+    assert red.calibrated is not None and red.calibrated.agreement == hits["cal"] / 4
+
+
+def written(section) -> str:
+    """A section as profile.json writes it: its keys in order, its values, nested, to the byte."""
+    return json.dumps(section.to_json())
+
+
+def test_each_profile_section_is_written_as_the_dicts_it_replaced():
+    """Each typed section serialized (``to_json``) is, key for key, in the same order and to the byte, the
+    dict the profile built before the sections were typed (issue 49): the literals below are those dicts,
+    laid out as the old code wrote them from the same inputs."""
+    curve = prof.CurveFields(context_tokens=64, step_ms=25.0, step_ms_per_1k_context=1.5, row_ms_per_1k_context=None,
+                             verify_ms={"1": 25.0, "2": 26.1}, verify_cost={"1": 1.0, "2": 1.044}, curve_readings=1)
+    curve_dict = {"context_tokens": 64, "step_ms": 25.0, "step_ms_per_1k_context": 1.5, "row_ms_per_1k_context": None,
+                  "verify_ms": {"1": 25.0, "2": 26.1}, "verify_cost": {"1": 1.0, "2": 1.044}, "curve_readings": 1}
+    assert written(curve) == json.dumps(curve_dict)
+    measured = prof.MeasuredCosts(curve=curve, draft_context_tokens=100, draft_cost={"0.2": 0.9, "0.5": 0.61},
+                                  draft_skip_ratio_actual={"0.2": 0.25, "0.5": 0.5}, lm_head_ms=2.4, lm_head_share=0.096,
+                                  products_ms=20.0, non_product_share=0.2, rounds=7)
+    # measure_costs: {**curve_fields(...), "draft_context_tokens": ..., ..., "rounds": rounds, **vocab}
+    measured_dict = {**curve_dict, "draft_context_tokens": 100, "draft_cost": {"0.2": 0.9, "0.5": 0.61},
+                     "draft_skip_ratio_actual": {"0.2": 0.25, "0.5": 0.5}, "lm_head_ms": 2.4, "lm_head_share": 0.096,
+                     "products_ms": 20.0, "non_product_share": 0.2, "rounds": 7}
+    assert written(measured) == json.dumps(measured_dict)
+    vocab = dataclasses.replace(measured, vocab=prof.DraftVocabCosts(8192, {"0.2": 0.7, "0.5": 0.45}))
+    vocab_dict = {**measured_dict, "draft_vocab_size": 8192, "draft_cost_draft_vocab": {"0.2": 0.7, "0.5": 0.45}}
+    assert written(vocab) == json.dumps(vocab_dict)
+    costs = prof.EngineCosts(weight_bytes=538000000, bandwidth_gbs=21.5, floor_ms=25.023, measured=vocab,
+                             step_over_floor=0.999, kernel={"backend": "small_gemm", "reason": None})
+    # engine_costs: {"weight_bytes", "bandwidth_gbs", "floor_ms", **costs, "step_over_floor", "kernel"}
+    costs_dict = {"weight_bytes": 538000000, "bandwidth_gbs": 21.5, "floor_ms": 25.023, **vocab_dict,
+                  "step_over_floor": 0.999, "kernel": {"backend": "small_gemm", "reason": None}}
+    assert written(costs) == json.dumps(costs_dict)
+    # profile: costs["one_thread"] = {...}, after the kernel
+    one = prof.OneThread(step_ms=30.0, verify_cost={"1": 1.0, "2": 1.5}, bandwidth_gbs=12.0, floor_ms=44.833,
+                         step_over_floor=0.669)
+    assert written(dataclasses.replace(costs, one_thread=one)) == json.dumps({**costs_dict, "one_thread": {
+        "step_ms": 30.0, "verify_cost": {"1": 1.0, "2": 1.5}, "bandwidth_gbs": 12.0, "floor_ms": 44.833,
+        "step_over_floor": 0.669}})
+    # bench: engine_costs.update(curve_fields(last curve)); engine_costs["step_over_floor"] = round(step / floor, 3)
+    later = dataclasses.replace(curve, step_ms=26.0, verify_cost={"1": 1.0, "2": 1.05}, curve_readings=3)
+    bench_dict = dict(costs_dict)
+    bench_dict.update(later.to_json())
+    bench_dict["step_over_floor"] = round(bench_dict["step_ms"] / bench_dict["floor_ms"], 3)
+    assert written(costs.with_curve(later)) == json.dumps(bench_dict) and bench_dict["step_over_floor"] == 1.039
+    # redundancy_map, with and without the calibrated row
+    red = prof.Redundancy(attn=[0.5, 1.0], mlp=[0.25, 0.75], prompts=2, tokens_per_prompt=3, drafts_per_set=6)
+    red_dict = {"attn": [0.5, 1.0], "mlp": [0.25, 0.75], "prompts": 2, "tokens_per_prompt": 3, "drafts_per_set": 6}
+    assert written(red) == json.dumps(red_dict)
+    cal = dataclasses.replace(red, calibrated=prof.CalibratedAgreement(skip_attn=[1], skip_mlp=[0, 2], agreement=0.5))
+    assert written(cal) == json.dumps({**red_dict, "calibrated": {"skip_attn": [1], "skip_mlp": [0, 2], "agreement": 0.5}})
+    # quantized_drafts: the copy as loaded, int8_fallback when any, then c, c_draft_vocab when measured, agreement,
+    # draft_step_ms; "unavailable" with the reason; "_" last
+    gguf = prof.QuantizedDraft(draft_bytes=300, load_s=0.5, cache="miss", formats=["q4_0", "int8"], isa="avx2",
+                               int8_fallback=["output.weight (Q6_K)"], c=0.9, c_draft_vocab=0.8, agreement=0.75,
+                               draft_step_ms=22.5)
+    int8 = prof.QuantizedDraft(draft_bytes=200, load_s=0.1, cache="hit", formats=["int8"], isa=None, c=0.7,
+                               agreement=None, draft_step_ms=17.5)
+    quant = prof.QuantizedDrafts({"int8": int8, "w4a8": prof.Unavailable("the w4a8 target itself"), "gguf": gguf},
+                                 prof.QuantizedMeta(t1_ms=25.0, agreement_positions=0, rounds=7))
+    assert written(quant) == json.dumps({
+        "int8": {"draft_bytes": 200, "load_s": 0.1, "cache": "hit", "formats": ["int8"], "isa": None, "c": 0.7,
+                 "agreement": None, "draft_step_ms": 17.5},
+        "w4a8": {"unavailable": "the w4a8 target itself"},
+        "gguf": {"draft_bytes": 300, "load_s": 0.5, "cache": "miss", "formats": ["q4_0", "int8"], "isa": "avx2",
+                 "int8_fallback": ["output.weight (Q6_K)"], "c": 0.9, "c_draft_vocab": 0.8, "agreement": 0.75,
+                 "draft_step_ms": 22.5},
+        "_": {"t1_ms": 25.0, "agreement_positions": 0, "rounds": 7}})
+    assert written(prof.QuantizedDrafts({"gguf": prof.Unavailable("no GGUF")})) == json.dumps({"gguf": {"unavailable": "no GGUF"}})
+    # draft_verdict: {"drafts": {name: {"c", "agreement", "best_k", "best_gain"}}, "summary"}; the copy's c with
+    # its draft vocabulary; a copy without an agreement left out
+    verdict = prof.draft_verdict(quant, {"1": 1.0, "2": 1.05, "3": 1.1})
+    assert written(verdict) == json.dumps({"drafts": {"gguf": {"c": 0.8, "agreement": 0.75, "best_k": 1,
+                                                               "best_gain": verdict.drafts["gguf"].best_gain}},
+                                           "summary": verdict.summary})
+    # predicted_speedups: per method, its prediction or why there is none
+    pred = prof.PredictedSpeedups({"pld": prof.Predicted(predicted_speedup=1.3, draft_round_share=0.4),
+                                   "auto": prof.Predicted(predicted_speedup=None, draft_round_share=0.0),
+                                   "self-sd": prof.Unavailable("no Self-SD skip-set artifact for this model")})
+    assert written(pred) == json.dumps({"pld": {"predicted_speedup": 1.3, "draft_round_share": 0.4},
+                                        "auto": {"predicted_speedup": None, "draft_round_share": 0.0},
+                                        "self-sd": {"unavailable": "no Self-SD skip-set artifact for this model"}})

@@ -334,7 +334,7 @@ def test_a_copy_at_the_targets_precision_is_never_a_draft(gguf_models):
     assert method_precision(eng, "auto", "gguf") == "w4a8"
     assert method_precision(eng, "auto", "target") is None
     out = quantized_drafts(eng, list(range(3, 12)), [list(range(3, 9))], 2, rounds=1, precisions=("gguf", "w4a8"))
-    assert out["gguf"] == {"unavailable": "the gguf target itself"} and out["w4a8"]["c"] > 0
+    assert out.drafts["gguf"].to_json() == {"unavailable": "the gguf target itself"} and out.drafts["w4a8"].c > 0
 
 
 @needs_kernel
@@ -352,15 +352,17 @@ def test_fr_spec_auto_vocabulary_applies_to_quantized_drafts_only_on_a_block_tar
 
 
 def test_draft_verdict_says_whether_any_full_depth_copy_pays():
-    from selfspec_cli.bench.engine_profile import draft_verdict
+    from selfspec_cli.bench.engine_profile import QuantizedDrafts, draft_verdict
+
+    from .test_planning import measured_copies
 
     v = {"2": 1.05, "4": 1.35, "8": 2.36}
-    cheap = draft_verdict({"int8": {"c": 0.3, "agreement": 0.95}, "_": {}}, v)
-    assert cheap["summary"].startswith("int8 can pay") and cheap["drafts"]["int8"]["best_gain"] > 1.5
+    cheap = draft_verdict(measured_copies(int8=(0.3, 0.95)), v)
+    assert cheap.summary.startswith("int8 can pay") and cheap.drafts["int8"].best_gain > 1.5
     # a copy at 0.97 of a step pays nothing even at full agreement: 2 tokens / (0.97 + v(2)) < 1
-    dear = draft_verdict({"w4a8": {"c": 0.97, "agreement": 1.0}}, v)
-    assert dear["drafts"]["w4a8"]["best_gain"] < 1.0 and dear["summary"].startswith("nothing cheaper")
-    assert draft_verdict({}, v)["summary"] == "no quantized copy measured"
+    dear = draft_verdict(measured_copies(w4a8=(0.97, 1.0)), v)
+    assert dear.drafts["w4a8"].best_gain < 1.0 and dear.summary.startswith("nothing cheaper")
+    assert draft_verdict(QuantizedDrafts({}), v).summary == "no quantized copy measured"
 
 
 @needs_kernel

@@ -29,7 +29,16 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
   draft copy's bytes and its load time (a disk-cache hit is the second-load time);
 * a **redundancy map**: top-1 agreement with the full model of a one-token draft that
   skips a single sublayer (each of the 2L in turn), and of the calibrated skip set,
-  with the full model's KV for the context, along greedy continuations of a few prompts.
+  with the full model's KV for the context, along greedy continuations of a few prompts;
+* from those figures, no new timing: whether a full-depth copy can pay (:func:`draft_verdict`), and the
+  **ceilings** (:func:`draft_ceilings`): the most each drafting family (n-gram, layer skip at r, each
+  quantized copy) could gain here with every drafted token accepted.
+
+Each section of ``profile.json`` (and bench's ``engine_costs``) is a frozen dataclass with typed fields
+(:class:`EngineCosts`, :class:`Redundancy`, :class:`QuantizedDrafts`, :class:`DraftVerdict`,
+:class:`DraftCeilings`, :class:`PredictedSpeedups`), on decoding/output.py's :class:`DraftReport` base:
+serialized once, by ``to_json()``, where the document is written (bench/profile.py, bench/job.py), with the
+keys, their order and values the dicts built here always had (tests/test_profile.py checks each).
 
 Invariants: forwards that are timed run on a cache that is cropped back after each one,
 so every measurement sees the same context; sizes are interleaved round by round (k=1,
@@ -38,9 +47,11 @@ figure is a median. Nothing here changes the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from functools import partial
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +59,7 @@ import torch
 from ..config import GenerationConfig
 from ..decoding.cost_store import curve_for
 from ..decoding.measure import VerifyCurve, timed, weight_bytes
+from ..decoding.output import DraftReport, flat, optional
 from ..decoding.planning import iid_chain_gains, predicted_speedup
 from ..engine import Engine, KVCache, Route
 from ..engine.quant import PRECISIONS, GGUFDraftError
@@ -58,6 +70,211 @@ from .plots import pyplot, save_figure
 from ..jsonio import JsonObject
 
 DRAFT_RATIOS = (0.2, 0.3, 0.4, 0.5, 0.6)
+MAX_ACCEPTANCE = 0.999  # the highest i.i.d. acceptance the formula is read at: a verdict's cap, the ceilings' "every token"
+
+
+@dataclass(frozen=True, slots=True)
+class CurveFields(DraftReport):
+    """T(1), its growth with the context and v(k), as profile.json and bench's ``engine_costs`` hold them
+    (milliseconds and ratios, rounded as written; ``verify_ms``/``verify_cost`` keyed by k as a string)."""
+
+    context_tokens: int
+    step_ms: float
+    step_ms_per_1k_context: float
+    row_ms_per_1k_context: float | None
+    verify_ms: dict[str, float]
+    verify_cost: dict[str, float]
+    curve_readings: int
+
+
+@dataclass(frozen=True, slots=True)
+class DraftVocabCosts(DraftReport):
+    """c(r) of drafts that score only the FR-Spec draft vocabulary, and its size."""
+
+    draft_vocab_size: int
+    draft_cost_draft_vocab: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCosts(DraftReport):
+    """What :func:`measure_costs` times: the verify curve (its keys first), c(r) and the actual skipped share
+    per r (keyed ``f"{r:g}"``), the LM head and the matrix products over a one-row step at the prompt's
+    context, and, with a draft vocabulary, its c(r) (keys last)."""
+
+    curve: CurveFields = flat()
+    draft_context_tokens: int
+    draft_cost: dict[str, float]
+    draft_skip_ratio_actual: dict[str, float]
+    lm_head_ms: float
+    lm_head_share: float
+    products_ms: float
+    non_product_share: float
+    rounds: int
+    vocab: DraftVocabCosts | None = flat(omit=True, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class OneThread(DraftReport):
+    """T(1), v(k) and the floor timed afresh at one thread (profile's ``one_thread``; not the planners' curve)."""
+
+    step_ms: float
+    verify_cost: dict[str, float]
+    bandwidth_gbs: float
+    floor_ms: float
+    step_over_floor: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts(DraftReport):
+    """The floor and the measured costs in one record (what profile.json and bench's ``engine_costs`` hold):
+    bytes per step, read bandwidth, floor, the measured costs (their keys in place), T(1) over the floor, the
+    engine's kernel as it stood; profile adds ``one_thread`` (last)."""
+
+    weight_bytes: int
+    bandwidth_gbs: float
+    floor_ms: float
+    measured: MeasuredCosts = flat()
+    step_over_floor: float
+    kernel: dict[str, object]
+    one_thread: OneThread | None = optional()
+
+    @property
+    def curve(self) -> CurveFields:
+        return self.measured.curve
+
+    def with_curve(self, curve: CurveFields) -> EngineCosts:
+        """These costs with another reading of the verify curve (bench: the pool its last pass planned with),
+        and T(1) over the floor restated with it (over the floor as written)."""
+        return dataclasses.replace(self, measured=dataclasses.replace(self.measured, curve=curve),
+                                   step_over_floor=round(curve.step_ms / self.floor_ms, 3))
+
+
+@dataclass(frozen=True, slots=True)
+class CalibratedAgreement(DraftReport):
+    """The redundancy map's calibrated row: the skip set (sorted layer indices) and its agreement."""
+
+    skip_attn: list[int]
+    skip_mlp: list[int]
+    agreement: float
+
+
+@dataclass(frozen=True, slots=True)
+class Redundancy(DraftReport):
+    """The redundancy map (:func:`redundancy_map`): agreement per skipped attention and MLP sublayer, what it
+    was read over, and the calibrated set's row when there is one."""
+
+    attn: list[float]
+    mlp: list[float]
+    prompts: int
+    tokens_per_prompt: int
+    drafts_per_set: int
+    calibrated: CalibratedAgreement | None = optional()
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable(DraftReport):
+    """A quantized copy or a method's prediction that could not be measured, and why (one line)."""
+
+    unavailable: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantizedDraft(DraftReport):
+    """One measured quantized copy (:func:`quantized_drafts`): the copy as loaded (bytes, load time, cache,
+    formats, ISA, what fell back to int8), then its cost c over T(1) (and with the draft vocabulary), its
+    one-token agreement with the target (None when no position was compared) and its step time."""
+
+    draft_bytes: int
+    load_s: float
+    cache: str
+    formats: list[str]
+    isa: str | None
+    int8_fallback: list[str] | None = optional()
+    c: float
+    c_draft_vocab: float | None = optional()
+    agreement: float | None
+    draft_step_ms: float
+
+    @property
+    def draft_c(self) -> float:
+        """c of the draft as specqd runs it: with the draft vocabulary when there is one."""
+        return self.c if self.c_draft_vocab is None else self.c_draft_vocab
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedMeta(DraftReport):
+    """How the quantized copies were measured (profile.json's ``quantized_drafts["_"]``)."""
+
+    t1_ms: float
+    agreement_positions: int
+    rounds: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedDrafts(DraftReport):
+    """Per draft precision, in the order asked, a measured copy or why there is none; ``meta`` (written
+    under ``"_"``, last) when any copy was measured."""
+
+    drafts: dict[str, QuantizedDraft | Unavailable]
+    meta: QuantizedMeta | None = None
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {name: d.to_json() for name, d in self.drafts.items()}
+        if self.meta is not None:
+            out["_"] = self.meta.to_json()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictEntry(DraftReport):
+    """One copy's best chain: its c (with the draft vocabulary when measured), agreement, length and gain."""
+
+    c: float
+    agreement: float
+    best_k: int
+    best_gain: float
+
+
+@dataclass(frozen=True, slots=True)
+class DraftVerdict(DraftReport):
+    """Whether any full-depth copy can pay (:func:`draft_verdict`): per copy, and one line."""
+
+    drafts: dict[str, VerdictEntry]
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling(DraftReport):
+    """The most one drafting source could gain here: its c, and its best chain length and gain with every
+    drafted token accepted."""
+
+    source: str
+    c: float
+    best_k: int
+    gain: float
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCeilings(DraftReport):
+    """What no draft can exceed on this machine (:func:`draft_ceilings`): per source, and one line."""
+
+    entries: list[Ceiling]
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted(DraftReport):
+    """A method's predicted speedup over plain decoding (None without plans) and its share of drafting rounds."""
+
+    predicted_speedup: float | None
+    draft_round_share: float
+
+
+@dataclass(frozen=True, slots=True)
+class PredictedSpeedups(DraftReport):
+    """Per method asked, in that order, its prediction or why there is none."""
+
+    methods: dict[str, Predicted | Unavailable] = flat()
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu") -> float:
@@ -118,7 +335,7 @@ def _agreement(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int, dr
 
 def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7, rows: Sequence[int] = (1,),
                   ratios: Sequence[float] = DRAFT_RATIOS, on_round: Callable[[int, int], None] | None = None,
-                  draft_vocab: torch.Tensor | None = None) -> JsonObject:
+                  draft_vocab: torch.Tensor | None = None) -> MeasuredCosts:
     """T(1) and v(k) (the engine's verify curve, :class:`~selfspec_cli.decoding.measure.VerifyCurve`:
     one full reading per engine, shared with the planners, read from this machine's store of costs
     when it holds a full one, else measured and stored), and c(r) and the LM head's share at
@@ -144,30 +361,31 @@ def measure_costs(engine: Engine, prompt_ids: Sequence[int], *, rounds: int = 7,
     warm = [f"v{k}" for k in rows[:3]]  # warm-up: first calls allocate
     med = {k: v * 1e3 for k, v in _median_times(engine, cache, ctx, jobs, warm, rounds, on_round).items()}
     step = med["v1"]  # c(r) and the head over a one-row step at this same context
-    vocab = {} if sub is None else {
-        "draft_vocab_size": int(draft_vocab.numel()),
-        "draft_cost_draft_vocab": {f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios}}
+    vocab = None if sub is None else DraftVocabCosts(
+        draft_vocab_size=int(draft_vocab.numel()),
+        draft_cost_draft_vocab={f"{r:g}": round(med[f"cv{r}"] / step, 3) for r in ratios})
     # T(1) and v(k): the engine's one verify curve, the reading the planners use (decoding/cost_store.py)
-    return {
-        **curve_fields(curve_for(engine, full=True)), "draft_context_tokens": ctx,
-        "draft_cost": {f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
-        "draft_skip_ratio_actual": {f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
-        "lm_head_ms": round(med["head"], 3), "lm_head_share": round(med["head"] / step, 3),
-        "products_ms": round(med["products"], 3), "non_product_share": round(max(0.0, 1 - med["products"] / step), 3),
-        "rounds": rounds, **vocab}
+    return MeasuredCosts(
+        curve=curve_fields(curve_for(engine, full=True)), draft_context_tokens=ctx,
+        draft_cost={f"{r:g}": round(med[f"c{r}"] / step, 3) for r in ratios},
+        draft_skip_ratio_actual={f"{r:g}": round(len(s) / L, 3) for r, s in draft_sets.items()},
+        lm_head_ms=round(med["head"], 3), lm_head_share=round(med["head"] / step, 3),
+        products_ms=round(med["products"], 3), non_product_share=round(max(0.0, 1 - med["products"] / step), 3),
+        rounds=rounds, vocab=vocab)
 
 
-def curve_fields(curve: VerifyCurve) -> JsonObject:
+def curve_fields(curve: VerifyCurve) -> CurveFields:
     """T(1), its growth with the context and v(k), as profile.json and bench's ``engine_costs`` hold them."""
-    return {"context_tokens": curve.context, "step_ms": round(curve.t1_s * 1e3, 3),
-            "step_ms_per_1k_context": round(curve.slope_s * 1e6, 3),
-            "row_ms_per_1k_context": None if curve.row_slope_s is None else round(curve.row_slope_s * 1e6, 3),
-            "verify_ms": {str(k): round(t * 1e3, 3) for k, t in curve.times_s.items()},
-            "verify_cost": {str(k): round(v, 3) for k, v in curve.ratios.items()}, "curve_readings": curve.readings}
+    return CurveFields(
+        context_tokens=curve.context, step_ms=round(curve.t1_s * 1e3, 3),
+        step_ms_per_1k_context=round(curve.slope_s * 1e6, 3),
+        row_ms_per_1k_context=None if curve.row_slope_s is None else round(curve.row_slope_s * 1e6, 3),
+        verify_ms={str(k): round(t * 1e3, 3) for k, t in curve.times_s.items()},
+        verify_cost={str(k): round(v, 3) for k, v in curve.ratios.items()}, curve_readings=curve.readings)
 
 
 def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
-                 on_round: Callable[[int, int], None] | None = None) -> JsonObject:
+                 on_round: Callable[[int, int], None] | None = None) -> EngineCosts:
     """The floor and the measured costs in one record (what profile.json and bench's
     ``engine_costs`` hold): bandwidth, weight bytes, floor, T(1), v(k), c(r), LM head share."""
     bw = read_bandwidth_gbs(device=engine.device)
@@ -176,8 +394,8 @@ def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
     vocab = fr_spec.resolve("auto", engine.model)  # this model's FR-Spec draft vocabulary, if calibrated
     costs = measure_costs(engine, prompt_ids, rounds=rounds, on_round=on_round,
                           draft_vocab=None if vocab is None else vocab.ids)
-    return {"weight_bytes": wbytes, "bandwidth_gbs": round(bw, 2), "floor_ms": round(floor_ms, 3), **costs,
-            "step_over_floor": round(costs["step_ms"] / floor_ms, 3), "kernel": dict(engine.kernel_info)}
+    return EngineCosts(weight_bytes=wbytes, bandwidth_gbs=round(bw, 2), floor_ms=round(floor_ms, 3), measured=costs,
+                       step_over_floor=round(costs.curve.step_ms / floor_ms, 3), kernel=dict(engine.kernel_info))
 
 
 @torch.inference_mode()
@@ -202,7 +420,7 @@ def kernel_logit_diff(engine: Engine, prompt_ids: Sequence[int], steps: int = 4)
 @torch.inference_mode()
 def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int,
                    calibrated: tuple[frozenset[int], frozenset[int]] | None = None,
-                   on_token: Callable[[int, int], None] | None = None) -> JsonObject:
+                   on_token: Callable[[int, int], None] | None = None) -> Redundancy:
     """Top-1 agreement with the full model of one-token drafts that skip one sublayer (each in
     turn) or the calibrated set, along the full model's greedy continuation of each prompt.
     The context's KV always comes from the full model: the draft row is cropped away before
@@ -214,15 +432,14 @@ def redundancy_map(engine: Engine, prompts: Sequence[Sequence[int]], tokens: int
     sets += [calibrated] if calibrated is not None else []
     hits, total = _agreement(engine, prompts, tokens, [Route(skip_attn=sa, skip_mlp=sm) for sa, sm in sets], on_token)
     agree = [round(h / total, 4) for h in hits]
-    red: dict[str, Any] = {"attn": agree[:L], "mlp": agree[L:2 * L], "prompts": len(prompts),
-                           "tokens_per_prompt": tokens, "drafts_per_set": total}
-    if calibrated is not None:
-        red["calibrated"] = {"skip_attn": sorted(calibrated[0]), "skip_mlp": sorted(calibrated[1]),
-                             "agreement": agree[-1]}
-    return red
+    cal = None if calibrated is None else CalibratedAgreement(
+        skip_attn=sorted(calibrated[0]), skip_mlp=sorted(calibrated[1]), agreement=agree[-1])
+    return Redundancy(attn=agree[:L], mlp=agree[L:2 * L], prompts=len(prompts), tokens_per_prompt=tokens,
+                      drafts_per_set=total, calibrated=cal)
 
 
 def verify_cost_plot(profile: JsonObject, path: Any) -> Any:
+    """v(k) of a written profile document (profile.json), as a line plot."""
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
     ax.plot([int(k) for k in profile["verify_cost"]], list(profile["verify_cost"].values()), marker="o",
             label="measured v(k)")
@@ -236,6 +453,7 @@ def verify_cost_plot(profile: JsonObject, path: Any) -> Any:
 
 
 def redundancy_plot(red: JsonObject, path: Any, title: str = "") -> Any:
+    """A written redundancy map (profile.json's ``redundancy``) as a 2 x L heatmap."""
     L = len(red["attn"])
     fig, ax = pyplot().subplots(figsize=(max(6, 0.28 * L + 1.5), 2.4))
     im = ax.imshow([red["attn"], red["mlp"]], aspect="auto", cmap="viridis", vmin=0, vmax=1)
@@ -253,27 +471,22 @@ PREDICT_METHODS = ("pld", "auto", "specqd", "self-sd", "asd", "swift", "adadecod
 @torch.inference_mode()
 def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[Sequence[int]], tokens: int,
                      rounds: int = 7, precisions: Sequence[str] = PRECISIONS,
-                     draft_vocab: torch.Tensor | None = None) -> JsonObject:
+                     draft_vocab: torch.Tensor | None = None) -> QuantizedDrafts:
     """Per draft precision: c (full depth, and with the draft vocabulary), one-token agreement
     with the target along its greedy continuations of ``prompts``, bytes and load time."""
-    out: dict[str, Any] = {}
-    avail: list[str] = []
+    missing: dict[str, Unavailable] = {}
+    info: dict[str, dict[str, Any]] = {}  # the copy's own info (engine/quant.py), per precision loaded
     for p in precisions:
         if p == engine.target_precision:  # a copy at the target's own precision is the target
-            out[p] = {"unavailable": f"the {p} target itself"}
+            missing[p] = Unavailable(f"the {p} target itself")
             continue
         try:
-            d = engine.quantized(p)
+            info[p] = engine.quantized(p).info
         except GGUFDraftError as exc:
-            out[p] = {"unavailable": str(exc).split(";")[0]}
-            continue
-        avail.append(p)
-        out[p] = {"draft_bytes": d.info["bytes"], "load_s": d.info["load_s"], "cache": d.info["cache"],
-                  "formats": d.info["formats"], "isa": d.info.get("isa")}
-        if d.info.get("int8_fallback"):
-            out[p]["int8_fallback"] = d.info["int8_fallback"]
+            missing[p] = Unavailable(str(exc).split(";")[0])
+    avail = list(info)
     if not avail:
-        return out
+        return QuantizedDrafts(dict(missing))
     ctx = len(ctx_ids)
     cache = _prefill(engine, ctx_ids, 2)
     tok = torch.tensor(list(ctx_ids[-1:]), device=engine.device)
@@ -286,66 +499,105 @@ def quantized_drafts(engine: Engine, ctx_ids: Sequence[int], prompts: Sequence[S
                                          route=Route(weights=p, head=subs[p]))
     med = _median_times(engine, cache, ctx, jobs, list(jobs), rounds)  # every job warmed up once
     hits, total = _agreement(engine, prompts, tokens, [Route(weights=p) for p in avail])
-    for p, h in zip(avail, hits):
-        out[p]["c"] = round(med[p] / med["t1"], 3)
-        if p + "/vocab" in med:
-            out[p]["c_draft_vocab"] = round(med[p + "/vocab"] / med["t1"], 3)
-        out[p]["agreement"] = round(h / total, 4) if total else None
-        out[p]["draft_step_ms"] = round(med[p] * 1e3, 3)
-    out["_"] = {"t1_ms": round(med["t1"] * 1e3, 3), "agreement_positions": total, "rounds": rounds}
-    return out
+    measured = {p: QuantizedDraft(
+        draft_bytes=info[p]["bytes"], load_s=info[p]["load_s"], cache=info[p]["cache"], formats=info[p]["formats"],
+        isa=info[p].get("isa"), int8_fallback=info[p].get("int8_fallback") or None, c=round(med[p] / med["t1"], 3),
+        c_draft_vocab=round(med[p + "/vocab"] / med["t1"], 3) if p + "/vocab" in med else None,
+        agreement=round(h / total, 4) if total else None, draft_step_ms=round(med[p] * 1e3, 3))
+        for p, h in zip(avail, hits)}
+    drafts = {p: missing[p] if p in missing else measured[p] for p in precisions}  # in the order asked
+    return QuantizedDrafts(drafts, QuantizedMeta(t1_ms=round(med["t1"] * 1e3, 3), agreement_positions=total,
+                                                 rounds=rounds))
 
 
-def draft_verdict(quantized: JsonObject, verify_cost: dict[str, float]) -> JsonObject:
+def draft_verdict(quantized: QuantizedDrafts, verify_cost: dict[str, float]) -> DraftVerdict:
     """Whether any full-depth copy can pay against this target: for each draft with a measured c and
     one-token agreement a, the best expected gain of a chain of k drafts, 1 + a + ... + a^k tokens per
     k c + v(k+1) target steps (a i.i.d. per token, an optimistic reading: the planners' one round-cost
     formula, decoding/planning.py's ``iid_chain_gains``), over the k the verify curve covers. A draft at
     the target's own precision is the target and is left out."""
-    per: dict[str, Any] = {}
-    curve = VerifyCurve(1.0, {int(k): float(v) for k, v in verify_cost.items()})  # v(m) read from the table as it is
-    ks = sorted(int(k) - 1 for k in verify_cost if int(k) >= 2)  # drafts: the verified rows less the pending token
-    for name, q in quantized.items():
-        if name == "_" or "c" not in q or q.get("agreement") is None:
+    per: dict[str, VerdictEntry] = {}
+    curve, ks = _table_curve(verify_cost)
+    for name, q in quantized.drafts.items():
+        if not isinstance(q, QuantizedDraft) or q.agreement is None:
             continue
-        c, a = q.get("c_draft_vocab", q["c"]), min(q["agreement"], 0.999)
+        c, a = q.draft_c, min(q.agreement, MAX_ACCEPTANCE)
         gains = iid_chain_gains(curve, a, c, ks)
         best = max(gains, key=gains.get)
-        per[name] = {"c": c, "agreement": q["agreement"], "best_k": best, "best_gain": round(gains[best], 3)}
-    paying = {n: v for n, v in per.items() if v["best_gain"] > 1.0 and v["c"] < 0.98}
+        per[name] = VerdictEntry(c=c, agreement=q.agreement, best_k=best, best_gain=round(gains[best], 3))
+    paying = {n: v for n, v in per.items() if v.best_gain > 1.0 and v.c < 0.98}
     if not per:
         summary = "no quantized copy measured"
     elif paying:
-        n = max(paying, key=lambda n: paying[n]["best_gain"])
-        summary = f"{n} can pay: up to {paying[n]['best_gain']:.2f}x at {paying[n]['best_k']} drafts (c {paying[n]['c']:.2f})"
+        n = max(paying, key=lambda n: paying[n].best_gain)
+        summary = f"{n} can pay: up to {paying[n].best_gain:.2f}x at {paying[n].best_k} drafts (c {paying[n].c:.2f})"
     else:
         summary = ("nothing cheaper than the target pays here: no full-depth copy gains over plain decoding "
                    "(layer skipping and n-gram drafts are measured by selfspec bench)")
-    return {"drafts": per, "summary": summary}
+    return DraftVerdict(per, summary)
+
+
+def _table_curve(verify_cost: dict[str, float]) -> tuple[VerifyCurve, list[int]]:
+    """A verify curve read from a written ``verify_cost`` table as it is (T(1) 1: costs in plain steps), and the
+    draft lengths it covers: the verified rows less the pending token."""
+    curve = VerifyCurve(1.0, {int(k): float(v) for k, v in verify_cost.items()})
+    return curve, sorted(int(k) - 1 for k in verify_cost if int(k) >= 2)
+
+
+def _best_chain(curve: VerifyCurve, ks: list[int], source: str, c: float) -> Ceiling:
+    gains = iid_chain_gains(curve, MAX_ACCEPTANCE, c, ks)
+    best = max(gains, key=gains.get)
+    return Ceiling(source=source, c=c, best_k=best, gain=round(gains[best], 3))
+
+
+def draft_ceilings(verify_cost: dict[str, float], draft_cost: dict[str, float],
+                   quantized: QuantizedDrafts | None) -> DraftCeilings:
+    """What no draft of each family can exceed here: the best gain of a chain of k drafts if every drafted
+    token were accepted (a = :data:`MAX_ACCEPTANCE`; the planners' one round-cost formula,
+    decoding/planning.py's ``iid_chain_gains``, as :func:`draft_verdict`), over the k the verify curve covers,
+    per source: ``n-gram`` (c = 0: pld, auto's n-gram source), ``layer skip at r`` for each measured c(r)
+    (self-sd, swift, asd: a draft that skips a share r of the sublayers), and each quantized copy with a
+    measured c (specqd; with the draft vocabulary when measured). The summary names the best of each family."""
+    curve, ks = _table_curve(verify_cost)
+    if not ks:
+        return DraftCeilings([], "no verify cost beyond one row measured: no ceiling")
+    ngram = _best_chain(curve, ks, "n-gram", 0.0)
+    skips = {r: _best_chain(curve, ks, f"layer skip at {r}", c) for r, c in draft_cost.items()}
+    copies = [_best_chain(curve, ks, name, q.draft_c) for name, q in (quantized.drafts if quantized else {}).items()
+              if isinstance(q, QuantizedDraft)]
+    parts = [f"{ngram.gain:.2f}x for n-gram drafts (k {ngram.best_k})"]
+    if skips:
+        r = max(skips, key=lambda r: skips[r].gain)
+        parts.append(f"{skips[r].gain:.2f}x skipping {float(r):.0%} of the sublayers (k {skips[r].best_k})")
+    if copies:
+        q = max(copies, key=lambda e: e.gain)
+        parts.append(f"{q.gain:.2f}x for the {q.source} copy (k {q.best_k})")
+    return DraftCeilings([ngram, *skips.values(), *copies], "at most " + ", ".join(parts)
+                         + ", even if every drafted token is accepted (v(k) and c measured here)")
 
 
 def predicted_speedups(engine: Engine, tokenizer: Any, prompt_ids: Sequence[list[int]], methods: Sequence[str],
                        max_new_tokens: int, eos_ids: tuple[int, ...] = (),
-                       on_method: Callable[[int, str], None] | None = None) -> JsonObject:
+                       on_method: Callable[[int, str], None] | None = None) -> PredictedSpeedups:
     """Each cost-aware method's predicted speedup over plain decoding on this machine: its
     rounds' expected tokens over their cost in plain steps (decoding/planning.py), summed over
     greedy decodes of ``prompt_ids``; the costs are the engine's measured verify curve and
     draft costs, the acceptance what the method saw on these prompts. A method whose
     artifacts are missing is reported with the reason."""
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
-    out: dict[str, Any] = {}
+    out: dict[str, Predicted | Unavailable] = {}
     for i, name in enumerate(methods):
         if on_method is not None:
             on_method(i, name)
         try:
             method = build(name, engine, tokenizer)
         except SelfSpecError as exc:
-            out[name] = {"unavailable": str(exc).split(";")[0]}
+            out[name] = Unavailable(str(exc).split(";")[0])
             continue
         stats = [method.generate(list(ids), cfg).stats for ids in prompt_ids]
         plans = [(p.expected_tokens, p.cost_steps) for st in stats if (p := st.summary().plan) is not None]
         rounds = sum(len(st.accept_lengths) - 1 for st in stats)
         predicted = predicted_speedup(plans)
-        out[name] = {"predicted_speedup": round(predicted, 4) if predicted is not None else None,
-                     "draft_round_share": round(sum(st.draft_rounds for st in stats) / rounds, 4) if rounds else 0.0}
-    return out
+        out[name] = Predicted(predicted_speedup=round(predicted, 4) if predicted is not None else None,
+                              draft_round_share=round(sum(st.draft_rounds for st in stats) / rounds, 4) if rounds else 0.0)
+    return PredictedSpeedups(out)

@@ -429,15 +429,15 @@ def _start(r: _Run) -> None:
         "MB with the contenders built[/dim]")
 
 
-def _engine_costs(r: _Run) -> JsonObject:
+def _engine_costs(r: _Run) -> prof.EngineCosts:
     """The engine's costs, as ``selfspec profile`` measures them (rank 0 only)."""
     engine = r.engine
     ids = sorted(r.session.encode_first_turns(r.prompts), key=len)
     costs = prof.engine_costs(engine, ids[len(ids) // 2], rounds=7)  # as selfspec profile
-    r.plan.say(f"[dim]engine costs: floor {costs['floor_ms']:.1f} ms ({costs['bandwidth_gbs']:.1f} GB/s), "
-               f"T(1) {costs['step_ms']:.1f} ms ({costs['step_over_floor']:.2f}x floor), "
-               f"v(4) {costs['verify_cost']['4']:.2f}, v(8) {costs['verify_cost']['8']:.2f}, "
-               f"c(0.5) {costs['draft_cost']['0.5']:.2f}, LM head {costs['lm_head_share']:.0%}; "
+    r.plan.say(f"[dim]engine costs: floor {costs.floor_ms:.1f} ms ({costs.bandwidth_gbs:.1f} GB/s), "
+               f"T(1) {costs.curve.step_ms:.1f} ms ({costs.step_over_floor:.2f}x floor), "
+               f"v(4) {costs.curve.verify_cost['4']:.2f}, v(8) {costs.curve.verify_cost['8']:.2f}, "
+               f"c(0.5) {costs.measured.draft_cost['0.5']:.2f}, LM head {costs.measured.lm_head_share:.0%}; "
                f"matrix products: {engine.kernel_info['backend']}[/dim]")
     return costs
 
@@ -510,7 +510,7 @@ def _gather(r: _Run, results: dict[str, ContenderResult]) -> bool:
     return True
 
 
-def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: JsonObject | None) -> BenchOutcome:
+def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: prof.EngineCosts | None) -> BenchOutcome:
     """results.json, the answers and the plots."""
     req, plan, engine, mdl, c = r.req, r.plan, r.engine, r.session.model, r.contenders
     ref = REFERENCE if REFERENCE in results else None
@@ -539,10 +539,9 @@ def _finish(r: _Run, results: dict[str, ContenderResult], engine_costs: JsonObje
         file_map["plots"] = make_plots(results, summary, engine.num_layers, out, ref, c.built)
     doc = document(summary, setup=setup, environment=environment_info(r.dev, engine.dtype), model=model_info,
                    reference=ref, baseline=base, files=file_map)
-    if engine_costs is not None:  # the curve the last pass's planners read (pooled over the passes)
-        engine_costs.update(prof.curve_fields(curve_for(engine)))
-        engine_costs["step_over_floor"] = round(engine_costs["step_ms"] / engine_costs["floor_ms"], 3)
-    doc["engine_costs"] = engine_costs
+    if engine_costs is not None:  # the curve the last pass's planners read (pooled over the passes), serialized here
+        engine_costs = engine_costs.with_curve(prof.curve_fields(curve_for(engine)))
+    doc["engine_costs"] = None if engine_costs is None else engine_costs.to_json()
     if engine.static is not None:  # GPU: the fixed-shape forwards (graphs captured, replays, eager fallbacks)
         doc["fixed_forwards"] = engine.static.describe()
     atomic_write(out / "results.json", lambda f: f.write((dumps(doc, indent=2) + "\n").encode()))

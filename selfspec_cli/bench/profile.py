@@ -4,6 +4,7 @@
 table and headline."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,15 +125,19 @@ def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
         measure_fresh(engine)
     # the store's curve is used when it is a full reading (a short one, or none, is measured in full and stored)
     read = not req.remeasure and before["stored"] and set(CURVE_ROWS) <= set(before["rows"])
-    figures = _measure(req, plan, session, engine, ids, calibrated, progress)
-    costs = figures.pop("costs")
+    f = _measure(req, plan, session, engine, ids, calibrated, progress)
+    costs = f.costs
+    verify_cost = costs.curve.verify_cost
+    # the typed sections, serialized here, once, where the document is written
     result: dict[str, Any] = {
         "kind": "selfspec-profile", "model": model_name(mdl), "model_fingerprint": session.fingerprint,
-        "num_layers": engine.num_layers, **costs, "ar_tokens_per_s_upper": round(1e3 / costs["step_ms"], 2),
+        "num_layers": engine.num_layers, **costs.to_json(), "ar_tokens_per_s_upper": round(1e3 / costs.curve.step_ms, 2),
         "target_precision": engine.target_precision, "target_info": engine.target_info,
-        "kernel_max_logit_diff": figures["diff"], "redundancy": figures["red"], "quantized_drafts": figures["quantized"],
-        "draft_verdict": prof.draft_verdict(figures["quantized"], costs["verify_cost"]),
-        "predicted_speedup": figures["predicted"],
+        "kernel_max_logit_diff": f.diff, "redundancy": None if f.red is None else f.red.to_json(),
+        "quantized_drafts": f.quantized.to_json(),
+        "draft_verdict": prof.draft_verdict(f.quantized, verify_cost).to_json(),
+        "draft_ceilings": prof.draft_ceilings(verify_cost, costs.measured.draft_cost, f.quantized).to_json(),
+        "predicted_speedup": None if f.predicted is None else f.predicted.to_json(),
         "cost_store": {**cost_store.describe(engine_key(engine)), "curve": "read" if read else "measured"},
         "environment": environment_info(engine.device, engine.dtype), "created": now_iso(),
         "profile_s": round(time.perf_counter() - t_start, 1)}
@@ -140,13 +145,24 @@ def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
     save_json_artifact(req.output_dir / "profile.json", result)
     if req.plots:
         prof.verify_cost_plot(result, req.output_dir / "verify_cost.png")
-        if figures["red"] is not None:
-            prof.redundancy_plot(figures["red"], req.output_dir / "redundancy.png", title=Path(model_name(mdl)).name)
+        if result["redundancy"] is not None:
+            prof.redundancy_plot(result["redundancy"], req.output_dir / "redundancy.png", title=Path(model_name(mdl)).name)
     return result
 
 
+@dataclass(frozen=True)
+class _Figures:
+    """The timed figures of one profile run, typed (engine_profile.py), before they are written."""
+
+    costs: prof.EngineCosts
+    diff: float | None
+    red: prof.Redundancy | None
+    quantized: prof.QuantizedDrafts
+    predicted: prof.PredictedSpeedups | None
+
+
 def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: Engine, ids: list[list[int]],
-             calibrated: tuple[Any, Any] | None, progress: Callable[[], Any]) -> dict[str, Any]:
+             calibrated: tuple[Any, Any] | None, progress: Callable[[], Any]) -> _Figures:
     """The timed figures, under one progress display."""
     ctx_ids = sorted(ids, key=len)[len(ids) // 2]  # the context: the median-length prompt (a typical decode position)
     with progress() as bar:
@@ -160,10 +176,10 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
                 bw1 = prof.read_bandwidth_gbs(device=engine.device)
             finally:
                 set_both(plan.threads)
-            floor1 = costs["weight_bytes"] / (bw1 * 1e9) * 1e3
-            costs["one_thread"] = {"step_ms": one["step_ms"], "verify_cost": one["verify_cost"],
-                                   "bandwidth_gbs": round(bw1, 2), "floor_ms": round(floor1, 3),
-                                   "step_over_floor": round(one["step_ms"] / floor1, 3)}
+            floor1 = costs.weight_bytes / (bw1 * 1e9) * 1e3
+            costs = dataclasses.replace(costs, one_thread=prof.OneThread(
+                step_ms=one.step_ms, verify_cost=one.verify_cost, bandwidth_gbs=round(bw1, 2),
+                floor_ms=round(floor1, 3), step_over_floor=round(one.step_ms / floor1, 3)))
             bar.update(otask, completed=1)
         diff = prof.kernel_logit_diff(engine, ctx_ids)
         # the redundancy map's prompts, evenly spread (at least one, for the predictions)
@@ -186,4 +202,4 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
                 engine, session.tokenizer, sample, plan.predict_methods, req.predict_tokens, session.eos_token_ids,
                 on_method=lambda i, n: bar.update(ptask, completed=i, info=n))
             bar.update(ptask, completed=len(plan.predict_methods), info="")
-    return {"costs": costs, "diff": diff, "red": red, "quantized": quantized, "predicted": predicted}
+    return _Figures(costs, diff, red, quantized, predicted)

@@ -96,6 +96,8 @@ def _table(r: dict[str, Any]) -> Table:
                   f"{q['agreement']:.3f}, {q['draft_bytes'] / 1e6:.0f} MB, loaded in {q['load_s']:.2f} s ({q['cache']})")
     if v := r.get("draft_verdict"):
         t.add_row("full-depth drafts", v["summary"])
+    if ceil := r.get("draft_ceilings"):
+        t.add_row("ceiling, every draft accepted", ceil["summary"])
     if s := r.get("cost_store"):
         t.add_row("costs on disk", (  # the file's path is its own line under the table, whole at any width
             f"{'read' if s['curve'] == 'read' else 'measured now and stored'}; rows {','.join(map(str, s['rows']))}, "
