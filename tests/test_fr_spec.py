@@ -242,3 +242,18 @@ def test_a_vocabulary_from_too_little_data_never_becomes_the_default(capsys, tin
     assert enough["artifact"] == str(default) and "warning:" not in err
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     assert f"fewer than {MIN_TOKENS} tokens counted" in readme  # the one place the rule is stated, with this figure
+
+
+def test_a_stored_head_of_the_ranking_is_completed_in_token_id_order():
+    """An artifact stores the first max(65536, 2n) ranked ids; the loader completes the ranking with every other id
+    in token-id order, and refuses a stored head that repeats an id or names one outside the vocabulary."""
+    from selfspec_cli.methods.fr_spec import RANKS_KEPT, complete_ranking, stored_ranks
+
+    assert stored_ranks(49152, 8192) == 49152 and stored_ranks(262144, 16384) == RANKS_KEPT
+    assert stored_ranks(151936, 40000) == 80000
+    whole = complete_ranking(torch.tensor([7, 2, 9], dtype=torch.int32), 10)
+    assert whole.tolist() == [7, 2, 9, 0, 1, 3, 4, 5, 6, 8] and whole.dtype == torch.int64
+    assert complete_ranking(torch.tensor([3, 3]), 10) is None
+    assert complete_ranking(torch.tensor([3, 10]), 10) is None and complete_ranking(torch.tensor([-1]), 10) is None
+    full = torch.randperm(10)
+    assert torch.equal(complete_ranking(full, 10), full)  # a whole ranking (older artifacts) is read as it is

@@ -35,7 +35,8 @@ Exactness (what the layer-skip drafter relies on, :mod:`selfspec_cli.decoding.la
   verifier the unrestricted law fails there).
 
 The package is the whole method: this module holds the vocabulary and its artifact
-(:data:`VOCAB`), :mod:`.calibrate` the offline step that makes it. The artifact: ``ranked_ids`` (the whole vocabulary, most frequent first), ``counted_ids`` and
+(:data:`VOCAB`), :mod:`.calibrate` the offline step that makes it. The artifact: ``ranked_ids`` (the vocabulary most
+frequent first: its first :func:`stored_ranks` ids, the rest taken in token-id order when it is read), ``counted_ids`` and
 ``counts`` (each token the calibration outputs held, and how often; an older artifact holds
 dense ``counts`` and ``expected`` instead) and a manifest with the chosen size ``n`` and the
 measurements behind it. Only ``ranked_ids`` is read to draft.
@@ -75,6 +76,30 @@ def coverage(ranked: torch.Tensor, counts: torch.Tensor, n: int) -> float:
     return float(counts[ranked[:n]].sum()) / total if total else 0.0
 
 
+RANKS_KEPT = 65536  # an artifact stores at least this many of its ranked ids (or the whole vocabulary)
+
+
+def stored_ranks(vocab: int, n: int) -> int:
+    """How many ranked ids an artifact of a ``vocab``-token vocabulary and draft size ``n`` stores: at least
+    :data:`RANKS_KEPT` and twice ``n`` (a size chosen later up to there keeps the measured order), at most all."""
+    return min(vocab, max(RANKS_KEPT, 2 * n))
+
+
+def complete_ranking(stored: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """The whole ranking from a stored head of it: its ids, then every other id in token-id order; None when the
+    stored ids are not distinct ids of the vocabulary."""
+    stored = stored.to(torch.int64)
+    if stored.dim() != 1 or not 0 < stored.numel() <= vocab:
+        return None
+    if int(stored.min()) < 0 or int(stored.max()) >= vocab:
+        return None
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[stored] = True
+    if int(seen.sum()) != stored.numel():
+        return None
+    return torch.cat([stored, torch.nonzero(~seen).flatten()])
+
+
 @dataclass(frozen=True)
 class DraftVocab:
     """The ranked vocabulary and the size drafts use."""
@@ -99,9 +124,10 @@ class DraftVocab:
         p, manifest, tensors = VOCAB.load(path, model)
         ranked = tensors.get("ranked_ids")
         vocab = int(model.config.vocab_size)  # the head's rows (its weights may be released: Engine.release_float_weights)
-        if ranked is None or ranked.dim() != 1 or ranked.numel() != vocab:
+        whole = None if ranked is None else complete_ranking(ranked, vocab)
+        if whole is None:
             raise VOCAB.error(p, model, f"it does not rank this model's {vocab}-token vocabulary")
-        return cls(ranked.to(torch.int64), int(manifest.get("n", vocab)), manifest)
+        return cls(whole, int(manifest.get("n", vocab)), manifest)
 
 
 def resolve(spec: str | None, model: torch.nn.Module, size: int | None = None) -> DraftVocab | None:

@@ -45,7 +45,7 @@ from ...decoding.measure import timed
 from ...engine import Engine
 from ..ar import AR
 from ..offline import OfflineJob
-from . import VOCAB, coverage, ranked_from_outputs
+from . import VOCAB, coverage, ranked_from_outputs, stored_ranks
 from ...jsonio import JsonObject
 
 BODY_SHARE = 0.5  # the draft body the choice assumes: half the sublayers kept
@@ -153,12 +153,15 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
 
 
 def artifact_tensors(res: Any) -> dict[str, torch.Tensor]:
-    """What the artifact keeps: the whole ranking (int32, which the loader widens) and the counts of the
-    tokens the outputs held, sparse (ids and counts). The model's expected counts only broke ties, and
-    the ranking holds their order. A 262,144-token vocabulary's file is 1 MB (5.2 MB as dense int64
-    ranking, counts and float32 expected counts)."""
+    """What the artifact keeps: the head of the ranking (int32, which the loader widens), its first
+    :func:`~selfspec_cli.methods.fr_spec.stored_ranks` ids (the whole ranking of a vocabulary that small; the
+    loader puts the rest in token-id order), and the counts of the tokens the outputs held, sparse (ids and
+    counts). The model's expected counts only broke ties, and the ranking holds their order. A 262,144-token
+    vocabulary's file is 0.26 MB (1 MB with the whole ranking, 5.2 MB as dense int64 ranking, counts and
+    float32 expected counts)."""
     seen = torch.nonzero(res.counts > 0).flatten()
-    return {"ranked_ids": res.ranked_ids.to(torch.int32), "counted_ids": seen.to(torch.int32),
+    kept = stored_ranks(res.ranked_ids.numel(), res.n)
+    return {"ranked_ids": res.ranked_ids[:kept].to(torch.int32), "counted_ids": seen.to(torch.int32),
             "counts": res.counts[seen].to(torch.int32)}
 
 
