@@ -830,3 +830,25 @@ def test_json_object_is_the_one_alias():
     from selfspec_cli import jsonio
 
     assert jsonio.JsonObject == dict[str, Any]
+
+
+def test_every_shipped_artifacts_tensors_belong_to_its_manifest():
+    """Each shipped artifact's tensors file carries its manifest's artifact id (the loader refuses a mismatch as a
+    partial copy: a hand re-save that drops the safetensors metadata would ship an artifact no command can load)."""
+    import json
+
+    from safetensors import safe_open
+
+    manifests = sorted((REPO / "artifacts").rglob("manifest.json"))
+    assert manifests, "no shipped artifact found"
+    bad = []
+    for m in manifests:
+        manifest = json.loads(m.read_text(encoding="utf-8"))
+        tensors = m.parent / manifest.get("tensors_file", "tensors.safetensors")
+        if not tensors.exists():
+            continue
+        with safe_open(str(tensors), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("artifact_id") != manifest.get("artifact_id"):
+            bad.append(str(m.parent.relative_to(REPO)))
+    assert not bad, f"tensors of another artifact (or none): {bad}"
