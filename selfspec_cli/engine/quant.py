@@ -526,6 +526,27 @@ def build_draft(adapter: ModelAdapter, precision: str, fingerprint: str | None, 
     return draft
 
 
-def subset(head: QLinear, ids: torch.Tensor, module: Any) -> QLinear:
-    """The quantized head's rows for ``ids`` (FR-Spec's draft vocabulary over the draft copy)."""
-    return QLinear.make(_take_rows(head.quant, ids.cpu()), None, module)
+def subset(head: QLinear, ids: torch.Tensor, module: Any, chunk: int = HEAD_CHUNK) -> QLinear:
+    """The quantized head's rows for ``ids`` (FR-Spec's draft vocabulary over the draft copy): row ``i`` is token
+    ``ids[i]``'s, the same codes and scales. The head's panels are unpacked ``chunk`` rows at a time (a multiple of
+    the 64-output super-panels), only where ``ids`` fall: Qwen2.5's 151,936-row Q6_K head unpacked whole held
+    2.7 GB for a moment, more than the model."""
+    base = getattr(head, "base", head)  # an int8-activation wrapper holds its panels in ``base``
+    ids = ids.cpu().to(torch.int64)
+    n, m = base.out_features, base.meta
+    parts: list[QuantWeight] = []
+    where: list[torch.Tensor] = []
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        sel = torch.nonzero((ids >= start) & (ids < stop)).flatten()
+        if sel.numel() == 0:
+            continue
+        sp = slice(start // 64, (stop + 63) // 64)
+        rows = QLinear.from_panels(m.fmt, m.group, m.bits, base.codes[sp], base.scales[sp],
+                                   None if base.mins is None else base.mins[sp], None, base.module, stop - start, 0)
+        parts.append(_take_rows(rows.quant, ids[sel] - start))
+        where.append(sel)
+    q = parts[0] if len(parts) == 1 else QuantWeight.cat(parts, parts[0].fmt)
+    order = torch.empty_like(ids)
+    order[torch.cat(where)] = torch.arange(ids.numel())  # row j of q is token ids[where[j]]: back to ids' order
+    return QLinear.make(_take_rows(q, order), None, module)
