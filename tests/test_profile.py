@@ -157,7 +157,6 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
     over the rows: F[3] dips below F[2]), its raw medians, the context slope, c(r) and the LM
     head's share (over a step at the prompt's context, 100 tokens, not the curve's 64), the
     weight bytes and the floor are then known exactly."""
-    monkeypatch.setattr(prof, "bandwidth_buffer_bytes", lambda: 1 << 30)  # the probe reads 2**30 bytes
     L = 4
     F = {1: 10.0, 2: 11.0, 3: 10.5, 4: 12.0, 6: 14.0, 8: 16.0, 12: 20.0, 16: 24.0, 24: 32.0, 32: 40.0}
     H, TICK = 2.0, 1.0
@@ -190,7 +189,7 @@ def test_engine_costs_on_a_machine_with_known_costs(monkeypatch, virtual_clock):
     assert doc["lm_head_ms"] == (TICK + H) * 1e3 and doc["lm_head_share"] == pytest.approx(3 / step, abs=6e-4)
     # the products alone: one tick and the head's charge (the layers' products are not forwards)
     assert doc["products_ms"] == (TICK + H) * 1e3 and doc["non_product_share"] == pytest.approx(1 - 3 / step, abs=6e-4)
-    # the floor: 772352 bytes of weights read at 2**30 bytes per second (a 1 GiB buffer summed in one tick)
+    # the floor: 772352 bytes of weights read at 2**30 bytes per second
     assert doc["weight_bytes"] == fp32_step_bytes(eng.model.config) == 772352
     assert doc["bandwidth_gbs"] == 1.07
     floor_ms = 772352 / 2**30 * 1e3
@@ -306,13 +305,3 @@ def test_each_profile_section_is_written_as_the_dicts_it_replaced():
     assert written(pred) == json.dumps({"pld": {"predicted_speedup": 1.3, "draft_round_share": 0.4},
                                         "auto": {"predicted_speedup": None, "draft_round_share": 0.0},
                                         "self-sd": {"unavailable": "no Self-SD skip-set artifact for this model"}})
-
-
-def test_the_bandwidth_buffer_is_sized_by_the_last_level_cache(monkeypatch):
-    """The bandwidth reading streams 8x the last-level cache, between 256 MiB and 1 GiB (a fixed 1 GiB was a 1.5B
-    model's bench's largest allocation); 1 GiB where the cache size cannot be read."""
-    from selfspec_cli.bench import engine_profile as prof
-
-    for llc, want in ((32 << 20, 256 << 20), (96 << 20, 768 << 20), (260 << 20, 1 << 30), (None, 1 << 30)):
-        monkeypatch.setattr(prof, "last_level_cache_bytes", lambda llc=llc: llc)
-        assert prof.bandwidth_buffer_bytes() == want

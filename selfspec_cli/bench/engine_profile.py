@@ -47,13 +47,11 @@ figure is a median. Nothing here changes the model.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -279,30 +277,9 @@ class PredictedSpeedups(DraftReport):
     methods: dict[str, Predicted | Unavailable] = flat()
 
 
-def last_level_cache_bytes() -> int | None:
-    """The CPU's largest cache (Linux sysfs, ``cpu0``), or None where it cannot be read."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        with contextlib.suppress(OSError, ValueError):
-            text = f.read_text().strip().upper()
-            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes) if sizes else None
-
-
-def bandwidth_buffer_bytes() -> int:
-    """The buffer the bandwidth reading streams: 8x the last-level cache, between 256 MiB and 1 GiB (1 GiB where the
-    cache is unknown). A fixed 1 GiB was the largest allocation of a bench on a 1.5B model (its peak RSS went from
-    1.8 to 2.4 GB for it); 8x keeps the reading out of a 260 MB L3."""
-    llc = last_level_cache_bytes()
-    return 1 << 30 if llc is None else min(1 << 30, max(256 << 20, 8 * llc))
-
-
-def read_bandwidth_gbs(nbytes: int | None = None, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Best-of-``repeats`` read bandwidth of ``torch.sum`` over ``nbytes`` of float32 (GB/s) on ``device``
-    (the engine's: a GPU's floor is its own memory's, not the host's); ``nbytes`` None:
-    :func:`bandwidth_buffer_bytes`."""
-    nbytes = bandwidth_buffer_bytes() if nbytes is None else nbytes
+    (the engine's: a GPU's floor is its own memory's, not the host's)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     buf.sum()  # touch every page before timing
     return nbytes / min(timed(buf.sum, buf.device)[1] for _ in range(repeats)) / 1e9
