@@ -669,3 +669,36 @@ def test_a_direct_gguf_models_directory_keeps_only_its_blocks_copy(tmp_path, dra
         assert quant.cache_path("f", precision, str(direct)).parent == draft_cache / "drafts"
         assert quant.cache_path("f", precision, str(converted)).parent == converted / "drafts"
     assert quant.cache_path("f", "int8", None).parent == draft_cache / "drafts"
+
+
+def test_a_first_build_streams_each_matrix_into_its_cache_file(draft_cache, monkeypatch, tmp_path):
+    """A copy built from the GGUF's blocks is written matrix by matrix into its cache file (quant._gguf_to_file: the
+    panel file's index last), never held whole and saved afterwards (``_save``, the in-memory path, is not called:
+    a streaming failure would otherwise fall back to it unseen), and it holds the panels the in-memory build makes."""
+    from selfspec_cli.engine import panel_file
+    from selfspec_cli.loading import load_model
+
+    from .gguf_utils import make_tiny_gguf
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    path, _, _ = make_tiny_gguf(tmp_path, qtype="Q4_1", name="tiny-stream.gguf")
+    model, _ = load_model(str(path), dtype="float32", device="cpu", log=None)
+
+    def held_whole(*a, **k):
+        raise AssertionError("the copy was built in memory and saved whole")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(quant, "_save", held_whole)
+        streamed = Engine(model).quantized("gguf")
+    where = Path(streamed.info["path"])
+    assert streamed.info["cache"] == "miss" and where.read_bytes()[:8] == panel_file.MAGIC
+    where.unlink()
+    with monkeypatch.context() as mp:
+        mp.setattr(quant, "_gguf_to_file", lambda *a, **k: None)  # the in-memory build, then _save
+        held = Engine(model).quantized("gguf")
+    assert held.info["cache"] == "miss" and where.is_file()
+    for a, b in [*((x[n], y[n]) for x, y in zip(streamed.layers, held.layers) for n in quant.LINEARS),
+                 (streamed.head, held.head)]:
+        assert (a.meta.fmt, a.out_features) == (b.meta.fmt, b.out_features)
+        for t, u in [(a.codes, b.codes), (a.scales, b.scales), (a.mins, b.mins), (a.bias, b.bias)]:
+            assert (t is None and u is None) or (t.dtype == u.dtype and torch.equal(t, u))
