@@ -204,7 +204,7 @@ def encode_turn(tokenizer: Any, history: list[dict[str, str]], use_chat_template
     The last few conversations encoded are kept (keyed by the tokenizer object, its chat template and the turns),
     so a caller that checks a conversation's length and then decodes it (``chat``, ``generate``'s context check)
     tokenizes it once: a long conversation's template and tokenization run once a turn, not twice."""
-    key = (id(tokenizer), getattr(tokenizer, "chat_template", None), use_chat_template,
+    key = (id(tokenizer), str(getattr(tokenizer, "chat_template", None)), use_chat_template,  # a template may be a dict
            tuple((m["role"], m["content"]) for m in history))
     hit = _RECENT.get(key)
     if hit is not None and hit[0] is tokenizer:

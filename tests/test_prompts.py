@@ -218,3 +218,16 @@ def test_a_conversation_is_tokenized_once_when_checked_then_decoded(tiny_tokeniz
     assert encode_turn(tok, history, False) == tok("def g(x):")["input_ids"] and len(calls) == 2
     tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     assert encode_turn(tok, history, True) != first[:-1] and len(calls) == 3
+
+
+def test_a_tokenizer_with_named_chat_templates_is_encoded(tiny_tokenizer):
+    """transformers allows a dict of named chat templates: encode_turn's memo must not need it hashable."""
+    import copy
+
+    from selfspec_cli.prompts import encode_turn
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = {"default": "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}"}
+    history = [{"role": "user", "content": "def h():"}]
+    assert encode_turn(tok, history, False) == tok("def h():")["input_ids"]
+    assert encode_turn(tok, history, False) == tok("def h():")["input_ids"]
