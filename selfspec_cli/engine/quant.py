@@ -381,7 +381,7 @@ def _entries(key: str, q: QLinear | PartsLinear) -> tuple[list[tuple[str, torch.
     its own entry, ``<key>.part<i>``), and its format entries: per matrix its format, group, bits, outputs and
     streamed bytes."""
     formats: list[str] = []
-    items: list[tuple[str, QLinear]] = [(key, q)] if not isinstance(q, PartsLinear) else []
+    items: list[tuple[str, QLinear]] = [(key, q)]
     if isinstance(q, PartsLinear):
         items = [(f"{key}.part{i}", p) for i, p in enumerate(q.parts)]
         formats.append(f"{key}=parts:{len(q.parts)}")
