@@ -39,13 +39,12 @@ def main() -> int:
 
     from selfspec_cli.bench.engine_profile import read_bandwidth_gbs
     from selfspec_cli.config import GenerationConfig
+    from selfspec_cli.decoding.measure import weight_bytes
     from selfspec_cli.engine import Engine
     from selfspec_cli.engine.cores import cores
     from selfspec_cli.loading import load_model
     from selfspec_cli.methods import METHODS
-    from selfspec_cli.decoding.measure import weight_bytes
-    from selfspec_cli.prompts import read_prompts
-    from selfspec_cli.prompts import encode_turn
+    from selfspec_cli.prompts import encode_turn, read_prompts
     from selfspec_cli.session import apply_threads
 
     counts = [int(t) for t in a.threads.split(",")]
