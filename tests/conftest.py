@@ -37,6 +37,15 @@ def selfspec_home(tmp_path_factory, monkeypatch) -> Path:
     monkeypatch.setenv("SELFSPEC_HOME", str(home))
     return home
 
+
+@pytest.fixture(autouse=True)
+def fresh_bandwidth_reading(monkeypatch) -> None:
+    """Each test reads the bandwidth anew (a process keeps its first reading per thread count:
+    bench/engine_profile.py's bandwidth_gbs), so that a test's clock or machine is the one it reads."""
+    from selfspec_cli.bench import engine_profile
+
+    monkeypatch.setattr(engine_profile, "_BANDWIDTH", {})
+
 # name -> (config class name, model class name, config overrides)
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": False}),

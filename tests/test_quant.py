@@ -83,6 +83,25 @@ def test_qlinear_matches_the_dequantized_product(fmt, n, k):
         assert float((got.double() - want).abs().max()) < tol, rows
 
 
+@pytest.mark.parametrize("bits", [4, 6])
+def test_packing_a_few_super_panels_at_a_time_is_packing_the_whole(monkeypatch, bits):
+    """QLinear.make packs 4- and 6-bit codes PACK_PANELS super-panels at a time (its temporaries stay small on a
+    large head): the same bytes as one pass over the matrix, padded outputs and all, and the same codes back."""
+    g = torch.Generator().manual_seed(bits)
+    n, k = 64 * 5 + 23, 64
+    codes = (torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8) if bits == 4
+             else torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8))
+    whole = kernels._packed_codes(codes, bits, 6)
+    monkeypatch.setattr(kernels, "PACK_PANELS", 2)
+    assert torch.equal(kernels._packed_codes(codes, bits, 6), whole)
+    padded = torch.zeros(6 * 64, k, dtype=codes.dtype)
+    padded[:n] = codes
+    assert torch.equal(whole, kernels._pack_nibbles(padded).view(6, k // 2, 64) if bits == 4 else kernels._pack6(padded))
+    back = (kernels._unpack_nibbles(whole.view(torch.int32).view(6, k // 8, 64)) if bits == 4
+            else kernels._unpack6(whole, k))
+    assert torch.equal(back[:n].to(codes.dtype), codes) and not back[n:].any()  # padded outputs: code 0
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_qlinear_is_batch_invariant_and_isa_independent(fmt):

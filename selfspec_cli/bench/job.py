@@ -379,6 +379,8 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
         names = [n for n in names if n != "ar-fp32"]  # it would be ar itself, or a float32 copy of a model not loaded so
         why = "is the float32 weights already" if engine.dtype == torch.float32 else f"is loaded in {engine.dtype}"
         plan.say(f"[dim]ar-fp32 left out: the target {why}[/dim]")
+    if req.costs and ranks.lead:  # the bandwidth probe's buffer before the contenders, not on top of them
+        prof.bandwidth_gbs(engine.device)
     contenders = build_contenders(names, session, engine, req, assistant)
     r = _Run(req, plan, io, session, engine, names, contenders, prompts, records_dir, startup=session.startup())
     _start(r)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import time
 from collections.abc import Collection, Iterator
@@ -126,6 +127,7 @@ class Engine:
             reason = kernels.status()["reason"]  # the build failed
         self._module, self._kernel_reason = module, reason
         self.drafts: dict[str, DraftWeights] = {}  # precision -> the quantized draft copy (draft())
+        self._subset_heads: dict[tuple[str | None, bytes], Any] = {}  # (weights, ids' digest) -> subset_head()'s head
         # embedding rows from blocks: a model read from its GGUF (lite.load_gguf_model), or release_float_weights()
         self._embed_rows: Any = getattr(model, "_selfspec_embed_rows", None)
         self._float_released = False
@@ -376,17 +378,27 @@ class Engine:
             head = self.lm_head if weights is None else self.drafts[weights].head
         return head(self._norm(hidden, self.adapter.final_norm)).float()
 
-    def subset_head(self, ids: torch.Tensor, weights: str | None = None) -> Any:
-        """The LM head's rows for the tokens ``ids`` only (prepacked once): logits column ``i``
-        is token ``ids[i]``'s logit, bit-identical to the full head's (same kernel, same
-        per-output order). FR-Spec's draft vocabulary (methods/fr_spec/); with ``weights``,
-        the rows of that draft copy's quantized head."""
+    def subset_head(self, ids: torch.Tensor, weights: str | None = None, *, share: bool = True) -> Any:
+        """The LM head's rows for the tokens ``ids`` only (prepacked once per engine, weights and ids: every
+        drafter of a method, and every method of a bench, that drafts over the same vocabulary shares one
+        copy, read-only): logits column ``i`` is token ``ids[i]``'s logit, bit-identical to the full head's
+        (same kernel, same per-output order). FR-Spec's draft vocabulary (methods/fr_spec/); with ``weights``,
+        the rows of that draft copy's quantized head. ``share=False``: a copy of its own, not kept (a calibration
+        that times many sizes once each)."""
         if weights is None and self.target_precision in QUANT_TARGETS:
             weights = self.target_precision  # the target's head is that copy's
+        ids = ids.to(torch.int64)
+        key = (weights, hashlib.blake2b(ids.cpu().numpy().tobytes(), digest_size=16).digest())  # the ids, in order
+        if share and key in self._subset_heads:
+            return self._subset_heads[key]
         if weights is not None:
-            return subset(self.quantized(weights).head, ids, self._module)
-        return kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module,
-                                   PANEL_DTYPES.get(self.target_precision))
+            head = subset(self.quantized(weights).head, ids, self._module)
+        else:
+            head = kernels.Linear.make(self.adapter.lm_head[ids.to(self.device)].contiguous(), None, self._module,
+                                       PANEL_DTYPES.get(self.target_precision))
+        if share:
+            self._subset_heads[key] = head
+        return head
 
     @property
     def rope_length(self) -> int:

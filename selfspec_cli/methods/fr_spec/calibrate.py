@@ -143,7 +143,7 @@ def calibrate_draft_vocab(engine: Engine, tokenizer: Any, prompt_ids: Sequence[l
     rows = []
     sizes = candidate_sizes(vocab)
     for n, cov in zip(sizes, held_out_coverage(outputs, vocab, sizes, expected)):
-        ms = cold_ms(engine.subset_head(ranked[:n])) if n < vocab else head_ms
+        ms = cold_ms(engine.subset_head(ranked[:n], share=False)) if n < vocab else head_ms
         c = body + ms / step_ms
         rows.append({"n": n, "held_out_coverage": round(cov, 5), "head_ms": round(ms, 3),
                      "head_share_of_step": round(ms / step_ms, 4), "draft_cost_half_body": round(c, 4),
