@@ -489,5 +489,5 @@ def test_auto_learns_ngram_acceptance_from_the_ngram_branch_of_hybrid_rounds(tin
     prompt = [5, 6, 7, 8, 9, 10, 11] * 4  # lookups match from the first round
     auto.generate(prompt, GenerationConfig(max_new_tokens=40))
     own = auto.drafter.rounds["ngram"]
-    seen = sum(p.acceptance.reached[1] for p in auto.ngram.policy.planners.values())
+    seen = sum(p.acceptance.reached[1] + p.acceptance.prompt_reached[1] for p in auto.ngram.policy.planners.values())
     assert auto.drafter.rounds["quant"] > 0 and seen > own, (dict(auto.drafter.rounds), seen)

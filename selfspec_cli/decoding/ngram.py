@@ -3,7 +3,9 @@
 * :func:`lookup`, :class:`NgramLookup`: the continuation of the longest earlier match of the
   context's suffix, once per round however many ask; also the n-gram branch of hybrid drafts;
 * :class:`NgramPolicy`: how many looked-up tokens to verify (a :class:`~.planning.Planner` per
-  n-gram order, one shared round overhead; none when they do not pay; all when unplanned);
+  n-gram order, one shared round overhead; none when they do not pay; all when unplanned); each order's
+  acceptance is the prompt's own, with the earlier prompts' pooled estimate as its prior
+  (:class:`~.planning.Acceptance`'s per-prompt level);
 * :class:`NgramDrafter`: the drafter of ``--method pld`` and of ``auto``'s n-gram source.
 
 Invariants: the draft is deterministic, so the driver verifies it exactly; the policy measures
@@ -27,6 +29,9 @@ from .state import DecodeState
 
 # prompt lookup's defaults: the longest and shortest suffix n-gram looked up, the most draft tokens per round
 MAX_NGRAM, MIN_NGRAM, MAX_DRAFT = 3, 1, 10
+# an n-gram order's acceptance per prompt (planning.Acceptance): the pooled estimate of the earlier prompts is a prior
+# worth this many rounds of the prompt's own, the weight every other prior of the planners has
+PROMPT_WEIGHT = 2.0
 
 
 def lookup(context: list[int], max_ngram: int, min_ngram: int, max_len: int) -> tuple[list[int], int]:
@@ -89,8 +94,13 @@ class NgramPolicy:
     def planner(self, n: int) -> Planner:
         if n not in self.planners:
             self.curve = curve_for(self.engine)
-            self.planners[n] = Planner(self.curve, self.max_draft, overhead=self.overhead)
+            self.planners[n] = Planner(self.curve, self.max_draft, overhead=self.overhead, prompt_weight=PROMPT_WEIGHT)
         return self.planners[n]
+
+    def new_prompt(self) -> None:
+        """A decode begins: each order's acceptance starts the prompt from what the earlier prompts measured."""
+        for p in self.planners.values():
+            p.acceptance.new_prompt()
 
     def gain(self, state: DecodeState, budget: int) -> float | None:
         """The best expected gain of this round's lookup (None: nothing looked up)."""
@@ -130,6 +140,7 @@ class NgramDrafter:
 
     def begin(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.source.begin(state, prefill)
+        self.policy.new_prompt()
 
     def draft(self, state: DecodeState, budget: int) -> Draft:
         cont, n = self.source.candidate(state, budget)

@@ -94,24 +94,46 @@ class Acceptance:
     accepted: list[float] = field(default_factory=list)
     prior_weight: float = 2.0
     prior: float = 0.5
+    # per prompt (None: one pool over every round): the rounds of the prompt being decoded are counted apart, and each
+    # depth's rate is their Beta posterior of this weight centred on the estimate pooled over the earlier prompts
+    # (which :meth:`new_prompt` extends): how well a source drafts depends on the text (n-gram drafts pay on code
+    # and summaries, rarely on a translation), so a prompt's own failures count at once, not as one more round of a
+    # pool that other prompts filled
+    prompt_weight: float | None = None
+    prompt_reached: list[float] = field(default_factory=list)
+    prompt_accepted: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reached = [0.0] * (self.max_depth + 1)  # index j: depth j (index 0 unused)
         self.accepted = [0.0] * (self.max_depth + 1)
+        self.prompt_reached = [0.0] * (self.max_depth + 1)
+        self.prompt_accepted = [0.0] * (self.max_depth + 1)
 
     def rate(self, depth: int) -> float:
         d = max(1, min(depth, self.max_depth))
         mean = self.prior
         for j in range(1, d + 1):
             mean = (self.accepted[j] + self.prior_weight * mean) / (self.reached[j] + self.prior_weight)
-        return mean
+        if self.prompt_weight is None:
+            return mean
+        w = self.prompt_weight
+        return (self.prompt_accepted[d] + w * mean) / (self.prompt_reached[d] + w)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A chain of ``drafted`` tokens of which the first ``accepted`` were accepted."""
+        reached, acc = ((self.reached, self.accepted) if self.prompt_weight is None
+                        else (self.prompt_reached, self.prompt_accepted))
         for j in range(1, min(drafted, accepted + 1) + 1):
             d = min(j, self.max_depth)
-            self.reached[d] += 1
-            self.accepted[d] += j <= accepted
+            reached[d] += 1
+            acc[d] += j <= accepted
+
+    def new_prompt(self) -> None:
+        """A new prompt's decode begins: the last prompt's rounds join the pool (per-prompt mode only)."""
+        for j in range(self.max_depth + 1):
+            self.reached[j] += self.prompt_reached[j]
+            self.accepted[j] += self.prompt_accepted[j]
+            self.prompt_reached[j] = self.prompt_accepted[j] = 0.0
 
 
 @dataclass
@@ -208,12 +230,13 @@ class Planner:
     probes: ProbeBudget = field(default_factory=ProbeBudget)  # one-token probes when drafting does not pay
     width: int = 1  # verified rows per draft depth (2 for a tree of at most 2k nodes)
     prior: float = 0.5  # depth 1's prior acceptance (Acceptance)
+    prompt_weight: float | None = None  # Acceptance's per-prompt level (None: one pool over every round)
     overhead: Overhead = field(default_factory=Overhead)  # shared by planners whose rounds cost alike
     last: Plan = Plan(1.0, 1.0)  # the last plan's expected tokens and cost (in plain steps)
     context: int | None = None  # the round's context: v is read there (VerifyCurve.v_at); None, the curve's own
 
     def __post_init__(self) -> None:
-        self.acceptance = Acceptance(self.max_len, prior=self.prior)
+        self.acceptance = Acceptance(self.max_len, prior=self.prior, prompt_weight=self.prompt_weight)
 
     def at(self, context: int | None) -> Planner:
         """This planner, pricing rounds after ``context`` tokens from now on (a proposer sets it each round)."""
