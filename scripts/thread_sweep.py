@@ -33,6 +33,9 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--chunks", default=None,
+                    help="instead of the sweep: T(1) and the pool's loops a step for each thread count x chunks a "
+                         "thread in this list (the pool's pool_chunks), 30 steps each")
     a = ap.parse_args()
 
     import torch
@@ -57,6 +60,8 @@ def main() -> int:
     wbytes = weight_bytes(engine)
     print(f"loaded in {load_s:.1f} s; {len(prompts)} prompts of {[len(p) for p in prompts]} tokens; "
           f"weights a step reads {wbytes / 1e6:.0f} MB; cores seen {cores()}", file=sys.stderr, flush=True)
+    if a.chunks:
+        return step_grid(engine, prompts[0], counts, [int(c) for c in a.chunks.split(",")], apply_threads)
     ar = METHODS["ar"](engine, tok)
     cfg = GenerationConfig(max_new_tokens=a.n, ignore_eos=True)
     ids = prompts[0]
@@ -108,6 +113,38 @@ def main() -> int:
               f"{r['step_over_floor']} | {r['verify_cost']['4']} | {r['prefill_tok_s']} | {r['bandwidth_gbs']} | "
               f"{r['same_tokens_as_first']} |", file=sys.stderr)
     return 0 if all(r["same_tokens_as_first"] for r in results) else 1
+
+
+def step_grid(engine, ids, counts, chunks, apply_threads) -> int:
+    """T(1) (median of 30 one-row steps at the prompt's context, after 5) and parallel loops a step, per thread count
+    and chunks a thread: where a many-core step's time goes when it stops scaling."""
+    import torch
+
+    from selfspec_cli.engine import kernels
+
+    module = kernels.load_extension()
+    cache = engine.new_cache(len(ids) + 2)
+    engine.forward(cache, torch.tensor(ids), positions=0)
+    tok = torch.tensor(ids[-1:])
+    for t in counts:
+        apply_threads(t)
+        for c in chunks:
+            module.pool_chunks(c)
+            times = []
+            loops0 = module.pool_loops()
+            for i in range(35):
+                s = time.perf_counter()
+                engine.forward(cache, tok, positions=len(ids))
+                if i >= 5:
+                    times.append(time.perf_counter() - s)
+                cache.crop(len(ids))
+            row = {"threads": t, "chunks_per_thread": c, "step_ms": round(statistics.median(times) * 1e3, 3),
+                   "loops_per_step": round((module.pool_loops() - loops0) / 35, 1)}
+            print(json.dumps(row), flush=True)
+            print(f"threads {t:3d} chunks {c}: T(1) {row['step_ms']:.3f} ms, {row['loops_per_step']} loops a step",
+                  file=sys.stderr, flush=True)
+    module.pool_chunks(1)
+    return 0
 
 
 if __name__ == "__main__":
