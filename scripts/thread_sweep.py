@@ -53,7 +53,7 @@ def main() -> int:
     counts = [int(t) for t in a.threads.split(",")]
     apply_threads(counts[0])
     t0 = time.perf_counter()
-    model, tok = load_model(a.model, device="cpu")
+    model, tok = load_model(a.model, device="cpu", lite=True)  # as the CLI opens it: no transformers model, no float copy
     engine = Engine(model, target_precision="auto")  # the GGUF's own blocks, as the CLI runs them
     load_s = time.perf_counter() - t0
     prompts = [encode_turn(tok, [{"role": "user", "content": p.turns[0]}], True) for p in read_prompts(a.prompts)]
