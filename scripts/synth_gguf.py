@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-# bytes a block, weights a block, and where its float16 fields sit: (offset, value) pairs
-_D = 8e-5  # a scale giving weights of about 0.02 for codes near 8 and group factors near 16-32
+_D = 8e-5  # a K-quant super-block's d: weights of about 0.02 for codes near 8 and group factors of 16-32
 
 
 def _f16(v: float) -> bytes:
@@ -46,7 +45,7 @@ def _fill_blocks(kind: str, nbytes: int, rng: np.random.Generator) -> np.ndarray
     elif kind == "Q6_K":  # ql[128], qh[64], scales[16] int8, d
         b = raw.reshape(-1, 210)
         b[:, 192:208] = 16
-        b[:, 208:210] = np.frombuffer(_f16(_D * 16 / 16), np.uint8)
+        b[:, 208:210] = np.frombuffer(_f16(_D), np.uint8)  # d * 16 * (q - 32): about 0.02
     elif kind == "Q4_1":  # d, m, qs[16]
         b = raw.reshape(-1, 20)
         b[:, 0:2] = np.frombuffer(_f16(0.003), np.uint8)

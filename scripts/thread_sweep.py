@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def main() -> int:
 
     import torch
 
-    from selfspec_cli.bench.engine_profile import read_bandwidth_gbs
+    from selfspec_cli.bench.engine_profile import _median_times, read_bandwidth_gbs
     from selfspec_cli.config import GenerationConfig
     from selfspec_cli.decoding.measure import weight_bytes
     from selfspec_cli.engine import Engine
@@ -70,19 +70,13 @@ def main() -> int:
     for t in counts:
         apply_threads(t)
         bw = read_bandwidth_gbs()
-        # T(1), v(k): k-row forwards with logits at the first prompt's context, interleaved rounds
+        # T(1), v(k): k-row forwards with logits at the first prompt's context, interleaved rounds (profile's timer)
         cache = engine.new_cache(len(ids) + max(rows) + 1)
         engine.forward(cache, torch.tensor(ids), positions=0)
         toks = torch.tensor((ids * max(rows))[-max(rows):])
-        times = {k: [] for k in rows}
-        for r in range(a.rounds + 1):
-            for k in rows:
-                s = time.perf_counter()
-                engine.forward(cache, toks[:k], positions=len(ids), logits_rows=slice(None))
-                if r:  # round 0 warms up
-                    times[k].append(time.perf_counter() - s)
-                cache.crop(len(ids))
-        t1 = statistics.median(times[1])
+        jobs = {k: partial(engine.forward, cache, toks[:k], positions=len(ids), logits_rows=slice(None)) for k in rows}
+        times = _median_times(engine, cache, len(ids), jobs, list(rows), a.rounds)
+        t1 = times[1]
         ar.generate(prompts[0], GenerationConfig(max_new_tokens=4, ignore_eos=True))  # warm-up
         dec_tok = dec_s = pre_tok = pre_s = 0.0
         got = []
@@ -96,7 +90,7 @@ def main() -> int:
         tokens_at[t] = got
         row = {"threads": t, "bandwidth_gbs": round(bw, 2), "floor_ms": round(wbytes / bw / 1e6, 2),
                "step_ms": round(t1 * 1e3, 2), "step_over_floor": round(t1 * 1e3 / (wbytes / bw / 1e6), 3),
-               "verify_cost": {str(k): round(statistics.median(times[k]) / t1, 3) for k in rows[1:]},
+               "verify_cost": {str(k): round(times[k] / t1, 3) for k in rows[1:]},
                "decode_tok_s": round(dec_tok / dec_s, 2), "prefill_tok_s": round(pre_tok / pre_s, 2),
                "same_tokens_as_first": got == tokens_at[counts[0]]}
         results.append(row)
@@ -116,30 +110,26 @@ def main() -> int:
 
 
 def step_grid(engine, ids, counts, chunks, apply_threads) -> int:
-    """T(1) (median of 30 one-row steps at the prompt's context, after 5) and parallel loops a step, per thread count
+    """T(1) (median of 30 one-row steps at the prompt's context, after one) and parallel loops a step, per thread count
     and chunks a thread: where a many-core step's time goes when it stops scaling."""
     import torch
 
     from selfspec_cli.engine import kernels
 
     module = kernels.load_extension()
+    from selfspec_cli.bench.engine_profile import _median_times
+
     cache = engine.new_cache(len(ids) + 2)
     engine.forward(cache, torch.tensor(ids), positions=0)
-    tok = torch.tensor(ids[-1:])
+    step = {"step": partial(engine.forward, cache, torch.tensor(ids[-1:]), positions=len(ids))}
     for t in counts:
         apply_threads(t)
         for c in chunks:
             module.pool_chunks(c)
-            times = []
             loops0 = module.pool_loops()
-            for i in range(35):
-                s = time.perf_counter()
-                engine.forward(cache, tok, positions=len(ids))
-                if i >= 5:
-                    times.append(time.perf_counter() - s)
-                cache.crop(len(ids))
-            row = {"threads": t, "chunks_per_thread": c, "step_ms": round(statistics.median(times) * 1e3, 3),
-                   "loops_per_step": round((module.pool_loops() - loops0) / 35, 1)}
+            ms = _median_times(engine, cache, len(ids), step, ["step"], 30)["step"] * 1e3
+            row = {"threads": t, "chunks_per_thread": c, "step_ms": round(ms, 3),
+                   "loops_per_step": round((module.pool_loops() - loops0) / 31, 1)}
             print(json.dumps(row), flush=True)
             print(f"threads {t:3d} chunks {c}: T(1) {row['step_ms']:.3f} ms, {row['loops_per_step']} loops a step",
                   file=sys.stderr, flush=True)
