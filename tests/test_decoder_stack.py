@@ -17,6 +17,7 @@ import torch
 
 from selfspec_cli.engine import TARGET, Engine, ForwardTaps, Route, kernels
 from selfspec_cli.engine.cache import CacheInvariantError
+from selfspec_cli.engine.runner import ATTEND_MAX_ROWS
 
 from .conftest import make_tiny_model
 
@@ -112,7 +113,8 @@ def test_what_the_stack_does_not_take_runs_op_by_op():
     """ASD's per-layer attention cosines, and more rows than the kernel's attention takes (a long prefill)."""
     eng = Engine(make_tiny_model("llama-gqa"))
     runs = _both(eng, 6, [dict(input_ids=torch.tensor([3]), positions=6, taps=ForwardTaps(attn_cosine=True)),
-                          dict(input_ids=torch.arange(70) % 300, positions=7, logits_rows=slice(None))])
+                          dict(input_ids=torch.arange(ATTEND_MAX_ROWS + 6) % 300, positions=7,
+                               logits_rows=slice(None))])
     _assert_same(runs, expect_stacked=0)
 
 
@@ -151,3 +153,28 @@ def test_an_out_of_order_write_is_refused_before_anything_changes():
     with pytest.raises(CacheInvariantError, match="layer 0"):
         eng.forward(cache, torch.tensor([4]), positions=6)  # layers 0-1 already hold position 6
     assert torch.equal(cache.k, k) and torch.equal(cache.v, v) and cache.positions == pos
+
+
+@needs_kernel
+def test_a_prefill_in_one_call_equals_it_in_pieces_and_row_by_row():
+    """Prefills up to ATTEND_MAX_ROWS rows run in the kernel (its attention and the stack's products are
+    row-invariant), so the cache and the last logits are the same bit for bit whether a prompt goes in at
+    once, in pieces, or one token at a time; and a chain of rows after the cache builds no mask."""
+    eng = Engine(make_tiny_model("llama-gqa"))
+    ids = torch.arange(90) % 300
+    outs = []
+    for cuts in ([0, 90], [0, 1, 34, 90], list(range(91))):
+        cache = eng.new_cache(96)
+        for a, b in zip(cuts, cuts[1:]):
+            out = eng.forward(cache, ids[a:b], positions=a)
+        outs.append((out.logits[-1], cache.k[:, :, :90].clone(), cache.v[:, :, :90].clone()))
+    for other in outs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(outs[0], other))
+    cache = eng.new_cache(96)
+    eng.forward(cache, ids[:40], positions=0)
+    w = eng.adapter.layers[0].sliding_window
+    assert eng._layer_mask(cache, 0, w, 4, None, [40, 41, 42, 43], None, {}, kernel=True) is None
+    assert eng._layer_mask(cache, 0, w, 4, None, [40, 41, 42, 43], None, {}, kernel=False) is not None  # SDPA's
+    cache.crop(30)
+    cache.positions[0][-1] = 35  # a hole: the rows' positions no longer follow the slots
+    assert eng._layer_mask(cache, 0, w, 4, None, [40, 41, 42, 43], None, {}, kernel=True) is not None

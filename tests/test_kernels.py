@@ -272,3 +272,55 @@ def test_a_moved_build_folder_is_loaded_not_rebuilt(tmp_path):
     torn.mkdir()
     (torn / "selfspec_small_gemm_x.so").write_bytes(b"not a library")
     assert kernels._built(torn, "selfspec_small_gemm_x") is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (9, 3), (4, 4), (32, 2)])  # 32 / 2: a group longer than one walk
+def test_attend_walks_a_groups_heads_together_with_each_heads_own_chain(d, hq, hkv):
+    """attend() walks the keys of one GQA group once for all of its heads in a chunk (csrc attend_heads):
+    every head's output must equal attending with that head alone, bit for bit, whatever the rows, the
+    thread count (which cuts the groups into different runs) or the mask."""
+    m = kernels.load_extension()
+    g = torch.Generator().manual_seed(d + hq)
+    before = kernels.pool_threads()
+    try:
+        for t, past in ((1, 150), (3, 70), (20, 40)):
+            n = past + t
+            qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 2
+            k, v = torch.randn(hkv, n + 3, d, generator=g), torch.randn(hkv, n + 3, d, generator=g)
+            add = torch.zeros(t, n).masked_fill_(torch.rand(t, n, generator=g) < 0.3, torch.finfo(torch.float32).min)
+            add[:, 0] = 0
+            for mask in (None, add):
+                alone = torch.cat([m.attend(qkv[:, h * d:(h + 1) * d].contiguous(), 1, k[h // (hq // hkv)][None],
+                                            v[h // (hq // hkv)][None], n, mask, past, 0, 0) for h in range(hq)], 1)
+                for threads in (1, 2, 3):
+                    kernels.set_threads(threads)
+                    assert torch.equal(m.attend(qkv, hq, k, v, n, mask, past, 0, 0), alone), (t, threads)
+    finally:
+        kernels.set_threads(before)
+
+
+@needs_kernel
+def test_stack_profile_times_each_op_kind_only_when_on():
+    """The per-op clock `selfspec profile` reads (csrc stack_profile): off, a forward adds nothing; on, every
+    part of a one-row forward is timed and the call counted; a read resets."""
+    from selfspec_cli.engine import Engine
+
+    from .conftest import make_tiny_model
+
+    m = kernels.load_extension()
+    eng = Engine(make_tiny_model("llama-gqa"))
+    cache = eng.new_cache(16)
+    eng.forward(cache, torch.tensor([1, 2, 3]), positions=0)
+    m.stack_profile_read()
+    eng.forward(cache, torch.tensor([4]), positions=3)
+    assert m.stack_profile_read() == [0.0] * 10
+    m.stack_profile(True)
+    try:
+        eng.forward(cache, torch.tensor([5]), positions=4)
+        got = m.stack_profile_read()
+    finally:
+        m.stack_profile(False)
+    assert got[0] == 1 and all(s >= 0 for s in got[1:]) and got[2] > 0 and got[4] > 0 and got[9] > 0
+    assert m.stack_profile_read() == [0.0] * 10

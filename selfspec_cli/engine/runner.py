@@ -84,7 +84,7 @@ class ForwardOutput:
 
 ALL_ROWS = slice(None)
 KERNEL_HEAD_SIZES = (16, 32, 64, 128, 256)  # what csrc's attend() and rope_() take
-ATTEND_MAX_ROWS = 64  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
+ATTEND_MAX_ROWS = 1024  # up to this many new rows attention runs in the kernel; longer prefills use SDPA
 LAST_ROW = slice(-1, None)
 
 
@@ -479,7 +479,8 @@ class Engine:
                 mask_of.append(-1)
                 continue
             pasts.append(cache.append_slot(l, q_list))  # raises, before anything is written, on a bad order
-            mask = self._layer_mask(cache, l, self.adapter.layers[l].sliding_window, t, q_pos, q_list, tree_mask, masks)
+            mask = self._layer_mask(cache, l, self.adapter.layers[l].sliding_window, t, q_pos, q_list, tree_mask, masks,
+                                    kernel=True)
             if mask is not None and id(mask) not in index:
                 index[id(mask)] = len(handed)
                 handed.append(mask[0, 0])
@@ -497,13 +498,19 @@ class Engine:
 
     def _layer_mask(self, cache: KVCache, l: int, window: int | None, t: int, q_pos: torch.Tensor | None,
                     q_list: list[int], tree_mask: torch.Tensor | None,
-                    masks: dict[tuple[int, int, int | None, int], torch.Tensor | None]) -> torch.Tensor | None:
+                    masks: dict[tuple[int, int, int | None, int], torch.Tensor | None],
+                    kernel: bool = False) -> torch.Tensor | None:
         """Layer ``l``'s additive mask for ``t`` new rows over its cached slots (read before this forward
         writes them), or None where attention over everything cached, causally for the new rows, is
         right. Layers with equal keys hold equal positions and share one mask (``masks``); a windowed
-        layer with holes gets its own."""
+        layer with holes gets its own. ``kernel``: the CPU kernel's attention reads None as "row ``i`` sees
+        the cached slots and the new rows up to its own" (SDPA's causal flag would align the rows to the
+        first key instead), so a chain of rows right after a cache without holes needs no mask: a k-row
+        verification builds none (and runs no aten op that would wake torch's own threads)."""
         past = cache.length(l)
-        if q_pos is None and past == 0 and tree_mask is None and (window is None or t <= window):
+        if q_pos is None and tree_mask is None and (window is None or t <= window) and (
+                past == 0 or (kernel and cache.last_position(l) == past - 1 == q_list[0] - 1
+                              and (window is None or q_list[-1] < window))):
             return None
         key = (past, cache.last_position(l), window, l if window is not None and cache.has_holes(l) else -1)
         if key not in masks:
@@ -699,7 +706,7 @@ class _LoopOps:
         t, hq = qk.shape[0], e._hq
         past = cache.length(layer)
         mask = e._layer_mask(cache, layer, w.sliding_window, t, self.q_pos, self.q_list, self.tree_mask,
-                             self.masks)  # None: causal
+                             self.masks, kernel=self.few_rows)  # None: causal
         kv = cache.write(layer, qk[:, hq:].transpose(0, 1), v.transpose(0, 1), self.q_list, views=not self.few_rows)
         if self.few_rows:  # mask None = causal after the `past` cached slots
             return self.ops.attend(q_rows, hq, cache.k[layer], cache.v[layer], past + t,

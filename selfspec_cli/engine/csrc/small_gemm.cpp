@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <vector>
 #include <type_traits>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -178,13 +179,15 @@ inline Pool& get() {  // the process's pool (a forked child's is rebuilt: its pa
   return *g_pool;
 }
 
-inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end) {
+inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end, int64_t per_thread) {
   const int64_t total = end - begin;
   // one chunk a thread by default: each chunk start costs a claim on a shared line and a cold prefetch stream
   // (SmolLM2's one-row forward at 2 threads: 4.6 ms with one chunk a thread, 4.8-4.9 with two, 5.2-5.3 with four);
   // a late thread's chunk is still claimed by whoever is free
   // (at most IDX_MASK chunks: the word holds the count in 16 bits; 1024 threads x 64 a thread would wrap it to 0)
-  const int64_t per = std::min<int64_t>(p.nth * g_chunks_per_thread.load(std::memory_order_relaxed), int64_t(IDX_MASK));
+  // (per_thread > 0: the caller's count, for loops whose indices cost unequal amounts: a causal prefill's rows)
+  const int64_t per = std::min<int64_t>(
+      p.nth * (per_thread > 0 ? per_thread : g_chunks_per_thread.load(std::memory_order_relaxed)), int64_t(IDX_MASK));
   const int64_t chunk = std::max<int64_t>(1, (total + per - 1) / per);
   const uint64_t chunks = static_cast<uint64_t>((total + chunk - 1) / chunk);
   p.body = body;
@@ -210,10 +213,11 @@ inline void post(Pool& p, Body body, const void* ctx, int64_t begin, int64_t end
 
 }  // namespace pool
 
-// f(b, e) over [begin, end) in chunks of at least `grain`, on the pool (serially where it has one thread, the
+// f(b, e) over [begin, end) in chunks of at least `grain` (chunks_per_thread > 0: about that many chunks a thread,
+// instead of the pool's setting), on the pool (serially where it has one thread, the
 // range is one grain, or the caller is a worker or another thread holds the pool). Returns when all are done.
 template <typename F>
-void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+void par_for(int64_t begin, int64_t end, int64_t grain, const F& f, int64_t chunks_per_thread = 0) {
   if (end <= begin) return;
   grain = pool::g_split_all.load(std::memory_order_relaxed) ? 1 : std::max<int64_t>(1, grain);
   if (pool::t_worker || end - begin <= grain) { f(begin, end); return; }
@@ -221,7 +225,8 @@ void par_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (p.nth <= 1) { f(begin, end); return; }
   std::unique_lock<std::mutex> lk(p.busy, std::try_to_lock);
   if (!lk.owns_lock()) { f(begin, end); return; }
-  pool::post(p, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &f, begin, end);
+  pool::post(p, [](const void* c, int64_t b, int64_t e) { (*static_cast<const F*>(c))(b, e); }, &f, begin, end,
+             chunks_per_thread);
 }
 
 // The pool's size: n threads in all (the caller and n - 1 workers); 1 runs every loop on the caller.
@@ -598,64 +603,123 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// One (row, head) of attend() for head size 8 * DV: scores, probabilities, weighted values.
+// Heads q[0..G) of one row of attend(), all reading the same keys and values (one GQA group), head size 8 * DV:
+// scores, probabilities, weighted values. Keys and values are walked in blocks that every head of the group
+// reads in turn, so a block comes from L2 once and from L1 for the other heads (the group's heads used to walk
+// the whole cache each: L2 bandwidth bound). Each head's arithmetic is the one-head chain, in the same order,
+// whatever G: its dot products, its maximum, its normalizer summed in key order, its FMA chain over the values.
+constexpr int ATT_MAX_G = 16;  // heads walked together (more in a group: several walks)
+constexpr int64_t ATT_BLOCK = 64;  // keys a values block holds (16 KB of float32 rows at head size 64)
+
 template <int DV>
-inline void attend_one(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, const float* mrow,
-                       int64_t limit, float scale, float* s, float* o, int64_t n1, int64_t off) {
+inline void attend_heads(const float* const* q, int G, const float* kb, int64_t ks1, const float* vb, int64_t vs1,
+                         const float* mrow, int64_t limit, float scale, float* const* s, float* const* o, int64_t n1,
+                         int64_t off) {
   // logical key j is cached slot j for j < n1, else slot j + off (a draft's sinks + recent window);
   // n1 = limit, off = 0: every key in order, the target's attention
-  __m256 qv[DV];
-#pragma GCC unroll 32
-  for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
   const float skip_below = -1e30f;
+  const __m256 scalev = _mm256_set1_ps(scale), skipv = _mm256_set1_ps(skip_below), ninf = _mm256_set1_ps(-INFINITY);
+  __m256 mxv[ATT_MAX_G];
+  float mx[ATT_MAX_G];
+  for (int hh = 0; hh < G; ++hh) { mxv[hh] = ninf; mx[hh] = -INFINITY; }
   // scores, 8 keys at a time; a short last group repeats its last key (and drops the extras),
   // so every key's dot product is computed the same way whatever the number of keys
   for (int64_t j0 = 0; j0 < limit; j0 += 8) {
-    __m256 acc[8];
+    const float* kr[8];
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       int64_t jj = std::min<int64_t>(j0 + u, limit - 1);
       jj += jj < n1 ? 0 : off;
-      const float* kr = kb + jj * ks1;
-      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
-#pragma GCC unroll 32
-      for (int i = 1; i < DV; ++i) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kr + 8 * i), a);
-      acc[u] = a;
+      kr[u] = kb + jj * ks1;
     }
-    alignas(32) float dots[8];
-    _mm256_store_ps(dots, hsum8(acc));
-    const int64_t n = std::min<int64_t>(8, limit - j0);
-    for (int64_t u = 0; u < n; ++u) {
-      const int64_t jm = j0 + u;
-      const float add = mrow ? mrow[jm < n1 ? jm : jm + off] : 0.0f;
-      s[j0 + u] = add < skip_below ? -INFINITY : dots[u] * scale + add;
+    const bool full = j0 + 8 <= limit && (mrow == nullptr || j0 + 8 <= n1);
+    for (int hh = 0; hh < G; ++hh) {
+      const float* qh = q[hh];
+      float* sh = s[hh];
+      __m256 qv[DV];
+#pragma GCC unroll 32
+      for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(qh + 8 * i);
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr[u]));
+#pragma GCC unroll 32
+        for (int i = 1; i < DV; ++i) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kr[u] + 8 * i), a);
+        acc[u] = a;
+      }
+      const __m256 dv = hsum8(acc);
+      if (full) {  // eight keys in a row: vector scale, mask, max
+        __m256 sv = _mm256_mul_ps(dv, scalev);
+        if (mrow) {
+          const __m256 add = _mm256_loadu_ps(mrow + j0);
+          sv = _mm256_blendv_ps(_mm256_add_ps(sv, add), ninf, _mm256_cmp_ps(add, skipv, _CMP_LT_OQ));
+        } else {
+          sv = _mm256_add_ps(sv, _mm256_setzero_ps());  // the scalar path's `+ 0.0f` (-0 becomes +0)
+        }
+        _mm256_storeu_ps(sh + j0, sv);
+        mxv[hh] = _mm256_max_ps(sv, mxv[hh]);  // a NaN score is passed over, as std::max(mx, s) does
+        continue;
+      }
+      alignas(32) float dots[8];
+      _mm256_store_ps(dots, dv);
+      const int64_t n = std::min<int64_t>(8, limit - j0);
+      for (int64_t u = 0; u < n; ++u) {
+        const int64_t jm = j0 + u;
+        const float add = mrow ? mrow[jm < n1 ? jm : jm + off] : 0.0f;
+        sh[j0 + u] = add < skip_below ? -INFINITY : dots[u] * scale + add;
+        mx[hh] = std::max(mx[hh], sh[j0 + u]);
+      }
     }
   }
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < limit; ++j) mx = std::max(mx, s[j]);
-  // probabilities (skipped keys: exactly 0), one scalar normalizer summed in key order
-  const __m256 mxv = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 8 <= limit; j += 8) {
-    const __m256 sv = _mm256_loadu_ps(s + j);
-    _mm256_storeu_ps(s + j, _mm256_and_ps(exp256(_mm256_sub_ps(sv, mxv)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ)));
+  // probabilities (skipped keys: exactly 0)
+  for (int hh = 0; hh < G; ++hh) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mxv[hh]);
+    for (float m : lanes) mx[hh] = std::max(mx[hh], m);  // the maximum is exact, whatever the order
+    float* sh = s[hh];
+    const __m256 mx8 = _mm256_set1_ps(mx[hh]);
+    int64_t j = 0;
+    for (; j + 8 <= limit; j += 8) {
+      const __m256 sv = _mm256_loadu_ps(sh + j);
+      _mm256_storeu_ps(sh + j, _mm256_and_ps(exp256(_mm256_sub_ps(sv, mx8)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ)));
+    }
+    for (; j < limit; ++j) sh[j] = sh[j] == -INFINITY ? 0.0f : exp1(sh[j] - mx[hh]);
   }
-  for (; j < limit; ++j) s[j] = s[j] == -INFINITY ? 0.0f : exp1(s[j] - mx);
-  float sum = 0.0f;
-  for (j = 0; j < limit; ++j) sum += s[j];
-  __m256 acc[DV];
+  // weighted values, a block of keys at a time for every head; each head's one scalar normalizer is summed in
+  // key order beside its FMA chain; its accumulators wait in `o` between blocks
+  float sum[ATT_MAX_G];
+  for (int hh = 0; hh < G; ++hh) {
+    sum[hh] = 0.0f;
 #pragma GCC unroll 32
-  for (int i = 0; i < DV; ++i) acc[i] = _mm256_setzero_ps();
-  for (j = 0; j < limit; ++j) {
-    if (s[j] == 0.0f) continue;
-    const __m256 pv = _mm256_set1_ps(s[j]);
-    const float* vr = vb + (j < n1 ? j : j + off) * vs1;
-#pragma GCC unroll 32
-    for (int i = 0; i < DV; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+    for (int i = 0; i < DV; ++i) _mm256_storeu_ps(o[hh] + 8 * i, _mm256_setzero_ps());
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (int64_t b0 = 0; b0 < limit; b0 += ATT_BLOCK) {
+    const int64_t b1 = std::min(limit, b0 + ATT_BLOCK);
+    for (int hh = 0; hh < G; ++hh) {
+      const float* sh = s[hh];
+      float* oh = o[hh];
+      __m256 acc[DV];
 #pragma GCC unroll 32
-  for (int i = 0; i < DV; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+      for (int i = 0; i < DV; ++i) acc[i] = _mm256_loadu_ps(oh + 8 * i);
+      float sm = sum[hh];
+      for (int64_t j = b0; j < b1; ++j) {
+        sm += sh[j];
+        if (sh[j] == 0.0f) continue;
+        const __m256 pv = _mm256_set1_ps(sh[j]);
+        const float* vr = vb + (j < n1 ? j : j + off) * vs1;
+#pragma GCC unroll 32
+        for (int i = 0; i < DV; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+      }
+      sum[hh] = sm;
+#pragma GCC unroll 32
+      for (int i = 0; i < DV; ++i) _mm256_storeu_ps(oh + 8 * i, acc[i]);
+    }
+  }
+  for (int hh = 0; hh < G; ++hh) {
+    const __m256 inv = _mm256_set1_ps(1.0f / sum[hh]);
+#pragma GCC unroll 32
+    for (int i = 0; i < DV; ++i) _mm256_storeu_ps(o[hh] + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(o[hh] + 8 * i), inv));
+  }
 }
 
 // Attention of T query rows over a layer's cached keys/values, float32, GQA, head size 16, 32, 64, 128 or 256.
@@ -696,9 +760,13 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
   const float scale = 1.0f / std::sqrt(float(d));
   const int64_t grain = std::max<int64_t>(1, 512 / std::max<int64_t>(1, n_keys));  // posted from ~60 keys a head
   par_for(0, t_n * hq, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(n_keys + 8);
-    for (int64_t idx = begin; idx < end; ++idx) {
+    std::vector<float> sbuf(std::min<int64_t>(end - begin, ATT_MAX_G) * (n_keys + 8));
+    const float* qs[ATT_MAX_G];
+    float* ss[ATT_MAX_G];
+    float* os[ATT_MAX_G];
+    for (int64_t idx = begin; idx < end;) {  // a run of this chunk's heads of one row and one GQA group at a time
       const int64_t t = idx / hq, h = idx % hq, g = h / group;
+      const int G = static_cast<int>(std::min<int64_t>({end - idx, (g + 1) * group - h, int64_t(ATT_MAX_G)}));
       int64_t limit = mp ? n_keys : std::min<int64_t>(n_keys, past + t + 1);
       const float* mrow = mp ? mp + t * n_keys : nullptr;
       int64_t n1 = limit, off = 0;
@@ -707,19 +775,23 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
         off = limit - window - sinks;
         limit = sinks + window;
       }
-      const float* q = qp + t * ldq + h * d;
-      float* o = op + t * hq * d + h * d;
+      for (int hh = 0; hh < G; ++hh) {
+        qs[hh] = qp + t * ldq + (h + hh) * d;
+        os[hh] = op + t * hq * d + (h + hh) * d;
+        ss[hh] = sbuf.data() + hh * (n_keys + 8);
+      }
       const float* kg = kp + g * ks0;
       const float* vg = vp + g * vs0;
       switch (d) {
-        case 16: attend_one<2>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
-        case 32: attend_one<4>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
-        case 64: attend_one<8>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
-        case 128: attend_one<16>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
-        default: attend_one<32>(q, kg, ks1, vg, vs1, mrow, limit, scale, s.data(), o, n1, off); break;
+        case 16: attend_heads<2>(qs, G, kg, ks1, vg, vs1, mrow, limit, scale, ss, os, n1, off); break;
+        case 32: attend_heads<4>(qs, G, kg, ks1, vg, vs1, mrow, limit, scale, ss, os, n1, off); break;
+        case 64: attend_heads<8>(qs, G, kg, ks1, vg, vs1, mrow, limit, scale, ss, os, n1, off); break;
+        case 128: attend_heads<16>(qs, G, kg, ks1, vg, vs1, mrow, limit, scale, ss, os, n1, off); break;
+        default: attend_heads<32>(qs, G, kg, ks1, vg, vs1, mrow, limit, scale, ss, os, n1, off); break;
       }
+      idx += G;
     }
-  });
+  }, t_n > 16 ? 8 : 0);  // a causal prefill's rows attend to 1 to n keys: 8 chunks a thread, claimed by whoever is free
   return out;
 }
 
@@ -1351,18 +1423,30 @@ int scale_kind(const torch::Tensor& scales, const c10::optional<torch::Tensor>& 
 bool mk_prescale(const float* x, int64_t count, int period, const float*& out) {
   static thread_local std::vector<float> buf;
   const float tiny = std::ldexp(1.0f, -102);
-  for (int64_t i = 0; i < count; ++i) {
+  // the check, 8 lanes at a time: |x| <= FLT_MAX (false for NaN and infinities) and (x == 0 or |x| >= tiny)
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), maxv = _mm256_set1_ps(FLT_MAX),
+               tinyv = _mm256_set1_ps(tiny), zero = _mm256_setzero_ps();
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
+    ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(v, maxv, _CMP_LE_OQ),
+                                         _mm256_or_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ), _mm256_cmp_ps(v, tinyv, _CMP_GE_OQ))));
+  }
+  if (_mm256_movemask_ps(ok) != 0xFF) return false;
+  for (; i < count; ++i) {
     const float v = std::fabs(x[i]);
     if (!(v <= FLT_MAX) || (v != 0.0f && v < tiny)) return false;
   }
   if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
-  static const float f4[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
-  static const float f6[4] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
-  if (period == 8)
-    for (int64_t i = 0; i < count; ++i) buf[i] = x[i] * f4[i & 7];
-  else
-    for (int64_t i = 0; i < count; ++i) buf[i] = x[i] * f6[i & 3];
-  out = buf.data();
+  alignas(32) static const float f4[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+  alignas(32) static const float f6[8] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f, 1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
+  const float* f = period == 8 ? f4 : f6;  // x[i] * f[i mod period]: period divides 8
+  const __m256 fv = _mm256_load_ps(f);
+  float* b = buf.data();
+  for (i = 0; i + 8 <= count; i += 8) _mm256_storeu_ps(b + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), fv));
+  for (; i < count; ++i) b[i] = x[i] * f[i & 7];
+  out = b;
   return true;
 }
 
@@ -1576,6 +1660,33 @@ inline void add_into(float* h, const float* x, int64_t n) {  // h += x, elementw
   });
 }
 
+// Where a DecoderStack's time goes (`selfspec profile`'s step breakdown; issue 48 asks where a second thread's
+// time goes): while on, forward() adds each op's wall time to one of STACK_PARTS slots, in order: norms, q/k/v
+// product, rotary and K/V writes, attention, o product, residual adds, gate/up product, activation, down product.
+// Off by default (two clock reads an op when on); the accumulators are the process's, read and reset together.
+constexpr int STACK_PARTS = 9;
+inline std::atomic<bool> g_stack_prof{false};
+inline std::array<int64_t, STACK_PARTS> g_stack_ns{};
+inline int64_t g_stack_calls = 0;
+struct StackClock {
+  bool on;
+  std::chrono::steady_clock::time_point t;
+  StackClock() : on(g_stack_prof.load(std::memory_order_relaxed)) { if (on) t = std::chrono::steady_clock::now(); }
+  void lap(int part) {  // the time since the last lap goes to `part`
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_stack_ns[part] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - t).count();
+    t = now;
+  }
+};
+void stack_profile(bool on) { g_stack_prof.store(on); }
+std::vector<double> stack_profile_read() {  // [calls, then seconds per part], and resets them
+  std::vector<double> out{static_cast<double>(g_stack_calls)};
+  for (int64_t& ns : g_stack_ns) { out.push_back(ns * 1e-9); ns = 0; }
+  g_stack_calls = 0;
+  return out;
+}
+
 struct DecoderStack {
   int64_t hq, hkv, d;
   double eps;
@@ -1601,11 +1712,21 @@ struct DecoderStack {
     layers.push_back(ly);
   }
 
-  torch::Tensor mlp(const Layer& ly, const torch::Tensor& x) const {
+  torch::Tensor mlp(const Layer& ly, const torch::Tensor& x, StackClock& clk) const {
+    clk.lap(0);
     torch::Tensor gu = ly.gate_up(x);
-    if (!gelu) return ly.down(silu_mul(gu));
-    const int64_t n = gu.size(1) / 2;
-    return ly.down(at::gelu(gu.narrow(1, 0, n), "tanh") * gu.narrow(1, n, n));
+    clk.lap(6);
+    torch::Tensor a;
+    if (!gelu) {
+      a = silu_mul(gu);
+    } else {
+      const int64_t n = gu.size(1) / 2;
+      a = at::gelu(gu.narrow(1, 0, n), "tanh") * gu.narrow(1, n, n);
+    }
+    clk.lap(7);
+    torch::Tensor y = ly.down(a);
+    clk.lap(8);
+    return y;
   }
 
   // h (T, H) float32: the rows entering layer `start`; kc/vc (L, Hkv, S, D) float32: the cache's buffers.
@@ -1632,6 +1753,8 @@ struct DecoderStack {
     const int64_t t_n = h.size(0), width = h.size(1), cap = kc.size(2);
     float* hp = h.data_ptr<float>();
     std::vector<torch::Tensor> out{h};
+    StackClock clk;
+    if (clk.on) ++g_stack_calls;
     for (int64_t i = 0; i < n_l; ++i) {
       const Layer& ly = layers[start + i];
       const int64_t l = start + i, past = pasts[i];
@@ -1639,7 +1762,10 @@ struct DecoderStack {
         TORCH_CHECK(past + t_n <= cap, "DecoderStack: layer ", l, " needs ", past + t_n, " slots, the cache holds ", cap);
         TORCH_CHECK(ly.rope >= 0 && ly.rope < static_cast<int64_t>(cos.size()) && cos.size() == sin.size(),
                     "DecoderStack: layer ", l, " reads rotary table ", ly.rope, " of ", cos.size());
-        torch::Tensor qkv = ly.qkv(rms_norm(h, ly.attn_norm, eps));
+        torch::Tensor x1 = rms_norm(h, ly.attn_norm, eps);
+        clk.lap(0);
+        torch::Tensor qkv = ly.qkv(x1);
+        clk.lap(1);
         torch::Tensor qk = qkv;  // each row's q heads, then its k heads (normed per head where the layer does)
         if (ly.qk_norm.has_value()) {
           const int64_t heads = hq + hkv;
@@ -1660,15 +1786,23 @@ struct DecoderStack {
           }
         c10::optional<torch::Tensor> mask;
         if (mask_of[i] >= 0) mask = masks.at(mask_of[i]);
-        torch::Tensor o = ly.o(attend(qk, hq, kc.select(0, l), vc.select(0, l), past + t_n, mask, past, sinks, window));
+        clk.lap(2);
+        torch::Tensor att = attend(qk, hq, kc.select(0, l), vc.select(0, l), past + t_n, mask, past, sinks, window);
+        clk.lap(3);
+        torch::Tensor o = ly.o(att);
+        clk.lap(4);
         if (ly.post_attn_norm.has_value()) o = rms_norm(o, *ly.post_attn_norm, eps);
+        clk.lap(0);
         add_into(hp, o.data_ptr<float>(), t_n * width);
+        clk.lap(5);
       }
       if (run_mlp[i]) {
-        torch::Tensor m = mlp(ly, rms_norm(h, ly.mlp_norm, eps));
+        torch::Tensor m = mlp(ly, rms_norm(h, ly.mlp_norm, eps), clk);
         if (ly.post_mlp_norm.has_value()) m = rms_norm(m, *ly.post_mlp_norm, eps);
         m = m.contiguous();
+        clk.lap(0);
         add_into(hp, m.data_ptr<float>(), t_n * width);
+        clk.lap(5);
       }
       if (keep[i]) out.push_back(h.clone());
     }
@@ -1684,6 +1818,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_split_all", &pool_split_all, "tests: post every loop of two or more indices to the pool, whatever its grain");
   m.def("pool_chunks", &pool_chunks, "chunks a loop is cut into, per thread (default 1)");
   m.def("pool_loops", &pool_loops, "loops the pool has run on its workers so far");
+  m.def("stack_profile", &stack_profile, "time each op of DecoderStack.forward (off by default)");
+  m.def("stack_profile_read", &stack_profile_read, "[forwards, then seconds per op kind] since the last read; resets");
   m.def("qisa", &qisa, "the instruction set qlinear dispatches to on this CPU");
 
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
