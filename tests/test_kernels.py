@@ -324,3 +324,39 @@ def test_stack_profile_times_each_op_kind_only_when_on():
         m.stack_profile(False)
     assert got[0] == 1 and all(s >= 0 for s in got[1:]) and got[2] > 0 and got[4] > 0 and got[9] > 0
     assert m.stack_profile_read() == [0.0] * 10
+
+
+@needs_kernel
+def test_argmax_rows_is_torch_argmax():
+    """The greedy pick (csrc argmax_rows, used by sampling.select_token and the tree verifier) must be
+    torch.argmax exactly: the first of equal maxima (in any lane, and -0 equal to +0), the first NaN,
+    rows of every length around the 8-lane width, all -inf."""
+    m = kernels.load_extension()
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for n in (1, 2, 7, 8, 9, 15, 16, 17, 63, 1000, 49152):
+        x = torch.randn(5, n, generator=g)
+        cases.append(x)
+        t = x.clone()
+        t[:, n // 3] = 9.0
+        t[:, n - 1] = 9.0
+        t[:, n // 2] = 9.0  # ties, the first wins
+        cases.append(t)
+        z = torch.zeros(3, n)
+        z[0, n // 2:] = -0.0
+        z[1, :] = float("-inf")
+        cases.append(z)
+        q = torch.randn(3, n, generator=g)
+        q[0, n - 1] = float("nan")
+        q[1, n // 2] = float("nan")
+        q[1, 0] = float("inf")
+        q[2, :] = float("nan")
+        cases.append(q)
+        r = torch.randint(-3, 3, (4, n), generator=g).float()  # many ties in every lane
+        cases.append(r)
+    for x in cases:
+        assert m.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist(), x.shape
+        assert kernels.argmax_rows(x) == x.argmax(dim=-1).tolist()
+        assert kernels.argmax_rows(x[0]) == [int(x[0].argmax())]
+    wide = torch.randn(4, 100, generator=g)[:, ::2]  # a column stride other than 1: aten's answer
+    assert kernels.argmax_rows(wide) == wide.argmax(dim=-1).tolist()

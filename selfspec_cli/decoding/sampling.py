@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingConfig
+from ..engine.kernels import argmax_rows
 
 
 def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -123,7 +124,7 @@ def select_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gen
     """Next token from (V,) logits: argmax when greedy, the Gumbel pick with the position's
     ``noise`` (rule ``gumbel``), else a sample of the processed distribution."""
     if cfg.greedy:
-        return int(logits.argmax())
+        return argmax_rows(logits)[0]
     if noise is not None:
         return int(gumbel_scores(logits, cfg, noise).argmax())
     return sample_from(processed_probs(logits, cfg), generator)

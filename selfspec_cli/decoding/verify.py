@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingConfig
+from ..engine.kernels import argmax_rows
 from .sampling import processed_probs, sample_from
 
 GREEDY = SamplingConfig()  # the greedy rules' config (temperature 0)
@@ -88,7 +89,7 @@ def verify_tree(tokens: Sequence[int], parents: Sequence[int], target_logits: to
     """
     children = tree_children(tokens, parents)
     if cfg.greedy:
-        best = target_logits.argmax(dim=-1).tolist()
+        best = argmax_rows(target_logits)
         pick = lambda row: best[row]  # noqa: E731
     else:
         probs = processed_probs(target_logits, cfg)

@@ -164,6 +164,17 @@ def pool_threads() -> int:
     return _pool_threads()
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax of (R, N) logits, or of one (N,) row, as ``torch.argmax`` gives it (the first of equal
+    maxima, the first NaN where there is one): the kernel's one pass (csrc ``argmax_rows``) on CPU float32, aten
+    elsewhere. A greedy pick over SmolLM2's 49,152 logits: about 43 us in aten, and an OpenMP region for k rows."""
+    rows = x if x.dim() == 2 else x.reshape(1, -1)
+    module = _state.get("module")
+    if module is None or rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        return rows.argmax(dim=-1).tolist()
+    return module.argmax_rows(rows).tolist()
+
+
 def status() -> dict[str, Any]:
     """What :func:`load_extension` found in this process (nothing is built here)."""
     return {"backend": "small_gemm" if _state.get("module") is not None else "torch",
