@@ -13,7 +13,8 @@ from selfspec_cli.bench import engine_profile as prof
 from selfspec_cli.decoding.measure import CURVE_ROWS, VerifyCurve
 from selfspec_cli.decoding.planning import iid_chain_gains
 from selfspec_cli.cli.app import main
-from selfspec_cli.engine import TARGET, Engine, Route
+from selfspec_cli.bench.engine_profile import STACK_PARTS
+from selfspec_cli.engine import TARGET, Engine, Route, kernels
 
 from .conftest import charge_forwards, make_tiny_model
 from .test_cli import assert_user_error, write_lines
@@ -61,6 +62,14 @@ def test_profile_writes_json_and_plots(capsys, tiny_tokenizer, tmp_path):
         one = doc["one_thread"]
         assert one["step_ms"] > 0 and sorted(int(k) for k in one["verify_cost"]) == list(CURVE_ROWS)
         assert doc["environment"]["pool_threads"] == doc["environment"]["threads"]  # restored after the 1-thread timing
+    if kernels.load_extension() is not None:  # where a step's time goes: per thread count, at two contexts
+        rows = doc["step_parts"]["rows"]
+        threads = sorted({1, doc["environment"]["threads"]})
+        assert [r["threads"] for r in rows] == threads * 2 and rows[0]["context_tokens"] < rows[-1]["context_tokens"]
+        for r in rows:
+            assert list(r["parts_ms"]) == list(STACK_PARTS) and r["step_ms"] > 0
+            assert r["parts_ms"]["qkv"] > 0 and r["parts_ms"]["attention"] > 0 and r["outside_layers_ms"] > 0
+        assert "step at 1 thread" in err
     # (the figures themselves, on a machine with known costs: test_engine_costs_on_a_machine_with_known_costs)
     assert doc["weight_bytes"] == fp32_step_bytes(model.config) == 772352
     red = doc["redundancy"]

@@ -19,6 +19,10 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
 * ``products_ms``: every matrix product of a one-row step and the LM head, run alone
   (:meth:`Engine.run_products`), and ``non_product_share``: the rest of ``T(1)`` (norms, rotary,
   attention, dispatch), 1 - products / T(1), both at the context of a real prompt;
+* ``step_parts`` (:func:`step_parts`): where a one-row step's time goes, at one thread and at the profile's
+  thread count, at the prompt's context and at a long one: the kernel's per-op clock over the layers
+  (csrc ``stack_profile``: norms, the q/k/v, o, gate/up and down products, rotary and K/V writes, attention,
+  residual adds, the activation) and the rest of the step (LM head, embedding, Python);
 * ``kernel_max_logit_diff``: the largest difference between the engine's fp32 logits
   with the CPU kernel (engine/kernels.py) and with plain ``F.linear``;
 * **quantized drafts** (engine/quant.py), per precision (int8, int8-g32, and the GGUF's
@@ -35,7 +39,7 @@ by ``T(1)`` (it decides whether verifying a draft can pay). This module measures
   quantized copy) could gain here with every drafted token accepted.
 
 Each section of ``profile.json`` (and bench's ``engine_costs``) is a frozen dataclass with typed fields
-(:class:`EngineCosts`, :class:`Redundancy`, :class:`QuantizedDrafts`, :class:`DraftVerdict`,
+(:class:`EngineCosts`, :class:`StepParts`, :class:`Redundancy`, :class:`QuantizedDrafts`, :class:`DraftVerdict`,
 :class:`DraftCeilings`, :class:`PredictedSpeedups`), on decoding/output.py's :class:`DraftReport` base:
 serialized once, by ``to_json()``, where the document is written (bench/profile.py, bench/job.py), with the
 keys, their order and values the dicts built here always had (tests/test_profile.py checks each).
@@ -409,6 +413,77 @@ def engine_costs(engine: Engine, prompt_ids: Sequence[int], rounds: int = 7,
                           draft_vocab=None if vocab is None else vocab.ids)
     return EngineCosts(weight_bytes=wbytes, bandwidth_gbs=round(bw, 2), floor_ms=round(floor_ms, 3), measured=costs,
                        step_over_floor=round(costs.curve.step_ms / floor_ms, 3), kernel=dict(engine.kernel_info))
+
+
+STACK_PARTS = ("norms", "qkv", "rotary_kv", "attention", "o", "residual_adds", "gate_up", "activation", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class StepPart(DraftReport):
+    """One thread count at one context: T(1) (the median step while the clock runs), the layers' ops in
+    milliseconds a step (keys: :data:`STACK_PARTS`; means over the steps), and the mean step less those
+    (``outside_layers_ms``: the LM head, the final norm, the embedding row, Python)."""
+
+    threads: int
+    context_tokens: int
+    step_ms: float
+    parts_ms: dict[str, float]
+    outside_layers_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepParts(DraftReport):
+    """Where a one-row step's time goes, per thread count and context (profile.json's ``step_parts``); what a
+    second thread buys is the ratio of two rows' figures."""
+
+    rows: list[StepPart]
+
+
+def step_parts(engine: Engine, prompt_ids: Sequence[int], threads: Sequence[int], contexts: Sequence[int],
+               steps: int = 40, set_threads: Callable[[int], None] | None = None) -> StepParts | None:
+    """Time ``steps`` one-row forwards at each context length (the prompt's ids, repeated to length) and thread
+    count with the kernel's per-op clock on (csrc ``stack_profile``, off again afterwards); None where the
+    forward does not run as one kernel call (no kernel, a GPU). The thread count is restored."""
+    from ..engine import kernels
+    from ..engine.threads import set_both
+
+    module = kernels.load_extension()
+    if module is None or engine.device.type != "cpu" or not engine.stack_layers:
+        return None
+    set_threads = set_threads or set_both
+    before = kernels.pool_threads()
+    rows: list[StepPart] = []
+    try:
+        for ctx in contexts:
+            ids = (list(prompt_ids) * (ctx // max(1, len(prompt_ids)) + 1))[:ctx]
+            cache = _prefill(engine, ids[:-1], 2)
+            tok = torch.tensor(ids[-1:], device=engine.device)
+            step = partial(engine.forward, cache, tok, positions=ctx - 1)
+            for n in threads:
+                set_threads(n)
+                for _ in range(3):
+                    step()
+                    cache.crop(ctx - 1)
+                stacked = engine.stacked_forwards
+                module.stack_profile_read()
+                module.stack_profile(True)
+                times = []
+                try:
+                    for _ in range(steps):
+                        times.append(timed(step, engine.device)[1])
+                        cache.crop(ctx - 1)
+                finally:
+                    module.stack_profile(False)
+                got = module.stack_profile_read()
+                if engine.stacked_forwards - stacked != steps or got[0] != steps:
+                    return None  # the layers did not run as one call each (a route the stack does not take)
+                parts = {name: round(sec / steps * 1e3, 4) for name, sec in zip(STACK_PARTS, got[1:])}
+                total = sum(times) / steps * 1e3
+                rows.append(StepPart(threads=n, context_tokens=ctx, step_ms=round(statistics.median(times) * 1e3, 4),
+                                     parts_ms=parts, outside_layers_ms=round(total - sum(parts.values()), 4)))
+    finally:
+        set_threads(before)
+    return StepParts(rows=rows)
 
 
 @torch.inference_mode()

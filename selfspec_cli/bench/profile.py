@@ -29,6 +29,7 @@ from .suite_loader import load_prompts
 from ..jsonio import JsonObject
 
 PROFILE_FILES = ("profile.json", "verify_cost.png", "redundancy.png")
+STEP_PARTS_LONG = 1024  # the longer context of the step breakdown: 4x the prompt's, at most this
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def run(req: ProfileRequest, plan: ProfilePlan, *, log: Callable[[str], None],
         "kind": "selfspec-profile", "model": model_name(mdl), "model_fingerprint": session.fingerprint,
         "num_layers": engine.num_layers, **costs.to_json(), "ar_tokens_per_s_upper": round(1e3 / costs.curve.step_ms, 2),
         "target_precision": engine.target_precision, "target_info": engine.target_info,
+        "step_parts": None if f.parts is None else f.parts.to_json(),
         "kernel_max_logit_diff": f.diff, "redundancy": None if f.red is None else f.red.to_json(),
         "quantized_drafts": f.quantized.to_json(),
         "draft_verdict": prof.draft_verdict(f.quantized, verify_cost).to_json(),
@@ -155,6 +157,7 @@ class _Figures:
     """The timed figures of one profile run, typed (engine_profile.py), before they are written."""
 
     costs: prof.EngineCosts
+    parts: prof.StepParts | None
     diff: float | None
     red: prof.Redundancy | None
     quantized: prof.QuantizedDrafts
@@ -181,6 +184,11 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
                 step_ms=one.step_ms, verify_cost=one.verify_cost, bandwidth_gbs=round(bw1, 2),
                 floor_ms=round(floor1, 3), step_over_floor=round(one.step_ms / floor1, 3)))
             bar.update(otask, completed=1)
+        ptask = bar.add_task("where a step's time goes", total=1, info="")
+        n_ctx = len(ctx_ids)
+        parts = prof.step_parts(engine, ctx_ids, sorted({1, plan.threads}),
+                                sorted({n_ctx, min(STEP_PARTS_LONG, max(4 * n_ctx, n_ctx))}))
+        bar.update(ptask, completed=1)
         diff = prof.kernel_logit_diff(engine, ctx_ids)
         # the redundancy map's prompts, evenly spread (at least one, for the predictions)
         n_sample = max(1, req.redundancy_prompts)
@@ -202,4 +210,4 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
                 engine, session.tokenizer, sample, plan.predict_methods, req.predict_tokens, session.eos_token_ids,
                 on_method=lambda i, n: bar.update(ptask, completed=i, info=n))
             bar.update(ptask, completed=len(plan.predict_methods), info="")
-    return _Figures(costs, diff, red, quantized, predicted)
+    return _Figures(costs, parts, diff, red, quantized, predicted)

@@ -65,6 +65,26 @@ def profile(
                                        "lm_head_share", "kernel_max_logit_diff")})
 
 
+def _thread_rows(t: Table, r: dict[str, Any]) -> None:
+    """The rows on threads: T(1) and v(k) at one thread beside the default's, and where a step's time goes."""
+    if one := r.get("one_thread"):
+        t.add_row("at 1 thread: T(1), v(k) k=2,4,8", f"{one['step_ms']:.1f} ms; " + ", ".join(
+            f"{one['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8) if str(k) in one["verify_cost"]))
+    for row in (r.get("step_parts") or {}).get("rows", []):
+        t.add_row(*_step_part_row(row))
+
+
+def _step_part_row(row: dict[str, Any]) -> tuple[str, str]:
+    """One row of profile.json's ``step_parts``: T(1) at a thread count and context, split into the layers'
+    products, their attention, their other ops and what runs outside the layers' call."""
+    p = row["parts_ms"]
+    products = p["qkv"] + p["o"] + p["gate_up"] + p["down"]
+    other = sum(p.values()) - products - p["attention"]
+    return (f"step at {count(row['threads'], 'thread')}, {row['context_tokens']} tokens",
+            f"{row['step_ms']:.2f} ms: products {products:.2f}, attention {p['attention']:.2f}, other ops "
+            f"{other:.2f}, outside the layers {row['outside_layers_ms']:.2f}")
+
+
 def _table(r: dict[str, Any]) -> Table:
     t = table(f"profile: {r['model']} (target {r['target_precision']}, {count(r['environment']['threads'], 'thread')}, "
               f"kernel {r['kernel']['backend']})", ("figure", "value"), left=("figure",))
@@ -73,9 +93,7 @@ def _table(r: dict[str, Any]) -> Table:
     t.add_row("floor (bytes / bandwidth)", f"{r['floor_ms']:.1f} ms")
     t.add_row("T(1): one decode step", f"{r['step_ms']:.1f} ms ({r['step_over_floor']:.2f}x floor)")
     t.add_row("v(k) k=2,4,8,16 (non-decreasing)", ", ".join(f"{r['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8, 16) if str(k) in r["verify_cost"]))
-    if one := r.get("one_thread"):
-        t.add_row("at 1 thread: T(1), v(k) k=2,4,8", f"{one['step_ms']:.1f} ms; " + ", ".join(
-            f"{one['verify_cost'][str(k)]:.2f}" for k in (2, 4, 8) if str(k) in one["verify_cost"]))
+    _thread_rows(t, r)
     t.add_row("c(r) r=" + ",".join(r["draft_cost"]), ", ".join(f"{v:.2f}" for v in r["draft_cost"].values()))
     t.add_row("LM head share", f"{r['lm_head_share']:.0%}")
     if "non_product_share" in r:
