@@ -300,6 +300,7 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.name.removesuffix(".gguf"))
     target = model_cache_dir() / f"{stem}-{digest[:12]}"
     if (target / "config.json").is_file() and (target / "selfspec-source.json").is_file():
+        _follow_moved_file(target / "selfspec-source.json", path)
         return target
     arch = arch or _supported_architecture(path)
     check_cache_writable("models")  # before the conversion, not after it
@@ -324,6 +325,22 @@ def gguf_to_hf_dir(path: Path, log: Any = None) -> Path:
                                                   "architecture": arch, "dtype": "float32"}, t0)
     log(f"converted in {time.perf_counter() - t0:.0f} s")
     return target
+
+
+def _follow_moved_file(source_json: Path, path: Path) -> None:
+    """A cached model whose recorded GGUF file is gone, reached again through a file with the same bytes (the
+    digest matched): the record now names this file, so that the cached directory loads instead of asking for
+    the file it was just given. A record whose file still exists is left as it is."""
+    try:
+        source = json.loads(source_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    recorded = source.get("gguf_file")
+    if not recorded or Path(recorded).is_file() or Path(recorded) == path.resolve():
+        return
+    source["gguf_file"] = str(path.resolve())
+    with contextlib.suppress(OSError, ArtifactError):  # a read-only cache keeps its record; the load then names the missing file
+        atomic_write(source_json, lambda f: f.write((json.dumps(source, indent=2) + "\n").encode("utf-8")))
 
 
 def _lite_tokenizer_checked(tokenizer: Any, where: Path) -> dict[str, str]:

@@ -10,6 +10,8 @@ from pathlib import Path
 import sys
 import types
 
+import json
+
 import pytest
 import torch
 
@@ -282,3 +284,19 @@ def test_matrices_of_a_float_type_are_said_in_one_line(cache, tmp_path, capsys):
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "are float types and run as float matrices" in line]
     assert len(said) == 1 and path.name in said[0], err
+
+
+def test_a_cached_model_follows_its_file_to_a_new_place(cache, tmp_path):
+    """A GGUF converted once, then moved (its first place gone), and passed again from the new place: the cache
+    entry (same bytes, same digest) records the new file and loads, instead of asking for the file it was just
+    given (a test run's temporary files, a model re-downloaded elsewhere)."""
+    path, _, _ = make_tiny_gguf(tmp_path / "src", seed=3, qtype="Q8_0")
+    first, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    moved = tmp_path / "elsewhere" / path.name
+    moved.parent.mkdir()
+    path.rename(moved)
+    again, _ = loading.load_model(str(moved), dtype="float32", device="cpu", log=None, lite=True)
+    ids = torch.tensor([[5, 3, 7]])
+    assert torch.equal(first._selfspec_embed_rows(ids), again._selfspec_embed_rows(ids))
+    entries = [p for p in cache.rglob("selfspec-source.json")]
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["gguf_file"] == str(moved.resolve())
