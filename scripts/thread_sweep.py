@@ -38,6 +38,9 @@ def main() -> int:
                          "thread in this list (the pool's pool_chunks), 30 steps each")
     a = ap.parse_args()
 
+    from selfspec_cli.cli.entry import set_wait_policy
+
+    set_wait_policy([])  # torch's own threads sleep when idle, as under the `selfspec` command (before torch loads)
     import torch
 
     from selfspec_cli.bench.engine_profile import _median_times, read_bandwidth_gbs
