@@ -35,7 +35,7 @@ positions, the head):
   builds (engine/quant.py). Norms, embeddings and the cache are the target's either way;
 * :meth:`Engine.release_float_weights` frees the float matrices a block target no longer
   reads (the embedding rows then come from the head's own blocks, exactly);
-* on the CPU kernel a forward of up to 64 rows runs its whole layer range in one C++ call
+* on the CPU kernel a forward of up to ATTEND_MAX_ROWS (1024) rows runs its whole layer range in one C++ call
   (csrc ``DecoderStack``, :meth:`Engine._stacked_layers`): the same kernels in the same order as
   the loop's :func:`~.layer.decoder_layer`, so every value is the loop's bit for bit; Python keeps the masks
   and the cache's position lists (``stack_layers = False`` runs the loop; tests/test_decoder_stack.py and
