@@ -336,7 +336,7 @@ def _follow_moved_file(source_json: Path, path: Path) -> None:
     except (OSError, ValueError):
         return
     recorded = source.get("gguf_file")
-    if not recorded or Path(recorded).is_file() or Path(recorded) == path.resolve():
+    if not recorded or Path(recorded).is_file():
         return
     source["gguf_file"] = str(path.resolve())
     with contextlib.suppress(OSError, ArtifactError):  # a read-only cache keeps its record; the load then names the missing file

@@ -187,7 +187,7 @@ def _measure(req: ProfileRequest, plan: ProfilePlan, session: Session, engine: E
         ptask = bar.add_task("where a step's time goes", total=1, info="")
         n_ctx = len(ctx_ids)
         parts = prof.step_parts(engine, ctx_ids, sorted({1, plan.threads}),
-                                sorted({n_ctx, min(STEP_PARTS_LONG, max(4 * n_ctx, n_ctx))}))
+                                sorted({n_ctx, min(STEP_PARTS_LONG, 4 * n_ctx)}))
         bar.update(ptask, completed=1)
         diff = prof.kernel_logit_diff(engine, ctx_ids)
         # the redundancy map's prompts, evenly spread (at least one, for the predictions)
