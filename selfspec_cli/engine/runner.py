@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import arena, kernels
 from .kernels import A8Linear
 from .adapter import LINEARS, ModelAdapter, model_fingerprint
 from .threads import governor_for_new_engine
@@ -139,6 +139,8 @@ class Engine:
             self._lin, self.lm_head = target_linears(self, self.target_precision)  # no float panels are packed
         else:
             self._lin, self.lm_head = self._linears(module, PANEL_DTYPES.get(self.target_precision))
+        self._to_huge_pages(self._lin, self.lm_head)  # the streamed panels on 2 MB pages (engine/arena.py)
+        huge = arena.placed_bytes([lin for layer in self._lin for lin in layer.values()] + [self.lm_head])
         self._norm_kernel = module.rms_norm if module is not None and self.dtype == torch.float32 else None
         # float32 rotary, attention over a few rows and SwiGLU's product in one call each (csrc)
         self._ops = module if module is not None and self.dtype == torch.float32 and self._d in KERNEL_HEAD_SIZES else None
@@ -148,7 +150,7 @@ class Engine:
         self._stacks: dict[int, tuple[Any, Any]] = {}  # id(layers' products) -> (those products, their DecoderStack)
         self.kernel_info = {"backend": "torch" if module is None else "small_gemm", "reason": reason,
                             "load_s": kernels.status()["load_s"] if module is not None else None,
-                            "pack_s": round(time.perf_counter() - t0, 3),
+                            "pack_s": round(time.perf_counter() - t0, 3), "huge_page_region_mb": round(huge / 1e6, 1),
                             # every op row-wise: a k-row forward equals k one-row steps bit for bit
                             "batch_invariant": self._ops is not None, "target": self.target_precision}
         # on a GPU, fixed-shape forwards replayed as CUDA graphs (engine/graphs.py; ``static_rows`` 0: off)
@@ -202,9 +204,17 @@ class Engine:
             where = getattr(self.model, "name_or_path", "") or ""
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)
             gguf_file = (gguf_source(where) or {}).get("gguf_file") if self.dtype == torch.float32 else None
-            self.drafts[precision] = build_draft(self.adapter, precision, model_fingerprint(self.model), gguf_file,
-                                                 self._module, where or None)
+            self.drafts[precision] = d = build_draft(self.adapter, precision, model_fingerprint(self.model), gguf_file,
+                                                     self._module, where or None)
+            self._to_huge_pages(d.layers, d.head)
         return self.drafts[precision]
+
+    def _to_huge_pages(self, layers: list[dict[str, Any]], head: Any) -> int:
+        """Move the panels a step streams, in the forward's order, onto 2 MB pages (engine/arena.py: the same
+        bytes, so the same results); the bytes moved. Only for the CPU kernel's panels."""
+        if self._module is None or self.device.type != "cpu":
+            return 0
+        return arena.place([lin for layer in layers for lin in layer.values()] + [head])
 
     # -- setup -------------------------------------------------------------
     def _linears(self, module: Any | None, pack_dtype: torch.dtype | None = None
