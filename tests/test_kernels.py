@@ -148,8 +148,8 @@ def test_engine_logits_with_and_without_kernel(arch):
 def test_engine_without_kernel_reports_why(monkeypatch):
     eng = Engine(make_tiny_model("llama-gqa"), fast_kernels=False)
     assert eng.kernel_info == {"backend": "torch", "reason": "fast_kernels=False", "load_s": None,
-                               "pack_s": eng.kernel_info["pack_s"], "batch_invariant": False, "target": "fp32",
-                               "exact_trees": False}
+                               "pack_s": eng.kernel_info["pack_s"], "huge_page_region_mb": 0.0, "batch_invariant": False,
+                               "target": "fp32", "exact_trees": False}
     monkeypatch.setenv("SELFSPEC_KERNELS", "0")
     eng = Engine(make_tiny_model("llama-gqa"), target_precision="auto")  # auto without the kernel: weights as loaded
     assert eng.target_precision == "fp32" and "no CPU kernel" in eng.target_info["why"]
