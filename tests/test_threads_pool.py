@@ -15,7 +15,7 @@ import torch
 
 from selfspec_cli.config import GenerationConfig, SamplingConfig
 from selfspec_cli.engine import Engine, kernels
-from selfspec_cli.engine.kernels import QLinear, quantize_int8
+from selfspec_cli.engine.kernels import QLinear, QuantWeight, quantize_int8
 from selfspec_cli.methods import build
 
 from .conftest import ARCHS, make_tiny_model
@@ -54,13 +54,20 @@ def test_every_op_is_bit_identical_at_every_thread_count(split_all, rows):
     w = torch.randn(200, 96, generator=g)
     packed = ext.pack(w)
     q8 = QLinear.make(quantize_int8(w, 32), None, ext)
+    # 4-bit codes with minimums and 6-bit codes: the masked decodes; 200 outputs are 4 super-panels, 8 halves, so
+    # 3 threads (and 5 chunks a thread) split panels into halves (csrc qrun)
+    q4 = QLinear.make(QuantWeight("q4_1", torch.randint(0, 16, (200, 96), generator=g, dtype=torch.uint8),
+                                  torch.rand(200, 3, generator=g) * 0.02, -torch.rand(200, 3, generator=g) * 0.1, 32, 4),
+                      torch.randn(200, generator=g), ext)
+    q6 = QLinear.make(QuantWeight("q6_k", torch.randint(-32, 32, (200, 96), generator=g, dtype=torch.int8),
+                                  torch.rand(200, 6, generator=g) * 0.02, None, 16, 6), None, ext)
     hq, hkv, d, n_keys = 4, 2, 32, 40
     qkv = torch.randn(rows, hq * d, generator=g)
     k, v = torch.randn(hkv, 64, d, generator=g), torch.randn(hkv, 64, d, generator=g)
     norm_w, gu = torch.rand(96, generator=g), torch.randn(rows, 320, generator=g)
 
     def ops():
-        return [ext.linear(x, packed, 200, None, "auto"), q8(x),
+        return [ext.linear(x, packed, 200, None, "auto"), q8(x), q4(x), q6(x),
                 ext.attend(qkv, hq, k, v, n_keys, None, n_keys - rows, 0, 0),
                 ext.rms_norm(x, norm_w, 1e-6), ext.silu_mul(gu)]
 
