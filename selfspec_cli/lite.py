@@ -473,7 +473,13 @@ def _attach_file(model: nn.Module, g: Any, tied: bool, device: torch.device, dty
         name = next(n for n, q in model.named_parameters() if q is p)
         _set(model, name, g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype))
 
+    def float_param(p: torch.Tensor) -> torch.Tensor:
+        """The one parameter ``p`` (still in the file) as float values, not kept: the caller lets them go."""
+        name = next(n for n, q in model.named_parameters() if q is p)
+        return g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype)
+
     model._selfspec_materialize_param = materialize_param
+    model._selfspec_float_param = float_param
     model._selfspec_gguf = g
     model._selfspec_embed_rows = _EmbedRows(g, device, dtype)
     model._selfspec_sample = sample
@@ -488,8 +494,9 @@ def load_gguf_model(where: str | os.PathLike, dtype: torch.dtype, device: torch.
       looks embedding rows up from them (``_selfspec_embed_rows``), so no float copy of them is made;
     * norms, biases and matrices of float types (F32, F16, BF16) are float32 tensors, as transformers' loader
       dequantizes them;
-    * ``_selfspec_materialize()`` dequantizes every matrix into the parameters (a float target, an int8
-      draft), the very values a converted model holds; ``_selfspec_sample`` gives the fingerprint its
+    * ``_selfspec_materialize()`` dequantizes every matrix into the parameters (a float target), the very
+      values a converted model holds; ``_selfspec_float_param(p)`` gives one parameter's values without keeping
+      them (an int8 draft, the profile's F.linear reference: one matrix at a time); ``_selfspec_sample`` gives the fingerprint its
       samples without it (the same id as the converted model's).
     """
     from .engine.gguf_file import GGUFTensors

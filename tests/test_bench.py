@@ -407,14 +407,19 @@ def test_bench_cli_writes_results_answers_records_and_plots(capsys, tiny_model_d
     assert "speedup by category" in err
 
 
-def test_the_bandwidth_is_read_once_before_the_contenders_are_built(capsys, tiny_model_dir, tmp_path, monkeypatch):
+def test_the_bandwidth_is_read_once_before_the_engine_and_contenders_are_built(capsys, tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
     """The probe's 1 GiB buffer must not sit on top of the contenders (a bench of ar and auto on Qwen2.5-Coder-1.5B
-    peaked at 2.39 GB with it read after them, 1.65 GB before: docs/benchmarks.md, "Memory"); the engine costs
-    then use that same reading."""
+    peaked at 2.39 GB with it read after them, 1.65 GB before: docs/benchmarks.md, "Memory"), nor on top of the
+    engine, whose block panels are resident from the start (engine/arena.py: 2.34 GB again with the probe read
+    after the engine); the engine costs then use that same reading."""
     from selfspec_cli.bench import engine_profile, job
+    from selfspec_cli.session import Session
 
     events: list[str] = []
     monkeypatch.setattr(engine_profile, "read_bandwidth_gbs", lambda **kw: events.append("probe") or 12.5)
+    make = Session.engine
+    monkeypatch.setattr(Session, "engine", lambda self, *a, **kw: events.append("engine") or make(self, *a, **kw))
     built = job.build_contenders
     monkeypatch.setattr(job, "build_contenders", lambda *a, **kw: events.append("contenders") or built(*a, **kw))
     prompts = tmp_path / "p.jsonl"
@@ -422,7 +427,7 @@ def test_the_bandwidth_is_read_once_before_the_contenders_are_built(capsys, tiny
     rc = main(["bench", "--methods", "ar,pld", "-m", str(tiny_model_dir), "-p", str(prompts), "-n", "4", "--warmup",
                "0", "--device", "cpu", "--no-plots", "-o", str(tmp_path / "out")])
     assert rc == 0, capsys.readouterr().err
-    assert events == ["probe", "contenders"]
+    assert events == ["probe", "engine", "contenders"]
     assert json.loads((tmp_path / "out" / "results.json").read_text())["engine_costs"]["bandwidth_gbs"] == 12.5
 
 

@@ -65,6 +65,31 @@ def test_direct_model_is_the_converted_model(cache, tmp_path, monkeypatch, qtype
     assert torch.equal(la, lb)
 
 
+def test_int8_draft_and_float_reference_never_hold_the_float_model(cache, tmp_path, monkeypatch):
+    """An int8 draft copy and ``plain_linear`` (the profile's F.linear reference) read a GGUF model's matrices one at a
+    time: the model's block matrices stay in the file (meta), and both equal what the converted model gives."""
+    path, _, hf_tok = make_tiny_gguf(tmp_path / "src", seed=11, qtype="Q4_1", tie_word_embeddings=True)
+    direct, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    monkeypatch.setenv("SELFSPEC_GGUF_DIRECT", "0")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache2"))
+    converted, _ = loading.load_model(str(path), dtype="float32", device="cpu", log=None, lite=True)
+    a, b = Engine(direct, target_precision="auto"), Engine(converted, target_precision="auto")
+    meta = [n for n, p in direct.named_parameters() if p.is_meta]
+    assert meta
+    for precision in ("int8", "int8-g32"):
+        qa, qb = a.quantized(precision), b.quantized(precision)
+        for da, db in zip(qa.layers + [{"head": qa.head}], qb.layers + [{"head": qb.head}]):
+            for name in da:
+                assert torch.equal(da[name].codes, db[name].codes) and torch.equal(da[name].scales, db[name].scales)
+    ids = torch.tensor(hf_tok("The quick brown fox answers a question.")["input_ids"])
+    with a.plain_linear():
+        la = a.forward(a.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits
+    with b.plain_linear():
+        lb = b.forward(b.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits
+    assert torch.equal(la, lb)
+    assert [n for n, p in direct.named_parameters() if p.is_meta] == meta  # nothing was dequantized into the model
+
+
 def test_embedding_rows_kept_from_the_file_are_its_rows(cache, tmp_path):
     """A direct model's embedding rows come from the file's blocks and are kept once read (a decode step reads
     one): repeated, mixed and evicted lookups give the rows gguf-py dequantizes, in the order asked."""

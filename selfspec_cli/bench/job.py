@@ -30,6 +30,7 @@ from ..engine.target import TARGET_PRECISIONS
 from ..errors import ConfigError, count
 from ..decoding.output import OutputRecord
 from ..jsonio import JsonObject, dumps
+from ..loading import resolve_device
 from ..methods import METHODS, Method, build, config_for
 from ..paths import atomic_write, check_not_input, cut_to_last_line
 from ..prompts import PROMPT_FORMATS, Prompt, uses_chat_template
@@ -372,6 +373,9 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
     records_dir = req.output_dir / "records" / (f"rank{ranks.rank}" if ranks.many else "")
     assistant = None if req.assistant_model is None else Session.open(req.assistant_model, dtype=req.dtype,
                                                                       device=req.device).model
+    if req.costs and ranks.lead:  # the bandwidth probe's 1 GiB buffer before the engine reads its weights (a block target's
+        # panels are resident from the start: engine/arena.py) and before the contenders, not on top of them
+        prof.bandwidth_gbs(resolve_device(req.device))
     engine = session.engine(req.target_precision)
     measure_fresh(engine)  # every run measures its own costs (and pools a new reading per pass), never the store's
     names = plan.names
@@ -379,8 +383,6 @@ def run(req: BenchRequest, plan: BenchPlan, io: BenchIO) -> BenchOutcome | None:
         names = [n for n in names if n != "ar-fp32"]  # it would be ar itself, or a float32 copy of a model not loaded so
         why = "is the float32 weights already" if engine.dtype == torch.float32 else f"is loaded in {engine.dtype}"
         plan.say(f"[dim]ar-fp32 left out: the target {why}[/dim]")
-    if req.costs and ranks.lead:  # the bandwidth probe's buffer before the contenders, not on top of them
-        prof.bandwidth_gbs(engine.device)
     contenders = build_contenders(names, session, engine, req, assistant)
     r = _Run(req, plan, io, session, engine, names, contenders, prompts, records_dir, startup=session.startup())
     _start(r)

@@ -301,6 +301,19 @@ class ModelAdapter:
                 attr.tensor = None
         return getattr(w, f"w_{name}")
 
+    def float_values(self, layer: int | None, name: str) -> torch.Tensor:
+        """Matrix ``name`` of layer ``layer`` (``layer`` None: the LM head) as float values, without keeping them:
+        a matrix still in a GGUF file (lite.load_gguf_model) is dequantized for the caller alone, so a caller that
+        walks the matrices one at a time (an int8 draft's build, an F.linear reference) never holds the float model."""
+        held = [self.lm_head] if layer is None else self.layers[layer].held(name)
+        fetch = getattr(self._model, "_selfspec_float_param", None)
+        if fetch is not None and any(t.is_meta for t in held):
+            attr = getattr(self.layers[layer], name) if layer is not None and name in ("qkv", "gate_up") else None
+            # a fused matrix still in the file: its parts (the model's own parameters, which the file names)
+            held = [m.weight for m in attr.parts] if isinstance(attr, Fused) else held
+            held = [fetch(t) if t.is_meta else t for t in held]
+        return held[0] if len(held) == 1 else torch.cat(held, dim=0)
+
     def out_features(self, layer: int, name: str) -> int:
         """Rows of layer ``layer``'s matrix ``name`` (:data:`LINEARS`), read from the model's shapes as loaded
         (a released matrix keeps its count)."""

@@ -72,8 +72,10 @@ class DraftWeights:
 
 
 def _int8(adapter: ModelAdapter, group: int | None) -> tuple[list[dict[str, QuantWeight]], QuantWeight, dict]:
-    return ([{n: quantize_int8(getattr(w, f"w_{n}"), group) for n in LINEARS} for w in adapter.layers],
-            quantize_int8(adapter.lm_head, group), {})
+    """Every matrix rounded to int8, one at a time (a model read from its GGUF blocks dequantizes each for this
+    alone: ModelAdapter.float_values)."""
+    return ([{n: quantize_int8(adapter.float_values(l, n), group) for n in LINEARS} for l in range(adapter.num_layers)],
+            quantize_int8(adapter.float_values(None, "head"), group), {})
 
 
 def _gguf_block(t: Any) -> QuantWeight | None:

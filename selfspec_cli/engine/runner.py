@@ -54,7 +54,8 @@ import dataclasses
 import hashlib
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,18 @@ def _trim_heap() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@dataclass(slots=True)
+class _FileLinear:
+    """``F.linear`` over a matrix dequantized from its GGUF blocks for this call alone (``plain_linear`` on a model
+    read from its GGUF: the reference never holds the float model, 6 GB for a 1.5B one)."""
+
+    values: Callable[[], torch.Tensor]
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.values().to(x.dtype), self.bias)
 
 
 class Engine:
@@ -178,7 +191,8 @@ class Engine:
 
     def _float_matrices(self) -> None:
         """Dequantize a model read from its GGUF blocks into float matrices (the very values a converted model
-        holds), for what reads float matrices: a float target, an int8 draft."""
+        holds), for a float target. (An int8 draft and ``plain_linear`` read one matrix at a time instead:
+        ModelAdapter.float_values.)"""
         if any(p.is_meta for p in self.model.parameters()):
             self.model._selfspec_materialize()
             if hasattr(self, "adapter"):
@@ -199,8 +213,6 @@ class Engine:
             if self._float_released and precision not in QUANT_TARGETS:
                 raise RuntimeError(f"the {precision} draft copy is built from the float matrices, which "
                                    "release_float_weights() freed: build every draft before releasing")
-            if precision not in QUANT_TARGETS:
-                self._float_matrices()
             where = getattr(self.model, "name_or_path", "") or ""
             # the GGUF's blocks are the target's weights only for the fp32 conversion (bf16 rounds them)
             gguf_file = (gguf_source(where) or {}).get("gguf_file") if self.dtype == torch.float32 else None
@@ -247,8 +259,13 @@ class Engine:
         if self._float_released:
             raise RuntimeError("plain_linear() needs the float matrices, which release_float_weights() freed")
         saved = self._lin, self.lm_head, self._norm_kernel, self._ops
-        self._float_matrices()
-        self._lin, self.lm_head = self._linears(None)
+        if any(p.is_meta for p in self.model.parameters()):  # matrices still in the GGUF: one at a time, per call
+            a = self.adapter
+            self._lin = [{k: _FileLinear(partial(a.float_values, l, k), getattr(w, f"b_{k}")) for k in LINEARS}
+                         for l, w in enumerate(a.layers)]
+            self.lm_head = _FileLinear(partial(a.float_values, None, "head"), None)
+        else:
+            self._lin, self.lm_head = self._linears(None)
         self._norm_kernel = self._ops = None
         try:
             yield
