@@ -461,22 +461,25 @@ def _attach_file(model: nn.Module, g: Any, tied: bool, device: torch.device, dty
         values = g.dequantize_rows(gguf_name(name, tied), wanted.numpy())
         return values[torch.searchsorted(wanted, rows), cols]
 
+    def values(name: str, p: torch.Tensor) -> torch.Tensor:
+        """Parameter ``name`` (``p``, still in the file) as float values."""
+        return g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype)
+
     def materialize() -> None:
         """Every matrix still in the file as float32 values in the model (once)."""
         for name, p in list(model.named_parameters()):
             if p.is_meta:
-                _set(model, name, g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype))
+                _set(model, name, values(name, p))
         model._selfspec_embed_rows = None  # the float table is there now
 
     def materialize_param(p: torch.Tensor) -> None:
         """The one parameter ``p`` (still in the file) as float values in the model."""
         name = next(n for n, q in model.named_parameters() if q is p)
-        _set(model, name, g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype))
+        _set(model, name, values(name, p))
 
     def float_param(p: torch.Tensor) -> torch.Tensor:
         """The one parameter ``p`` (still in the file) as float values, not kept: the caller lets them go."""
-        name = next(n for n, q in model.named_parameters() if q is p)
-        return g.dequantize_rows(gguf_name(name, tied)).reshape(p.shape).to(device=device, dtype=dtype)
+        return values(next(n for n, q in model.named_parameters() if q is p), p)
 
     model._selfspec_materialize_param = materialize_param
     model._selfspec_float_param = float_param

@@ -3,6 +3,8 @@ aligned and the region 2 MB aligned, moved once, products bit-identical before a
 are the same with huge pages on and off; ``SELFSPEC_HUGE_PAGES=0`` moves nothing."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -100,3 +102,11 @@ def test_region_is_2mb_aligned_and_sized():
     assert r.numel() == 3 << 20 and r.data_ptr() % arena.HUGE == 0 and r.dtype == torch.uint8
     r.fill_(7)
     assert int(r[-1]) == 7 and int(r.sum()) == 7 * (3 << 20)
+    span = (r.data_ptr(), r.data_ptr() + r.numel())
+    view = r[5:9]
+    del r
+    gc.collect()
+    assert span in arena._regions  # a view still holds the mapping
+    del view
+    gc.collect()
+    assert span not in arena._regions  # unmapped: its addresses may hold anything later, never "already placed"

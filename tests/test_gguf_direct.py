@@ -87,6 +87,11 @@ def test_int8_draft_and_float_reference_never_hold_the_float_model(cache, tmp_pa
     with b.plain_linear():
         lb = b.forward(b.new_cache(64), ids, positions=0, logits_rows=slice(None)).logits
     assert torch.equal(la, lb)
+    # the profile's figure: the kernel against that reference, the same from the file as from the converted model
+    from selfspec_cli.bench.engine_profile import kernel_logit_diff
+
+    da, db = kernel_logit_diff(a, ids.tolist()), kernel_logit_diff(b, ids.tolist())
+    assert da == db and 0.0 <= da < 1e-3
     assert [n for n, p in direct.named_parameters() if p.is_meta] == meta  # nothing was dequantized into the model
 
 

@@ -296,9 +296,12 @@ def bandwidth_gbs(device: torch.device | str = "cpu") -> float:
     """:func:`read_bandwidth_gbs` once per process, device and thread count (what the reading depends on). A bench
     takes it before it builds its contenders, so that the probe's 1 GiB buffer never sits on top of them and the
     mapped model (docs/benchmarks.md, "Memory"); its engine costs then use that reading."""
-    key = (str(device), torch.get_num_threads())
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and the engine's "cuda:0" are one device: one reading
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (str(dev), torch.get_num_threads())
     if key not in _BANDWIDTH:
-        _BANDWIDTH[key] = read_bandwidth_gbs(device=device)
+        _BANDWIDTH[key] = read_bandwidth_gbs(device=dev)
     return _BANDWIDTH[key]
 
 

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from .kernels import A8Linear, Linear, PartsLinear, QLinear
+
 HUGE = 2 << 20  # bytes of a huge page on x86-64
 ALIGN = 64  # a tensor's start in the region: one cache line
-_regions: list[tuple[int, int]] = []  # address ranges place() has filled (a tensor in one is not moved again)
+_regions: list[tuple[int, int]] = []  # the live regions' address ranges (a tensor in one is not moved again)
 
 
 def enabled() -> bool:
@@ -39,23 +42,19 @@ def enabled() -> bool:
 
 def _slots(lin: Any) -> list[str]:
     """The tensor attributes of one product that a step streams (none for an F.linear fallback)."""
-    kind = type(lin).__name__
-    if kind == "QLinear":
+    if isinstance(lin, QLinear):
         return ["codes", "scales", "mins"] if lin.module is not None else []
-    if kind == "Linear":
-        return ["packed"]
-    return []
+    return ["packed"] if isinstance(lin, Linear) else []
 
 
 def _products(lins: Iterable[Any]) -> list[Any]:
     """The products themselves, unwrapping fused parts and the int8-activation view (which shares its base's codes)."""
     out: list[Any] = []
     for lin in lins:
-        kind = type(lin).__name__
-        if kind == "PartsLinear":
+        if isinstance(lin, PartsLinear):
             out += _products(lin.parts)
-        elif kind == "A8Linear":
-            out += _products([lin.base])
+        elif isinstance(lin, A8Linear):
+            out.append(lin.base)
         elif lin is not None:
             out.append(lin)
     return out
@@ -77,7 +76,9 @@ def region(nbytes: int, populate: bool = True) -> torch.Tensor:
         except OSError:
             pass
     out = whole[start:start + nbytes]
-    _regions.append((out.data_ptr(), out.data_ptr() + nbytes))
+    span = (out.data_ptr(), out.data_ptr() + nbytes)
+    _regions.append(span)
+    weakref.finalize(mapping, _regions.remove, span)  # unmapped once no tensor holds it: its addresses may be reused
     return out
 
 
