@@ -533,15 +533,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
 // RMSNorm of float32 rows: y = (x * rsqrt(mean(x^2) + eps)) * w, as Llama's RMSNorm orders it.
 // One call per norm instead of aten's five-op path (about 40 us a call at one row here,
 // 2.5 ms of a 28 ms step). Row-wise, so batch-invariant like linear().
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "rms_norm: x must be 2-D float32");
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kFloat32 && w.size(0) == x.size(1), "rms_norm: bad weight");
-  torch::Tensor xc = x.contiguous(), wc = w.contiguous();
-  const int64_t rows = xc.size(0), h = xc.size(1);
-  auto y = torch::empty_like(xc);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// rms_norm's rows (R, h) x -> y, y == x allowed (each row's sum is taken before it is written).
+void rms_norm_rows(const float* xp, const float* wp, float* yp, int64_t rows, int64_t h, double eps) {
   par_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, h)), [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = xp + r * h;
@@ -564,6 +557,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     for (; i < h; ++i) yr[i] = (xr[i] * scale) * wp[i];
   }
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "rms_norm: x must be 2-D float32");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kFloat32 && w.size(0) == x.size(1), "rms_norm: bad weight");
+  torch::Tensor xc = x.contiguous(), wc = w.contiguous();
+  auto y = torch::empty_like(xc);
+  rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), xc.size(0), xc.size(1), eps);
   return y;
 }
 
@@ -732,6 +733,10 @@ inline void attend_heads(const float* const* q, int G, const float* kb, int64_t 
 // and their order (skipped keys add nothing, every dot product is reduced the same way, sums run
 // over j in order with one scalar normalizer), so a row of a k-row verification equals the same
 // row decoded alone, bit for bit.
+void attend_rows(const float* qp, int64_t ldq, int64_t t_n, int64_t hq, int64_t hkv, int64_t d, const float* kp,
+                 int64_t ks0, int64_t ks1, const float* vp, int64_t vs0, int64_t vs1, int64_t n_keys, const float* mp,
+                 int64_t past, int64_t sinks, int64_t window, float* op);
+
 torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tensor v, int64_t n_keys,
                      c10::optional<torch::Tensor> mask, int64_t past, int64_t sinks, int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1, "attend: bad q");
@@ -751,11 +756,16 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
     mp = mc.data_ptr<float>();
   }
   auto out = torch::empty({t_n, hq * d}, qkv.options());
-  const float* qp = qkv.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldq = qkv.stride(0), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  attend_rows(qkv.data_ptr<float>(), qkv.stride(0), t_n, hq, hkv, d, k.data_ptr<float>(), k.stride(0), k.stride(1),
+              v.data_ptr<float>(), v.stride(0), v.stride(1), n_keys, mp, past, sinks, window, out.data_ptr<float>());
+  return out;
+}
+
+// attend()'s rows on raw pointers: q row t at qp + t ldq (heads side by side), keys/values of group g, key j at
+// kp + g ks0 + j ks1 (vp likewise), mask mp (T, n_keys) or null, out op (T, hq d) contiguous.
+void attend_rows(const float* qp, int64_t ldq, int64_t t_n, int64_t hq, int64_t hkv, int64_t d, const float* kp,
+                 int64_t ks0, int64_t ks1, const float* vp, int64_t vs0, int64_t vs1, int64_t n_keys, const float* mp,
+                 int64_t past, int64_t sinks, int64_t window, float* op) {
   const int64_t group = hq / hkv;
   const float scale = 1.0f / std::sqrt(float(d));
   const int64_t grain = std::max<int64_t>(1, 512 / std::max<int64_t>(1, n_keys));  // posted from ~60 keys a head
@@ -792,22 +802,16 @@ torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tens
       idx += G;
     }
   }, t_n > 16 ? 8 : 0);  // a causal prefill's rows attend to 1 to n keys: 8 chunks a thread, claimed by whoever is free
-  return out;
 }
 
 // Rotary embedding in place on the first `heads` heads of each row of x (T, >= heads*D):
 // x = x * cos + flip_halves(x) * sin_signed (sin_signed = [-sin1, sin2]), cos/sin (T, D).
-void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "rope_: bad x");
-  const int64_t t_n = x.size(0), d = cos.size(1), half = d / 2;
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == t_n && x.size(1) >= heads * d && half % 8 == 0,
-              "rope_: bad shapes");
-  torch::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  float* xp = x.data_ptr<float>();
-  const int64_t ld = x.stride(0);
+// rope_'s rows: x (T, >= heads*d, row stride ld) in place, cos/sin (T, d) contiguous.
+void rope_rows(float* xp, int64_t ld, int64_t t_n, int64_t heads, int64_t d, const float* cp, const float* sp) {
+  const int64_t half = d / 2;
   for (int64_t t = 0; t < t_n; ++t) {
-    const float* c = cc.data_ptr<float>() + t * d;
-    const float* sn = sc.data_ptr<float>() + t * d;
+    const float* c = cp + t * d;
+    const float* sn = sp + t * d;
     for (int64_t h = 0; h < heads; ++h) {
       float* r = xp + t * ld + h * d;
       for (int64_t i = 0; i < half; i += 8) {
@@ -820,6 +824,15 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin)
       }
     }
   }
+}
+
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "rope_: bad x");
+  const int64_t t_n = x.size(0), d = cos.size(1), half = d / 2;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == t_n && x.size(1) >= heads * d && half % 8 == 0,
+              "rope_: bad shapes");
+  torch::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  rope_rows(x.data_ptr<float>(), x.stride(0), t_n, heads, d, cc.data_ptr<float>(), sc.data_ptr<float>());
 }
 
 // Each row's argmax, as torch.argmax gives it (the first of equal maxima; the first NaN where a row holds one):
@@ -878,13 +891,8 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 // SwiGLU's product: gu (T, 2I) = [gate | up] -> silu(gate) * up, (T, I).
-torch::Tensor silu_mul(torch::Tensor gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat32 && gu.size(1) % 2 == 0, "silu_mul: bad input");
-  torch::Tensor g = gu.contiguous();
-  const int64_t t_n = g.size(0), n = g.size(1) / 2;
-  auto y = torch::empty({t_n, n}, g.options());
-  const float* gp = g.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// silu_mul's rows: gp (T, 2n) -> yp (T, n).
+void silu_mul_rows(const float* gp, float* yp, int64_t t_n, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   par_for(0, t_n, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, n)), [&](int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
@@ -900,6 +908,14 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     for (; i < n; ++i) o[i] = (a[i] / (1.0f + exp1(-a[i]))) * u[i];
   }
   });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat32 && gu.size(1) % 2 == 0, "silu_mul: bad input");
+  torch::Tensor g = gu.contiguous();
+  const int64_t t_n = g.size(0), n = g.size(1) / 2;
+  auto y = torch::empty({t_n, n}, g.options());
+  silu_mul_rows(g.data_ptr<float>(), y.data_ptr<float>(), t_n, n);
   return y;
 }
 
@@ -1228,6 +1244,7 @@ struct QArgs {
   float* y;
   const float* bias;
   bool mk;  // 4-bit codes with minimums or 6-bit codes, x prescaled (mk_prescale): the masked decode
+  int64_t ldy = 0;  // y's row stride (0: n); a fused product's parts write side by side
 };
 
 // Bytes of packed codes per output and super-panel: 8-bit K, 4-bit K/2, 6-bit 3K/4 (decode6_512's layout).
@@ -1253,19 +1270,20 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
     const int64_t size = (rows - r) / (tiles - t);
     const float* xt = a.x + r * a.k_n;
     const float* xst = MIN || CB == 6 ? a.xs + r * a.ldxs : nullptr;
-    float* yt = a.y + r * a.n + n0;
+    const int64_t ldy = a.ldy > 0 ? a.ldy : a.n;
+    float* yt = a.y + r * ldy + n0;
     constexpr bool CAN_MK = (CB == 4 && MIN) || CB == 6;
     if constexpr (AVX512) {
-#define QT(RR) (CAN_MK && a.mk ? qtile512<RR, CB, MIN, S, CAN_MK>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias) \
-                              : qtile512<RR, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, n_valid, bias))
+#define QT(RR) (CAN_MK && a.mk ? qtile512<RR, CB, MIN, S, CAN_MK>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, ldy, n_valid, bias) \
+                              : qtile512<RR, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, ldy, n_valid, bias))
       switch (size) {
         case 6: QT(6); break; case 5: QT(5); break; case 4: QT(4); break;
         case 3: QT(3); break; case 2: QT(2); break; default: QT(1);
       }
 #undef QT
     } else {
-#define QT(RR, NQ) (CAN_MK && a.mk ? qtile256<RR, NQ, CB, MIN, S, CAN_MK>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias) \
-                                  : qtile256<RR, NQ, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, a.n, o0, n_valid, bias))
+#define QT(RR, NQ) (CAN_MK && a.mk ? qtile256<RR, NQ, CB, MIN, S, CAN_MK>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, ldy, o0, n_valid, bias) \
+                                  : qtile256<RR, NQ, CB, MIN, S>(codes, sc, mn, a.k_n, a.gs, G, xt, a.k_n, xst, a.ldxs, yt, ldy, o0, n_valid, bias))
       if (size == 1) {
         for (int64_t o0 = 0; o0 < SP; o0 += 32) QT(1, 4);
       } else {
@@ -1511,11 +1529,20 @@ std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 // x (R, K) float32; codes packed (ns, K, K/2 or 3K/4, 64) uint8/int8 for bits 8, 4 or 6 (6: signed codes -32..31,
 // no minimums); scales (ns, K/gs, 64) float32 or float16, or factored (scale_kind); mins the same or None; isa
 // "auto", "avx2" or "avx512". Returns (R, N) float32.
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
-                      int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear: x must be 2-D float32");
+// A quantized product checked once (qlinear's checks) and kept as raw pointers: what DecoderStack runs per call.
+struct QMeta {
+  const uint8_t* codes = nullptr;
+  const void* sc = nullptr;
+  const void* mn = nullptr;
+  const float* bias = nullptr;
+  int64_t k = 0, gs = 0, n = 0, bits = 0;
+  int skind = 0;
+  bool has_min = false, avx512 = false;
+};
+
+QMeta qmeta(const torch::Tensor& codes, const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+            int64_t k, int64_t n, int64_t gs, int64_t bits, const torch::Tensor* bias_f32, const std::string& isa) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 6, "qlinear: bits must be 8, 6 or 4");
-  const int64_t rows = x.size(0), k = x.size(1);
   const int64_t step = bits == 8 ? 1 : bits == 4 ? 8 : 16;  // k-steps of a code word
   TORCH_CHECK(gs > 0 && k % gs == 0 && gs % step == 0, "qlinear: group size ", gs, " must divide K=", k,
               " and be a multiple of ", step);
@@ -1525,36 +1552,47 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
               "qlinear: packed codes expected");
   const int64_t np = codes.size(0);
   TORCH_CHECK(np * SP >= n && np * SP - n < SP, "qlinear: bad output size");
-  const int skind = scale_kind(scales, mins, np, k, gs, "qlinear");
-  const bool has_min = mins.has_value() && mins->defined();
-  const bool avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
-  TORCH_CHECK(!avx512 || cpu_has_avx512(), "qlinear: this CPU has no AVX-512");
-  torch::Tensor xc = x.contiguous();
-  auto out = torch::empty({rows, n}, x.options());
-  if (rows == 0) return out;
-  torch::Tensor bc, xs;
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(bc.numel() == n, "qlinear: bias has ", bc.numel(), " elements, expected ", n);
-    b = bc.data_ptr<float>();
+  QMeta q;
+  q.skind = scale_kind(scales, mins, np, k, gs, "qlinear");
+  q.has_min = mins.has_value() && mins->defined();
+  q.avx512 = isa == "avx512" || (isa == "auto" && cpu_has_avx512());
+  TORCH_CHECK(!q.avx512 || cpu_has_avx512(), "qlinear: this CPU has no AVX-512");
+  q.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  q.sc = scales.data_ptr();
+  q.mn = q.has_min ? mins->data_ptr() : nullptr;
+  if (bias_f32 != nullptr && bias_f32->defined()) {
+    TORCH_CHECK(bias_f32->numel() == n, "qlinear: bias has ", bias_f32->numel(), " elements, expected ", n);
+    q.bias = bias_f32->data_ptr<float>();
   }
-  const int64_t ng = k / gs;
-  if (has_min || bits == 6) {  // group sums of x, each in ascending k (6-bit codes: for m = -32 s)
-    xs = torch::empty({rows, ng}, x.options());
-    const float* xp = xc.data_ptr<float>();
-    float* sp = xs.data_ptr<float>();
+  q.k = k;
+  q.gs = gs;
+  q.n = n;
+  q.bits = bits;
+  return q;
+}
+
+// y (rows, n; row stride ldy) = x (rows, k contiguous) W^T (+ b): the product qlinear() describes.
+void qlinear_rows(const QMeta& q, const float* x, int64_t rows, float* y, int64_t ldy) {
+  if (rows == 0) return;
+  static thread_local std::vector<float> xs_buf;  // the rows' group sums (one caller at a time per thread)
+  const int64_t k = q.k, gs = q.gs, ng = k / gs;
+  const bool sums = q.has_min || q.bits == 6;
+  float* sp = nullptr;
+  if (sums) {  // group sums of x, each in ascending k (6-bit codes: for m = -32 s)
+    if (static_cast<int64_t>(xs_buf.size()) < rows * ng) xs_buf.resize(rows * ng);
+    sp = xs_buf.data();
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < ng; ++g) {
         float s = 0.0f;
-        for (int64_t i = g * gs; i < (g + 1) * gs; ++i) s += xp[r * k + i];
+        for (int64_t i = g * gs; i < (g + 1) * gs; ++i) s += x[r * k + i];
         sp[r * ng + g] = s;
       }
   }
-  QArgs a{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
-          has_min ? mins->data_ptr() : nullptr, k, gs, n, xc.data_ptr<float>(),
-          has_min || bits == 6 ? xs.data_ptr<float>() : nullptr, ng, out.data_ptr<float>(), b, false};
-  if ((bits == 4 && has_min) || bits == 6) a.mk = mk_prescale(a.x, rows * k, bits == 6 ? 4 : 8, a.x);
+  QArgs a{q.codes, q.sc, q.mn, k, gs, q.n, x, sp, ng, y, q.bias, false, ldy};
+  if ((q.bits == 4 && q.has_min) || q.bits == 6) a.mk = mk_prescale(a.x, rows * k, q.bits == 6 ? 4 : 8, a.x);
+  const bool avx512 = q.avx512, has_min = q.has_min;
+  const int skind = q.skind;
+  const int64_t bits = q.bits;
 #define QDISPATCH(CB, MIN)                                                                        \
   if (skind == 1) {                                                                                \
     if (avx512) qrun<CB, MIN, true, uint16_t>(a, rows); else qrun<CB, MIN, false, uint16_t>(a, rows); \
@@ -1575,6 +1613,18 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
     QDISPATCH(4, false)
   }
 #undef QDISPATCH
+}
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                      int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear: x must be 2-D float32");
+  const int64_t rows = x.size(0), k = x.size(1);
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) bc = bias->to(torch::kFloat32).contiguous();
+  const QMeta q = qmeta(codes, scales, mins, k, n, gs, bits, &bc, isa);
+  torch::Tensor xc = x.contiguous();
+  auto out = torch::empty({rows, n}, x.options());
+  qlinear_rows(q, xc.data_ptr<float>(), rows, out.data_ptr<float>(), n);
   return out;
 }
 
@@ -1660,6 +1710,7 @@ struct Mat {  // one matrix product as the engine packed it
   int64_t n = 0, gs = 0, bits = 0;
   std::string isa = "auto";
   std::vector<Mat> parts;
+  QMeta qm;  // kind 1: the product checked once (make_mat), for into()
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == 0) return linear(x, w, n, bias, isa);
     if (kind == 1) return qlinear(x, w, scales, mins, n, gs, bits, bias, isa);
@@ -1670,6 +1721,26 @@ struct Mat {  // one matrix product as the engine packed it
       return torch::cat(ys, 1);
     }
     return qlinear_a8(x, w, scales, mins, n, gs, bias, isa);
+  }
+  // y (rows, n; row stride ldy) = this product of x (rows, k contiguous): operator()'s values, written in place
+  // (DecoderStack's buffers) with no tensor made for a quantized product or a fused one's parts
+  void into(const float* x, int64_t rows, int64_t k, float* y, int64_t ldy) const {
+    if (kind == 1) {
+      TORCH_CHECK(k == qm.k, "qlinear: x has ", k, " columns, the codes ", qm.k);
+      qlinear_rows(qm, x, rows, y, ldy);
+      return;
+    }
+    if (kind == 3) {
+      int64_t off = 0;
+      for (const Mat& p : parts) {
+        p.into(x, rows, k, y + off, ldy);
+        off += p.n;
+      }
+      return;
+    }
+    const torch::Tensor r = (*this)(torch::from_blob(const_cast<float*>(x), {rows, k}, torch::kFloat32));
+    const float* rp = r.data_ptr<float>();
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(y + i * ldy, rp + i * n, sizeof(float) * n);
   }
 };
 
@@ -1696,6 +1767,11 @@ Mat make_mat(int64_t kind, torch::Tensor w, c10::optional<torch::Tensor> scales,
   m.gs = gs;
   m.bits = bits;
   m.isa = isa;
+  if (kind == 1) {
+    const int64_t cb = w.dim() == 3 ? w.size(1) : 0;  // code bytes per output: K, K/2 or 3K/4
+    const int64_t k = bits == 8 ? cb : bits == 4 ? 2 * cb : 4 * cb / 3;
+    m.qm = qmeta(w, m.scales, m.mins, k, n, gs, bits, m.bias.has_value() ? &*m.bias : nullptr, isa);
+  }
   return m;
 }
 
@@ -1767,22 +1843,6 @@ struct DecoderStack {
     layers.push_back(ly);
   }
 
-  torch::Tensor mlp(const Layer& ly, const torch::Tensor& x, StackClock& clk) const {
-    clk.lap(0);
-    torch::Tensor gu = ly.gate_up(x);
-    clk.lap(6);
-    torch::Tensor a;
-    if (!gelu) {
-      a = silu_mul(gu);
-    } else {
-      const int64_t n = gu.size(1) / 2;
-      a = at::gelu(gu.narrow(1, 0, n), "tanh") * gu.narrow(1, n, n);
-    }
-    clk.lap(7);
-    torch::Tensor y = ly.down(a);
-    clk.lap(8);
-    return y;
-  }
 
   // h (T, H) float32: the rows entering layer `start`; kc/vc (L, Hkv, S, D) float32: the cache's buffers.
   // For layer start + i: pasts[i] its cached slots before these rows (-1: its attention is skipped, no K/V
@@ -1808,6 +1868,36 @@ struct DecoderStack {
     const int64_t t_n = h.size(0), width = h.size(1), cap = kc.size(2);
     float* hp = h.data_ptr<float>();
     std::vector<torch::Tensor> out{h};
+    TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "attend: head size ", d,
+                " (16, 32, 64, 128 or 256 supported)");
+    for (int64_t i = 0; i < n_l; ++i) {
+      const Layer& ly = layers[start + i];
+      TORCH_CHECK(ly.attn_norm.numel() == width && ly.mlp_norm.numel() == width &&
+                      ly.attn_norm.scalar_type() == torch::kFloat32 && ly.mlp_norm.scalar_type() == torch::kFloat32 &&
+                      (!ly.post_attn_norm.has_value() || ly.post_attn_norm->numel() == width) &&
+                      (!ly.post_mlp_norm.has_value() || ly.post_mlp_norm->numel() == width),
+                  "rms_norm: bad weight");
+    }
+    for (auto& m : masks) m = m.contiguous();
+    for (auto& c : cos) c = c.contiguous();
+    for (auto& c : sin) c = c.contiguous();
+    // one buffer for every activation of a layer, reused by each: the normed rows, q/k/v, attention, its
+    // projection, gate/up and their product (a tensor an op made a few microseconds each at one row)
+    int64_t nqkv = 0, ngu = 0;
+    for (int64_t i = 0; i < n_l; ++i) {
+      nqkv = std::max(nqkv, layers[start + i].qkv.n);
+      ngu = std::max(ngu, layers[start + i].gate_up.n);
+    }
+    const int64_t natt = hq * d;
+    torch::Tensor buf = torch::empty({t_n * (width + nqkv + natt + width + ngu + ngu / 2)}, h.options());
+    float* x1p = buf.data_ptr<float>();
+    float* qkvp = x1p + t_n * width;
+    float* attp = qkvp + t_n * nqkv;
+    float* op = attp + t_n * natt;
+    float* gup = op + t_n * width;
+    float* actp = gup + t_n * ngu;
+    float* yp = op;  // the MLP's output reuses the attention projection's rows
+    const auto f32 = h.options();
     StackClock clk;
     if (clk.on) ++g_stack_calls;
     for (int64_t i = 0; i < n_l; ++i) {
@@ -1817,46 +1907,76 @@ struct DecoderStack {
         TORCH_CHECK(past + t_n <= cap, "DecoderStack: layer ", l, " needs ", past + t_n, " slots, the cache holds ", cap);
         TORCH_CHECK(ly.rope >= 0 && ly.rope < static_cast<int64_t>(cos.size()) && cos.size() == sin.size(),
                     "DecoderStack: layer ", l, " reads rotary table ", ly.rope, " of ", cos.size());
-        torch::Tensor x1 = rms_norm(h, ly.attn_norm, eps);
+        rms_norm_rows(hp, ly.attn_norm.data_ptr<float>(), x1p, t_n, width, eps);
         clk.lap(0);
-        torch::Tensor qkv = ly.qkv(x1);
+        const int64_t lq = ly.qkv.n;
+        ly.qkv.into(x1p, t_n, width, qkvp, lq);
         clk.lap(1);
-        torch::Tensor qk = qkv;  // each row's q heads, then its k heads (normed per head where the layer does)
+        float* qp = qkvp;  // each row's q heads, then its k heads (normed per head where the layer does)
+        int64_t ldq = lq;
+        torch::Tensor qk;
         if (ly.qk_norm.has_value()) {
           const int64_t heads = hq + hkv;
+          const torch::Tensor qkv = torch::from_blob(qkvp, {t_n, lq}, f32);
           qk = (rms_norm(qkv.narrow(1, 0, heads * d).reshape({t_n * heads, d}), unit_d, eps).view({t_n, heads, d}) *
-                *ly.qk_norm).view({t_n, heads * d});
+                *ly.qk_norm).view({t_n, heads * d}).contiguous();
+          qp = qk.data_ptr<float>();
+          ldq = heads * d;
         }
-        rope_(qk, hq + hkv, cos[ly.rope], sin[ly.rope]);
-        const float* qp = qk.data_ptr<float>();
-        const float* vsrc = qkv.data_ptr<float>();
+        const torch::Tensor& cs = cos[ly.rope];
+        const torch::Tensor& sn = sin[ly.rope];
+        TORCH_CHECK(cs.dim() == 2 && cs.size(0) == t_n && cs.size(1) == d && sn.sizes() == cs.sizes() && d % 16 == 0,
+                    "rope_: bad shapes");
+        rope_rows(qp, ldq, t_n, hq + hkv, d, cs.data_ptr<float>(), sn.data_ptr<float>());
         float* kp = kc.data_ptr<float>() + l * kc.stride(0);
         float* vp = vc.data_ptr<float>() + l * vc.stride(0);
         for (int64_t t = 0; t < t_n; ++t)
           for (int64_t g = 0; g < hkv; ++g) {
-            std::memcpy(kp + g * kc.stride(1) + (past + t) * kc.stride(2), qp + t * qk.stride(0) + (hq + g) * d,
+            std::memcpy(kp + g * kc.stride(1) + (past + t) * kc.stride(2), qp + t * ldq + (hq + g) * d,
                         sizeof(float) * d);
-            std::memcpy(vp + g * vc.stride(1) + (past + t) * vc.stride(2), vsrc + t * qkv.stride(0) + (hq + hkv + g) * d,
+            std::memcpy(vp + g * vc.stride(1) + (past + t) * vc.stride(2), qkvp + t * lq + (hq + hkv + g) * d,
                         sizeof(float) * d);
           }
-        c10::optional<torch::Tensor> mask;
-        if (mask_of[i] >= 0) mask = masks.at(mask_of[i]);
+        const float* mp = nullptr;
+        if (mask_of[i] >= 0) {
+          const torch::Tensor& mk = masks.at(mask_of[i]);
+          TORCH_CHECK(mk.scalar_type() == torch::kFloat32 && mk.dim() == 2 && mk.size(0) == t_n &&
+                          mk.size(1) == past + t_n,
+                      "attend: mask must be (T, n_keys) float32");
+          mp = mk.data_ptr<float>();
+        }
         clk.lap(2);
-        torch::Tensor att = attend(qk, hq, kc.select(0, l), vc.select(0, l), past + t_n, mask, past, sinks, window);
+        attend_rows(qp, ldq, t_n, hq, hkv, d, kp, kc.stride(1), kc.stride(2), vp, vc.stride(1), vc.stride(2),
+                    past + t_n, mp, past, sinks, window, attp);
         clk.lap(3);
-        torch::Tensor o = ly.o(att);
+        ly.o.into(attp, t_n, natt, op, width);
         clk.lap(4);
-        if (ly.post_attn_norm.has_value()) o = rms_norm(o, *ly.post_attn_norm, eps);
+        if (ly.post_attn_norm.has_value()) rms_norm_rows(op, ly.post_attn_norm->data_ptr<float>(), op, t_n, width, eps);
         clk.lap(0);
-        add_into(hp, o.data_ptr<float>(), t_n * width);
+        add_into(hp, op, t_n * width);
         clk.lap(5);
       }
       if (run_mlp[i]) {
-        torch::Tensor m = mlp(ly, rms_norm(h, ly.mlp_norm, eps), clk);
-        if (ly.post_mlp_norm.has_value()) m = rms_norm(m, *ly.post_mlp_norm, eps);
-        m = m.contiguous();
+        rms_norm_rows(hp, ly.mlp_norm.data_ptr<float>(), x1p, t_n, width, eps);
         clk.lap(0);
-        add_into(hp, m.data_ptr<float>(), t_n * width);
+        const int64_t ng = ly.gate_up.n, ni = ng / 2;
+        ly.gate_up.into(x1p, t_n, width, gup, ng);
+        clk.lap(6);
+        const float* ap = actp;
+        torch::Tensor a;
+        if (!gelu) {
+          silu_mul_rows(gup, actp, t_n, ni);
+        } else {
+          const torch::Tensor gu = torch::from_blob(gup, {t_n, ng}, f32);
+          a = (at::gelu(gu.narrow(1, 0, ni), "tanh") * gu.narrow(1, ni, ni)).contiguous();
+          ap = a.data_ptr<float>();
+        }
+        clk.lap(7);
+        ly.down.into(ap, t_n, ni, yp, width);
+        clk.lap(8);
+        if (ly.post_mlp_norm.has_value()) rms_norm_rows(yp, ly.post_mlp_norm->data_ptr<float>(), yp, t_n, width, eps);
+        clk.lap(0);
+        add_into(hp, yp, t_n * width);
         clk.lap(5);
       }
       if (keep[i]) out.push_back(h.clone());
