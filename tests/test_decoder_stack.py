@@ -178,3 +178,34 @@ def test_a_prefill_in_one_call_equals_it_in_pieces_and_row_by_row():
     cache.crop(30)
     cache.positions[0][-1] = 35  # a hole: the rows' positions no longer follow the slots
     assert eng._layer_mask(cache, 0, w, 4, None, [40, 41, 42, 43], None, {}, kernel=True) is not None
+
+
+@needs_kernel
+def test_the_common_step_finds_every_layers_slot_at_once(monkeypatch):
+    """A step whose rows continue a cache holding 0..p-1 at every layer (the common case) takes its slots and
+    masks at once instead of layer by layer (``Engine._stacked_layers``): no per-layer check runs, and its
+    outputs, K/V and position lists are the loop's. A cache with a layer behind the others, or a draft's
+    skipped layer, goes layer by layer."""
+    from selfspec_cli.engine.cache import KVCache
+
+    eng = Engine(make_tiny_model("llama-gqa"))
+    checked = []
+    real = KVCache.append_slot
+    monkeypatch.setattr(KVCache, "append_slot", lambda self, l, pos: checked.append(l) or real(self, l, pos))
+    g = torch.Generator().manual_seed(11)
+    calls = [dict(input_ids=torch.randint(0, 300, (1,), generator=g), positions=6),
+             dict(input_ids=torch.randint(0, 300, (4,), generator=g), positions=7, logits_rows=slice(None))]
+    runs = _both(eng, 6, calls)
+    _assert_same(runs, expect_stacked=len(calls))
+    per_layer_calls = len(checked)
+    checked.clear()
+    cache = eng.new_cache(32)
+    eng.forward(cache, torch.arange(6), positions=0)
+    eng.forward(cache, torch.tensor([5]), positions=6)
+    assert checked == []  # the stacked prefill and step: no layer checked alone
+    eng.forward(cache, torch.tensor([9]), positions=7, route=Route(skip_attn={1}))  # layer 1 stays behind
+    assert checked == [l for l in range(eng.num_layers) if l != 1]
+    checked.clear()
+    eng.forward(cache, torch.tensor([3]), positions=8)
+    assert checked == list(range(eng.num_layers)) and cache.positions[1] == [0, 1, 2, 3, 4, 5, 6, 8]
+    assert per_layer_calls > 0  # the op-by-op loop of _both checks each layer (cache.write)

@@ -131,6 +131,7 @@ class Engine:
         self._neg = torch.finfo(self.dtype).min
         self._unit_d = torch.ones(self._d, dtype=self.dtype, device=self.device)  # per-head norms' own weight
         self._gelu = a.activation == "gelu_tanh"
+        self._windowed = any(w.sliding_window is not None for w in a.layers)  # Gemma 3's local layers: masks by layer
         self._grow_rope(max(256, min(a.max_positions, 4096)))
         # the matrix products, prepacked for the CPU kernel when it is available (kernels.py)
         t0 = time.perf_counter()
@@ -500,7 +501,14 @@ class Engine:
         masks: dict[tuple[int, int, int | None, int], torch.Tensor | None] = {}
         handed: list[torch.Tensor] = []  # the distinct masks, (T, past + T) each, as the kernel takes them
         index: dict[int, int] = {}  # id of a mask -> its place in ``handed``
-        for l in layers:
+        held, q0 = cache.positions[layers.start:layers.stop], q_list[0]
+        # the common step: every layer holds positions 0..q0-1 (a strictly increasing list of q0 ending at q0 - 1)
+        # and the rows continue them: what the loop below finds layer by layer (slot q0, no mask: causal), at once
+        common = (q_pos is None and tree_mask is None and not skip_attn and not self._windowed
+                  and q0 + t <= cache.capacity and all(len(p) == q0 and (not p or p[-1] == q0 - 1) for p in held))
+        if common:
+            pasts, mask_of = [q0] * len(held), [-1] * len(held)
+        for l in () if common else layers:
             if l in skip_attn:
                 pasts.append(-1)
                 mask_of.append(-1)
@@ -517,7 +525,10 @@ class Engine:
         out = stack.forward(h, cache.k, cache.v, layers.start, pasts, [int(l not in skip_mlp) for l in layers], keep,
                             handed, mask_of,
                             [rope_rows[k][0] for k in kinds], [rope_rows[k][1] for k in kinds], *(kv_window or (0, 0)))
-        for l, past in zip(layers, pasts):
+        if common:
+            for p in held:
+                p.extend(q_list)
+        for l, past in () if common else zip(layers, pasts):
             if past >= 0:
                 cache.appended(l, q_list)
         kept = iter(out[1:])
@@ -658,7 +669,7 @@ class Engine:
         rope_rows = {kind: (c[rows], s[rows]) for kind, (c, s) in self._rope.items()}  # kind -> (T, D) each
 
         hidden_at: dict[int, torch.Tensor] = {}
-        cache.ensure_capacity(max((cache.length(l) for l in range(start, end)), default=0) + t)
+        cache.ensure_capacity(max(map(len, cache.positions[start:end]), default=0) + t)
         cosines: list[torch.Tensor] = []
         lins = self._lin if weights is None else self.quantized(weights).layers
 
