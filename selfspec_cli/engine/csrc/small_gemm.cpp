@@ -1495,30 +1495,32 @@ int scale_kind(const torch::Tensor& scales, const c10::optional<torch::Tensor>& 
 // at it; returns whether it did.
 bool mk_prescale(const float* x, int64_t count, int period, const float*& out) {
   static thread_local std::vector<float> buf;
-  const float tiny = std::ldexp(1.0f, -102);
-  // the check, 8 lanes at a time: |x| <= FLT_MAX (false for NaN and infinities) and (x == 0 or |x| >= tiny)
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), maxv = _mm256_set1_ps(FLT_MAX),
-               tinyv = _mm256_set1_ps(tiny), zero = _mm256_setzero_ps();
-  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
-    ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(v, maxv, _CMP_LE_OQ),
-                                         _mm256_or_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ), _mm256_cmp_ps(v, tinyv, _CMP_GE_OQ))));
-  }
-  if (_mm256_movemask_ps(ok) != 0xFF) return false;
-  for (; i < count; ++i) {
-    const float v = std::fabs(x[i]);
-    if (!(v <= FLT_MAX) || (v != 0.0f && v < tiny)) return false;
-  }
   if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  const float tiny = std::ldexp(1.0f, -102);
   alignas(32) static const float f4[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
   alignas(32) static const float f6[8] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f, 1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
   const float* f = period == 8 ? f4 : f6;  // x[i] * f[i mod period]: period divides 8
   const __m256 fv = _mm256_load_ps(f);
   float* b = buf.data();
-  for (i = 0; i + 8 <= count; i += 8) _mm256_storeu_ps(b + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), fv));
-  for (; i < count; ++i) b[i] = x[i] * f[i & 7];
+  // one pass: the check, 8 lanes at a time (|x| <= FLT_MAX, false for NaN and infinities, and x == 0 or
+  // |x| >= tiny), beside the product; the buffer is used only when every value passes
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), maxv = _mm256_set1_ps(FLT_MAX),
+               tinyv = _mm256_set1_ps(tiny), zero = _mm256_setzero_ps();
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    const __m256 v = _mm256_and_ps(xv, absmask);
+    ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(v, maxv, _CMP_LE_OQ),
+                                         _mm256_or_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ), _mm256_cmp_ps(v, tinyv, _CMP_GE_OQ))));
+    _mm256_storeu_ps(b + i, _mm256_mul_ps(xv, fv));
+  }
+  if (_mm256_movemask_ps(ok) != 0xFF) return false;
+  for (; i < count; ++i) {
+    const float v = std::fabs(x[i]);
+    if (!(v <= FLT_MAX) || (v != 0.0f && v < tiny)) return false;
+    b[i] = x[i] * f[i & 7];
+  }
   out = b;
   return true;
 }
@@ -1581,12 +1583,23 @@ void qlinear_rows(const QMeta& q, const float* x, int64_t rows, float* y, int64_
   if (sums) {  // group sums of x, each in ascending k (6-bit codes: for m = -32 s)
     if (static_cast<int64_t>(xs_buf.size()) < rows * ng) xs_buf.resize(rows * ng);
     sp = xs_buf.data();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < ng; ++g) {
-        float s = 0.0f;
-        for (int64_t i = g * gs; i < (g + 1) * gs; ++i) s += x[r * k + i];
-        sp[r * ng + g] = s;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * k;
+      float* sr = sp + r * ng;
+      int64_t g = 0;
+      for (; g + 8 <= ng; g += 8) {  // eight groups' sums side by side: eight chains, each still in ascending k
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t i = 0; i < gs; ++i)
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) acc[u] += xr[(g + u) * gs + i];
+        for (int u = 0; u < 8; ++u) sr[g + u] = acc[u];
       }
+      for (; g < ng; ++g) {
+        float s = 0.0f;
+        for (int64_t i = g * gs; i < (g + 1) * gs; ++i) s += xr[i];
+        sr[g] = s;
+      }
+    }
   }
   QArgs a{q.codes, q.sc, q.mn, k, gs, q.n, x, sp, ng, y, q.bias, false, ldy};
   if ((q.bits == 4 && q.has_min) || q.bits == 6) a.mk = mk_prescale(a.x, rows * k, q.bits == 6 ? 4 : 8, a.x);
