@@ -1890,6 +1890,8 @@ struct DecoderStack {
                       (!ly.post_attn_norm.has_value() || ly.post_attn_norm->numel() == width) &&
                       (!ly.post_mlp_norm.has_value() || ly.post_mlp_norm->numel() == width),
                   "rms_norm: bad weight");
+      TORCH_CHECK(ly.o.n == width && ly.down.n == width && ly.gate_up.n % 2 == 0,
+                  "DecoderStack: layer ", start + i, "'s o and down products must give ", width, " outputs");
     }
     for (auto& m : masks) m = m.contiguous();
     for (auto& c : cos) c = c.contiguous();
