@@ -472,14 +472,17 @@ def _attach_file(model: nn.Module, g: Any, tied: bool, device: torch.device, dty
                 _set(model, name, values(name, p))
         model._selfspec_embed_rows = None  # the float table is there now
 
+    def name_of(p: torch.Tensor) -> str:
+        return next(n for n, q in model.named_parameters() if q is p)
+
     def materialize_param(p: torch.Tensor) -> None:
         """The one parameter ``p`` (still in the file) as float values in the model."""
-        name = next(n for n, q in model.named_parameters() if q is p)
+        name = name_of(p)
         _set(model, name, values(name, p))
 
     def float_param(p: torch.Tensor) -> torch.Tensor:
         """The one parameter ``p`` (still in the file) as float values, not kept: the caller lets them go."""
-        return values(next(n for n, q in model.named_parameters() if q is p), p)
+        return values(name_of(p), p)
 
     model._selfspec_materialize_param = materialize_param
     model._selfspec_float_param = float_param

@@ -209,3 +209,30 @@ def test_the_common_step_finds_every_layers_slot_at_once(monkeypatch):
     eng.forward(cache, torch.tensor([3]), positions=8)
     assert checked == list(range(eng.num_layers)) and cache.positions[1] == [0, 1, 2, 3, 4, 5, 6, 8]
     assert per_layer_calls > 0  # the op-by-op loop of _both checks each layer (cache.write)
+
+
+@needs_kernel
+def test_a_layer_whose_widths_disagree_is_refused_when_added():
+    """DecoderStack writes a layer's o and down products into rows of the hidden width (one buffer a forward), so
+    add() refuses a layer whose norms or o/down outputs are not that width, and a forward refuses rows of another
+    width, before anything runs."""
+    hq, hkv, d, h, inter = 2, 1, 16, 32, 48
+    g = torch.Generator().manual_seed(1)
+
+    def mat(n: int, k: int):
+        return ext.mat(0, ext.pack(torch.randn(n, k, generator=g)), None, None, None, n, 0, 0, "auto")
+
+    norm = torch.ones(h)
+    good = [mat((hq + 2 * hkv) * d, h), mat(h, hq * d), mat(2 * inter, h), mat(h, inter)]
+    stack = ext.DecoderStack(hq, hkv, d, 1e-6, False)
+    stack.add(norm, norm, None, None, None, 0, *good)
+    for bad in ([good[0], mat(h - 8, hq * d), *good[2:]], [*good[:3], mat(h + 16, inter)]):
+        with pytest.raises(RuntimeError, match="o and down"):
+            stack.add(norm, norm, None, None, None, 0, *bad)
+    with pytest.raises(RuntimeError, match="bad weight"):
+        stack.add(norm, torch.ones(h + 1), None, None, None, 0, *good)
+    kc = torch.zeros(1, hkv, 8, d)
+    rope = [torch.ones(1, d)], [torch.zeros(1, d)]
+    with pytest.raises(RuntimeError, match="rows of width"):
+        stack.forward(torch.randn(1, h + 8), kc, kc.clone(), 0, [0], [1], [0], [], [-1], *rope, 0, 0)
+    assert stack.forward(torch.randn(1, h), kc, kc.clone(), 0, [0], [1], [0], [], [-1], *rope, 0, 0)[0].shape == (1, h)

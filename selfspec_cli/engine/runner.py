@@ -508,29 +508,31 @@ class Engine:
                   and q0 + t <= cache.capacity and all(len(p) == q0 and (not p or p[-1] == q0 - 1) for p in held))
         if common:
             pasts, mask_of = [q0] * len(held), [-1] * len(held)
-        for l in () if common else layers:
-            if l in skip_attn:
-                pasts.append(-1)
-                mask_of.append(-1)
-                continue
-            pasts.append(cache.append_slot(l, q_list))  # raises, before anything is written, on a bad order
-            mask = self._layer_mask(cache, l, self.adapter.layers[l].sliding_window, t, q_pos, q_list, tree_mask, masks,
-                                    kernel=True)
-            if mask is not None and id(mask) not in index:
-                index[id(mask)] = len(handed)
-                handed.append(mask[0, 0])
-            mask_of.append(-1 if mask is None else index[id(mask)])
+        else:
+            for l in layers:
+                if l in skip_attn:
+                    pasts.append(-1)
+                    mask_of.append(-1)
+                    continue
+                pasts.append(cache.append_slot(l, q_list))  # raises, before anything is written, on a bad order
+                mask = self._layer_mask(cache, l, self.adapter.layers[l].sliding_window, t, q_pos, q_list, tree_mask,
+                                        masks, kernel=True)
+                if mask is not None and id(mask) not in index:
+                    index[id(mask)] = len(handed)
+                    handed.append(mask[0, 0])
+                mask_of.append(-1 if mask is None else index[id(mask)])
         keep = [int(l in output_hidden) for l in layers]
         kinds = self.adapter.rope_kinds
         out = stack.forward(h, cache.k, cache.v, layers.start, pasts, [int(l not in skip_mlp) for l in layers], keep,
                             handed, mask_of,
                             [rope_rows[k][0] for k in kinds], [rope_rows[k][1] for k in kinds], *(kv_window or (0, 0)))
         if common:
-            for p in held:
+            for p in held:  # the cache's own lists
                 p.extend(q_list)
-        for l, past in () if common else zip(layers, pasts):
-            if past >= 0:
-                cache.appended(l, q_list)
+        else:
+            for l, past in zip(layers, pasts):
+                if past >= 0:
+                    cache.appended(l, q_list)
         kept = iter(out[1:])
         return out[0], {l: next(kept) for l, k in zip(layers, keep) if k}
 

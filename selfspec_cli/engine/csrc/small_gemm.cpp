@@ -733,35 +733,7 @@ inline void attend_heads(const float* const* q, int G, const float* kb, int64_t 
 // and their order (skipped keys add nothing, every dot product is reduced the same way, sums run
 // over j in order with one scalar normalizer), so a row of a k-row verification equals the same
 // row decoded alone, bit for bit.
-void attend_rows(const float* qp, int64_t ldq, int64_t t_n, int64_t hq, int64_t hkv, int64_t d, const float* kp,
-                 int64_t ks0, int64_t ks1, const float* vp, int64_t vs0, int64_t vs1, int64_t n_keys, const float* mp,
-                 int64_t past, int64_t sinks, int64_t window, float* op);
-
-torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tensor v, int64_t n_keys,
-                     c10::optional<torch::Tensor> mask, int64_t past, int64_t sinks, int64_t window) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1, "attend: bad q");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-              "attend: k/v must be (Hkv, S, D) float32");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.size(1) >= n_keys && v.size(1) >= n_keys, "attend: bad k/v");
-  const int64_t t_n = qkv.size(0), hkv = k.size(0), d = k.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "attend: head size ", d,
-              " (16, 32, 64, 128 or 256 supported)");
-  TORCH_CHECK(hq % hkv == 0 && qkv.size(1) >= hq * d, "attend: bad head counts");
-  torch::Tensor mc;
-  const float* mp = nullptr;
-  if (mask.has_value() && mask->defined()) {
-    mc = mask->contiguous();
-    TORCH_CHECK(mc.scalar_type() == torch::kFloat32 && mc.dim() == 2 && mc.size(0) == t_n && mc.size(1) == n_keys,
-                "attend: mask must be (T, n_keys) float32");
-    mp = mc.data_ptr<float>();
-  }
-  auto out = torch::empty({t_n, hq * d}, qkv.options());
-  attend_rows(qkv.data_ptr<float>(), qkv.stride(0), t_n, hq, hkv, d, k.data_ptr<float>(), k.stride(0), k.stride(1),
-              v.data_ptr<float>(), v.stride(0), v.stride(1), n_keys, mp, past, sinks, window, out.data_ptr<float>());
-  return out;
-}
-
-// attend()'s rows on raw pointers: q row t at qp + t ldq (heads side by side), keys/values of group g, key j at
+// attend() on raw pointers: q row t at qp + t ldq (heads side by side), keys/values of group g, key j at
 // kp + g ks0 + j ks1 (vp likewise), mask mp (T, n_keys) or null, out op (T, hq d) contiguous.
 void attend_rows(const float* qp, int64_t ldq, int64_t t_n, int64_t hq, int64_t hkv, int64_t d, const float* kp,
                  int64_t ks0, int64_t ks1, const float* vp, int64_t vs0, int64_t vs1, int64_t n_keys, const float* mp,
@@ -802,6 +774,30 @@ void attend_rows(const float* qp, int64_t ldq, int64_t t_n, int64_t hq, int64_t 
       idx += G;
     }
   }, t_n > 16 ? 8 : 0);  // a causal prefill's rows attend to 1 to n keys: 8 chunks a thread, claimed by whoever is free
+}
+
+torch::Tensor attend(torch::Tensor qkv, int64_t hq, torch::Tensor k, torch::Tensor v, int64_t n_keys,
+                     c10::optional<torch::Tensor> mask, int64_t past, int64_t sinks, int64_t window) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1, "attend: bad q");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "attend: k/v must be (Hkv, S, D) float32");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.size(1) >= n_keys && v.size(1) >= n_keys, "attend: bad k/v");
+  const int64_t t_n = qkv.size(0), hkv = k.size(0), d = k.size(2);
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "attend: head size ", d,
+              " (16, 32, 64, 128 or 256 supported)");
+  TORCH_CHECK(hq % hkv == 0 && qkv.size(1) >= hq * d, "attend: bad head counts");
+  torch::Tensor mc;
+  const float* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->contiguous();
+    TORCH_CHECK(mc.scalar_type() == torch::kFloat32 && mc.dim() == 2 && mc.size(0) == t_n && mc.size(1) == n_keys,
+                "attend: mask must be (T, n_keys) float32");
+    mp = mc.data_ptr<float>();
+  }
+  auto out = torch::empty({t_n, hq * d}, qkv.options());
+  attend_rows(qkv.data_ptr<float>(), qkv.stride(0), t_n, hq, hkv, d, k.data_ptr<float>(), k.stride(0), k.stride(1),
+              v.data_ptr<float>(), v.stride(0), v.stride(1), n_keys, mp, past, sinks, window, out.data_ptr<float>());
+  return out;
 }
 
 // Rotary embedding in place on the first `heads` heads of each row of x (T, >= heads*D):
@@ -1244,7 +1240,7 @@ struct QArgs {
   float* y;
   const float* bias;
   bool mk;  // 4-bit codes with minimums or 6-bit codes, x prescaled (mk_prescale): the masked decode
-  int64_t ldy = 0;  // y's row stride (0: n); a fused product's parts write side by side
+  int64_t ldy;  // y's row stride (n, or wider: a fused product's parts write side by side)
 };
 
 // Bytes of packed codes per output and super-panel: 8-bit K, 4-bit K/2, 6-bit 3K/4 (decode6_512's layout).
@@ -1270,7 +1266,7 @@ void qsuper(const QArgs& a, int64_t rows, int64_t sp) {
     const int64_t size = (rows - r) / (tiles - t);
     const float* xt = a.x + r * a.k_n;
     const float* xst = MIN || CB == 6 ? a.xs + r * a.ldxs : nullptr;
-    const int64_t ldy = a.ldy > 0 ? a.ldy : a.n;
+    const int64_t ldy = a.ldy;
     float* yt = a.y + r * ldy + n0;
     constexpr bool CAN_MK = (CB == 4 && MIN) || CB == 6;
     if constexpr (AVX512) {
@@ -1528,9 +1524,6 @@ bool mk_prescale(const float* x, int64_t count, int period, const float*& out) {
 // "avx512" or "avx2": the instruction set qlinear uses by default on this CPU.
 std::string qisa() { return cpu_has_avx512() ? "avx512" : "avx2"; }
 
-// x (R, K) float32; codes packed (ns, K, K/2 or 3K/4, 64) uint8/int8 for bits 8, 4 or 6 (6: signed codes -32..31,
-// no minimums); scales (ns, K/gs, 64) float32 or float16, or factored (scale_kind); mins the same or None; isa
-// "auto", "avx2" or "avx512". Returns (R, N) float32.
 // A quantized product checked once (qlinear's checks) and kept as raw pointers: what DecoderStack runs per call.
 struct QMeta {
   const uint8_t* codes = nullptr;
@@ -1628,6 +1621,9 @@ void qlinear_rows(const QMeta& q, const float* x, int64_t rows, float* y, int64_
 #undef QDISPATCH
 }
 
+// x (R, K) float32; codes packed (ns, K, K/2 or 3K/4, 64) uint8/int8 for bits 8, 4 or 6 (6: signed codes -32..31,
+// no minimums); scales (ns, K/gs, 64) float32 or float16, or factored (scale_kind); mins the same or None; isa
+// "auto", "avx2" or "avx512". Returns (R, N) float32.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                       int64_t n, int64_t gs, int64_t bits, c10::optional<torch::Tensor> bias, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear: x must be 2-D float32");
@@ -1848,6 +1844,15 @@ struct DecoderStack {
            Mat qkv, Mat o, Mat gate_up, Mat down) {
     TORCH_CHECK(qkv.n == (hq + 2 * hkv) * d, "DecoderStack: the q/k/v product has ", qkv.n, " outputs, expected ",
                 (hq + 2 * hkv) * d);
+    const int64_t width = attn_norm.numel();  // the hidden size: every norm's, the o and down products' outputs
+    TORCH_CHECK(attn_norm.scalar_type() == torch::kFloat32 && mlp_norm.scalar_type() == torch::kFloat32 &&
+                    mlp_norm.numel() == width &&
+                    (!post_attn_norm.has_value() || !post_attn_norm->defined() || post_attn_norm->numel() == width) &&
+                    (!post_mlp_norm.has_value() || !post_mlp_norm->defined() || post_mlp_norm->numel() == width) &&
+                    (layers.empty() || layers[0].attn_norm.numel() == width),
+                "rms_norm: bad weight");
+    TORCH_CHECK(o.n == width && down.n == width && gate_up.n % 2 == 0, "DecoderStack: a layer's o and down products "
+                "must give ", width, " outputs and gate/up an even count");
     Layer ly{attn_norm.contiguous(), mlp_norm.contiguous(), c10::nullopt, c10::nullopt, c10::nullopt, rope,
              qkv, o, gate_up, down};
     if (qk_norm.has_value() && qk_norm->defined()) ly.qk_norm = qk_norm;
@@ -1883,16 +1888,8 @@ struct DecoderStack {
     std::vector<torch::Tensor> out{h};
     TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "attend: head size ", d,
                 " (16, 32, 64, 128 or 256 supported)");
-    for (int64_t i = 0; i < n_l; ++i) {
-      const Layer& ly = layers[start + i];
-      TORCH_CHECK(ly.attn_norm.numel() == width && ly.mlp_norm.numel() == width &&
-                      ly.attn_norm.scalar_type() == torch::kFloat32 && ly.mlp_norm.scalar_type() == torch::kFloat32 &&
-                      (!ly.post_attn_norm.has_value() || ly.post_attn_norm->numel() == width) &&
-                      (!ly.post_mlp_norm.has_value() || ly.post_mlp_norm->numel() == width),
-                  "rms_norm: bad weight");
-      TORCH_CHECK(ly.o.n == width && ly.down.n == width && ly.gate_up.n % 2 == 0,
-                  "DecoderStack: layer ", start + i, "'s o and down products must give ", width, " outputs");
-    }
+    TORCH_CHECK(n_l == 0 || width == layers[start].attn_norm.numel(), "DecoderStack: rows of width ", width,
+                ", the layers' is ", n_l ? layers[start].attn_norm.numel() : 0);  // add() checked each layer's widths
     for (auto& m : masks) m = m.contiguous();
     for (auto& c : cos) c = c.contiguous();
     for (auto& c : sin) c = c.contiguous();
